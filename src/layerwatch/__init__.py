@@ -1,0 +1,7 @@
+"""layerwatch: watch the inside of a PyTorch model while it trains, in TensorBoard."""
+
+from layerwatch.inspector import Inspector
+from layerwatch.schedule import Schedule, at_steps, dense_then_every, every_n_steps, windowed
+
+__all__ = ["Inspector", "Schedule", "every_n_steps", "at_steps", "windowed", "dense_then_every"]
+__version__ = "0.1.0"

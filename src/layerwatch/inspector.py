@@ -1,0 +1,380 @@
+"""The plain-PyTorch engine: samples a model's weights and gradients on a schedule.
+
+Off-steps cost a counter increment and one schedule lookup: no hook exists, no tensor
+is touched. On a sampled step the optimizer hooks (when an optimizer is given) are
+armed, every parameter and gradient is reduced where it lives (``stats.reduce``), the
+results of the whole step travel to the host in one transfer per device, and the
+record is written as one TensorBoard event. The hooks are removed again before
+``step()`` returns.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Collection, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from layerwatch import record as R
+from layerwatch import stats as S
+from layerwatch.schedule import Schedule, ScheduleLike, as_schedule, every_n_steps as every_n
+from layerwatch.sinks.tensorboard import TensorBoardSink
+
+DEFAULT_EVERY_N_STEPS = 50
+DEFAULT_STATS = ("norm", "nonfinite")
+
+
+_Piece = tuple[list[str], torch.Tensor]  # names, and their packed rows on one device
+
+
+@dataclass
+class _Sample:
+    """What a sampled step has gathered so far: device tensors until ``step()``."""
+
+    step: int
+    overhead_s: float = 0.0
+    grads: Optional[list[_Piece]] = None
+    weights: Optional[list[_Piece]] = None
+    before: Optional[list[tuple[list[str], list[torch.Tensor], torch.Tensor]]] = None
+    update: Optional[list[_Piece]] = None
+
+
+class Inspector:
+    """Logs per-parameter weight and gradient statistics and histograms to TensorBoard.
+
+    Call :meth:`step` once per optimizer step, after ``optimizer.step()``. The first
+    call closes step 0; step ``k`` is sampled when the schedule says so (by default
+    ``k % every_n_steps == 0``).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from layerwatch import Inspector
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> with Inspector(model, log_dir="runs/example", every_n_steps=2, optimizer=opt) as inspector:
+        ...     for _ in range(4):
+        ...         loss = model(torch.randn(16, 4)).pow(2).mean()
+        ...         opt.zero_grad(); loss.backward(); opt.step()
+        ...         inspector.step()
+
+    Args:
+        model: The module to watch. Held by weak reference.
+        writer: A ``SummaryWriter`` to write into (flushed, never closed). Exclusive
+            with ``log_dir``.
+        log_dir: Directory for a ``SummaryWriter`` the inspector owns and closes.
+            With neither, ``SummaryWriter()``'s default ``runs/...`` directory.
+        every_n_steps: Sample step ``k`` when ``k % every_n_steps == 0``. Default 50.
+        schedule: Instead of ``every_n_steps``: a :class:`~layerwatch.schedule.Schedule`,
+            a list of steps, or a callable ``step -> bool``.
+        optimizer: When given, gradients are read just before ``optimizer.step()`` and
+            weights just after it, and ``update_ratio/<param>`` is logged. Its hooks
+            exist only during sampled steps.
+        families: Which of ``"weights"``, ``"grads"``, ``"updates"`` to log.
+        stats: Per-tensor scalars to log for weights and grads, from
+            ``mean std min max norm zero_frac nonfinite``.
+        histograms: Log ``weights/<param>`` and ``grads/<param>`` histograms.
+        histogram_bins: Buckets per histogram, 2 to 254.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer,
+            or ``writer`` lacks the ``SummaryWriter`` interface.
+        ValueError: A bad option value, both ``writer`` and ``log_dir``, both
+            ``every_n_steps`` and ``schedule``, or a ``log_dir`` that cannot be written.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        writer: Any = None,
+        *,
+        log_dir: Optional[str | os.PathLike] = None,
+        every_n_steps: Optional[int] = None,
+        schedule: Optional[ScheduleLike] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        families: Collection[str] = R.FAMILIES,
+        stats: Sequence[str] = DEFAULT_STATS,
+        histograms: bool = True,
+        histogram_bins: int = 64,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if writer is not None and log_dir is not None:
+            raise ValueError(f"pass writer or log_dir, not both (got writer={writer!r}, log_dir={str(log_dir)!r})")
+        if writer is not None and not all(hasattr(writer, m) for m in ("add_scalar", "add_histogram_raw", "flush")):
+            raise TypeError(f"writer must be a SummaryWriter, got {type(writer).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if every_n_steps is not None and schedule is not None:
+            raise ValueError(f"pass every_n_steps or schedule, not both (got {every_n_steps!r} and {schedule!r})")
+        self.schedule: Schedule = (
+            as_schedule(schedule) if schedule is not None else every_n(
+                DEFAULT_EVERY_N_STEPS if every_n_steps is None else every_n_steps
+            )
+        )
+        self.families = _check_choice("families", families, R.FAMILIES)
+        self.stats = _check_choice("stats", stats, S.STATS)
+        if not isinstance(histograms, bool):
+            raise TypeError(f"histograms must be a bool, got {histograms!r}")
+        if isinstance(histogram_bins, bool) or not isinstance(histogram_bins, int) or not 2 <= histogram_bins <= S.MAX_BINS:
+            raise ValueError(f"histogram_bins must be an int in [2, {S.MAX_BINS}], got {histogram_bins!r}")
+        self.log_dir = None if log_dir is None else _writable_dir(log_dir)
+        self._bins = histogram_bins if histograms else 0
+        self._model = weakref.ref(model)
+        self._optimizer = None if optimizer is None else weakref.ref(optimizer)
+        self._writer = writer
+        self._sink: Optional[TensorBoardSink] = None
+        self._state = "new"
+        self._step = 0
+        self._sample: Optional[_Sample] = None
+        self._handles: list[Any] = []
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def current_step(self) -> int:
+        """The index of the step in progress (closed by the next :meth:`step`)."""
+        return self._step
+
+    def start(self) -> "Inspector":
+        """Open the writer, write the chart layout, and arm step 0 if it is sampled."""
+        if self._state != "new":
+            raise RuntimeError(f"start() called on an inspector that is {self._state}")
+        writer = self._writer
+        if writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(log_dir=None if self.log_dir is None else str(self.log_dir))
+        self._sink = TensorBoardSink(writer, owns_writer=self._writer is None)
+        self._state = "running"
+        names = [name for name, _ in self._parameters()]
+        if not names:
+            self._warn_once("no-params", "layerwatch: the model has no parameters; there is nothing to log")
+        elif self.stats and any(family in self.families for family in R.TENSOR_FAMILIES):
+            self._guard("write the chart layout", lambda: self._sink.write_layout(R.custom_scalars_layout(names, self.stats)))
+        self._arm_if_sampled()
+        return self
+
+    def step(self) -> None:
+        """Close the current step (after ``optimizer.step()``); open the next one."""
+        if self._state != "running":
+            raise RuntimeError(
+                f"step() called on an inspector that is {self._state}; call start() or use it as a context manager"
+            )
+        sample = self._sample
+        if sample is not None:
+            started = time.perf_counter()
+            self._disarm()
+            self._guard("read gradients", lambda: self._read_grads(sample), when=sample.grads is None)
+            self._guard("read weights", lambda: self._read_weights(sample), when=sample.weights is None)
+            self._guard("write the sampled step", lambda: self._write(sample, started))
+            self._sample = None
+        self._step += 1
+        self._arm_if_sampled()
+
+    def finish(self) -> None:
+        """Remove every hook, flush and (if owned) close the writer. Safe to call twice."""
+        if self._state == "finished":
+            return
+        self._disarm()
+        self._sample = None
+        if self._sink is not None:
+            self._guard("flush the writer", self._sink.close)
+            self._sink = None
+        self._writer = None
+        self._state = "finished"
+
+    def __enter__(self) -> "Inspector":
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.finish()
+
+    def state_dict(self) -> dict[str, int]:
+        """The schedule position, so a resumed run continues it."""
+        return {"step": self._step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        step = state.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"state['step'] must be an int >= 0, got {step!r}")
+        self._disarm()
+        self._sample = None
+        self._step = step
+        if self._state == "running":
+            self._arm_if_sampled()
+
+    # ------------------------------------------------------------------ sampling
+
+    def _arm_if_sampled(self) -> None:
+        if not self.schedule(self._step):
+            return
+        self._sample = _Sample(self._step)
+        optimizer = self._optimizer() if self._optimizer is not None else None
+        if optimizer is not None:
+            self._handles = [
+                optimizer.register_step_pre_hook(self._before_optimizer_step),
+                optimizer.register_step_post_hook(self._after_optimizer_step),
+            ]
+
+    def _disarm(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        sample = self._sample
+        if sample is None or sample.grads is not None:
+            return None
+        started = time.perf_counter()
+        self._guard("read gradients", lambda: self._read_grads(sample))
+        if "updates" in self.families:
+            self._guard("snapshot weights for update ratios", lambda: self._snapshot(sample))
+        sample.overhead_s += time.perf_counter() - started
+        return None
+
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        sample = self._sample
+        if sample is None or sample.weights is not None:
+            return
+        started = time.perf_counter()
+        self._guard("measure updates", lambda: self._measure_update(sample), when=sample.before is not None)
+        self._guard("read weights", lambda: self._read_weights(sample))
+        sample.overhead_s += time.perf_counter() - started
+
+    def _parameters(self) -> list[tuple[str, nn.Parameter]]:
+        model = self._model()
+        if model is None:
+            return []
+        return [(name, p) for name, p in model.named_parameters() if p.numel() > 0]
+
+    def _reduce(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        return S.reduce(
+            tensors, self._bins, zeros="zero_frac" in self.stats, centered="std" in self.stats
+        )
+
+    def _read_grads(self, sample: _Sample) -> None:
+        if "grads" not in self.families:
+            return
+        pairs = []
+        for name, p in self._parameters():
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                self._warn_once(f"sparse:{name}", f"layerwatch: the gradient of {name!r} is sparse; it is not measured")
+                continue
+            pairs.append((name, p.grad))
+        if not pairs and any(p.requires_grad for _, p in self._parameters()):
+            self._warn_once(
+                "no-grads",
+                f"layerwatch: no gradients at sampled step {sample.step}; call inspector.step() after "
+                "optimizer.step() and before optimizer.zero_grad(), or pass optimizer=",
+            )
+        sample.grads = [(names, self._reduce(tensors)) for names, tensors in _by_device(pairs)]
+
+    def _read_weights(self, sample: _Sample) -> None:
+        if "weights" in self.families:
+            sample.weights = [(names, self._reduce(tensors)) for names, tensors in _by_device(self._parameters())]
+
+    def _snapshot(self, sample: _Sample) -> None:
+        trainable = [(name, p) for name, p in self._parameters() if p.requires_grad]
+        sample.before = []
+        with torch.no_grad():
+            for names, params in _by_device(trainable):
+                before = [p.detach().clone() for p in params]
+                sample.before.append((names, before, _norms(before)))
+
+    def _measure_update(self, sample: _Sample) -> None:
+        current = dict(self._parameters())
+        sample.update = []
+        with torch.no_grad():
+            for names, before, norms in sample.before:
+                torch._foreach_sub_(before, [current[name].detach() for name in names])
+                sample.update.append((names, torch.stack([_norms(before), norms])))
+        sample.before = None
+
+    def _write(self, sample: _Sample, started: float) -> None:
+        families = {"grads": sample.grads or [], "weights": sample.weights or [], "update": sample.update or []}
+        arrays = iter(S.to_host([rows for pieces in families.values() for _, rows in pieces]))
+        host = {
+            family: [(names, next(arrays).reshape(len(names) if family != "update" else 2, -1)) for names, _ in pieces]
+            for family, pieces in families.items()
+        }
+        rec = R.StepRecord(sample.step)
+        for family in R.TENSOR_FAMILIES:
+            for names, rows in host[family]:
+                rec.add_tensor_family(family, names, rows, self.stats, self._bins)
+        if host["grads"]:
+            rows = np.concatenate([rows for _, rows in host["grads"]])
+            nonfinite = rows[:, S.NONFINITE].sum() > 0
+            rec.scalars[R.GRAD_NORM] = float("nan") if nonfinite else float(np.sqrt(rows[:, S.SUMSQ].sum()))
+        for names, (deltas, norms) in host["update"]:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratios = np.where(deltas == 0, 0.0, deltas / norms)
+            for name, ratio in zip(names, ratios.tolist()):
+                rec.scalars[R.update_ratio_tag(name)] = ratio
+        rec.scalars[R.OVERHEAD_MS] = 1e3 * (sample.overhead_s + time.perf_counter() - started)
+        if self._sink is not None:
+            self._sink.write(rec)
+
+    # ------------------------------------------------------------------ failures
+
+    def _guard(self, what: str, action: Any, when: bool = True) -> None:
+        """Run a probe or write; a failure is warned once and skipped, never raised."""
+        if not when:
+            return
+        try:
+            action()
+        except Exception as e:  # an inspector must never break the training run
+            self._warn_once(f"fail:{what}", f"layerwatch: could not {what} at step {self._step}: {e!r}; skipped")
+            if what.startswith("write") or what.startswith("flush"):
+                self._sink = None
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _by_device(pairs: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[list[str], list[torch.Tensor]]]:
+    """Named tensors split by device, each group in the model's order."""
+    groups: dict[torch.device, tuple[list[str], list[torch.Tensor]]] = {}
+    for name, tensor in pairs:
+        names, tensors = groups.setdefault(tensor.device, ([], []))
+        names.append(name)
+        tensors.append(tensor)
+    return list(groups.values())
+
+
+def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([n.to(torch.float64) for n in torch._foreach_norm(tensors)])
+
+
+def _check_choice(option: str, values: Collection[str], allowed: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(values, str):
+        raise TypeError(f"{option} must be a collection of names, got the string {values!r}")
+    chosen = tuple(values)
+    for value in chosen:
+        if value not in allowed:
+            raise ValueError(f"unknown {option[:-1]} {value!r}; choose from {', '.join(allowed)}")
+    return chosen
+
+
+def _writable_dir(log_dir: str | os.PathLike) -> Path:
+    path = Path(log_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ValueError(f"log_dir {str(path)!r} is not a writable directory: {e}") from e
+    return path

@@ -1,0 +1,78 @@
+"""What one sampled step produced, and every TensorBoard tag name, built here and only here.
+
+Tag contract (see ``docs/tags.md``): the family comes first so TensorBoard groups cards
+by it, then the qualified name as ``model.named_parameters()`` spells it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from layerwatch import stats as S
+from layerwatch.stats import Histogram
+
+TENSOR_FAMILIES = ("weights", "grads")
+FAMILIES = TENSOR_FAMILIES + ("updates",)
+
+GRAD_NORM = "layerwatch/grad_norm"
+OVERHEAD_MS = "layerwatch/overhead_ms"
+
+
+def histogram_tag(family: str, name: str) -> str:
+    return f"{family}/{name}"
+
+
+def stat_tag(family: str, stat: str, name: str) -> str:
+    return f"{family}_{stat}/{name}"
+
+
+def update_ratio_tag(name: str) -> str:
+    return f"update_ratio/{name}"
+
+
+@dataclass
+class StepRecord:
+    """Everything one sampled step writes: plain Python data, no tensors."""
+
+    step: int
+    scalars: dict[str, float] = field(default_factory=dict)
+    histograms: dict[str, Histogram] = field(default_factory=dict)
+
+    def add_tensor_family(
+        self, family: str, names: Sequence[str], rows: np.ndarray, stats: Sequence[str], bins: int
+    ) -> None:
+        """Add the histograms (when ``bins``) and per-tensor stats of one family."""
+        for stat, values in S.scalar_stats(rows, stats).items():
+            for name, value in zip(names, values.tolist()):
+                self.scalars[stat_tag(family, stat, name)] = value
+        if bins:
+            for name, row in zip(names, rows):
+                hist = S.histogram(row, bins)
+                if hist is not None:
+                    self.histograms[histogram_tag(family, name)] = hist
+
+
+def owner(param_name: str) -> str:
+    """The module that owns a parameter: ``"blocks.0.mlp.weight"`` -> ``"blocks.0.mlp"``."""
+    return param_name.rpartition(".")[0]
+
+
+def custom_scalars_layout(param_names: Sequence[str], stats: Sequence[str]) -> dict:
+    """A custom-scalars layout: one chart per layer holding its weight and gradient stats.
+
+    Categories are the model's top-level children; each chart matches the stats of
+    the layer's own parameters (weights and biases, weights and grads) by an anchored
+    regex, so ``layers.1`` never picks up ``layers.10``.
+    """
+    stat_group = "|".join(stats)
+    layout: dict[str, dict[str, list]] = {}
+    for module in dict.fromkeys(owner(n) for n in param_names):
+        category = f"layerwatch: {module.split('.')[0] or '(root)'}"
+        prefix = re.escape(f"{module}.") if module else ""
+        regex = rf"^(weights|grads)_({stat_group})/{prefix}[^.]+$"
+        layout.setdefault(category, {})[module or "(root)"] = ["Multiline", [regex]]
+    return layout
