@@ -365,7 +365,7 @@ def _check_choice(option: str, values: Collection[str], allowed: Sequence[str]) 
     chosen = tuple(values)
     for value in chosen:
         if value not in allowed:
-            raise ValueError(f"unknown {option[:-1]} {value!r}; choose from {', '.join(allowed)}")
+            raise ValueError(f"{option}: unknown value {value!r}; choose from {', '.join(allowed)}")
     return chosen
 
 

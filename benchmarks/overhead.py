@@ -1,0 +1,141 @@
+"""Overhead of the Inspector, as ratios to an uninstrumented step measured in the same process.
+
+    python benchmarks/overhead.py [--workloads gpt,cnn,stack] [--rounds 7] [--naive-rounds 3]
+
+Each round runs, on the same model and in this order: an uninstrumented step (base), a
+step the inspector does not sample (off), a step it samples (sampled), the off-step
+right after it (after), and reference steps: the naive approach
+(``SummaryWriter.add_histogram`` on every parameter and gradient) and a step followed
+by reading every parameter and gradient once (``torch._foreach_norm``). The
+inspector's schedule samples every third inspector step, so base steps never see it.
+Each condition's ratio is the median over rounds of its time divided by the same
+round's base time (pairing adjacent steps cancels slow drift of the machine);
+"amortized@50" is ``(sampled + after + 48 * off) / 50`` of those ratios. The step after
+a sample is counted as it is: memory released while writing a sample would show up
+there as page faults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+from torch.utils.tensorboard import SummaryWriter
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workloads import WORKLOADS  # noqa: E402
+
+from layerwatch import Inspector  # noqa: E402
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def event_bytes(log_dir: str) -> tuple[int, int, float]:
+    """(file bytes, sampled steps written, mean serialized bytes per histogram value)."""
+    files = list(Path(log_dir).glob("events.out.tfevents.*"))
+    steps, histo_sizes = set(), []
+    for f in files:
+        for event in LegacyEventFileLoader(str(f)).Load():
+            for value in event.summary.value:
+                if value.HasField("histo"):
+                    steps.add(event.step)
+                    histo_sizes.append(value.ByteSize())
+    size = sum(f.stat().st_size for f in files)
+    return size, len(steps), statistics.mean(histo_sizes) if histo_sizes else 0.0
+
+
+def run(name: str, rounds: int, naive_rounds: int, with_optimizer: bool) -> dict:
+    model, opt, step = WORKLOADS[name]()
+    params = [p for p in model.parameters()]
+    for _ in range(2):
+        step()
+    times: dict[str, list[float]] = {"base": [], "off": [], "sampled": [], "after": [], "naive": [], "read_once": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        inspector = Inspector(
+            model,
+            log_dir=f"{tmp}/lw",
+            schedule=lambda k: k % 3 == 1,
+            optimizer=opt if with_optimizer else None,
+        )
+        naive_writer = SummaryWriter(f"{tmp}/naive")
+        with inspector:
+            empty_size = event_bytes(f"{tmp}/lw")[0]
+            for _ in range(rounds):
+                step()  # untimed: absorbs any after-effect of the previous round
+                times["base"].append(timed(step))
+                times["off"].append(timed(lambda: (step(), inspector.step())))
+                times["sampled"].append(timed(lambda: (step(), inspector.step())))
+                times["after"].append(timed(lambda: (step(), inspector.step())))
+                times["read_once"].append(timed(lambda: (step(), torch._foreach_norm(params + [p.grad for p in params]))))
+        for r in range(naive_rounds):
+            def naive() -> None:
+                step()
+                for pname, p in model.named_parameters():
+                    naive_writer.add_histogram(f"weights/{pname}", p, r)
+                    naive_writer.add_histogram(f"grads/{pname}", p.grad, r)
+                naive_writer.flush()
+
+            step()
+            times["naive"].append(timed(naive))
+        naive_writer.close()
+        size, sampled_steps, per_histogram = event_bytes(f"{tmp}/lw")
+    base = times["base"]
+    ratio = {k: statistics.median(t / base[i % len(base)] for i, t in enumerate(v)) for k, v in times.items() if v}
+    return {
+        "workload": name,
+        "optimizer": with_optimizer,
+        "tensors": len(params),
+        "params": sum(p.numel() for p in params),
+        "base_ms": 1e3 * statistics.median(base),
+        "sampled": ratio["sampled"],
+        "off": ratio["off"],
+        "after": ratio["after"],
+        "amortized@50": (ratio["sampled"] + ratio["after"] + 48 * ratio["off"]) / 50,
+        "naive": ratio.get("naive"),
+        "read_once": ratio["read_once"],
+        "bytes_per_sampled_step": (size - empty_size) / max(sampled_steps, 1),
+        "bytes_per_histogram": per_histogram,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="gpt,cnn,stack")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--naive-rounds", type=int, default=3)
+    parser.add_argument("--optimizer", action="store_true", help="also measure with optimizer= (update ratios)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    results = []
+    for name in args.workloads.split(","):
+        for with_optimizer in (False, True) if args.optimizer else (False,):
+            results.append(run(name, args.rounds, args.naive_rounds, with_optimizer))
+            if args.json:
+                print(json.dumps(results[-1]), flush=True)
+    if args.json:
+        return
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, rounds={args.rounds}")
+    print("| workload | optimizer= | tensors | base step | sampled | off-step | after sample | amortized@50 | naive | read once | bytes/sampled step | bytes/histogram |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        naive = f"{r['naive']:.2f}x" if r["naive"] is not None else "-"
+        print(
+            f"| {r['workload']} | {'yes' if r['optimizer'] else 'no'} | {r['tensors']} | {r['base_ms']:.0f} ms "
+            f"| {r['sampled']:.3f}x | {r['off']:.3f}x | {r['after']:.3f}x | {r['amortized@50']:.4f}x | {naive} | {r['read_once']:.3f}x "
+            f"| {r['bytes_per_sampled_step'] / 1024:.0f} KiB | {r['bytes_per_histogram']:.0f} B |"
+        )
+
+
+if __name__ == "__main__":
+    main()

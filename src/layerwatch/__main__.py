@@ -1,0 +1,3 @@
+from layerwatch.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,370 @@
+import gc
+import math
+import warnings
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.optim import optimizer as optimizer_module
+from torch.overrides import TorchFunctionMode
+from torch.utils.tensorboard import SummaryWriter
+
+from layerwatch import Inspector, at_steps
+from models import MLP, FrozenBackbone, NoParams, TiedLM, train
+
+
+class RecordTorchCalls(TorchFunctionMode):
+    """Records every torch function called while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def hook_count(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    per_module = sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) + len(m._backward_pre_hooks)
+        for m in model.modules()
+    )
+    per_param = sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters())
+    per_param += sum(len(p._backward_hooks or {}) for p in model.parameters())
+    global_hooks = sum(
+        len(d)
+        for d in (
+            nn.modules.module._global_forward_hooks,
+            nn.modules.module._global_forward_pre_hooks,
+            nn.modules.module._global_backward_hooks,
+            nn.modules.module._global_backward_pre_hooks,
+        )
+    )
+    optimizer_hooks = len(optimizer._optimizer_step_pre_hooks) + len(optimizer._optimizer_step_post_hooks)
+    optimizer_hooks += len(optimizer_module._global_optimizer_pre_hooks)
+    optimizer_hooks += len(optimizer_module._global_optimizer_post_hooks)
+    return per_module + per_param + global_hooks + optimizer_hooks
+
+
+def test_weights_and_grads_written_and_match_numpy(tmp_path, events):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = {}
+    with Inspector(model, log_dir=tmp_path, every_n_steps=2, stats=("mean", "std", "min", "max", "norm", "zero_frac", "nonfinite")) as ins:
+        for step in range(5):
+            loss = model(torch.randn(32, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step == 2:
+                seen = {n: (p.detach().clone(), p.grad.clone()) for n, p in model.named_parameters()}
+            ins.step()
+    acc = events(tmp_path)
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(acc.Tags()["histograms"]) == sorted([f"weights/{n}" for n in names] + [f"grads/{n}" for n in names])
+    for name in names:
+        assert [e.step for e in acc.Scalars(f"weights_norm/{name}")] == [0, 2, 4]
+        for family, tensor in (("weights", seen[name][0]), ("grads", seen[name][1])):
+            a = tensor.numpy().ravel()
+            expected = {"mean": a.mean(), "std": a.std(), "min": a.min(), "max": a.max(), "norm": np.linalg.norm(a),
+                        "zero_frac": (a == 0).mean(), "nonfinite": 0.0}
+            for stat, value in expected.items():
+                got = acc.Scalars(f"{family}_{stat}/{name}")[1]
+                assert got.step == 2
+                assert got.value == pytest.approx(value, rel=1e-4, abs=1e-6), (family, stat, name)
+            hist = acc.Histograms(f"{family}/{name}")[1].histogram_value
+            assert hist.num == a.size and sum(hist.bucket) == a.size
+            assert hist.min == pytest.approx(a.min()) and hist.max == pytest.approx(a.max())
+            counts, _ = np.histogram(a, [hist.min] + list(hist.bucket_limit))
+            assert np.abs(counts - np.array(hist.bucket)).sum() <= 2  # at most a value on an edge moves
+    grad_norms = acc.Scalars("layerwatch/grad_norm")
+    assert grad_norms[1].value == pytest.approx(math.sqrt(sum(g.pow(2).sum().item() for _, g in seen.values())), rel=1e-5)
+    assert [e.step for e in acc.Scalars("layerwatch/overhead_ms")] == [0, 2, 4]
+
+
+def test_defaults_write_norms_nonfinite_and_both_histogram_families(tmp_path, events):
+    model = MLP()
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1) as ins:
+        train(model, 1, ins)
+    tags = events(tmp_path).Tags()
+    families = {t.split("/")[0] for t in tags["scalars"] + tags["histograms"]}
+    assert families == {"weights", "grads", "weights_norm", "grads_norm", "weights_nonfinite", "grads_nonfinite", "layerwatch"}
+
+
+def test_one_event_per_sampled_step(tmp_path):
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    model = MLP()
+    with Inspector(model, log_dir=tmp_path, every_n_steps=3) as ins:
+        train(model, 7, ins)
+    (path,) = tmp_path.glob("events.out.tfevents.*")
+    steps = [e.step for e in LegacyEventFileLoader(str(path)).Load() if e.HasField("summary") and e.summary.value
+             and e.summary.value[0].tag != "custom_scalars__config__"]
+    assert steps == [0, 3, 6]
+
+
+def test_update_ratio_with_optimizer(tmp_path, events):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, optimizer=opt) as ins:
+        x = torch.randn(32, 8)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        ins.step()
+    acc = events(tmp_path)
+    for name, w in before.items():
+        expected = (0.1 * grads[name]).norm().item() / w.norm().item()
+        assert acc.Scalars(f"update_ratio/{name}")[0].value == pytest.approx(expected, rel=1e-4)
+        # gradients are read before the step, weights after it
+        assert acc.Scalars(f"grads_norm/{name}")[0].value == pytest.approx(grads[name].norm().item(), rel=1e-5)
+        after = dict(model.named_parameters())[name].detach()
+        assert acc.Scalars(f"weights_norm/{name}")[0].value == pytest.approx(after.norm().item(), rel=1e-5)
+
+
+def test_frozen_and_tied_parameters(tmp_path, events):
+    model = FrozenBackbone()
+    with Inspector(model, log_dir=tmp_path / "frozen", every_n_steps=1) as ins:
+        train(model, 1, ins)
+    hists = events(tmp_path / "frozen").Tags()["histograms"]
+    assert "weights/backbone.weight" in hists and "grads/backbone.weight" not in hists
+    assert "grads/head.weight" in hists
+
+    tied = TiedLM()
+    opt = torch.optim.SGD(tied.parameters(), lr=0.1)
+    with Inspector(tied, log_dir=tmp_path / "tied", every_n_steps=1) as ins:
+        loss = tied(torch.randint(0, 20, (4, 5))).pow(2).mean()
+        loss.backward()
+        opt.step()
+        ins.step()
+    assert sorted(events(tmp_path / "tied").Tags()["histograms"]) == ["grads/embed.weight", "weights/embed.weight"]
+
+
+def test_losses_bitwise_identical_with_inspector(tmp_path):
+    torch.manual_seed(1)
+    plain = train(MLP(), 12, seed=3)
+    torch.manual_seed(1)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, optimizer=opt, stats=("mean", "std", "norm", "zero_frac")) as ins:
+        watched = train(model, 12, ins, optimizer=opt, seed=3)
+    assert watched == plain
+
+
+def test_off_steps_register_nothing_and_touch_no_tensor(tmp_path):
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ins = Inspector(model, log_dir=tmp_path, schedule=at_steps([2]), optimizer=opt).start()
+    for step in range(4):
+        assert hook_count(model, opt) == (2 if step == 2 else 0)
+        loss = model(torch.randn(4, 8)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with RecordTorchCalls() as calls:
+            ins.step()
+        assert bool(calls.calls) == (step == 2), calls.calls[:5]
+    ins.finish()
+    assert hook_count(model, opt) == 0
+
+
+def test_finish_leaves_no_hook_is_idempotent_and_releases_the_model(tmp_path):
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ins = Inspector(model, log_dir=tmp_path, every_n_steps=1, optimizer=opt).start()
+    train(model, 2, ins, optimizer=opt)
+    assert hook_count(model, opt) == 2  # step 2 is armed
+    ins.finish()
+    ins.finish()
+    assert hook_count(model, opt) == 0
+    ref = weakref.ref(model)
+    del model, opt
+    gc.collect()
+    assert ref() is None
+
+
+def test_model_collectable_while_inspector_alive(tmp_path):
+    model = MLP()
+    ins = Inspector(model, log_dir=tmp_path).start()
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+    ins.step()  # nothing left to log, nothing breaks
+    ins.finish()
+
+
+def test_user_exception_passes_through_and_hooks_are_removed(tmp_path, events):
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom, match="from the training loop"):
+        with Inspector(model, log_dir=tmp_path, every_n_steps=1, optimizer=opt) as ins:
+            train(model, 2, ins, optimizer=opt)
+            raise Boom("from the training loop")
+    assert hook_count(model, opt) == 0
+    assert [e.step for e in events(tmp_path).Scalars("weights_norm/fc1.weight")] == [0, 1]
+
+
+def test_user_writer_is_flushed_not_closed(tmp_path, events):
+    writer = SummaryWriter(str(tmp_path))
+    model = MLP()
+    with Inspector(model, writer, every_n_steps=1) as ins:
+        train(model, 1, ins)
+    writer.add_scalar("after/finish", 1.0, 0)  # still open
+    writer.close()
+    assert "after/finish" in events(tmp_path).Tags()["scalars"]
+
+
+def test_nonfinite_values_never_crash(tmp_path, events):
+    model = MLP()
+    with torch.no_grad():
+        model.fc1.weight[0, 0] = math.nan
+        model.fc1.weight[0, 1] = math.inf
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1) as ins:
+        for _ in range(2):  # no optimizer step: 0 * NaN would spread the NaN to every weight
+            model.zero_grad()
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            ins.step()
+    acc = events(tmp_path)
+    assert acc.Scalars("weights_nonfinite/fc1.weight")[0].value == 2
+    hist = acc.Histograms("weights/fc1.weight")[0].histogram_value
+    assert hist.num == model.fc1.weight.numel() - 2 and math.isfinite(hist.max)
+    assert math.isnan(acc.Scalars("layerwatch/grad_norm")[0].value)
+
+
+def test_model_without_parameters_says_so_once(tmp_path):
+    model = NoParams()
+    with pytest.warns(RuntimeWarning, match="no parameters") as record:
+        with Inspector(model, log_dir=tmp_path, every_n_steps=1) as ins:
+            for _ in range(3):
+                model(torch.randn(2, 3))
+                ins.step()
+    assert len([w for w in record if "no parameters" in str(w.message)]) == 1
+
+
+def test_missing_gradients_are_explained_once(tmp_path):
+    model = MLP()
+    with pytest.warns(RuntimeWarning, match="before optimizer.zero_grad") as record:
+        with Inspector(model, log_dir=tmp_path, every_n_steps=1) as ins:
+            for _ in range(3):
+                ins.step()
+    assert len(record) == 1
+
+
+def test_custom_scalars_layout_groups_each_layer(tmp_path, events):
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    model = MLP()
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1) as ins:
+        train(model, 1, ins)
+    tensor = events(tmp_path).Tensors("custom_scalars__config__")[0].tensor_proto
+    layout = layout_pb2.Layout.FromString(tensor.string_val[0])
+    charts = {c.title: c.multiline.tag[0] for cat in layout.category for c in cat.chart}
+    assert set(charts) == {"fc1", "fc2"}
+    import re
+
+    scalars = events(tmp_path).Tags()["scalars"]
+    assert sorted(t for t in scalars if re.match(charts["fc1"], t)) == sorted(
+        f"{fam}_{stat}/fc1.{p}" for fam in ("weights", "grads") for stat in ("norm", "nonfinite") for p in ("weight", "bias")
+    )
+
+
+def test_state_dict_resumes_the_schedule(tmp_path, events):
+    model = MLP()
+    first = Inspector(model, log_dir=tmp_path, every_n_steps=3).start()
+    train(model, 4, first)
+    state = first.state_dict()
+    first.finish()
+    assert state == {"step": 4}
+    second = Inspector(model, log_dir=tmp_path, every_n_steps=3)
+    second.load_state_dict(state)
+    with second:
+        train(model, 4, second)
+    steps = sorted(e.step for e in events(tmp_path).Scalars("weights_norm/fc1.weight"))
+    assert steps == [0, 3, 6]
+    with pytest.raises(ValueError, match="got -1"):
+        second.load_state_dict({"step": -1})
+
+
+def test_a_failing_probe_warns_once_and_training_goes_on(tmp_path, monkeypatch):
+    from layerwatch import stats
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("probe exploded")
+
+    monkeypatch.setattr(stats, "reduce", broken)
+    model = MLP()
+    with pytest.warns(RuntimeWarning, match="probe exploded") as record:
+        with Inspector(model, log_dir=tmp_path, every_n_steps=1) as ins:
+            losses = train(model, 3, ins)
+    assert len(losses) == 3
+    messages = [str(w.message) for w in record]
+    assert sum("could not read gradients" in m for m in messages) == 1  # once, not once per step
+    assert sum("could not read weights" in m for m in messages) == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(model="not a model"), TypeError, "model must be a torch.nn.Module, got str"),
+        (dict(every_n_steps=0), ValueError, "every_n_steps must be an int >= 1, got 0"),
+        (dict(every_n_steps=-5), ValueError, "got -5"),
+        (dict(every_n_steps=2, schedule=[1]), ValueError, "not both"),
+        (dict(writer="w", log_dir="x"), ValueError, "pass writer or log_dir, not both"),
+        (dict(writer=object()), TypeError, "writer must be a SummaryWriter, got object"),
+        (dict(optimizer="adam"), TypeError, "optimizer must be a torch.optim.Optimizer, got str"),
+        (dict(families=("weights", "activations")), ValueError, "families: unknown value 'activations'"),
+        (dict(stats=("median",)), ValueError, "stats: unknown value 'median'"),
+        (dict(stats="norm"), TypeError, "the string 'norm'"),
+        (dict(histogram_bins=1), ValueError, "histogram_bins must be an int in \\[2, 254\\], got 1"),
+        (dict(histograms="yes"), TypeError, "histograms must be a bool, got 'yes'"),
+    ],
+)
+def test_misuse_is_refused_at_construction(tmp_path, kwargs, error, match):
+    kwargs = dict(kwargs)
+    model = kwargs.pop("model", MLP())
+    if "writer" not in kwargs and "log_dir" not in kwargs:
+        kwargs["log_dir"] = tmp_path
+    with pytest.raises(error, match=match):
+        Inspector(model, **kwargs)
+
+
+def test_unwritable_log_dir_is_refused(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="a_file/runs' is not a writable directory"):
+        Inspector(MLP(), log_dir=blocker / "runs")
+
+
+def test_step_before_start_and_after_finish(tmp_path):
+    model = MLP()  # held by the test: the inspector only keeps a weak reference
+    ins = Inspector(model, log_dir=tmp_path)
+    with pytest.raises(RuntimeError, match=r"step\(\) called on an inspector that is new"):
+        ins.step()
+    ins.start()
+    with pytest.raises(RuntimeError, match="start\\(\\) called on an inspector that is running"):
+        ins.start()
+    ins.finish()
+    with pytest.raises(RuntimeError, match="that is finished"):
+        ins.step()
+
+
+def test_histograms_can_be_turned_off_and_families_chosen(tmp_path, events):
+    model = MLP()
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, histograms=False, families=("grads",)) as ins:
+        train(model, 1, ins)
+    tags = events(tmp_path).Tags()
+    assert tags["histograms"] == []
+    assert {t.split("/")[0] for t in tags["scalars"]} == {"grads_norm", "grads_nonfinite", "layerwatch"}

@@ -1,0 +1,119 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from layerwatch import stats as S
+
+
+def finite_values(t: torch.Tensor) -> np.ndarray:
+    a = t.detach().float().numpy().ravel()
+    return a[np.isfinite(a)]
+
+
+def off_edges(t: torch.Tensor, bins: int) -> torch.Tensor:
+    """Nudge values sitting within float rounding of a bucket edge, so NumPy and we agree exactly."""
+    row = S.reduce([t], bins, fast=False)[0].numpy()
+    edges = row[S.ANCHOR] + (np.arange(0, bins + 1) - row[S.ZERO_POINT] + 0.5) * row[S.SCALE]
+    a = t.numpy().copy()
+    near = np.abs(a[..., None] - edges).min(-1) < 1e-6 * max(1.0, np.abs(a).max())
+    a[near] += 1e-5 * row[S.SCALE]
+    return torch.from_numpy(a)
+
+
+def zoo() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    bad = torch.randn(200)
+    bad[[3, 50]] = math.nan
+    bad[7] = math.inf
+    bad[9] = -math.inf
+    return [
+        torch.randn(64, 32) * 0.02,  # spans zero
+        torch.rand(300) + 0.5,  # all positive: grid anchored at the minimum
+        -torch.rand(40) - 2.0,  # all negative
+        torch.zeros(7),  # constant zero
+        torch.full((5,), 3.0),  # constant
+        bad,  # NaN and Inf among finite values
+        torch.tensor([1e-30, -1e-30, 0.0]),  # tiny range
+    ]
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["cpu-fast", "generic"])
+def test_stats_match_numpy_over_finite_values(fast):
+    tensors = zoo()
+    rows = S.reduce(tensors, 64, zeros=True, centered=True, fast=fast).numpy()
+    got = S.scalar_stats(rows, S.STATS)
+    for i, t in enumerate(tensors):
+        f = finite_values(t)
+        expected = [f.mean(), f.std(), f.min(), f.max(), np.linalg.norm(f)]
+        actual = [got[k][i] for k in ("mean", "std", "min", "max", "norm")]
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-7, err_msg=f"tensor {i}")
+        assert got["nonfinite"][i] == t.numel() - f.size
+        assert got["zero_frac"][i] == pytest.approx((f == 0).sum() / t.numel())
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["cpu-fast", "generic"])
+@pytest.mark.parametrize("bins", [2, 16, 64, 254])
+def test_histogram_counts_match_numpy(fast, bins):
+    for i, t in enumerate(zoo()):
+        t = off_edges(t, bins) if torch.isfinite(t).all() else t
+        hist = S.histogram(S.reduce([t], bins, fast=fast)[0].numpy(), bins)
+        f = finite_values(t)
+        assert hist.num == f.size and sum(hist.bucket_counts) == f.size
+        assert hist.min == pytest.approx(f.min()) and hist.max == pytest.approx(f.max())
+        assert len(hist.bucket_counts) <= bins
+        assert hist.bucket_limits == sorted(hist.bucket_limits) and hist.bucket_limits[-1] == hist.max
+        edges = np.array([hist.min] + hist.bucket_limits)
+        if f.min() != f.max():
+            expected, _ = np.histogram(f, edges)
+            np.testing.assert_array_equal(hist.bucket_counts, expected, err_msg=f"tensor {i}, bins {bins}")
+        assert hist.bucket_counts[0] > 0 and hist.bucket_counts[-1] > 0  # trimmed to the support
+
+
+def test_fast_and_generic_paths_agree():
+    # Values exactly on a bucket edge may round either way (ties); nudge them off first.
+    tensors = [off_edges(t, 64) if torch.isfinite(t).all() else t for t in zoo() + [torch.randn(1000, 100)]]
+    fast = S.reduce(tensors, 64, zeros=True, centered=True, fast=True)
+    generic = S.reduce(tensors, 64, zeros=True, centered=True, fast=False)
+    np.testing.assert_array_equal(fast[:, S.HIST :].numpy(), generic[:, S.HIST :].numpy())
+    np.testing.assert_allclose(fast[:, : S.HIST].numpy(), generic[:, : S.HIST].numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_all_nonfinite_tensor_has_no_histogram():
+    row = S.reduce([torch.full((4,), math.nan)], 64)[0].numpy()
+    assert row[S.COUNT] == 0 and row[S.NONFINITE] == 4
+    assert S.histogram(row, 64) is None
+
+
+def test_other_dtypes_are_measured_in_float32():
+    t = torch.randn(100, dtype=torch.float64)
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        row = S.reduce([t.to(dtype)], 16)[0].numpy()
+        assert row[S.COUNT] == 100
+        assert row[S.SUM] == pytest.approx(t.to(dtype).double().sum().item(), abs=1e-3)
+
+
+def test_no_histogram_when_bins_is_zero():
+    rows = S.reduce([torch.randn(10)], 0)
+    assert rows.shape == (1, S.HIST)
+
+
+def test_reduce_does_not_change_inputs_or_grad_mode():
+    p = torch.nn.Parameter(torch.randn(50, 50))
+    before = p.detach().clone()
+    rows = S.reduce([p], 64)
+    assert torch.equal(p.detach(), before)
+    assert not rows.requires_grad and torch.is_grad_enabled()
+
+
+def test_bins_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="got 255"):
+        S.reduce([torch.randn(3)], 255)
+
+
+def test_to_host_keeps_order_and_shapes():
+    a, b = torch.arange(6.0).reshape(2, 3), torch.tensor([7.0])
+    out = S.to_host([a.double(), b.double()])
+    np.testing.assert_array_equal(out[0], [0, 1, 2, 3, 4, 5])
+    np.testing.assert_array_equal(out[1], [7])
