@@ -368,3 +368,21 @@ def test_histograms_can_be_turned_off_and_families_chosen(tmp_path, events):
     tags = events(tmp_path).Tags()
     assert tags["histograms"] == []
     assert {t.split("/")[0] for t in tags["scalars"]} == {"grads_norm", "grads_nonfinite", "layerwatch"}
+
+
+def test_a_failing_writer_is_warned_once_and_training_goes_on(tmp_path, monkeypatch, events):
+    writer = SummaryWriter(str(tmp_path))
+    model = MLP()
+    with Inspector(model, writer, every_n_steps=1) as ins:
+        train(model, 2, ins)
+
+        def disk_full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(writer, "_get_file_writer", disk_full)
+        with pytest.warns(RuntimeWarning, match="No space left on device") as record:
+            losses = train(model, 3, ins)
+    monkeypatch.undo()
+    writer.close()
+    assert len(losses) == 3 and len(record) == 1
+    assert [e.step for e in events(tmp_path).Scalars("weights_norm/fc1.weight")] == [0, 1]  # nothing lost

@@ -82,7 +82,8 @@ class Inspector:
         stats: Per-tensor scalars to log for weights and grads, from
             ``mean std min max norm zero_frac nonfinite``.
         histograms: Log ``weights/<param>`` and ``grads/<param>`` histograms.
-        histogram_bins: Buckets per histogram, 2 to 254.
+        histogram_bins: Buckets per histogram, 2 to 254 (default 32, as TensorBoard's own
+            default of 30; each bucket adds 16 bytes to the event file and to its write).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer,
@@ -103,7 +104,7 @@ class Inspector:
         families: Collection[str] = R.FAMILIES,
         stats: Sequence[str] = DEFAULT_STATS,
         histograms: bool = True,
-        histogram_bins: int = 64,
+        histogram_bins: int = 32,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -160,7 +161,8 @@ class Inspector:
         if not names:
             self._warn_once("no-params", "layerwatch: the model has no parameters; there is nothing to log")
         elif self.stats and any(family in self.families for family in R.TENSOR_FAMILIES):
-            self._guard("write the chart layout", lambda: self._sink.write_layout(R.custom_scalars_layout(names, self.stats)))
+            layout = R.custom_scalars_layout(names, self.stats)
+            self._guard("write the chart layout", lambda: self._sink.write_layout(layout), disables_sink=True)
         self._arm_if_sampled()
         return self
 
@@ -176,7 +178,7 @@ class Inspector:
             self._disarm()
             self._guard("read gradients", lambda: self._read_grads(sample), when=sample.grads is None)
             self._guard("read weights", lambda: self._read_weights(sample), when=sample.weights is None)
-            self._guard("write the sampled step", lambda: self._write(sample, started))
+            self._guard("write the sampled step", lambda: self._write(sample, started), disables_sink=True)
             self._sample = None
         self._step += 1
         self._arm_if_sampled()
@@ -188,7 +190,7 @@ class Inspector:
         self._disarm()
         self._sample = None
         if self._sink is not None:
-            self._guard("flush the writer", self._sink.close)
+            self._guard("flush the writer", self._sink.close, disables_sink=True)
             self._sink = None
         self._writer = None
         self._state = "finished"
@@ -328,15 +330,18 @@ class Inspector:
 
     # ------------------------------------------------------------------ failures
 
-    def _guard(self, what: str, action: Any, when: bool = True) -> None:
-        """Run a probe or write; a failure is warned once and skipped, never raised."""
+    def _guard(self, what: str, action: Any, when: bool = True, disables_sink: bool = False) -> None:
+        """Run a probe or a write; a failure is warned once and skipped, never raised.
+
+        A failed write stops all further writing (a full disk does not heal mid-run).
+        """
         if not when:
             return
         try:
             action()
         except Exception as e:  # an inspector must never break the training run
             self._warn_once(f"fail:{what}", f"layerwatch: could not {what} at step {self._step}: {e!r}; skipped")
-            if what.startswith("write") or what.startswith("flush"):
+            if disables_sink:
                 self._sink = None
 
     def _warn_once(self, key: str, message: str) -> None:

@@ -113,10 +113,10 @@ def _reduce_generic(t: torch.Tensor, bins: int, zeros: bool, centered: bool) -> 
     x = torch.where(finite, t, torch.zeros((), dtype=t.dtype, device=t.device))
     count = finite.sum()
     total = x.sum()
-    inf = torch.tensor(math.inf, dtype=t.dtype, device=t.device)
+    inf = torch.full((), math.inf, dtype=t.dtype, device=t.device)
     mn = torch.where(finite, t, inf).amin()
     mx = torch.where(finite, t, -inf).amax()
-    nan = torch.tensor(math.nan, dtype=torch.float64, device=t.device)
+    nan = torch.full((), math.nan, dtype=torch.float64, device=t.device)
     n_zeros = (t.numel() - torch.count_nonzero(t)) if zeros else nan
     if centered:
         mean = total / count.clamp(min=1)
@@ -151,18 +151,17 @@ def _reduce_cpu(flat: list[torch.Tensor], bins: int, zeros: bool, centered: bool
     if bins:
         out[:, SCALE], out[:, ANCHOR], out[:, ZERO_POINT] = grid(summary[1], summary[2], bins)
         out[:, HIST:] = 0
+    if zeros:
+        out[:, ZEROS] = out[:, COUNT] - torch.stack([torch.count_nonzero(t) for t in flat]).double()
+    if centered:
+        out[:, CENTERED_SUMSQ] = torch.stack([torch.var(t, correction=0) for t in flat]).double() * out[:, COUNT]
     params = out[:, SCALE : ZERO_POINT + 1].tolist() if bins else None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*deprecated")
         for i, t in enumerate(flat):
             if not finite[i]:
                 out[i] = _reduce_generic(t, bins, zeros, centered)
-                continue
-            if zeros:
-                out[i, ZEROS] = t.numel() - torch.count_nonzero(t).item()
-            if centered:
-                out[i, CENTERED_SUMSQ] = torch.var(t, correction=0).item() * t.numel()
-            if bins:
+            elif bins:
                 out[i, HIST:] = _bucket_counts_cpu(t, bins, *params[i])
     return out
 

@@ -1,0 +1,40 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from layerwatch.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_demo_writes_logs_and_shows_an_injected_nan(tmp_path, events, capsys):
+    log_dir = tmp_path / "demo"
+    assert main(["demo", "--steps", "40", "--every", "10", "--logdir", str(log_dir), "--inject-nan", "25"]) == 0
+    out = capsys.readouterr().out
+    assert f"tensorboard --logdir {log_dir}" in out
+    acc = events(log_dir)
+    nonfinite = {e.step: e.value for e in acc.Scalars("weights_nonfinite/encoder.0.weight")}
+    assert nonfinite[0] == 0 and nonfinite[20] == 0
+    assert nonfinite[30] > 0  # the NaN from step 25's forward reached the weights through Adam
+    assert [e.step for e in acc.Scalars("layerwatch/grad_norm")] == [0, 10, 20, 30]
+
+
+@pytest.mark.parametrize("argv, message", [(["demo", "--steps", "0"], "must be >= 1, got 0"),
+                                            (["demo", "--every", "-2"], "must be >= 1, got -2")])
+def test_demo_refuses_bad_options(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_python_dash_m_and_example_script_run(tmp_path, events):
+    version = subprocess.run([sys.executable, "-m", "layerwatch", "--version"], capture_output=True, text=True, check=True)
+    assert version.stdout.startswith("layerwatch ")
+    subprocess.run([sys.executable, str(ROOT / "examples" / "plain_pytorch.py")], cwd=tmp_path, check=True,
+                   capture_output=True)
+    acc = events(tmp_path / "runs" / "plain_pytorch")
+    steps = [e.step for e in acc.Scalars("layerwatch/grad_norm")]
+    assert steps[:20] == list(range(20)) and steps[20:] == [25, 50, 75, 100, 125, 150, 175, 200, 225, 250, 275]
+    assert "update_ratio/0.weight" in acc.Tags()["scalars"]
