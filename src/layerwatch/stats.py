@@ -136,49 +136,67 @@ def _reduce_generic(t: torch.Tensor, bins: int, zeros: bool, centered: bool) -> 
 
 
 def _reduce_cpu(flat: list[torch.Tensor], bins: int, zeros: bool, centered: bool) -> torch.Tensor:
-    norms = torch._foreach_norm(flat)
-    extremes = [torch.aminmax(t) for t in flat]
-    sums = [t.sum() for t in flat]
-    mins = torch.stack([e.min for e in extremes])
-    maxs = torch.stack([e.max for e in extremes])
-    summary = torch.stack([torch.stack(norms), mins, maxs, torch.stack(sums)]).double()
-    finite = torch.isfinite(summary).all(dim=0).tolist()
-    out = torch.full((len(flat), row_width(bins)), math.nan, dtype=torch.float64)
-    out[:, COUNT] = torch.tensor([t.numel() for t in flat], dtype=torch.float64)
-    out[:, NONFINITE] = 0
-    out[:, MIN], out[:, MAX], out[:, SUM] = summary[1], summary[2], summary[3]
-    out[:, SUMSQ] = summary[0] ** 2
-    if bins:
-        out[:, SCALE], out[:, ANCHOR], out[:, ZERO_POINT] = grid(summary[1], summary[2], bins)
-        out[:, HIST:] = 0
-    if zeros:
-        out[:, ZEROS] = out[:, COUNT] - torch.stack([torch.count_nonzero(t) for t in flat]).double()
-    if centered:
-        out[:, CENTERED_SUMSQ] = torch.stack([torch.var(t, correction=0) for t in flat]).double() * out[:, COUNT]
-    params = out[:, SCALE : ZERO_POINT + 1].tolist() if bins else None
+    """The CPU fast path. Each tensor's passes run back to back while it is still in cache;
+    on the CPU, reading a value on the host is not a device sync."""
+    heads: list[list[float]] = []
+    counts: list[torch.Tensor] = []
+    generic: dict[int, torch.Tensor] = {}
+    nan = math.nan
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*deprecated")
         for i, t in enumerate(flat):
-            if not finite[i]:
-                out[i] = _reduce_generic(t, bins, zeros, centered)
-            elif bins:
-                out[i, HIST:] = _bucket_counts_cpu(t, bins, *params[i])
+            mn, mx = torch.aminmax(t)
+            parts = [mn, mx, t.sum(), torch.linalg.vector_norm(t)]
+            if zeros:
+                parts.append(torch.count_nonzero(t))
+            if centered:
+                parts.append(torch.var(t, correction=0))
+            values = torch.stack([p.double() for p in parts]).tolist()
+            mn, mx, total, norm = values[:4]
+            if not math.isfinite(mn + mx + total + norm):
+                generic[i] = _reduce_generic(t, bins, zeros, centered)
+                heads.append([nan] * HIST)
+                counts.append(torch.zeros(256, dtype=torch.int64))
+                continue
+            n = t.numel()
+            extra = values[4:]
+            n_zeros = n - extra.pop(0) if zeros else nan
+            csumsq = extra.pop(0) * n if centered else nan
+            head = [n, 0, mn, mx, total, norm * norm, n_zeros, csumsq]
+            if bins:
+                scale, anchor, zero_point = _grid_host(mn, mx, bins)
+                head += [scale, anchor, zero_point]
+                counts.append(_bucket_counts_cpu(t, bins, scale, anchor, zero_point))
+            heads.append(head + [0.0] * (HIST - len(head)))
+    out = torch.tensor(heads, dtype=torch.float64)
+    if bins:
+        hist = torch.stack(counts).to(torch.float64)
+        hist[:, bins + 1] += hist[:, bins + 2 :].sum(dim=1)  # quantization spills past the top bucket
+        out = torch.cat([out, hist[:, : bins + 2]], dim=1)
+    for i, row in generic.items():
+        out[i] = row
     return out
 
 
+def _grid_host(mn: float, mx: float, bins: int) -> tuple[float, float, float]:
+    """``grid`` for one finite range, in Python floats (same rounding: half to even)."""
+    span = mx - mn
+    scale = span / (bins - 1) if span > 0 else 1.0
+    anchor = 0.0 if mn <= 0 <= mx else mn
+    return scale, anchor, 1.0 - round((mn - anchor) / scale)
+
+
 def _bucket_counts_cpu(t: torch.Tensor, bins: int, scale: float, anchor: float, zero_point: float) -> torch.Tensor:
-    """Bucket counts on the shared grid for a finite CPU tensor, by uint8 quantization."""
+    """256 bucket counts on the shared grid for a finite CPU tensor, by uint8 quantization."""
     if _HAS_QUANTIZE and 1 / scale < 3.0e38:
         try:
             shifted = t if anchor == 0 else t - anchor
             q = torch.quantize_per_tensor(shifted, scale, int(zero_point), torch.quint8).int_repr()
-            counts = torch.bincount(q, minlength=256)
-            head = counts[: bins + 2].clone()
-            head[bins + 1] += counts[bins + 2 :].sum()
-            return head
+            return torch.bincount(q, minlength=256)
         except RuntimeError:
             pass
-    return _reduce_generic(t, bins, False, False)[HIST:]
+    counts = _reduce_generic(t, bins, False, False)[HIST:].to(torch.int64)
+    return torch.cat([counts, counts.new_zeros(256 - len(counts))])
 
 
 def histogram(row: np.ndarray, bins: int) -> Histogram | None:
