@@ -1,15 +1,18 @@
 """Overhead of the Inspector, as ratios to an uninstrumented step measured in the same process.
 
-    python benchmarks/overhead.py [--workloads gpt,cnn,stack] [--rounds 7] [--naive-rounds 3]
+    python benchmarks/overhead.py [--workloads gpt,cnn,stack] [--rounds 15] [--naive-rounds 3] [--optimizer]
 
-Each round runs, on the same model and in this order: an uninstrumented step (base), a
-step the inspector does not sample (off), a step it samples (sampled), the off-step
-right after it (after), and reference steps: the naive approach
-(``SummaryWriter.add_histogram`` on every parameter and gradient) and a step followed
-by reading every parameter and gradient once (``torch._foreach_norm``). The
+Each round runs, on the same model: an uninstrumented step (base); a step the inspector
+does not sample (off), a step it samples (sampled) and the off-step right after it
+(after), in that order; and a step followed by reading every parameter and gradient
+once (``torch._foreach_norm``). An untimed step opens each round, and the three blocks
+rotate from round to round so that no condition always runs in the same position. The
 inspector's schedule samples every third inspector step, so base steps never see it.
+The naive approach (``SummaryWriter.add_histogram`` on every parameter and gradient) is
+timed in rounds of its own afterwards, so its after-effects never land on a base step.
+
 Each condition's ratio is the median over rounds of its time divided by the same
-round's base time (pairing adjacent steps cancels slow drift of the machine);
+round's base time (pairing neighbouring steps cancels slow drift of the machine).
 "amortized@50" is ``(sampled + after + 48 * off) / 50``. The step after a sample is
 counted as it is: memory released while writing a sample would show up there as page
 faults. For the off term, the time of the ``inspector.step()`` call itself is measured
@@ -76,9 +79,10 @@ def run(name: str, rounds: int, naive_rounds: int, with_optimizer: bool) -> dict
         naive_writer = SummaryWriter(f"{tmp}/naive")
         with inspector:
             empty_size = event_bytes(f"{tmp}/lw")[0]
-            for _ in range(rounds):
-                step()  # untimed: absorbs any after-effect of the previous round
+            def base() -> None:
                 times["base"].append(timed(step))
+
+            def inspected() -> None:
                 start = time.perf_counter()
                 step()
                 call_start = time.perf_counter()
@@ -88,7 +92,15 @@ def run(name: str, rounds: int, naive_rounds: int, with_optimizer: bool) -> dict
                 times["off_call"].append(end - call_start)
                 times["sampled"].append(timed(lambda: (step(), inspector.step())))
                 times["after"].append(timed(lambda: (step(), inspector.step())))
+
+            def read_once() -> None:
                 times["read_once"].append(timed(lambda: (step(), torch._foreach_norm(params + [p.grad for p in params]))))
+
+            blocks = [base, inspected, read_once]
+            for r in range(rounds):
+                step()  # untimed: absorbs any after-effect of the previous round
+                for block in blocks[r % 3 :] + blocks[: r % 3]:  # rotate: no condition owns a position
+                    block()
         for r in range(naive_rounds):
             def naive() -> None:
                 step()

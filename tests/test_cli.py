@@ -14,7 +14,8 @@ def test_demo_writes_logs_and_shows_an_injected_nan(tmp_path, events, capsys):
     assert main(["demo", "--steps", "40", "--every", "10", "--logdir", str(log_dir), "--inject-nan", "25"]) == 0
     out = capsys.readouterr().out
     assert f"tensorboard --logdir {log_dir}" in out
-    acc = events(log_dir)
+    acc = events(log_dir / "demo" / "version_0")
+    assert "train/loss" in acc.Tags()["scalars"]  # the module's own metrics, same run
     nonfinite = {e.step: e.value for e in acc.Scalars("weights_nonfinite/encoder.0.weight")}
     assert nonfinite[0] == 0 and nonfinite[20] == 0
     assert nonfinite[30] > 0  # the NaN from step 25's forward reached the weights through Adam

@@ -54,3 +54,11 @@ def test_as_schedule_rejects_strings():
     with pytest.raises(TypeError, match="'often'"):
         as_schedule("often")
     assert isinstance(as_schedule(every_n_steps(3)), Schedule)
+
+
+def test_schedules_pickle_for_spawned_processes():
+    import pickle
+
+    for schedule in (every_n_steps(3), at_steps([1, 5]), windowed(wait=1, active=2, repeat=1), dense_then_every(2, 4)):
+        clone = pickle.loads(pickle.dumps(schedule))
+        assert sampled(clone) == sampled(schedule) and repr(clone) == repr(schedule)

@@ -3,5 +3,14 @@
 from layerwatch.inspector import Inspector
 from layerwatch.schedule import Schedule, at_steps, dense_then_every, every_n_steps, windowed
 
-__all__ = ["Inspector", "Schedule", "every_n_steps", "at_steps", "windowed", "dense_then_every"]
+__all__ = ["Inspector", "InspectCallback", "Schedule", "every_n_steps", "at_steps", "windowed", "dense_then_every"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # InspectCallback imports Lightning; only pay for that when it is asked for.
+    if name == "InspectCallback":
+        from layerwatch.lightning import InspectCallback
+
+        return InspectCallback
+    raise AttributeError(f"module 'layerwatch' has no attribute {name!r}")

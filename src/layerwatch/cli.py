@@ -19,10 +19,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="layerwatch", description="Watch the inside of a PyTorch model while it trains.")
     parser.add_argument("--version", action="version", version=f"layerwatch {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="train a small built-in model with the inspector and write TensorBoard logs")
-    demo.add_argument("--steps", type=_positive, default=600, help="optimizer steps (default 600)")
+    demo = commands.add_parser(
+        "demo", help="train a small built-in model with Lightning and InspectCallback; write TensorBoard logs"
+    )
+    demo.add_argument("--steps", type=_positive, default=3000, help="optimizer steps (default 3000)")
     demo.add_argument("--logdir", default="runs/layerwatch-demo", help="TensorBoard log directory")
-    demo.add_argument("--every", type=_positive, default=20, help="sample every N steps (default 20)")
+    demo.add_argument("--every", type=_positive, default=25, help="sample every N steps (default 25)")
     demo.add_argument("--inject-nan", type=int, default=None, metavar="STEP", help="make one layer emit a NaN at STEP")
     args = parser.parse_args(argv)
     if args.command == "demo":

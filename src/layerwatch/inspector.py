@@ -17,7 +17,7 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import numpy as np
 import torch
@@ -114,21 +114,15 @@ class Inspector:
             raise TypeError(f"writer must be a SummaryWriter, got {type(writer).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if every_n_steps is not None and schedule is not None:
-            raise ValueError(f"pass every_n_steps or schedule, not both (got {every_n_steps!r} and {schedule!r})")
-        self.schedule: Schedule = (
-            as_schedule(schedule) if schedule is not None else every_n(
-                DEFAULT_EVERY_N_STEPS if every_n_steps is None else every_n_steps
-            )
+        self.schedule, self.families, self.stats, self._bins = validate_options(
+            every_n_steps=every_n_steps,
+            schedule=schedule,
+            families=families,
+            stats=stats,
+            histograms=histograms,
+            histogram_bins=histogram_bins,
         )
-        self.families = _check_choice("families", families, R.FAMILIES)
-        self.stats = _check_choice("stats", stats, S.STATS)
-        if not isinstance(histograms, bool):
-            raise TypeError(f"histograms must be a bool, got {histograms!r}")
-        if isinstance(histogram_bins, bool) or not isinstance(histogram_bins, int) or not 2 <= histogram_bins <= S.MAX_BINS:
-            raise ValueError(f"histogram_bins must be an int in [2, {S.MAX_BINS}], got {histogram_bins!r}")
         self.log_dir = None if log_dir is None else _writable_dir(log_dir)
-        self._bins = histogram_bins if histograms else 0
         self._model = weakref.ref(model)
         self._optimizer = None if optimizer is None else weakref.ref(optimizer)
         self._writer = writer
@@ -138,6 +132,7 @@ class Inspector:
         self._sample: Optional[_Sample] = None
         self._handles: list[Any] = []
         self._warned: set[str] = set()
+        self._extra_sinks: list[Callable[[R.StepRecord], None]] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -163,7 +158,7 @@ class Inspector:
         elif self.stats and any(family in self.families for family in R.TENSOR_FAMILIES):
             layout = R.custom_scalars_layout(names, self.stats)
             self._guard("write the chart layout", lambda: self._sink.write_layout(layout), disables_sink=True)
-        self._arm_if_sampled()
+        self._open_sample()
         return self
 
     def step(self) -> None:
@@ -172,16 +167,9 @@ class Inspector:
             raise RuntimeError(
                 f"step() called on an inspector that is {self._state}; call start() or use it as a context manager"
             )
-        sample = self._sample
-        if sample is not None:
-            started = time.perf_counter()
-            self._disarm()
-            self._guard("read gradients", lambda: self._read_grads(sample), when=sample.grads is None)
-            self._guard("read weights", lambda: self._read_weights(sample), when=sample.weights is None)
-            self._guard("write the sampled step", lambda: self._write(sample, started), disables_sink=True)
-            self._sample = None
+        self._close_sample()
         self._step += 1
-        self._arm_if_sampled()
+        self._open_sample()
 
     def finish(self) -> None:
         """Remove every hook, flush and (if owned) close the writer. Safe to call twice."""
@@ -213,19 +201,28 @@ class Inspector:
         self._sample = None
         self._step = step
         if self._state == "running":
-            self._arm_if_sampled()
+            self._open_sample()
 
     # ------------------------------------------------------------------ sampling
+    # A sample's life: _open_sample (step k is sampled) -> _before_update (gradients,
+    # before the optimizer changes the weights) -> _after_update (weights, update ratios)
+    # -> _close_sample (whatever is still missing is read, then written). step() and the
+    # optimizer hooks drive it here; lightning.py drives the same methods from its hooks.
 
-    def _arm_if_sampled(self) -> None:
-        if not self.schedule(self._step):
-            return
-        self._sample = _Sample(self._step)
+    def _advance_to(self, step: int) -> None:
+        """Close the open sample and open ``step`` (for drivers that count steps themselves)."""
+        self._close_sample()
+        self._step = step
+        self._open_sample()
+
+    def _open_sample(self) -> None:
+        self._disarm()
+        self._sample = _Sample(self._step) if self.schedule(self._step) else None
         optimizer = self._optimizer() if self._optimizer is not None else None
-        if optimizer is not None:
+        if self._sample is not None and optimizer is not None:
             self._handles = [
-                optimizer.register_step_pre_hook(self._before_optimizer_step),
-                optimizer.register_step_post_hook(self._after_optimizer_step),
+                optimizer.register_step_pre_hook(lambda *_: self._before_update()),
+                optimizer.register_step_post_hook(lambda *_: self._after_update()),
             ]
 
     def _disarm(self) -> None:
@@ -233,18 +230,17 @@ class Inspector:
             handle.remove()
         self._handles = []
 
-    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _before_update(self) -> None:
         sample = self._sample
         if sample is None or sample.grads is not None:
-            return None
+            return
         started = time.perf_counter()
         self._guard("read gradients", lambda: self._read_grads(sample))
         if "updates" in self.families:
             self._guard("snapshot weights for update ratios", lambda: self._snapshot(sample))
         sample.overhead_s += time.perf_counter() - started
-        return None
 
-    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _after_update(self) -> None:
         sample = self._sample
         if sample is None or sample.weights is not None:
             return
@@ -252,6 +248,16 @@ class Inspector:
         self._guard("measure updates", lambda: self._measure_update(sample), when=sample.before is not None)
         self._guard("read weights", lambda: self._read_weights(sample))
         sample.overhead_s += time.perf_counter() - started
+
+    def _close_sample(self) -> None:
+        sample, self._sample = self._sample, None
+        if sample is None:
+            return
+        started = time.perf_counter()
+        self._disarm()
+        self._guard("read gradients", lambda: self._read_grads(sample), when=sample.grads is None)
+        self._guard("read weights", lambda: self._read_weights(sample), when=sample.weights is None)
+        self._guard("write the sampled step", lambda: self._write(sample, started), disables_sink=True)
 
     def _parameters(self) -> list[tuple[str, nn.Parameter]]:
         model = self._model()
@@ -327,6 +333,8 @@ class Inspector:
         rec.scalars[R.OVERHEAD_MS] = 1e3 * (sample.overhead_s + time.perf_counter() - started)
         if self._sink is not None:
             self._sink.write(rec)
+        for extra in self._extra_sinks:
+            extra(rec)
 
     # ------------------------------------------------------------------ failures
 
@@ -362,6 +370,31 @@ def _by_device(pairs: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[list[str
 
 def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([n.to(torch.float64) for n in torch._foreach_norm(tensors)])
+
+
+def validate_options(
+    *,
+    every_n_steps: Optional[int],
+    schedule: Optional[ScheduleLike],
+    families: Collection[str],
+    stats: Sequence[str],
+    histograms: bool,
+    histogram_bins: int,
+) -> tuple[Schedule, tuple[str, ...], tuple[str, ...], int]:
+    """Check the sampling options; returns ``(schedule, families, stats, bins)``, bins 0 for none."""
+    if every_n_steps is not None and schedule is not None:
+        raise ValueError(f"pass every_n_steps or schedule, not both (got {every_n_steps!r} and {schedule!r})")
+    if schedule is not None:
+        chosen = as_schedule(schedule)
+    else:
+        chosen = every_n(DEFAULT_EVERY_N_STEPS if every_n_steps is None else every_n_steps)
+    if not isinstance(histograms, bool):
+        raise TypeError(f"histograms must be a bool, got {histograms!r}")
+    if isinstance(histogram_bins, bool) or not isinstance(histogram_bins, int) or not 2 <= histogram_bins <= S.MAX_BINS:
+        raise ValueError(f"histogram_bins must be an int in [2, {S.MAX_BINS}], got {histogram_bins!r}")
+    families = _check_choice("families", families, R.FAMILIES)
+    stats = _check_choice("stats", stats, S.STATS)
+    return chosen, families, stats, histogram_bins if histograms else 0
 
 
 def _check_choice(option: str, values: Collection[str], allowed: Sequence[str]) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ Everything here is plain Python, so deciding costs nothing on an off-step.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Iterable, Union
 
 __all__ = ["Schedule", "every_n_steps", "at_steps", "windowed", "dense_then_every", "as_schedule"]
@@ -42,7 +43,7 @@ def _check_int(name: str, value: object, minimum: int) -> int:
 def every_n_steps(n: int) -> Schedule:
     """Sample step ``k`` when ``k % n == 0`` (steps 0, n, 2n, ...)."""
     _check_int("every_n_steps", n, 1)
-    return Schedule(lambda k: k % n == 0, f"every_n_steps({n})")
+    return Schedule(partial(_every, n), f"every_n_steps({n})")
 
 
 def at_steps(steps: Iterable[int]) -> Schedule:
@@ -66,18 +67,8 @@ def windowed(*, wait: int, warmup: int = 0, active: int, repeat: int = 0, skip_f
     _check_int("active", active, 1)
     _check_int("repeat", repeat, 0)
     _check_int("skip_first", skip_first, 0)
-    cycle = wait + warmup + active
-
-    def sampled(k: int) -> bool:
-        if k < skip_first:
-            return False
-        k -= skip_first
-        if repeat and k // cycle >= repeat:
-            return False
-        return k % cycle >= wait + warmup
-
     return Schedule(
-        sampled,
+        partial(_windowed, wait + warmup, wait + warmup + active, repeat, skip_first),
         f"windowed(wait={wait}, warmup={warmup}, active={active}, repeat={repeat}, skip_first={skip_first})",
     )
 
@@ -86,7 +77,26 @@ def dense_then_every(first: int, every: int) -> Schedule:
     """Sample every step below ``first``, then every ``every``-th step: suits long runs."""
     _check_int("first", first, 0)
     _check_int("every", every, 1)
-    return Schedule(lambda k: k < first or k % every == 0, f"dense_then_every(first={first}, every={every})")
+    return Schedule(partial(_dense_then_every, first, every), f"dense_then_every(first={first}, every={every})")
+
+
+# Module-level predicates (bound with functools.partial) so schedules pickle: Lightning's
+# ddp_spawn sends the Trainer's callbacks to each process.
+def _every(n: int, k: int) -> bool:
+    return k % n == 0
+
+
+def _windowed(skipped: int, cycle: int, repeat: int, skip_first: int, k: int) -> bool:
+    if k < skip_first:
+        return False
+    k -= skip_first
+    if repeat and k // cycle >= repeat:
+        return False
+    return k % cycle >= skipped
+
+
+def _dense_then_every(first: int, every: int, k: int) -> bool:
+    return k < first or k % every == 0
 
 
 ScheduleLike = Union[Schedule, int, Iterable[int], Callable[[int], bool]]

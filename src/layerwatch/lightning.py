@@ -1,0 +1,186 @@
+"""``InspectCallback``: the Inspector engine driven by Lightning's hooks.
+
+The only module that imports Lightning. It works with ``lightning.pytorch`` or
+``pytorch_lightning``, whichever is installed (``lightning`` first); the Trainers of both
+call callbacks by their hook names, so one class serves either.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any, Collection, Optional, Sequence
+
+from layerwatch import record as R
+from layerwatch.inspector import DEFAULT_STATS, Inspector, validate_options
+from layerwatch.schedule import ScheduleLike
+
+_PACKAGES = ("lightning.pytorch", "pytorch_lightning")
+
+
+def _import_first(attribute_path: str) -> list[Any]:
+    """``attribute_path`` ("loggers.TensorBoardLogger") from each installed Lightning package."""
+    module_name, _, name = attribute_path.rpartition(".")
+    found = []
+    for package in _PACKAGES:
+        try:
+            found.append(getattr(importlib.import_module(f"{package}.{module_name}"), name))
+        except ImportError:
+            continue
+    return found
+
+
+_callback_bases = _import_first("callbacks.Callback")
+if not _callback_bases:
+    raise ImportError("layerwatch.InspectCallback needs Lightning: pip install lightning (or pytorch-lightning)")
+
+
+class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
+    """Logs per-parameter weight and gradient statistics and histograms during ``Trainer.fit``.
+
+    The same engine and options as :class:`~layerwatch.Inspector`. The step is
+    ``trainer.global_step`` (optimizer steps); step ``k`` is sampled when
+    ``k % every_n_steps == 0`` (or when ``schedule`` says so). Gradients are read in
+    ``on_before_optimizer_step``, before Lightning clips them and before the optimizer
+    changes the weights; weights and update ratios once the optimizer step is done.
+    With gradient accumulation only the step's last micro-batch counts; with several
+    optimizer steps in one batch, the batch is sampled when the global step at its start is.
+
+    With a ``TensorBoardLogger`` everything goes into the logger's own writer, so the layer
+    charts sit in the same run as your ``self.log`` metrics. Without one it writes its own
+    ``<trainer.log_dir>/layerwatch`` and says so once; run-wide scalars
+    (``layerwatch/*``) also go to the trainer's other loggers. Under DDP only global rank 0
+    measures and writes (every rank holds the same synchronized gradients).
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> from layerwatch import InspectCallback
+        >>> trainer = Trainer(max_steps=200, callbacks=[InspectCallback(every_n_steps=50)])
+        >>> trainer.fit(model)  # doctest: +SKIP
+        >>> # tensorboard --logdir lightning_logs
+
+    Args:
+        every_n_steps: Sample global step ``k`` when ``k % every_n_steps == 0``. Default 50.
+        schedule: Instead of ``every_n_steps``: a Schedule, a list of steps, or a callable.
+        families: Which of ``"weights"``, ``"grads"``, ``"updates"`` to log.
+        stats: Per-tensor scalars, from ``mean std min max norm zero_frac nonfinite``.
+        histograms: Log ``weights/<param>`` and ``grads/<param>`` histograms.
+        histogram_bins: Buckets per histogram, 2 to 254.
+
+    Use one InspectCallback per Trainer: Lightning refuses a second one (or the same
+    object twice) when the Trainer is built, because their checkpoint states would collide.
+
+    Raises:
+        ValueError, TypeError: A bad option, at construction.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: Optional[int] = None,
+        *,
+        schedule: Optional[ScheduleLike] = None,
+        families: Collection[str] = R.FAMILIES,
+        stats: Sequence[str] = DEFAULT_STATS,
+        histograms: bool = True,
+        histogram_bins: int = 32,
+    ) -> None:
+        super().__init__()
+        self._options = dict(
+            every_n_steps=every_n_steps,
+            schedule=schedule,
+            families=families,
+            stats=stats,
+            histograms=histograms,
+            histogram_bins=histogram_bins,
+        )
+        validate_options(**self._options)
+        self._inspector: Optional[Inspector] = None
+        self._last_written_step = -1
+        self.log_dir: Optional[str] = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        log_dir = trainer.log_dir  # a collective call: every rank must make it
+        if not trainer.is_global_zero:
+            return
+        tensorboard_types = tuple(_import_first("loggers.TensorBoardLogger"))
+        tensorboard = next((lg for lg in trainer.loggers if isinstance(lg, tensorboard_types)), None)
+        if tensorboard is not None:
+            target: dict[str, Any] = {"writer": tensorboard.experiment}
+            self.log_dir = tensorboard.log_dir
+        else:
+            self.log_dir = os.path.join(log_dir or trainer.default_root_dir, "layerwatch")
+            target = {"log_dir": self.log_dir}
+            _import_first("utilities.rank_zero.rank_zero_info")[0](
+                f"layerwatch: no TensorBoardLogger on the Trainer; writing TensorBoard logs to {self.log_dir}"
+            )
+        self._inspector = Inspector(pl_module, **target, **self._options)
+        others = [lg for lg in trainer.loggers if lg is not tensorboard]
+        if others:
+            self._inspector._extra_sinks.append(lambda rec: _log_run_wide(others, rec))
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._inspector is None:
+            return
+        self._inspector.load_state_dict({"step": trainer.global_step})
+        self._inspector.start()
+        self._skip_if_written()
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self._inspector is not None:
+            self._inspector._before_update()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        inspector = self._inspector
+        if inspector is None or trainer.global_step == inspector.current_step:
+            return  # no optimizer step finished in this batch (gradient accumulation)
+        inspector._after_update()
+        if inspector._sample is not None:
+            self._last_written_step = inspector._sample.step
+        self._advance(trainer.global_step)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._finish()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._finish()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._finish()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"last_written_step": self._last_written_step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        step = state_dict.get("last_written_step", -1)
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ValueError(f"last_written_step must be an int, got {step!r}")
+        self._last_written_step = step
+
+    # ------------------------------------------------------------------ helpers
+
+    def _advance(self, step: int) -> None:
+        """Close the open sample and open ``step``, never sampling a step written before a resume."""
+        self._inspector._advance_to(step)
+        self._skip_if_written()
+
+    def _skip_if_written(self) -> None:
+        inspector = self._inspector
+        if inspector._sample is not None and inspector._sample.step <= self._last_written_step:
+            inspector._disarm()
+            inspector._sample = None
+
+    def _finish(self) -> None:
+        if self._inspector is not None:
+            self._inspector.finish()
+            self._inspector = None
+
+
+def _log_run_wide(loggers: Sequence[Any], record: R.StepRecord) -> None:
+    """Send the run-wide scalars to loggers that are not TensorBoard (cheap: a few values)."""
+    metrics = {tag: value for tag, value in record.scalars.items() if tag.startswith("layerwatch/")}
+    for logger in loggers:
+        logger.log_metrics(metrics, step=record.step)

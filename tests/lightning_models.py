@@ -1,0 +1,82 @@
+"""LightningModules for the tests, at module level so ddp_spawn can pickle them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning.pytorch as L
+
+
+def dataset(n: int = 64, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, (x[:, :4].sum(1, keepdim=True) > 0).float())
+
+
+class LitMLP(L.LightningModule):
+    """Logs its loss with self.log and remembers each step's gradient norms before clipping."""
+
+    def __init__(self, lr: float = 0.1, record_dir: Optional[str] = None) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.lr = lr
+        self.record_dir = record_dir  # where each rank writes what it saw (for DDP tests)
+        self.seen_grad_norms: dict[int, dict[str, float]] = {}
+        self.seen_batches: list[list[float]] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen_batches.append(x[:, 0].tolist())
+        loss = F.binary_cross_entropy_with_logits(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def on_train_end(self) -> None:
+        if self.record_dir is not None:
+            seen = {"grad_norms": self.seen_grad_norms, "batches": self.seen_batches}
+            Path(self.record_dir, f"rank{self.global_rank}.json").write_text(json.dumps(seen))
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # Called after the callbacks' hook and before Lightning clips the gradients.
+        self.seen_grad_norms[self.trainer.global_step] = {
+            name: p.grad.norm().item() for name, p in self.named_parameters() if p.grad is not None
+        }
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        return DataLoader(dataset(), batch_size=8, shuffle=False)
+
+
+class TwoOptimizers(L.LightningModule):
+    """Manual optimization with two optimizers: two global steps per batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt_a, opt_b = self.optimizers()
+        loss = F.mse_loss(self.second(torch.relu(self.first(x))), y)
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        self.manual_backward(loss)
+        opt_a.step()
+        opt_b.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.first.parameters(), lr=0.1), torch.optim.SGD(self.second.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(dataset(), batch_size=8)

@@ -1,0 +1,43 @@
+"""DDP on CPU: two ranks with ddp_spawn; rank 0 alone writes, gradients are the synchronized ones."""
+
+import json
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+import lightning.pytorch as L
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from layerwatch import InspectCallback
+from lightning_models import LitMLP
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+def test_ddp_spawn_rank_zero_writes_each_sample_once_with_synchronized_grads(tmp_path, events):
+    model = LitMLP(record_dir=str(tmp_path))
+    logger = TensorBoardLogger(tmp_path, name="ddp", version=0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4, logger=logger,
+        callbacks=[InspectCallback(every_n_steps=2)], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, log_every_n_steps=1, default_root_dir=tmp_path,
+    )
+    trainer.fit(model)
+
+    files = list((tmp_path / "ddp" / "version_0").glob("events.out.tfevents.*"))
+    histogram_steps = [
+        event.step
+        for f in files
+        for event in LegacyEventFileLoader(str(f)).Load()
+        for value in event.summary.value
+        if value.tag == "grads/net.0.weight"
+    ]
+    assert sorted(histogram_steps) == [0, 2]  # written once per sampled step, by one rank
+
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["batches"][0] != ranks[1]["batches"][0]  # each rank trained on its own data...
+    logged = {e.step: e.value for e in events(tmp_path / "ddp" / "version_0").Scalars("grads_norm/net.0.weight")}
+    for step in (0, 2):
+        on_rank = [r["grad_norms"][str(step)]["net.0.weight"] for r in ranks]
+        assert on_rank[0] == pytest.approx(on_rank[1], rel=1e-6)  # ...yet holds the all-reduced gradient
+        assert logged[step] == pytest.approx(on_rank[0], rel=1e-5)
