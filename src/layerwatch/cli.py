@@ -22,9 +22,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     demo = commands.add_parser(
         "demo", help="train a small built-in model with Lightning and InspectCallback; write TensorBoard logs"
     )
-    demo.add_argument("--steps", type=_positive, default=3000, help="optimizer steps (default 3000)")
+    demo.add_argument("--steps", type=_positive, default=8000, help="optimizer steps (default 8000)")
     demo.add_argument("--logdir", default="runs/layerwatch-demo", help="TensorBoard log directory")
-    demo.add_argument("--every", type=_positive, default=25, help="sample every N steps (default 25)")
+    demo.add_argument("--every", type=_positive, default=50, help="sample every N steps (default 50)")
     demo.add_argument("--inject-nan", type=int, default=None, metavar="STEP", help="make one layer emit a NaN at STEP")
     args = parser.parse_args(argv)
     if args.command == "demo":

@@ -60,7 +60,7 @@ class DemoModule(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
-def run_demo(steps: int = 3000, log_dir: str = "runs/layerwatch-demo", every: int = 25,
+def run_demo(steps: int = 8000, log_dir: str = "runs/layerwatch-demo", every: int = 50,
              inject_nan: Optional[int] = None, batch: int = 128) -> Path:
     """Train ``DemoModule`` for ``steps`` optimizer steps; returns the run directory."""
     L.seed_everything(0, verbose=False)

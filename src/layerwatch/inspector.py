@@ -43,7 +43,7 @@ class _Sample:
     overhead_s: float = 0.0
     grads: Optional[list[_Piece]] = None
     weights: Optional[list[_Piece]] = None
-    before: Optional[list[tuple[list[str], list[torch.Tensor], torch.Tensor]]] = None
+    before: Optional[list[tuple[Any, list[str], list[torch.Tensor], torch.Tensor]]] = None
     update: Optional[list[_Piece]] = None
 
 
@@ -145,12 +145,13 @@ class Inspector:
         """Open the writer, write the chart layout, and arm step 0 if it is sampled."""
         if self._state != "new":
             raise RuntimeError(f"start() called on an inspector that is {self._state}")
-        writer = self._writer
-        if writer is None:
-            from torch.utils.tensorboard import SummaryWriter
+        if _is_writer_rank():
+            writer = self._writer
+            if writer is None:
+                from torch.utils.tensorboard import SummaryWriter
 
-            writer = SummaryWriter(log_dir=None if self.log_dir is None else str(self.log_dir))
-        self._sink = TensorBoardSink(writer, owns_writer=self._writer is None)
+                writer = SummaryWriter(log_dir=None if self.log_dir is None else str(self.log_dir))
+            self._sink = TensorBoardSink(writer, owns_writer=self._writer is None)
         self._state = "running"
         names = [name for name, _ in self._parameters()]
         if not names:
@@ -265,10 +266,19 @@ class Inspector:
             return []
         return [(name, p) for name, p in model.named_parameters() if p.numel() > 0]
 
-    def _reduce(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        return S.reduce(
-            tensors, self._bins, zeros="zero_frac" in self.stats, centered="std" in self.stats
-        )
+    def _reduce(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> list[_Piece]:
+        """Packed rows of named tensors: sharded ones by every rank together, the rest on rank 0."""
+        plain, sharded = _split_sharded(pairs, self._warn_once)
+        zeros, centered = "zero_frac" in self.stats, "std" in self.stats
+        pieces = [
+            (names, S.reduce_sharded(shards, group, self._bins, zeros=zeros)) for (group, names, shards) in sharded
+        ]
+        if _is_writer_rank():
+            pieces += [
+                (names, S.reduce(tensors, self._bins, zeros=zeros, centered=centered))
+                for names, tensors in _by_device(plain)
+            ]
+        return pieces
 
     def _read_grads(self, sample: _Sample) -> None:
         if "grads" not in self.families:
@@ -287,30 +297,36 @@ class Inspector:
                 f"layerwatch: no gradients at sampled step {sample.step}; call inspector.step() after "
                 "optimizer.step() and before optimizer.zero_grad(), or pass optimizer=",
             )
-        sample.grads = [(names, self._reduce(tensors)) for names, tensors in _by_device(pairs)]
+        sample.grads = self._reduce(pairs)
 
     def _read_weights(self, sample: _Sample) -> None:
         if "weights" in self.families:
-            sample.weights = [(names, self._reduce(tensors)) for names, tensors in _by_device(self._parameters())]
+            sample.weights = self._reduce(self._parameters())
 
     def _snapshot(self, sample: _Sample) -> None:
         trainable = [(name, p) for name, p in self._parameters() if p.requires_grad]
+        plain, sharded = _split_sharded(trainable, self._warn_once)
+        groups = [(group, names, shards) for group, names, shards in sharded]
+        if _is_writer_rank():
+            groups += [(None, names, tensors) for names, tensors in _by_device(plain)]
         sample.before = []
         with torch.no_grad():
-            for names, params in _by_device(trainable):
-                before = [p.detach().clone() for p in params]
-                sample.before.append((names, before, _norms(before)))
+            for group, names, tensors in groups:
+                before = [t.detach().clone() for t in tensors]
+                sample.before.append((group, names, before, _norms(before, group)))
 
     def _measure_update(self, sample: _Sample) -> None:
         current = dict(self._parameters())
         sample.update = []
         with torch.no_grad():
-            for names, before, norms in sample.before:
-                torch._foreach_sub_(before, [current[name].detach() for name in names])
-                sample.update.append((names, torch.stack([_norms(before), norms])))
+            for group, names, before, norms in sample.before:
+                torch._foreach_sub_(before, [_local(current[name]).detach() for name in names])
+                sample.update.append((names, torch.stack([_norms(before, group), norms])))
         sample.before = None
 
     def _write(self, sample: _Sample, started: float) -> None:
+        if not _is_writer_rank():
+            return
         families = {"grads": sample.grads or [], "weights": sample.weights or [], "update": sample.update or []}
         arrays = iter(S.to_host([rows for pieces in families.values() for _, rows in pieces]))
         host = {
@@ -368,8 +384,61 @@ def _by_device(pairs: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[list[str
     return list(groups.values())
 
 
-def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack([n.to(torch.float64) for n in torch._foreach_norm(tensors)])
+def _norms(tensors: list[torch.Tensor], group: Any = None) -> torch.Tensor:
+    """L2 norms; of whole sharded tensors when ``group`` is the group holding their shards."""
+    norms = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(tensors)])
+    if group is None:
+        return norms
+    import torch.distributed as dist
+
+    squares = norms**2
+    dist.all_reduce(squares, group=group)
+    return squares.sqrt()
+
+
+def _is_writer_rank() -> bool:
+    """Rank 0 writes; every rank takes part in the reductions of sharded tensors."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def _split_sharded(
+    pairs: Sequence[tuple[str, torch.Tensor]], warn_once: Callable[[str, str], None]
+) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[Any, list[str], list[torch.Tensor]]]]:
+    """Plain (or replicated) tensors, and sharded DTensors as (group, names, local shards).
+
+    A DTensor sharded along one mesh dimension is reduced over that dimension's process
+    group; replicated DTensors count as plain (their local tensor is the whole tensor).
+    """
+    plain: list[tuple[str, torch.Tensor]] = []
+    groups: dict[Any, tuple[list[str], list[torch.Tensor]]] = {}
+    for name, tensor in pairs:
+        if not _is_dtensor(tensor):
+            plain.append((name, tensor))
+            continue
+        shard_dims = [i for i, placement in enumerate(tensor.placements) if placement.is_shard()]
+        if not shard_dims:
+            plain.append((name, tensor.to_local()))
+        elif len(shard_dims) == 1:
+            names, shards = groups.setdefault(tensor.device_mesh.get_group(shard_dims[0]), ([], []))
+            names.append(name)
+            shards.append(tensor.to_local())
+        else:
+            warn_once(f"shard:{name}", f"layerwatch: {name!r} is sharded along several mesh dimensions; not measured")
+    return plain, [(group, names, shards) for group, (names, shards) in groups.items()]
 
 
 def validate_options(

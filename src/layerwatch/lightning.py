@@ -50,7 +50,9 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
     charts sit in the same run as your ``self.log`` metrics. Without one it writes its own
     ``<trainer.log_dir>/layerwatch`` and says so once; run-wide scalars
     (``layerwatch/*``) also go to the trainer's other loggers. Under DDP only global rank 0
-    measures and writes (every rank holds the same synchronized gradients).
+    measures and writes (every rank holds the same synchronized gradients); with sharded
+    parameters (FSDP2, DTensor) every rank reduces its shards and rank 0 writes the exact
+    statistics of the whole tensors.
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -104,21 +106,24 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         if stage != "fit":
             return
         log_dir = trainer.log_dir  # a collective call: every rank must make it
-        if not trainer.is_global_zero:
-            return
-        tensorboard_types = tuple(_import_first("loggers.TensorBoardLogger"))
-        tensorboard = next((lg for lg in trainer.loggers if isinstance(lg, tensorboard_types)), None)
-        if tensorboard is not None:
-            target: dict[str, Any] = {"writer": tensorboard.experiment}
-            self.log_dir = tensorboard.log_dir
-        else:
-            self.log_dir = os.path.join(log_dir or trainer.default_root_dir, "layerwatch")
-            target = {"log_dir": self.log_dir}
-            _import_first("utilities.rank_zero.rank_zero_info")[0](
-                f"layerwatch: no TensorBoardLogger on the Trainer; writing TensorBoard logs to {self.log_dir}"
-            )
+        target: dict[str, Any] = {}
+        others: list[Any] = []
+        if trainer.is_global_zero:
+            tensorboard_types = tuple(_import_first("loggers.TensorBoardLogger"))
+            tensorboard = next((lg for lg in trainer.loggers if isinstance(lg, tensorboard_types)), None)
+            if tensorboard is not None:
+                target = {"writer": tensorboard.experiment}
+                self.log_dir = tensorboard.log_dir
+            else:
+                self.log_dir = os.path.join(log_dir or trainer.default_root_dir, "layerwatch")
+                target = {"log_dir": self.log_dir}
+                _import_first("utilities.rank_zero.rank_zero_info")[0](
+                    f"layerwatch: no TensorBoardLogger on the Trainer; writing TensorBoard logs to {self.log_dir}"
+                )
+            others = [lg for lg in trainer.loggers if lg is not tensorboard]
+        # Every rank gets an inspector: each takes part in the reductions of sharded
+        # parameters (FSDP); only rank 0 reads replicated ones and writes.
         self._inspector = Inspector(pl_module, **target, **self._options)
-        others = [lg for lg in trainer.loggers if lg is not tensorboard]
         if others:
             self._inspector._extra_sinks.append(lambda rec: _log_run_wide(others, rec))
 

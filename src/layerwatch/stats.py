@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -107,20 +107,28 @@ def reduce(
         return torch.stack([_reduce_generic(t, bins, zeros, centered) for t in flat])
 
 
-def _reduce_generic(t: torch.Tensor, bins: int, zeros: bool, centered: bool) -> torch.Tensor:
-    """One tensor's row with masked ops only: correct for any values, no host read."""
+def _reduce_generic(
+    t: torch.Tensor,
+    bins: int,
+    zeros: bool,
+    centered: bool,
+    extremes: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+) -> torch.Tensor:
+    """One tensor's row with masked ops only: correct for any values, no host read.
+
+    ``extremes`` replaces the tensor's own finite (min, max), e.g. by a range shared by
+    the shards of one tensor, so that their bucket counts add up.
+    """
     finite = torch.isfinite(t)
-    x = torch.where(finite, t, torch.zeros((), dtype=t.dtype, device=t.device))
+    zero = torch.zeros((), dtype=t.dtype, device=t.device)
+    x = torch.where(finite, t, zero)
     count = finite.sum()
     total = x.sum()
-    inf = torch.full((), math.inf, dtype=t.dtype, device=t.device)
-    mn = torch.where(finite, t, inf).amin()
-    mx = torch.where(finite, t, -inf).amax()
+    mn, mx = _finite_extremes(t, finite) if extremes is None else extremes
     nan = torch.full((), math.nan, dtype=torch.float64, device=t.device)
     n_zeros = (t.numel() - torch.count_nonzero(t)) if zeros else nan
     if centered:
-        mean = total / count.clamp(min=1)
-        dev = torch.where(finite, t - mean, torch.zeros((), dtype=t.dtype, device=t.device))
+        dev = torch.where(finite, t - total / count.clamp(min=1), zero)
         csumsq = torch.dot(dev, dev)
     else:
         csumsq = nan
@@ -133,6 +141,47 @@ def _reduce_generic(t: torch.Tensor, bins: int, zeros: bool, centered: bool) -> 
     counts = torch.zeros(bins + 3, dtype=torch.int64, device=t.device).scatter_add_(0, q, torch.ones_like(q))
     head += [scale, anchor, zero_point]
     return torch.cat([torch.stack([v.to(torch.float64) for v in head]), counts[: bins + 2].to(torch.float64)])
+
+
+def _finite_extremes(t: torch.Tensor, finite: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) of the finite values; (inf, -inf) when there are none (or no values)."""
+    inf = torch.full((), math.inf, dtype=t.dtype, device=t.device)
+    if t.numel() == 0:
+        return inf, -inf
+    return torch.where(finite, t, inf).amin(), torch.where(finite, t, -inf).amax()
+
+
+def reduce_sharded(local_shards: Sequence[torch.Tensor], group: Any, bins: int, *, zeros: bool = False) -> torch.Tensor:
+    """Exact rows of whole tensors whose shards live on the ranks of ``group``.
+
+    Every rank of the group calls this with its own shards of the same tensors, in the
+    same order, and gets the same rows. Nothing is gathered: one ``all_reduce(MIN)`` of
+    the shards' finite extremes fixes a shared histogram grid, then one ``all_reduce(SUM)``
+    adds up counts, sums, sums of squares and bucket counts. The std of a sharded tensor
+    comes from its sum and sum of squares.
+    """
+    import torch.distributed as dist
+
+    if not local_shards:
+        return torch.empty(0, row_width(bins), dtype=torch.float64)
+    flat = [t.detach().reshape(-1).float() for t in local_shards]
+    with torch.no_grad():
+        extremes = torch.stack([torch.stack(_finite_extremes(t, torch.isfinite(t))) for t in flat]).double()
+        extremes[:, 1].neg_()
+        dist.all_reduce(extremes, op=dist.ReduceOp.MIN, group=group)
+        extremes[:, 1].neg_()
+        rows = torch.stack(
+            [
+                _reduce_generic(t, bins, zeros, False, (extremes[i, 0].to(t.dtype), extremes[i, 1].to(t.dtype)))
+                for i, t in enumerate(flat)
+            ]
+        )
+        additive = [COUNT, NONFINITE, SUM, SUMSQ, ZEROS] + list(range(HIST, rows.shape[1]))
+        summed = rows[:, additive].contiguous()
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+        rows[:, additive] = summed
+        rows[:, CENTERED_SUMSQ] = rows[:, SUMSQ] - rows[:, SUM] ** 2 / rows[:, COUNT].clamp(min=1)
+    return rows
 
 
 def _reduce_cpu(flat: list[torch.Tensor], bins: int, zeros: bool, centered: bool) -> torch.Tensor:
