@@ -176,8 +176,7 @@ class Inspector:
         """Remove every hook, flush and (if owned) close the writer. Safe to call twice."""
         if self._state == "finished":
             return
-        self._disarm()
-        self._sample = None
+        self._drop_sample()
         if self._sink is not None:
             self._guard("flush the writer", self._sink.close, disables_sink=True)
             self._sink = None
@@ -198,8 +197,7 @@ class Inspector:
         step = state.get("step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"state['step'] must be an int >= 0, got {step!r}")
-        self._disarm()
-        self._sample = None
+        self._drop_sample()
         self._step = step
         if self._state == "running":
             self._open_sample()
@@ -209,6 +207,16 @@ class Inspector:
     # before the optimizer changes the weights) -> _after_update (weights, update ratios)
     # -> _close_sample (whatever is still missing is read, then written). step() and the
     # optimizer hooks drive it here; lightning.py drives the same methods from its hooks.
+
+    @property
+    def _sampled_step(self) -> Optional[int]:
+        """The step of the open sample, or None."""
+        return None if self._sample is None else self._sample.step
+
+    def _drop_sample(self) -> None:
+        """Forget the open sample without writing it."""
+        self._disarm()
+        self._sample = None
 
     def _advance_to(self, step: int) -> None:
         """Close the open sample and open ``step`` (for drivers that count steps themselves)."""

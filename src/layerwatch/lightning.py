@@ -143,8 +143,8 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         if inspector is None or trainer.global_step == inspector.current_step:
             return  # no optimizer step finished in this batch (gradient accumulation)
         inspector._after_update()
-        if inspector._sample is not None:
-            self._last_written_step = inspector._sample.step
+        if inspector._sampled_step is not None:
+            self._last_written_step = inspector._sampled_step
         self._advance(trainer.global_step)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -173,10 +173,9 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         self._skip_if_written()
 
     def _skip_if_written(self) -> None:
-        inspector = self._inspector
-        if inspector._sample is not None and inspector._sample.step <= self._last_written_step:
-            inspector._disarm()
-            inspector._sample = None
+        sampled = self._inspector._sampled_step
+        if sampled is not None and sampled <= self._last_written_step:
+            self._inspector._drop_sample()
 
     def _finish(self) -> None:
         if self._inspector is not None:
