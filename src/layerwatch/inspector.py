@@ -274,19 +274,27 @@ class Inspector:
             return []
         return [(name, p) for name, p in model.named_parameters() if p.numel() > 0]
 
-    def _reduce(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> list[_Piece]:
-        """Packed rows of named tensors: sharded ones by every rank together, the rest on rank 0."""
-        plain, sharded = _split_sharded(pairs, self._warn_once)
-        zeros, centered = "zero_frac" in self.stats, "std" in self.stats
-        pieces = [
-            (names, S.reduce_sharded(shards, group, self._bins, zeros=zeros)) for (group, names, shards) in sharded
-        ]
+    def _this_ranks_groups(
+        self, pairs: Sequence[tuple[str, torch.Tensor]]
+    ) -> list[tuple[Any, list[str], list[torch.Tensor]]]:
+        """``(group, names, tensors)`` this rank reduces: sharded tensors (local shards) with
+        their process group on every rank, then the rest by device (group None) on rank 0."""
+        plain, groups = _split_sharded(pairs, self._warn_once)
         if _is_writer_rank():
-            pieces += [
-                (names, S.reduce(tensors, self._bins, zeros=zeros, centered=centered))
-                for names, tensors in _by_device(plain)
-            ]
-        return pieces
+            groups += [(None, names, tensors) for names, tensors in _by_device(plain)]
+        return groups
+
+    def _reduce(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> list[_Piece]:
+        zeros, centered = "zero_frac" in self.stats, "std" in self.stats
+        return [
+            (
+                names,
+                S.reduce(tensors, self._bins, zeros=zeros, centered=centered)
+                if group is None
+                else S.reduce_sharded(tensors, group, self._bins, zeros=zeros),
+            )
+            for group, names, tensors in self._this_ranks_groups(pairs)
+        ]
 
     def _read_grads(self, sample: _Sample) -> None:
         if "grads" not in self.families:
@@ -313,13 +321,9 @@ class Inspector:
 
     def _snapshot(self, sample: _Sample) -> None:
         trainable = [(name, p) for name, p in self._parameters() if p.requires_grad]
-        plain, sharded = _split_sharded(trainable, self._warn_once)
-        groups = [(group, names, shards) for group, names, shards in sharded]
-        if _is_writer_rank():
-            groups += [(None, names, tensors) for names, tensors in _by_device(plain)]
         sample.before = []
         with torch.no_grad():
-            for group, names, tensors in groups:
+            for group, names, tensors in self._this_ranks_groups(trainable):
                 before = [t.detach().clone() for t in tensors]
                 sample.before.append((group, names, before, _norms(before, group)))
 

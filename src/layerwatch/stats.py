@@ -203,9 +203,10 @@ def _reduce_cpu(flat: list[torch.Tensor], bins: int, zeros: bool, centered: bool
             values = torch.stack([p.double() for p in parts]).tolist()
             mn, mx, total, norm = values[:4]
             if not math.isfinite(mn + mx + total + norm):
-                generic[i] = _reduce_generic(t, bins, zeros, centered)
+                generic[i] = _reduce_generic(t, bins, zeros, centered)  # replaces row i below
                 heads.append([nan] * HIST)
-                counts.append(torch.zeros(256, dtype=torch.int64))
+                if bins:
+                    counts.append(torch.zeros(256, dtype=torch.int64))
                 continue
             n = t.numel()
             extra = values[4:]
