@@ -27,6 +27,7 @@ from layerwatch import record as R
 from layerwatch import stats as S
 from layerwatch.schedule import Schedule, ScheduleLike, as_schedule, every_n_steps as every_n
 from layerwatch.sinks.tensorboard import TensorBoardSink
+from layerwatch.structure import StructureProbe, Summary
 
 DEFAULT_EVERY_N_STEPS = 50
 DEFAULT_STATS = ("norm", "nonfinite")
@@ -78,7 +79,9 @@ class Inspector:
         optimizer: When given, gradients are read just before ``optimizer.step()`` and
             weights just after it, and ``update_ratio/<param>`` is logged. Its hooks
             exist only during sampled steps.
-        families: Which of ``"weights"``, ``"grads"``, ``"updates"`` to log.
+        families: Which of ``"weights"``, ``"grads"``, ``"updates"``, ``"structure"`` to log.
+            ``"structure"`` writes the layer table (``layerwatch/structure``) and the
+            parameter and MAC counts once, from the forward of the first sampled step.
         stats: Per-tensor scalars to log for weights and grads, from
             ``mean std min max norm zero_frac nonfinite``.
         histograms: Log ``weights/<param>`` and ``grads/<param>`` histograms.
@@ -131,6 +134,8 @@ class Inspector:
         self._step = 0
         self._sample: Optional[_Sample] = None
         self._handles: list[Any] = []
+        self._structure: Optional[StructureProbe] = None
+        self._structure_written = False
         self._warned: set[str] = set()
         self._extra_sinks: list[Callable[[R.StepRecord], None]] = []
 
@@ -233,11 +238,43 @@ class Inspector:
                 optimizer.register_step_pre_hook(lambda *_: self._before_update()),
                 optimizer.register_step_post_hook(lambda *_: self._after_update()),
             ]
+        if self._sample is not None and self._wants_structure():
+            self._guard("record the layer table", self._arm_structure)
 
     def _disarm(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._take_structure()
+
+    def _wants_structure(self) -> bool:
+        return "structure" in self.families and not self._structure_written and _is_writer_rank()
+
+    def _arm_structure(self) -> None:
+        model = self._model()
+        if model is None:
+            return
+        if any(hasattr(m, "_orig_mod") for m in model.modules()):
+            self._structure_written = True  # hooks would make torch.compile recompile; do not retry
+            self._warn_once(
+                "compiled",
+                "layerwatch: the model (or part of it) is torch.compile'd; the layer table is not recorded "
+                "during training. Call layerwatch.summarize(model._orig_mod, batch) for it.",
+            )
+            return
+        self._structure = StructureProbe(model, training_only=True)
+
+    def _take_structure(self) -> Optional[Summary]:
+        """Remove the layer-table hooks; the table when they saw a whole forward."""
+        probe, self._structure = self._structure, None
+        if probe is None:
+            return None
+        probe.remove()
+        if probe.error is not None:
+            self._structure_written = True
+            self._warn_once("fail:structure", f"layerwatch: could not record the layer table: {probe.error!r}; skipped")
+            return None
+        return probe.summary() if probe.windows else None
 
     def _before_update(self) -> None:
         sample = self._sample
@@ -263,10 +300,11 @@ class Inspector:
         if sample is None:
             return
         started = time.perf_counter()
+        structure = self._take_structure()
         self._disarm()
         self._guard("read gradients", lambda: self._read_grads(sample), when=sample.grads is None)
         self._guard("read weights", lambda: self._read_weights(sample), when=sample.weights is None)
-        self._guard("write the sampled step", lambda: self._write(sample, started), disables_sink=True)
+        self._guard("write the sampled step", lambda: self._write(sample, started, structure), disables_sink=True)
 
     def _parameters(self) -> list[tuple[str, nn.Parameter]]:
         model = self._model()
@@ -336,7 +374,7 @@ class Inspector:
                 sample.update.append((names, torch.stack([_norms(before, group), norms])))
         sample.before = None
 
-    def _write(self, sample: _Sample, started: float) -> None:
+    def _write(self, sample: _Sample, started: float, structure: Optional[Summary]) -> None:
         if not _is_writer_rank():
             return
         families = {"grads": sample.grads or [], "weights": sample.weights or [], "update": sample.update or []}
@@ -358,6 +396,9 @@ class Inspector:
                 ratios = np.where(deltas == 0, 0.0, deltas / norms)
             for name, ratio in zip(names, ratios.tolist()):
                 rec.scalars[R.update_ratio_tag(name)] = ratio
+        if structure is not None:
+            rec.add_structure(structure)
+            self._structure_written = True
         rec.scalars[R.OVERHEAD_MS] = 1e3 * (sample.overhead_s + time.perf_counter() - started)
         if self._sink is not None:
             self._sink.write(rec)

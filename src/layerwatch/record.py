@@ -14,12 +14,18 @@ import numpy as np
 
 from layerwatch import stats as S
 from layerwatch.stats import Histogram
+from layerwatch.structure import Summary
 
 TENSOR_FAMILIES = ("weights", "grads")
-FAMILIES = TENSOR_FAMILIES + ("updates",)
+FAMILIES = TENSOR_FAMILIES + ("updates", "structure")
 
 GRAD_NORM = "layerwatch/grad_norm"
 OVERHEAD_MS = "layerwatch/overhead_ms"
+STRUCTURE = "layerwatch/structure"
+PARAMS_TOTAL = "layerwatch/params_total"
+PARAMS_LEARNABLE = "layerwatch/params_learnable"
+PARAMS_FROZEN = "layerwatch/params_frozen"
+MACS_PER_STEP = "layerwatch/macs_per_step"
 
 
 def histogram_tag(family: str, name: str) -> str:
@@ -41,6 +47,15 @@ class StepRecord:
     step: int
     scalars: dict[str, float] = field(default_factory=dict)
     histograms: dict[str, Histogram] = field(default_factory=dict)
+    texts: dict[str, str] = field(default_factory=dict)
+
+    def add_structure(self, summary: Summary) -> None:
+        """The layer table as text (a Markdown code block keeps it aligned) and its totals."""
+        self.texts[STRUCTURE] = "\n".join("    " + line for line in summary.to_text().splitlines())
+        self.scalars[PARAMS_TOTAL] = summary.total_params
+        self.scalars[PARAMS_LEARNABLE] = summary.learnable_params
+        self.scalars[PARAMS_FROZEN] = summary.frozen_params
+        self.scalars[MACS_PER_STEP] = summary.total_macs
 
     def add_tensor_family(
         self, family: str, names: Sequence[str], rows: np.ndarray, stats: Sequence[str], bins: int

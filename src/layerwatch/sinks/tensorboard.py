@@ -50,6 +50,8 @@ class TensorBoardSink:
                 self.writer.add_histogram_raw(
                     tag, h.min, h.max, h.num, h.sum, h.sum_squares, h.bucket_limits, h.bucket_counts, record.step
                 )
+            for tag, text in record.texts.items():
+                self.writer.add_text(tag, text, record.step)
         self.writer.flush()
 
     def write_layout(self, layout: dict) -> None:
@@ -79,7 +81,11 @@ _HISTO_HEAD = struct.Struct("<BdBdBdBdBd")
 
 
 def encode_summary(record: StepRecord) -> bytes:
-    """The serialized ``Summary`` holding all of ``record``'s scalars and histograms."""
+    """The serialized ``Summary`` holding all of ``record``'s scalars, histograms and texts.
+
+    Texts are rare (the layer table, once), so they are built by torch's own builder;
+    serialized ``Summary`` messages concatenate into one.
+    """
     values = [
         _message_field(1, _message_field(1, tag.encode()) + _FLOAT_FIELD_2 + struct.pack("<f", v))
         for tag, v in record.scalars.items()
@@ -88,6 +94,7 @@ def encode_summary(record: StepRecord) -> bytes:
         _message_field(1, _message_field(1, tag.encode()) + _message_field(5, _encode_histogram(h)))
         for tag, h in record.histograms.items()
     ]
+    values += [builders.text(tag, text).SerializeToString() for tag, text in record.texts.items()]
     return b"".join(values)
 
 
