@@ -61,3 +61,43 @@ def train(model: nn.Module, steps: int, inspector=None, *, optimizer=None, seed:
         if inspector is not None:
             inspector.step()
     return losses
+
+
+class SmallCNN(nn.Module):
+    """The edge-deployment tool's reference model: input 1x28x28, ten classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.pool1 = nn.MaxPool2d(2)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.pool2 = nn.MaxPool2d(2)
+        self.fc = nn.Linear(32 * 7 * 7, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool1(torch.relu(self.conv1(x)))
+        x = self.pool2(torch.relu(self.conv2(x)))
+        return self.fc(x.flatten(1))
+
+
+class SharedLayer(nn.Module):
+    """One Linear called twice per forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.layer(torch.relu(self.layer(x))))
+
+
+class BatchNormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.bn(self.conv(x)))

@@ -1,5 +1,6 @@
 import csv
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,10 @@ def test_layer_charts_share_the_run_with_the_modules_own_metrics(tmp_path, event
     scalars = acc.Tags()["scalars"]
     assert "train_loss" in scalars
     assert "weights/net.0.weight" in acc.Tags()["histograms"] and "grads/net.2.bias" in acc.Tags()["histograms"]
+    table = acc.Tensors("layerwatch/structure/text_summary")
+    assert [t.step for t in table] == [0]
+    assert re.search(r"0 \(Linear\) +\[8, 8\] +\[8, 16\]", table[0].tensor_proto.string_val[0].decode())  # real batch
+    assert acc.Scalars("layerwatch/macs_per_step")[0].value == 8 * 8 * 16 + 8 * 16 * 1
     assert [e.step for e in acc.Scalars("weights_norm/net.0.weight")] == [0, 2, 4]
     assert "update_ratio/net.0.weight" in scalars  # the callback always sees the optimizer step
     # gradients are the ones the optimizer is about to use, read in on_before_optimizer_step
@@ -83,6 +88,9 @@ def test_without_tensorboard_logger_writes_its_own_run_and_feeds_other_loggers(t
     with open(Path(csv_logger.log_dir) / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("layerwatch/grad_norm")]
     assert [int(r["step"]) for r in rows] == [0, 2, 4]
+    assert [(int(r["step"]), float(r["layerwatch/params_total"])) for r in rows if r["layerwatch/params_total"]] == [
+        (0, 8 * 16 + 16 + 16 + 1)
+    ]
 
 
 def test_logger_false_writes_under_default_root_dir(tmp_path, events):

@@ -2,8 +2,19 @@
 
 from layerwatch.inspector import Inspector
 from layerwatch.schedule import Schedule, at_steps, dense_then_every, every_n_steps, windowed
+from layerwatch.structure import Summary, summarize
 
-__all__ = ["Inspector", "InspectCallback", "Schedule", "every_n_steps", "at_steps", "windowed", "dense_then_every"]
+__all__ = [
+    "Inspector",
+    "InspectCallback",
+    "summarize",
+    "Summary",
+    "Schedule",
+    "every_n_steps",
+    "at_steps",
+    "windowed",
+    "dense_then_every",
+]
 __version__ = "0.1.0"
 
 

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
-from typing import Optional, Sequence
+import importlib
+import os
+import sys
+from typing import Any, Optional, Sequence
 
 from layerwatch import __version__
+
+_FORMATS = ("table", "csv", "json")
 
 
 def _positive(text: str) -> int:
@@ -26,12 +31,105 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     demo.add_argument("--logdir", default="runs/layerwatch-demo", help="TensorBoard log directory")
     demo.add_argument("--every", type=_positive, default=50, help="sample every N steps (default 50)")
     demo.add_argument("--inject-nan", type=int, default=None, metavar="STEP", help="make one layer emit a NaN at STEP")
+    summary = commands.add_parser(
+        "summary",
+        help="print the per-layer table (shapes, parameters, bytes, MACs) of a model built by a factory",
+        description="Build a model with FACTORY (package.module:callable, or a module instance), run one forward "
+        "on generated inputs under torch.no_grad(), and print one row per module.",
+    )
+    summary.add_argument("factory", metavar="FACTORY", help="package.module:callable returning an nn.Module")
+    summary.add_argument(
+        "--input",
+        action="append",
+        required=True,
+        metavar="SHAPE[:DTYPE]",
+        help="one positional input, e.g. 32x1x28x28 or 8x128:int64 (repeat for several; floats are random normal, "
+        "integers are zeros)",
+    )
+    summary.add_argument("--dtype", default=None, help="report bytes as if floating tensors were fp32, fp16, bf16 or int8")
+    summary.add_argument("--format", choices=_FORMATS, default="table", help="output format (default table)")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from layerwatch.demo import run_demo
 
         run_demo(steps=args.steps, log_dir=args.logdir, every=args.every, inject_nan=args.inject_nan)
+    elif args.command == "summary":
+        return _summary(summary, args)
     return 0
+
+
+def _summary(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from layerwatch.structure import as_dtype, summarize
+
+    try:
+        inputs = [_make_input(spec) for spec in args.input]
+        dtype = None if args.dtype is None else as_dtype(args.dtype)
+        model = _build(args.factory)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        table = summarize(model, *inputs)
+    except RuntimeError as e:
+        print(f"layerwatch summary: {e}", file=sys.stderr)
+        return 1
+    if dtype is not None:
+        table = table.at(dtype=dtype)
+    text = {"table": table.to_text, "csv": table.to_csv, "json": table.to_json}[args.format]()
+    try:
+        print(text.rstrip("\n"), flush=True)
+    except BrokenPipeError:  # `layerwatch summary ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _make_input(spec: str) -> Any:
+    import torch
+
+    shape_text, _, dtype_text = spec.partition(":")
+    try:
+        shape = [int(n) for n in shape_text.lower().split("x")]
+    except ValueError:
+        shape = []
+    if not shape or any(n < 1 for n in shape):
+        raise ValueError(f"--input {spec!r}: expected a shape like 32x1x28x28 (positive sizes joined by 'x')")
+    dtype = getattr(torch, dtype_text or "float32", None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"--input {spec!r}: unknown dtype {dtype_text!r} (e.g. float32, float16, int64)")
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    return torch.zeros(shape, dtype=dtype)
+
+
+def _build(factory: str) -> Any:
+    """The model that ``package.module:callable`` names (called with no arguments), or names directly.
+
+    Raises:
+        ValueError: anything wrong with ``factory``, naming it.
+    """
+    from torch import nn
+
+    module_name, colon, attribute = factory.partition(":")
+    if not colon or not module_name or not attribute:
+        raise ValueError(f"FACTORY must look like package.module:callable, got {factory!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` would: a factory in the current directory
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import {module_name!r} (from {factory!r}): {e}") from e
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise ValueError(f"{factory!r}: {getattr(target, '__name__', target)!r} has no attribute {part!r}")
+        target = getattr(target, part)
+    model = target
+    if callable(target) and not isinstance(target, nn.Module):
+        try:
+            model = target()
+        except Exception as e:
+            raise ValueError(f"{factory!r} failed when called with no arguments: {type(e).__name__}: {e}") from e
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{factory!r} gave a {type(model).__name__}, not a torch.nn.Module")
+    return model
 
 
 if __name__ == "__main__":
