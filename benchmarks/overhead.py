@@ -13,7 +13,9 @@ timed in rounds of its own afterwards, so its after-effects never land on a base
 
 Each condition's ratio is the median over rounds of its time divided by the same
 round's base time (pairing neighbouring steps cancels slow drift of the machine).
-"amortized@50" is ``(sampled + after + 48 * off) / 50``. The step after a sample is
+"amortized@50" is ``(sampled + after + 48 * off) / 50``. "first sampled" is the first
+sampled step alone: it also records the layer table (hooks on every module and
+FlopCounterMode over the forward), once per run. The step after a sample is
 counted as it is: memory released while writing a sample would show up there as page
 faults. For the off term, the time of the ``inspector.step()`` call itself is measured
 directly and added to base, because the only difference between an off-step and a base

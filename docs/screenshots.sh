@@ -17,3 +17,4 @@ shot() {
 shot grads-norm.png "http://127.0.0.1:6123/#scalars&tagFilter=grads_norm%2Fencoder&_smoothingWeight=0" 1500,1000
 shot histograms.png "http://127.0.0.1:6124/#histograms&tagFilter=weights%2Fencoder.%5B02%5D.weight%7Cgrads%2Fencoder.0.weight" 1500,900
 shot nan-incident.png "http://127.0.0.1:6123/#scalars&tagFilter=weights_nonfinite%2Fencoder.0.weight%7Cgrads_nonfinite%2Fencoder.0.weight%7Clayerwatch%2Fgrad_norm&_smoothingWeight=0" 1500,700
+shot structure.png "http://127.0.0.1:6124/#text&tagFilter=layerwatch%2Fstructure" 1500,800

@@ -69,6 +69,14 @@ def test_transformer_encoder_layer_counts_attention():
     assert torch.backends.mha.get_fastpath_enabled()  # switched back on after the call
 
 
+@pytest.mark.parametrize("cell, gates", [(nn.LSTM, 4), (nn.GRU, 3)])
+def test_recurrent_layers_count_every_time_step(cell, gates):
+    steps, batch, d_in, hidden = 7, 3, 4, 6
+    s = summarize(cell(d_in, hidden, num_layers=2, bidirectional=True), torch.randn(steps, batch, d_in))
+    per_direction = [gates * hidden * (d_in + hidden), gates * hidden * (2 * hidden + hidden)]  # layer 0, layer 1
+    assert s.total_macs == steps * batch * 2 * sum(per_direction)
+
+
 def test_tied_weight_counted_once_under_its_first_owner():
     model = TiedLM(vocab=20, d=8)
     s = summarize(model, torch.zeros(4, 5, dtype=torch.long))
@@ -169,6 +177,15 @@ def test_structured_outputs_and_keyword_inputs():
     assert s[""].activation_bytes == 2 * 3 * 6 * 4
 
 
+def test_at_another_batch_size_sequence_first():
+    layer = nn.LSTM(4, 6)  # (seq, batch, feature)
+    s = summarize(layer, torch.randn(7, 3, 4))
+    assert s.batch_size == 7  # dimension 0 by default: here the sequence
+    wide = s.at(batch_size=12, batch_dim=1)
+    assert wide.batch_size == 12 and wide[""].input_shapes == [[7, 12, 4]]
+    assert wide[""].output_shapes[0] == [7, 12, 6]
+
+
 def test_at_another_dtype_and_batch_size(cnn):
     half = cnn.at(dtype="fp16")
     assert half.param_bytes == 2 * cnn.total_params and half["conv1"].activation_bytes == BATCH * 16 * 28 * 28 * 2
@@ -193,6 +210,8 @@ def test_at_another_dtype_and_batch_size(cnn):
         (dict(dtype=torch.float64), ValueError, "got torch.float64"),
         (dict(batch_size=0), ValueError, "batch_size must be an int >= 1, got 0"),
         (dict(batch_size=2.5), ValueError, "got 2.5"),
+        (dict(batch_size=8, batch_dim=4), ValueError, r"batch_dim 4 is not a dimension .*\[32, 1, 28, 28\]"),
+        (dict(batch_size=8, batch_dim=-1), ValueError, "batch_dim must be an int >= 0, got -1"),
     ],
 )
 def test_at_refuses_bad_values(cnn, kwargs, error, message):

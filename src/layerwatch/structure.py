@@ -94,7 +94,7 @@ class Summary:
         self,
         model_type: str,
         layers: list[_Layer],
-        batch_size: Optional[int],
+        first_input: Optional[tuple[int, ...]],
         *,
         batch_dim: int = 0,
         scale_to: Optional[int] = None,
@@ -102,11 +102,12 @@ class Summary:
     ) -> None:
         self.model_type = model_type
         self._layers = layers
-        self._measured_batch = batch_size
+        self._first_input = first_input
+        self._measured_batch = first_input[batch_dim] if first_input is not None and len(first_input) > batch_dim else None
         self._batch_dim = batch_dim
         self._scale_to = scale_to
         self.dtype = dtype
-        self.batch_size = scale_to if scale_to is not None else batch_size
+        self.batch_size = scale_to if scale_to is not None else self._measured_batch
         self.rows = _rows(layers, self._resize, self._bytes, self._macs_scale)
         self._index = {row.name: row for row in self.rows}
         root = self.rows[0]
@@ -129,18 +130,23 @@ class Summary:
         with the batch (true of layers that treat samples independently).
 
         Raises:
-            ValueError: ``batch_size`` is not a positive int, the measured batch is unknown,
-                or ``dtype`` is not one of fp32/fp16/bf16/int8.
+            ValueError: ``batch_size`` is not a positive int, ``batch_dim`` is not a dimension
+                of the first input, or ``dtype`` is not one of fp32/fp16/bf16/int8.
         """
         if batch_size is not None:
             if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
                 raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-            if self._measured_batch is None:
-                raise ValueError("batch_size: the measured batch size is unknown (the model took no tensor input)")
+            if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
+                raise ValueError(f"batch_dim must be an int >= 0, got {batch_dim!r}")
+            if self._first_input is None or len(self._first_input) <= batch_dim:
+                raise ValueError(
+                    f"batch_dim {batch_dim} is not a dimension of the model's first input "
+                    f"(shape {list(self._first_input) if self._first_input is not None else None})"
+                )
         return Summary(
             self.model_type,
             self._layers,
-            self._measured_batch,
+            self._first_input,
             batch_dim=batch_dim if batch_size is not None else self._batch_dim,
             scale_to=batch_size if batch_size is not None else self._scale_to,
             dtype=as_dtype(dtype) if dtype is not None else self.dtype,
@@ -224,8 +230,7 @@ class Summary:
             f"Total params: {self.total_params:,} ({_human_bytes(self.param_bytes)} {dtype})",
             f"Learnable params: {self.learnable_params:,}",
             f"Frozen params: {self.frozen_params:,}",
-            f"Forward MACs: {_human(self.total_macs)} (FLOPs {_human(self.total_flops)} = 2 x MACs; "
-            "a training step's backward adds about 2x the forward)",
+            f"Forward MACs: {_human(self.total_macs)} (= {_human(self.total_flops)} FLOPs; backward adds about 2x)",
             f"Output bytes of the leaf modules: {_human_bytes(self.activation_bytes)} ({dtype})",
             f"Batch size: {self.batch_size if self.batch_size is not None else 'unknown'}",
         ]
@@ -342,7 +347,7 @@ class StructureProbe:
         self.error: Optional[BaseException] = None
         self.failed_in: Optional[str] = None
         self.windows = 0
-        self.batch_size: Optional[int] = None
+        self.first_input: Optional[tuple[int, ...]] = None  # shape of the first tensor the model received
         self._stack: list[tuple[_Layer, int, Any]] = []  # (layer, FLOPs at entry, error being handled at entry)
         self._ignored_depth = 0
         self._counter: Any = None
@@ -358,7 +363,7 @@ class StructureProbe:
         model = self._model()
         if model is not None:
             _add_parameters(model, self.layers)
-        return Summary(self.model_type, self.layers, self.batch_size)
+        return Summary(self.model_type, self.layers, self.first_input)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -397,9 +402,9 @@ class StructureProbe:
             return
         if not self._stack:
             self._open_counter()
-            if self.batch_size is None:
+            if self.first_input is None:
                 first = next(_tensors((args, kwargs)), None)
-                self.batch_size = int(first.shape[0]) if first is not None and first.dim() > 0 else None
+                self.first_input = None if first is None else _describe(first)[0]
         if layer.calls == 0 and not self._running(layer):
             layer.inputs = [_describe(t) for t in _tensors((args, kwargs))]
         self._stack.append((layer, self._counter.get_total_flops(), sys.exc_info()[1]))
@@ -533,22 +538,36 @@ def _describe(tensor: torch.Tensor) -> _Tensor:
 
 
 def _extra_flop_formulas() -> dict[Any, Any]:
-    """PyTorch's flash-attention formula for the CPU kernel that its registry leaves out."""
+    """Formulas for two CPU kernels that PyTorch's registry leaves out (so they would count 0):
+    flash attention, with PyTorch's own formula for it, and oneDNN's LSTM layer."""
+    aten = torch.ops.aten
+    extra: dict[Any, Any] = {}
+    if hasattr(aten, "mkldnn_rnn_layer"):
+        extra[aten.mkldnn_rnn_layer] = _rnn_layer_flops
     try:
         from torch.utils.flop_counter import flop_registry
     except ImportError:
-        return {}
-    aten = torch.ops.aten
+        return extra
     formula = flop_registry.get(aten._scaled_dot_product_flash_attention)
     cpu_kernel = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if formula is None or cpu_kernel is None or cpu_kernel in flop_registry:
-        return {}
+    if formula is not None and cpu_kernel is not None and cpu_kernel not in flop_registry:
 
-    def cpu_flash_attention(*args: Any, **kwargs: Any) -> int:
-        return formula(*args, **kwargs)
+        def cpu_flash_attention(*args: Any, **kwargs: Any) -> int:
+            return formula(*args, **kwargs)
 
-    cpu_flash_attention._get_raw = True  # type: ignore[attr-defined]  # the registry's formula takes tensors
-    return {cpu_kernel: cpu_flash_attention}
+        cpu_flash_attention._get_raw = True  # type: ignore[attr-defined]  # the registry's formula takes tensors
+        extra[cpu_kernel] = cpu_flash_attention
+    return {op: f for op, f in extra.items() if op not in flop_registry}
+
+
+def _rnn_layer_flops(inputs: torch.Tensor, weight_ih: torch.Tensor, weight_hh: torch.Tensor, *args: Any, **kwargs: Any) -> int:
+    """One direction of one recurrent layer: every time step of every sample multiplies its
+    input by ``weight_ih`` and the hidden state by ``weight_hh``."""
+    steps = inputs.numel() // inputs.shape[-1]
+    return 2 * steps * (weight_ih.numel() + weight_hh.numel())
+
+
+_rnn_layer_flops._get_raw = True  # type: ignore[attr-defined]
 
 
 def _mha_fastpath(enabled: bool) -> bool:
