@@ -44,3 +44,23 @@ def test_inspector_on_cuda_model(tmp_path):
             opt.step()
             ins.step()
     assert list(tmp_path.glob("events.out.tfevents.*"))
+
+
+def test_layer_table_on_cuda_matches_cpu_and_never_syncs(tmp_path):
+    from layerwatch import summarize
+    from models import SmallCNN
+
+    model = SmallCNN()
+    x = torch.randn(8, 1, 28, 28)
+    on_cpu = summarize(model, x)
+    model.cuda()
+    x = x.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        on_gpu = summarize(model, x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [(r.name, r.macs, r.activation_bytes, r.output_shapes) for r in on_gpu] == [
+        (r.name, r.macs, r.activation_bytes, r.output_shapes) for r in on_cpu
+    ]

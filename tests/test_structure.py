@@ -2,6 +2,7 @@ import csv
 import io
 import json
 import sys
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -412,3 +413,34 @@ def test_a_failing_table_probe_is_warned_once_and_training_goes_on(tmp_path, mon
         with Inspector(model, log_dir=tmp_path, every_n_steps=1) as inspector:
             watched = train(model, 4, inspector, seed=1)
     assert watched == plain
+
+
+class InPlaceCheckpointed(nn.Module):
+    """In-place ReLUs after Linears, and a block recomputed in backward (non-reentrant checkpoint)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.act = nn.ReLU(inplace=True)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.ReLU(inplace=True))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.act(self.a(x))
+        return self.head(torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False))
+
+
+def test_table_in_training_with_in_place_ops_and_checkpointing(tmp_path, events):
+    torch.manual_seed(0)
+    plain = train(InPlaceCheckpointed(), 4, seed=2)
+    torch.manual_seed(0)
+    model = InPlaceCheckpointed()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Inspector(model, log_dir=tmp_path, every_n_steps=1) as inspector:
+            watched = train(model, 4, inspector, seed=2)
+    assert watched == plain
+    table = events(tmp_path).Tensors("layerwatch/structure/text_summary")[0].tensor_proto.string_val[0].decode()
+    block = next(line for line in table.splitlines() if "0 (Linear)" in line)
+    assert block.split()[-1] == "1"  # the recompute in backward is not a second call
+    assert f"{32 * 16 * 16:,}" in block
