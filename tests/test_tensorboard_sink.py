@@ -4,7 +4,7 @@ import pytest
 from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
 
 from layerwatch.record import StepRecord
-from layerwatch.sinks.tensorboard import encode_summary
+from layerwatch.sinks.tensorboard import TensorBoardSink, encode_summary
 from layerwatch.stats import Histogram
 
 
@@ -33,3 +33,40 @@ def test_scalar_values_round_trip_as_float32(value):
     parsed = Summary.FromString(encode_summary(StepRecord(0, scalars={"a/b": value}))).value[0]
     assert parsed.tag == "a/b"
     assert (math.isnan(parsed.simple_value) and math.isnan(value)) or parsed.simple_value == pytest.approx(value)
+
+
+def test_texts_encode_as_tensorboard_text_summaries():
+    record = StepRecord(3, scalars={"a/b": 1.0}, texts={"layerwatch/structure": "    table | x"})
+    values = Summary.FromString(encode_summary(record)).value
+    assert [v.tag for v in values] == ["a/b", "layerwatch/structure/text_summary"]
+    assert values[1].metadata.plugin_data.plugin_name == "text"
+    assert values[1].tensor.string_val == [b"    table | x"]
+
+
+class RecordingWriter:
+    """A writer with the SummaryWriter methods but not its class (as tensorboardX's)."""
+
+    def __init__(self, with_text: bool) -> None:
+        self.calls = []
+        if with_text:
+            self.add_text = lambda tag, text, step: self.calls.append(("text", tag, step))
+
+    def add_scalar(self, tag, value, step):
+        self.calls.append(("scalar", tag, step))
+
+    def add_histogram_raw(self, tag, *args):
+        self.calls.append(("histogram", tag, args[-1]))
+
+    def flush(self):
+        self.calls.append(("flush",))
+
+
+@pytest.mark.parametrize("with_text", [True, False])
+def test_other_writers_get_values_one_by_one(with_text):
+    writer = RecordingWriter(with_text)
+    hist = Histogram(0.0, 1.0, 2, 1, 1, [1.0], [2.0])
+    record = StepRecord(5, scalars={"a/b": 1.0}, histograms={"weights/w": hist}, texts={"layerwatch/structure": "t"})
+    TensorBoardSink(writer, owns_writer=False).write(record)
+    expected = [("scalar", "a/b", 5), ("histogram", "weights/w", 5)]
+    expected += [("text", "layerwatch/structure", 5)] if with_text else []
+    assert writer.calls == expected + [("flush",)]

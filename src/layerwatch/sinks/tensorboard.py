@@ -14,7 +14,7 @@ activations) back to the OS, and the next training step pays for it in page faul
 Parsing the encoded step once costs a handful of blocks.
 
 Any other writer with the ``SummaryWriter`` interface (e.g. tensorboardX) gets the same
-data value by value through its public methods.
+data value by value through its public methods (texts only if it has ``add_text``).
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ class TensorBoardSink:
                 self.writer.add_histogram_raw(
                     tag, h.min, h.max, h.num, h.sum, h.sum_squares, h.bucket_limits, h.bucket_counts, record.step
                 )
-            for tag, text in record.texts.items():
-                self.writer.add_text(tag, text, record.step)
+            if hasattr(self.writer, "add_text"):
+                for tag, text in record.texts.items():
+                    self.writer.add_text(tag, text, record.step)
         self.writer.flush()
 
     def write_layout(self, layout: dict) -> None:
