@@ -64,7 +64,9 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
     Args:
         every_n_steps: Sample global step ``k`` when ``k % every_n_steps == 0``. Default 50.
         schedule: Instead of ``every_n_steps``: a Schedule, a list of steps, or a callable.
-        families: Which of ``"weights"``, ``"grads"``, ``"updates"`` to log.
+        families: Which of ``"weights"``, ``"grads"``, ``"updates"``, ``"structure"`` to log
+            (``"structure"``: the layer table and parameter/MAC counts, once, from the
+            first sampled step's training forward).
         stats: Per-tensor scalars, from ``mean std min max norm zero_frac nonfinite``.
         histograms: Log ``weights/<param>`` and ``grads/<param>`` histograms.
         histogram_bins: Buckets per histogram, 2 to 254.
