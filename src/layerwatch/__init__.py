@@ -1,5 +1,6 @@
 """layerwatch: watch the inside of a PyTorch model while it trains, in TensorBoard."""
 
+from layerwatch.alerts import Alert, AlertRules
 from layerwatch.inspector import Inspector
 from layerwatch.schedule import Schedule, at_steps, dense_then_every, every_n_steps, windowed
 from layerwatch.structure import Summary, summarize
@@ -9,6 +10,8 @@ __all__ = [
     "InspectCallback",
     "summarize",
     "Summary",
+    "AlertRules",
+    "Alert",
     "Schedule",
     "every_n_steps",
     "at_steps",

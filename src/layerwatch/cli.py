@@ -48,6 +48,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     summary.add_argument("--dtype", default=None, help="report bytes as if floating tensors were fp32, fp16, bf16 or int8")
     summary.add_argument("--format", choices=_FORMATS, default="table", help="output format (default table)")
+    report = commands.add_parser(
+        "report",
+        help="summarize a TensorBoard log directory: alerts, first NaN/Inf, extreme norms",
+        description="Read a finished or running log directory (every run under it) with TensorBoard's "
+        "event reader and print the alerts, the first non-finite step, the largest and fastest-changing norms, "
+        "and the slowest and largest layers when they were logged.",
+    )
+    report.add_argument("logdir", metavar="LOGDIR", help="a TensorBoard log directory")
+    report.add_argument("--json", action="store_true", help="print one JSON object (see docs/alerts.md)")
+    report.add_argument(
+        "--fail-on",
+        metavar="KIND[,KIND]",
+        default=None,
+        help="exit with status 1 when alerts of these kinds exist (dead, stuck, exploding, vanishing, nonfinite, any)",
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         from layerwatch.demo import run_demo
@@ -55,7 +70,42 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run_demo(steps=args.steps, log_dir=args.logdir, every=args.every, inject_nan=args.inject_nan)
     elif args.command == "summary":
         return _summary(summary, args)
+    elif args.command == "report":
+        return _report(report, args)
     return 0
+
+
+def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import json
+
+    from layerwatch.alerts import KINDS
+    from layerwatch.report import ReportError, build_report, format_report
+
+    fail_on: set[str] = set()
+    if args.fail_on is not None:
+        fail_on = {kind.strip() for kind in args.fail_on.split(",") if kind.strip()}
+        unknown = sorted(fail_on - set(KINDS) - {"any"})
+        if unknown or not fail_on:
+            parser.error(f"--fail-on: unknown kind {', '.join(map(repr, unknown or ['']))}; choose from "
+                         f"{', '.join(KINDS)}, any")
+    try:
+        result = build_report(args.logdir)
+    except ReportError as e:
+        parser.error(str(e))
+    _print(json.dumps(result, indent=2) if args.json else format_report(result))
+    failing = [a for a in result["alerts"] if a["kind"] in fail_on or "any" in fail_on]
+    if failing:
+        kinds = ", ".join(sorted({a["kind"] for a in failing}))
+        print(f"layerwatch report: {len(failing)} alert(s) of kind {kinds} (--fail-on {args.fail_on})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print(text: str) -> None:
+    try:
+        print(text.rstrip("\n"), flush=True)
+    except BrokenPipeError:  # `layerwatch ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _summary(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -74,11 +124,7 @@ def _summary(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 1
     if dtype is not None:
         table = table.at(dtype=dtype)
-    text = {"table": table.to_text, "csv": table.to_csv, "json": table.to_json}[args.format]()
-    try:
-        print(text.rstrip("\n"), flush=True)
-    except BrokenPipeError:  # `layerwatch summary ... | head`
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    _print({"table": table.to_text, "csv": table.to_csv, "json": table.to_json}[args.format]())
     return 0
 
 

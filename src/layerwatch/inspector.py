@@ -10,6 +10,7 @@ record is written as one TensorBoard event. The hooks are removed again before
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
@@ -25,12 +26,16 @@ from torch import nn
 
 from layerwatch import record as R
 from layerwatch import stats as S
+from layerwatch.alerts import Alert, AlertRules, HealthMonitor, alerts_markdown, all_zero
 from layerwatch.schedule import Schedule, ScheduleLike, as_schedule, every_n_steps as every_n
 from layerwatch.sinks.tensorboard import TensorBoardSink
 from layerwatch.structure import StructureProbe, Summary
 
 DEFAULT_EVERY_N_STEPS = 50
 DEFAULT_STATS = ("norm", "nonfinite")
+
+logger = logging.getLogger("layerwatch")
+logger.addHandler(logging.NullHandler())  # a library logs; the application decides where it goes
 
 
 _Piece = tuple[list[str], torch.Tensor]  # names, and their packed rows on one device
@@ -87,6 +92,9 @@ class Inspector:
         histograms: Log ``weights/<param>`` and ``grads/<param>`` histograms.
         histogram_bins: Buckets per histogram, 2 to 254 (default 32, as TensorBoard's own
             default of 30; each bucket adds 16 bytes to the event file and to its write).
+        alerts: Health alerts (dead, stuck, exploding, vanishing, nonfinite layers):
+            ``True`` for the default :class:`~layerwatch.AlertRules`, an ``AlertRules`` with
+            your thresholds, or ``False`` for none. See :attr:`alerts`.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer,
@@ -108,6 +116,7 @@ class Inspector:
         stats: Sequence[str] = DEFAULT_STATS,
         histograms: bool = True,
         histogram_bins: int = 32,
+        alerts: AlertRules | bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -117,14 +126,16 @@ class Inspector:
             raise TypeError(f"writer must be a SummaryWriter, got {type(writer).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        self.schedule, self.families, self.stats, self._bins = validate_options(
+        self.schedule, self.families, self.stats, self._bins, rules = validate_options(
             every_n_steps=every_n_steps,
             schedule=schedule,
             families=families,
             stats=stats,
             histograms=histograms,
             histogram_bins=histogram_bins,
+            alerts=alerts,
         )
+        self._monitor = None if rules is None else HealthMonitor(rules)
         self.log_dir = None if log_dir is None else _writable_dir(log_dir)
         self._model = weakref.ref(model)
         self._optimizer = None if optimizer is None else weakref.ref(optimizer)
@@ -140,6 +151,11 @@ class Inspector:
         self._extra_sinks: list[Callable[[R.StepRecord], None]] = []
 
     # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def alerts(self) -> list[Alert]:
+        """Every health alert raised so far, in the order first seen (rank 0; empty elsewhere)."""
+        return [] if self._monitor is None else self._monitor.alerts
 
     @property
     def current_step(self) -> int:
@@ -399,11 +415,37 @@ class Inspector:
         if structure is not None:
             rec.add_structure(structure)
             self._structure_written = True
+        new_alerts = self._check_health(rec, host) if self._monitor is not None else []
         rec.scalars[R.OVERHEAD_MS] = 1e3 * (sample.overhead_s + time.perf_counter() - started)
         if self._sink is not None:
             self._sink.write(rec)
         for extra in self._extra_sinks:
             extra(rec)
+        _announce(rec.step, new_alerts)
+
+    def _check_health(self, rec: R.StepRecord, host: dict[str, list[tuple[list[str], np.ndarray]]]) -> list[Alert]:
+        """Apply the alert rules to this step; adds the count and, when it changed, the table."""
+        def by_name(family: str) -> dict[str, np.ndarray]:
+            return {name: row for names, rows in host[family] for name, row in zip(names, rows)}
+
+        grads = by_name("grads") if "grads" in self.families else None
+        if grads and all(all_zero(row) for row in grads.values()):
+            self._warn_once(
+                "zero-grads",
+                f"layerwatch: every gradient is zero at sampled step {rec.step}; call inspector.step() before "
+                "optimizer.zero_grad(). Gradients are not judged by the alerts at such steps.",
+            )
+            grads = None
+        new = self._monitor.observe(
+            rec.step,
+            weights=by_name("weights"),
+            grads=grads,
+            trainable=[name for name, p in self._parameters() if p.requires_grad],
+        )
+        rec.scalars[R.ALERTS] = len(self._monitor.alerts)
+        if new:
+            rec.texts[R.ALERTS] = alerts_markdown(self._monitor.alerts)
+        return new
 
     # ------------------------------------------------------------------ failures
 
@@ -425,6 +467,15 @@ class Inspector:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _announce(step: int, alerts: list[Alert]) -> None:
+    """New alerts to Python logging, one record each, and to warnings, one per step."""
+    for alert in alerts:
+        logger.warning("layerwatch alert at step %d: %s %s: %s", alert.step, alert.kind, alert.name, alert.message)
+    if alerts:
+        lines = "\n".join(f"  {a.kind} {a.name}: {a.message}" for a in alerts)
+        warnings.warn(f"layerwatch: {len(alerts)} new alert(s) at step {step}:\n{lines}", RuntimeWarning, stacklevel=4)
 
 
 def _by_device(pairs: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[list[str], list[torch.Tensor]]]:
@@ -502,8 +553,10 @@ def validate_options(
     stats: Sequence[str],
     histograms: bool,
     histogram_bins: int,
-) -> tuple[Schedule, tuple[str, ...], tuple[str, ...], int]:
-    """Check the sampling options; returns ``(schedule, families, stats, bins)``, bins 0 for none."""
+    alerts: AlertRules | bool,
+) -> tuple[Schedule, tuple[str, ...], tuple[str, ...], int, Optional[AlertRules]]:
+    """Check the options; returns ``(schedule, families, stats, bins, alert rules)``, bins 0
+    for no histograms and rules None for no alerts."""
     if every_n_steps is not None and schedule is not None:
         raise ValueError(f"pass every_n_steps or schedule, not both (got {every_n_steps!r} and {schedule!r})")
     if schedule is not None:
@@ -516,7 +569,10 @@ def validate_options(
         raise ValueError(f"histogram_bins must be an int in [2, {S.MAX_BINS}], got {histogram_bins!r}")
     families = _check_choice("families", families, R.FAMILIES)
     stats = _check_choice("stats", stats, S.STATS)
-    return chosen, families, stats, histogram_bins if histograms else 0
+    if not isinstance(alerts, (bool, AlertRules)):
+        raise TypeError(f"alerts must be True, False or an AlertRules, got {alerts!r}")
+    rules = AlertRules() if alerts is True else alerts or None
+    return chosen, families, stats, histogram_bins if histograms else 0, rules
 
 
 def _check_choice(option: str, values: Collection[str], allowed: Sequence[str]) -> tuple[str, ...]:

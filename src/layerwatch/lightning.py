@@ -12,6 +12,7 @@ import os
 from typing import Any, Collection, Optional, Sequence
 
 from layerwatch import record as R
+from layerwatch.alerts import Alert, AlertRules
 from layerwatch.inspector import DEFAULT_STATS, Inspector, validate_options
 from layerwatch.schedule import ScheduleLike
 
@@ -70,6 +71,8 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         stats: Per-tensor scalars, from ``mean std min max norm zero_frac nonfinite``.
         histograms: Log ``weights/<param>`` and ``grads/<param>`` histograms.
         histogram_bins: Buckets per histogram, 2 to 254.
+        alerts: Health alerts: ``True`` (default rules), an ``AlertRules``, or ``False``.
+            Those raised are in :attr:`alerts`, also after ``fit`` returns.
 
     Use one InspectCallback per Trainer: Lightning refuses a second one (or the same
     object twice) when the Trainer is built, because their checkpoint states would collide.
@@ -87,6 +90,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         stats: Sequence[str] = DEFAULT_STATS,
         histograms: bool = True,
         histogram_bins: int = 32,
+        alerts: AlertRules | bool = True,
     ) -> None:
         super().__init__()
         self._options = dict(
@@ -96,9 +100,11 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
             stats=stats,
             histograms=histograms,
             histogram_bins=histogram_bins,
+            alerts=alerts,
         )
         validate_options(**self._options)
         self._inspector: Optional[Inspector] = None
+        self._alerts: list[Alert] = []
         self._last_written_step = -1
         self.log_dir: Optional[str] = None
 
@@ -126,8 +132,14 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         # Every rank gets an inspector: each takes part in the reductions of sharded
         # parameters (FSDP); only rank 0 reads replicated ones and writes.
         self._inspector = Inspector(pl_module, **target, **self._options)
+        self._alerts = self._inspector.alerts  # the monitor's own list: it outlives the inspector
         if others:
             self._inspector._extra_sinks.append(lambda rec: _log_run_wide(others, rec))
+
+    @property
+    def alerts(self) -> list[Alert]:
+        """The health alerts raised in this run so far (on global rank 0)."""
+        return list(self._alerts)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self._inspector is None:

@@ -26,6 +26,7 @@ PARAMS_TOTAL = "layerwatch/params_total"
 PARAMS_LEARNABLE = "layerwatch/params_learnable"
 PARAMS_FROZEN = "layerwatch/params_frozen"
 MACS_PER_STEP = "layerwatch/macs_per_step"
+ALERTS = "layerwatch/alerts"  # the count (scalar) and the table (text)
 
 
 def histogram_tag(family: str, name: str) -> str:
