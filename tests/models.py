@@ -101,3 +101,37 @@ class BatchNormNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop(self.bn(self.conv(x)))
+
+
+class FourBranches(nn.Module):
+    """Four independent heads on one input, each with its own loss term (see ``train_branches``):
+    ``dead`` never fires its ReLU, ``no_lr`` sits in a param group with lr 0, ``growing`` has
+    its weights doubled after every step by the training loop, ``healthy`` is left alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dead = nn.Linear(8, 8)
+        self.no_lr = nn.Linear(8, 8)
+        self.growing = nn.Linear(8, 8)
+        self.healthy = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.dead.bias.fill_(-100.0)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.relu(self.dead(x)), self.no_lr(x), self.growing(x), self.healthy(x)]
+
+
+def train_branches(model: FourBranches, steps: int, inspector=None, seed: int = 0) -> None:
+    torch.manual_seed(seed)
+    others = [*model.dead.parameters(), *model.growing.parameters(), *model.healthy.parameters()]
+    opt = torch.optim.SGD([{"params": others}, {"params": model.no_lr.parameters(), "lr": 0.0}], lr=0.01)
+    for _ in range(steps):
+        x = torch.randn(16, 8)
+        loss = sum((out - x).pow(2).mean() for out in model(x))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            model.growing.weight.mul_(2.0)
+        if inspector is not None:
+            inspector.step()
