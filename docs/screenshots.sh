@@ -7,7 +7,8 @@ layerwatch demo --logdir "$work/runs"
 layerwatch demo --logdir "$work/runs" --inject-nan 4000
 tensorboard --logdir "$work/runs" --host 127.0.0.1 --port 6123 --load_fast false >/dev/null 2>&1 & all=$!
 tensorboard --logdir "$work/runs/demo/version_0" --host 127.0.0.1 --port 6124 --load_fast false >/dev/null 2>&1 & one=$!
-trap 'kill $all $one' EXIT
+tensorboard --logdir "$work/runs/demo/version_1" --host 127.0.0.1 --port 6125 --load_fast false >/dev/null 2>&1 & nan=$!
+trap 'kill $all $one $nan' EXIT
 sleep 10
 shot() {
   chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking \
@@ -18,3 +19,4 @@ shot grads-norm.png "http://127.0.0.1:6123/#scalars&tagFilter=grads_norm%2Fencod
 shot histograms.png "http://127.0.0.1:6124/#histograms&tagFilter=weights%2Fencoder.%5B02%5D.weight%7Cgrads%2Fencoder.0.weight" 1500,900
 shot nan-incident.png "http://127.0.0.1:6123/#scalars&tagFilter=weights_nonfinite%2Fencoder.0.weight%7Cgrads_nonfinite%2Fencoder.0.weight%7Clayerwatch%2Fgrad_norm&_smoothingWeight=0" 1500,700
 shot structure.png "http://127.0.0.1:6124/#text&tagFilter=layerwatch%2Fstructure" 1500,800
+shot alerts.png "http://127.0.0.1:6125/#text&tagFilter=layerwatch%2Falerts" 1500,560

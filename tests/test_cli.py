@@ -20,6 +20,9 @@ def test_demo_writes_logs_and_shows_an_injected_nan(tmp_path, events, capsys):
     assert nonfinite[0] == 0 and nonfinite[20] == 0
     assert nonfinite[30] > 0  # the NaN from step 25's forward reached the weights through Adam
     assert [e.step for e in acc.Scalars("layerwatch/grad_norm")] == [0, 10, 20, 30]
+    alerts = acc.Tensors("layerwatch/alerts/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert "| nonfinite | encoder.0 | 30 |" in alerts and "stuck" not in alerts and "dead" not in alerts
+    assert "layerwatch report" in out
 
 
 @pytest.mark.parametrize("argv, message", [(["demo", "--steps", "0"], "must be >= 1, got 0"),

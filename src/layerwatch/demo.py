@@ -82,5 +82,6 @@ def run_demo(steps: int = 8000, log_dir: str = "runs/layerwatch-demo", every: in
     print(f"\nlayerwatch demo: {steps} steps in {time.perf_counter() - started:.0f} s; TensorBoard logs in {run_dir.resolve()}")
     if inject_nan is not None:
         print(f"a NaN was injected at step {inject_nan}: see the weights_nonfinite and grads_nonfinite cards")
-    print(f"view them with:\n  tensorboard --logdir {log_dir}")
+    print(f"view them with:\n  tensorboard --logdir {log_dir}\nor summarize them (alerts, extreme norms) with:\n"
+          f"  layerwatch report {log_dir}")
     return run_dir
