@@ -19,9 +19,7 @@ bias raise one alert between them.
 
 from __future__ import annotations
 
-import math
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -92,29 +90,31 @@ class AlertRules:
                 raise ValueError(f"AlertRules.{name}: low must be below high, got {value!r}")
 
 
-@dataclass
-class _Track:
-    """A parameter's recent history."""
-
-    norms: dict[str, deque] = field(default_factory=dict)  # family -> last 2*window norms
-    zero_grads: int = 0
-    zero_weights: int = 0
-    unchanged: int = 0
-    no_grad: int = 0
-    last_weights: Optional[np.ndarray] = None
-
-
 _FINGERPRINT = [S.COUNT, S.NONFINITE, S.MIN, S.MAX, S.SUM, S.SUMSQ]  # equal rows: unchanged weights
 
 
 class HealthMonitor:
-    """Applies :class:`AlertRules` to the sampled steps; raises each (kind, layer) once."""
+    """Applies :class:`AlertRules` to the sampled steps; raises each (kind, layer) once.
+
+    State is kept in arrays indexed by parameter (in the order first seen), so a step costs
+    a few vectorized passes whatever the number of tensors; Python loops only over the
+    parameters that break a rule.
+    """
 
     def __init__(self, rules: AlertRules) -> None:
         self.rules = rules
         self.alerts: list[Alert] = []
         self._raised: set[tuple[str, str]] = set()
-        self._tracks: dict[str, _Track] = {}
+        self._index: dict[str, int] = {}
+        self._names: list[str] = []
+        size = 0
+        self._history = {family: np.full((2 * rules.window, size), np.nan) for family in ("weights", "grads")}
+        self._filled = {family: np.zeros(size, dtype=int) for family in ("weights", "grads")}
+        self._zero_grads = np.zeros(size, dtype=int)
+        self._zero_weights = np.zeros(size, dtype=int)
+        self._unchanged = np.zeros(size, dtype=int)
+        self._no_grad = np.zeros(size, dtype=int)
+        self._last_weights = np.full((size, len(_FINGERPRINT)), np.nan)
 
     def observe(
         self,
@@ -133,122 +133,160 @@ class HealthMonitor:
             trainable: Names of the parameters with ``requires_grad``.
         """
         new: list[Alert] = []
-        self._nonfinite(step, {"gradients": grads or {}, "weights": weights}, new)
-        for name, row in weights.items():
-            self._norms(step, name, "weights", row, new)
-        for name, row in (grads or {}).items():
-            self._norms(step, name, "grads", row, new)
-        self._dead(step, weights, grads, new)
-        self._stuck(step, weights, grads, trainable, new)
+        w_idx, w_rows = self._stack(weights)
+        g_idx, g_rows = self._stack(grads or {})
+        t_idx = np.array([self._slot(name) for name in trainable], dtype=int)
+        self._nonfinite(step, (("gradients", g_idx, g_rows), ("weights", w_idx, w_rows)), new)
+        self._norms(step, "weights", w_idx, w_rows, new)
+        self._norms(step, "grads", g_idx, g_rows, new)
+        self._dead(step, w_idx, w_rows, g_idx if grads is not None else None, g_rows, new)
+        self._stuck(step, w_idx, w_rows, None if grads is None else (g_idx, g_rows), t_idx, new)
         return new
 
     # ------------------------------------------------------------------ rules
 
-    def _nonfinite(self, step: int, families: dict[str, dict[str, np.ndarray]], new: list[Alert]) -> None:
+    def _nonfinite(self, step: int, families: tuple, new: list[Alert]) -> None:
         found: dict[str, list[str]] = {}  # layer -> what holds NaN/Inf, gradients first
         first_param: dict[str, str] = {}
-        for what, rows in families.items():
-            for name, row in rows.items():
-                if row[S.NONFINITE]:
-                    found.setdefault(owner(name), []).append(f"{what} of {name} ({int(row[S.NONFINITE]):,})")
-                    first_param.setdefault(owner(name), name)
+        for what, idx, rows in families:
+            for i in np.flatnonzero(rows[:, S.NONFINITE] > 0):
+                name = self._names[idx[i]]
+                found.setdefault(owner(name), []).append(f"{what} of {name} ({int(rows[i, S.NONFINITE]):,})")
+                first_param.setdefault(owner(name), name)
         for layer, parts in found.items():
             more = f" and {len(parts) - 3} more" if len(parts) > 3 else ""
             self._raise(new, "nonfinite", first_param[layer], step, "NaN/Inf values in " + ", ".join(parts[:3]) + more)
 
-    def _norms(self, step: int, name: str, family: str, row: np.ndarray, new: list[Alert]) -> None:
-        if row[S.NONFINITE]:
-            return  # the nonfinite alert says it
+    def _norms(self, step: int, family: str, idx: np.ndarray, rows: np.ndarray, new: list[Alert]) -> None:
+        finite = rows[:, S.NONFINITE] == 0  # the nonfinite alert speaks for the others
+        idx, norms = idx[finite], np.sqrt(rows[finite, S.SUMSQ])
+        if not len(idx):
+            return
         rules = self.rules
-        norm = math.sqrt(row[S.SUMSQ])
         factor, (low, high) = (
             (rules.weight_factor, rules.weight_norm_bounds) if family == "weights" else (rules.grad_factor, rules.grad_norm_bounds)
         )
         label = "weight" if family == "weights" else "gradient"
-        if high is not None and norm > high:
-            self._raise(new, "exploding", name, step, f"{label} norm of {name} is {norm:.3g}, above the bound {high:g}")
-        if low is not None and norm < low:
-            self._raise(new, "vanishing", name, step, f"{label} norm of {name} is {norm:.3g}, below the bound {low:g}")
-        history = self._track(name).norms.setdefault(family, deque(maxlen=2 * rules.window))
-        history.append(norm)
-        if len(history) < 2 * rules.window:
+        for i in np.flatnonzero(norms > high) if high is not None else ():
+            name = self._names[idx[i]]
+            self._raise(new, "exploding", name, step, f"{label} norm of {name} is {norms[i]:.3g}, above the bound {high:g}")
+        for i in np.flatnonzero(norms < low) if low is not None else ():
+            name = self._names[idx[i]]
+            self._raise(new, "vanishing", name, step, f"{label} norm of {name} is {norms[i]:.3g}, below the bound {low:g}")
+        history = self._history[family]
+        history[:-1, idx] = history[1:, idx]
+        history[-1, idx] = norms
+        self._filled[family][idx] += 1
+        judged = idx[self._filled[family][idx] >= 2 * rules.window]
+        if not len(judged):
             return
-        values = list(history)
-        before, now = float(np.median(values[: rules.window])), float(np.median(values[rules.window :]))
+        before = np.median(history[: rules.window, judged], axis=0)
+        now = np.median(history[rules.window :, judged], axis=0)
         span = f"over the last {rules.window} samples"
-        if now > factor * before:
-            self._raise(new, "exploding", name, step, f"{label} norm of {name} grew {now / before:.3g}x {span} (to {now:.3g})")
-        elif now * factor < before:
-            ratio = before / now if now > 0 else math.inf
-            self._raise(new, "vanishing", name, step, f"{label} norm of {name} shrank {ratio:.3g}x {span} (to {now:.3g})")
+        with np.errstate(divide="ignore", invalid="ignore"):
+            for i in np.flatnonzero(now > factor * before):
+                name = self._names[judged[i]]
+                self._raise(new, "exploding", name, step,
+                            f"{label} norm of {name} grew {now[i] / before[i]:.3g}x {span} (to {now[i]:.3g})")
+            for i in np.flatnonzero(now * factor < before):
+                name = self._names[judged[i]]
+                self._raise(new, "vanishing", name, step,
+                            f"{label} norm of {name} shrank {before[i] / now[i]:.3g}x {span} (to {now[i]:.3g})")
 
     def _dead(
-        self, step: int, weights: dict[str, np.ndarray], grads: Optional[dict[str, np.ndarray]], new: list[Alert]
+        self,
+        step: int,
+        w_idx: np.ndarray,
+        w_rows: np.ndarray,
+        g_idx: Optional[np.ndarray],
+        g_rows: np.ndarray,
+        new: list[Alert],
     ) -> None:
         n = self.rules.dead_samples
-        for name, row in weights.items():
-            track = self._track(name)
-            track.zero_weights = track.zero_weights + 1 if all_zero(row) else 0
-            if track.zero_weights >= n:
-                self._raise(new, "dead", name, step, f"weights of {name} have been all zero for {n} samples")
-        if grads is None:
+        zero = _all_zero(w_rows)
+        self._zero_weights[w_idx] = np.where(zero, self._zero_weights[w_idx] + 1, 0)
+        for i in np.flatnonzero(self._zero_weights[w_idx] >= n):
+            name = self._names[w_idx[i]]
+            self._raise(new, "dead", name, step, f"weights of {name} have been all zero for {n} samples")
+        if g_idx is None or not len(g_idx):
             return
-        by_layer: dict[str, list[str]] = {}
-        for name in grads:
-            by_layer.setdefault(owner(name), []).append(name)
-        for layer, names in by_layer.items():
-            zero = all(all_zero(grads[name]) for name in names)
-            for name in names:
-                track = self._track(name)
-                track.zero_grads = track.zero_grads + 1 if zero else 0
-            if zero and min(self._track(name).zero_grads for name in names) >= n:
-                self._raise(
-                    new, "dead", names[0], step,
-                    f"every gradient of layer {layer or '(root)'} has been zero for {n} samples: nothing "
-                    "reaches it (a ReLU that never fires, or a detached path)",
-                )
+        layers = [owner(self._names[i]) for i in g_idx]
+        zero = _all_zero(g_rows)
+        layer_zero = {layer: True for layer in layers}
+        for layer, z in zip(layers, zero):
+            layer_zero[layer] = layer_zero[layer] and bool(z)  # a layer is dead when all its gradients are
+        zero = np.array([layer_zero[layer] for layer in layers])
+        self._zero_grads[g_idx] = np.where(zero, self._zero_grads[g_idx] + 1, 0)
+        for i in np.flatnonzero(self._zero_grads[g_idx] >= n):
+            self._raise(
+                new, "dead", self._names[g_idx[i]], step,
+                f"every gradient of layer {layers[i] or '(root)'} has been zero for {n} samples: nothing "
+                "reaches it (a ReLU that never fires, or a detached path)",
+            )
 
     def _stuck(
         self,
         step: int,
-        weights: dict[str, np.ndarray],
-        grads: Optional[dict[str, np.ndarray]],
-        trainable: Sequence[str],
+        w_idx: np.ndarray,
+        w_rows: np.ndarray,
+        grads: Optional[tuple[np.ndarray, np.ndarray]],
+        t_idx: np.ndarray,
         new: list[Alert],
     ) -> None:
         n = self.rules.stuck_samples
-        any_grad = bool(grads)
-        for name in trainable:
-            track = self._track(name)
-            if grads is not None and any_grad:  # with no gradient anywhere the loop, not the model, is wrong
-                track.no_grad = 0 if name in grads else track.no_grad + 1
-                if track.no_grad >= n:
-                    self._raise(new, "stuck", name, step, f"{name} is trainable but has had no gradient for {n} samples")
-            row = weights.get(name)
-            if row is None:
-                continue
-            fingerprint = row[_FINGERPRINT]
-            grad = None if grads is None else grads.get(name)
-            moving_grad = grad is not None and not all_zero(grad) and not grad[S.NONFINITE] and not row[S.NONFINITE]
-            if track.last_weights is not None and np.array_equal(fingerprint, track.last_weights) and moving_grad:
-                track.unchanged += 1
-            else:
-                track.unchanged = 0
-            track.last_weights = fingerprint
-            if track.unchanged >= n:
-                self._raise(
-                    new, "stuck", name, step,
-                    f"{name} has a gradient but has not changed for {n} samples: is it in the optimizer, "
-                    "with a learning rate above 0?",
-                )
+        size = len(self._names)
+        has_grad = np.zeros(size, dtype=bool)
+        moving_grad = np.zeros(size, dtype=bool)  # a finite, non-zero gradient
+        if grads is not None and len(grads[0]):  # with no gradient anywhere the loop, not the model, is wrong
+            g_idx, g_rows = grads
+            has_grad[g_idx] = True
+            moving_grad[g_idx] = ~_all_zero(g_rows) & (g_rows[:, S.NONFINITE] == 0)
+            self._no_grad[t_idx] = np.where(has_grad[t_idx], 0, self._no_grad[t_idx] + 1)
+            for i in t_idx[self._no_grad[t_idx] >= n]:
+                name = self._names[i]
+                self._raise(new, "stuck", name, step, f"{name} is trainable but has had no gradient for {n} samples")
+        trainable = np.zeros(size, dtype=bool)
+        trainable[t_idx] = True
+        fingerprint = w_rows[:, _FINGERPRINT]
+        same = np.all(fingerprint == self._last_weights[w_idx], axis=1) & (w_rows[:, S.NONFINITE] == 0)
+        counted = same & moving_grad[w_idx] & trainable[w_idx]
+        self._unchanged[w_idx] = np.where(counted, self._unchanged[w_idx] + 1, 0)
+        self._last_weights[w_idx] = fingerprint
+        for i in w_idx[self._unchanged[w_idx] >= n]:
+            name = self._names[i]
+            self._raise(
+                new, "stuck", name, step,
+                f"{name} has a gradient but has not changed for {n} samples: is it in the optimizer, "
+                "with a learning rate above 0?",
+            )
 
     # ------------------------------------------------------------------ helpers
 
-    def _track(self, name: str) -> _Track:
-        track = self._tracks.get(name)
-        if track is None:
-            track = self._tracks[name] = _Track()
-        return track
+    def _slot(self, name: str) -> int:
+        """The parameter's index in the state arrays (new ones get the next index)."""
+        index = self._index.get(name)
+        if index is None:
+            index = self._index[name] = len(self._names)
+            self._names.append(name)
+            self._grow(len(self._names))
+        return index
+
+    def _grow(self, size: int) -> None:
+        if size <= len(self._unchanged):
+            return
+        extra = max(size, 2 * len(self._unchanged)) - len(self._unchanged)
+        for family, history in self._history.items():
+            self._history[family] = np.concatenate([history, np.full((history.shape[0], extra), np.nan)], axis=1)
+            self._filled[family] = np.concatenate([self._filled[family], np.zeros(extra, dtype=int)])
+        for attr in ("_zero_grads", "_zero_weights", "_unchanged", "_no_grad"):
+            setattr(self, attr, np.concatenate([getattr(self, attr), np.zeros(extra, dtype=int)]))
+        self._last_weights = np.concatenate([self._last_weights, np.full((extra, len(_FINGERPRINT)), np.nan)])
+
+    def _stack(self, rows: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Indices and stacked rows of ``rows`` (name -> row)."""
+        idx = np.array([self._slot(name) for name in rows], dtype=int)
+        stacked = np.stack(list(rows.values())) if rows else np.zeros((0, S.HIST))
+        return idx, stacked
 
     def _raise(self, new: list[Alert], kind: str, param: str, step: int, message: str) -> None:
         layer = owner(param) or param
@@ -260,9 +298,14 @@ class HealthMonitor:
         new.append(alert)
 
 
+def _all_zero(rows: np.ndarray) -> np.ndarray:
+    """Per row: the tensor's values are all exactly zero."""
+    return (rows[:, S.COUNT] > 0) & (rows[:, S.NONFINITE] == 0) & (rows[:, S.MIN] == 0) & (rows[:, S.MAX] == 0)
+
+
 def all_zero(row: np.ndarray) -> bool:
     """The stats row is of a tensor whose values are all exactly zero."""
-    return bool(row[S.COUNT] > 0 and row[S.NONFINITE] == 0 and row[S.MIN] == 0 and row[S.MAX] == 0)
+    return bool(_all_zero(row[None])[0])
 
 
 def alerts_markdown(alerts: Iterable[Alert]) -> str:
