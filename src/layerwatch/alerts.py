@@ -203,7 +203,7 @@ class HealthMonitor:
         new: list[Alert],
     ) -> None:
         n = self.rules.dead_samples
-        zero = _all_zero(w_rows)
+        zero = all_zero(w_rows)
         self._zero_weights[w_idx] = np.where(zero, self._zero_weights[w_idx] + 1, 0)
         for i in np.flatnonzero(self._zero_weights[w_idx] >= n):
             name = self._names[w_idx[i]]
@@ -211,7 +211,7 @@ class HealthMonitor:
         if g_idx is None or not len(g_idx):
             return
         layers = [owner(self._names[i]) for i in g_idx]
-        zero = _all_zero(g_rows)
+        zero = all_zero(g_rows)
         layer_zero = {layer: True for layer in layers}
         for layer, z in zip(layers, zero):
             layer_zero[layer] = layer_zero[layer] and bool(z)  # a layer is dead when all its gradients are
@@ -240,7 +240,7 @@ class HealthMonitor:
         if grads is not None and len(grads[0]):  # with no gradient anywhere the loop, not the model, is wrong
             g_idx, g_rows = grads
             has_grad[g_idx] = True
-            moving_grad[g_idx] = ~_all_zero(g_rows) & (g_rows[:, S.NONFINITE] == 0)
+            moving_grad[g_idx] = ~all_zero(g_rows) & (g_rows[:, S.NONFINITE] == 0)
             self._no_grad[t_idx] = np.where(has_grad[t_idx], 0, self._no_grad[t_idx] + 1)
             for i in t_idx[self._no_grad[t_idx] >= n]:
                 name = self._names[i]
@@ -298,14 +298,10 @@ class HealthMonitor:
         new.append(alert)
 
 
-def _all_zero(rows: np.ndarray) -> np.ndarray:
-    """Per row: the tensor's values are all exactly zero."""
+def all_zero(rows: np.ndarray) -> np.ndarray:
+    """Per stats row: the tensor's values are all exactly zero."""
     return (rows[:, S.COUNT] > 0) & (rows[:, S.NONFINITE] == 0) & (rows[:, S.MIN] == 0) & (rows[:, S.MAX] == 0)
 
-
-def all_zero(row: np.ndarray) -> bool:
-    """The stats row is of a tensor whose values are all exactly zero."""
-    return bool(_all_zero(row[None])[0])
 
 
 def alerts_markdown(alerts: Iterable[Alert]) -> str:

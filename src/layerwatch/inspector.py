@@ -429,7 +429,7 @@ class Inspector:
             return {name: row for names, rows in host[family] for name, row in zip(names, rows)}
 
         grads = by_name("grads") if "grads" in self.families else None
-        if grads and all(all_zero(row) for row in grads.values()):
+        if grads and all_zero(np.stack(list(grads.values()))).all():
             self._warn_once(
                 "zero-grads",
                 f"layerwatch: every gradient is zero at sampled step {rec.step}; call inspector.step() before "
