@@ -177,7 +177,7 @@ class Inspector:
         names = [name for name, _ in self._parameters()]
         if not names:
             self._warn_once("no-params", "layerwatch: the model has no parameters; there is nothing to log")
-        elif self.stats and any(family in self.families for family in R.TENSOR_FAMILIES):
+        elif self._sink is not None and self.stats and any(family in self.families for family in R.TENSOR_FAMILIES):
             layout = R.custom_scalars_layout(names, self.stats)
             self._guard("write the chart layout", lambda: self._sink.write_layout(layout), disables_sink=True)
         self._open_sample()
