@@ -2,6 +2,7 @@
 whole tensor, from shard-local reductions; rank 0 alone writes."""
 
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from layerwatch import Inspector
+from conftest import tolerate_abort_at_exit
 from models import MLP
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
@@ -48,10 +50,12 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
                     np.savez(f"{out}/step{step}.npz", **reference)
     finally:
         dist.destroy_process_group()
+    Path(out, f"done{rank}").touch()
 
 
 def test_fully_shard_statistics_are_exact_for_whole_tensors(tmp_path, events):
-    mp.spawn(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    with tolerate_abort_at_exit(tmp_path / "done0", tmp_path / "done1"):
+        mp.spawn(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     acc = events(tmp_path / "run")
     names = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
     assert sorted(acc.Tags()["histograms"]) == sorted(f"{f}/{n}" for f in ("weights", "grads") for n in names)
