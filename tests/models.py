@@ -135,3 +135,18 @@ def train_branches(model: FourBranches, steps: int, inspector=None, seed: int = 
             model.growing.weight.mul_(2.0)
         if inspector is not None:
             inspector.step()
+
+
+class InPlaceCheckpointed(nn.Module):
+    """In-place ReLUs after Linears, and a block recomputed in backward (non-reentrant checkpoint)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.act = nn.ReLU(inplace=True)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.ReLU(inplace=True))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.act(self.a(x))
+        return self.head(torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False))

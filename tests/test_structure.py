@@ -11,7 +11,7 @@ from torch import nn
 
 from layerwatch import Inspector, summarize
 from layerwatch.cli import main
-from models import MLP, BatchNormNet, FrozenBackbone, SharedLayer, SmallCNN, TiedLM, train
+from models import MLP, BatchNormNet, FrozenBackbone, InPlaceCheckpointed, SharedLayer, SmallCNN, TiedLM, train
 from test_inspector import hook_count
 
 BATCH = 32
@@ -413,21 +413,6 @@ def test_a_failing_table_probe_is_warned_once_and_training_goes_on(tmp_path, mon
         with Inspector(model, log_dir=tmp_path, every_n_steps=1) as inspector:
             watched = train(model, 4, inspector, seed=1)
     assert watched == plain
-
-
-class InPlaceCheckpointed(nn.Module):
-    """In-place ReLUs after Linears, and a block recomputed in backward (non-reentrant checkpoint)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(8, 16)
-        self.act = nn.ReLU(inplace=True)
-        self.block = nn.Sequential(nn.Linear(16, 16), nn.ReLU(inplace=True))
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x):
-        h = self.act(self.a(x))
-        return self.head(torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False))
 
 
 def test_table_in_training_with_in_place_ops_and_checkpointing(tmp_path, events):

@@ -51,6 +51,7 @@ class _Sample:
     weights: Optional[list[_Piece]] = None
     before: Optional[list[tuple[Any, list[str], list[torch.Tensor], torch.Tensor]]] = None
     update: Optional[list[_Piece]] = None
+    stepped: bool = False  # the optimizer's step ran (its post-hook fired)
 
 
 class Inspector:
@@ -306,6 +307,7 @@ class Inspector:
         sample = self._sample
         if sample is None or sample.weights is not None:
             return
+        sample.stepped = True
         started = time.perf_counter()
         self._guard("measure updates", lambda: self._measure_update(sample), when=sample.before is not None)
         self._guard("read weights", lambda: self._read_weights(sample))
@@ -415,7 +417,7 @@ class Inspector:
         if structure is not None:
             rec.add_structure(structure)
             self._structure_written = True
-        new_alerts = self._check_health(rec, host) if self._monitor is not None else []
+        new_alerts = self._check_health(rec, host, sample) if self._monitor is not None else []
         rec.scalars[R.OVERHEAD_MS] = 1e3 * (sample.overhead_s + time.perf_counter() - started)
         if self._sink is not None:
             self._sink.write(rec)
@@ -423,7 +425,9 @@ class Inspector:
             extra(rec)
         _announce(rec.step, new_alerts)
 
-    def _check_health(self, rec: R.StepRecord, host: dict[str, list[tuple[list[str], np.ndarray]]]) -> list[Alert]:
+    def _check_health(
+        self, rec: R.StepRecord, host: dict[str, list[tuple[list[str], np.ndarray]]], sample: _Sample
+    ) -> list[Alert]:
         """Apply the alert rules to this step; adds the count and, when it changed, the table."""
         def by_name(family: str) -> dict[str, np.ndarray]:
             return {name: row for names, rows in host[family] for name, row in zip(names, rows)}
@@ -436,11 +440,24 @@ class Inspector:
                 "optimizer.zero_grad(). Gradients are not judged by the alerts at such steps.",
             )
             grads = None
+        skipped = self._optimizer is not None and not sample.stepped
+        if grads and skipped and any(row[S.NONFINITE] for row in grads.values()):
+            # GradScaler skips optimizer.step() when the scaled gradients overflow: expected, not a fault.
+            rec.scalars[R.OPTIMIZER_SKIPPED] = 1.0
+            logger.info("layerwatch: step %d: the optimizer skipped a step with NaN/Inf gradients", rec.step)
+            self._warn_once(
+                "scaler-skip",
+                f"layerwatch: at step {rec.step} the optimizer skipped its step and the gradients hold NaN/Inf: "
+                "a GradScaler overflow skip, not reported as a model fault (layerwatch/optimizer_skipped)",
+            )
+            grads = None
         new = self._monitor.observe(
             rec.step,
             weights=by_name("weights"),
             grads=grads,
-            trainable=[name for name, p in self._parameters() if p.requires_grad],
+            trainable=[  # a sparse gradient exists but is not measured: not "no gradient"
+                name for name, p in self._parameters() if p.requires_grad and not (p.grad is not None and p.grad.is_sparse)
+            ],
         )
         rec.scalars[R.ALERTS] = len(self._monitor.alerts)
         if new:

@@ -27,6 +27,7 @@ PARAMS_LEARNABLE = "layerwatch/params_learnable"
 PARAMS_FROZEN = "layerwatch/params_frozen"
 MACS_PER_STEP = "layerwatch/macs_per_step"
 ALERTS = "layerwatch/alerts"  # the count (scalar) and the table (text)
+OPTIMIZER_SKIPPED = "layerwatch/optimizer_skipped"
 
 
 def histogram_tag(family: str, name: str) -> str:

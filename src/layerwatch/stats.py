@@ -99,12 +99,21 @@ def reduce(
         raise ValueError(f"bins must be 0 or in [2, {MAX_BINS}], got {bins!r}")
     if not tensors:
         return torch.empty(0, row_width(bins), dtype=torch.float64)
-    flat = [t.detach().reshape(-1) for t in tensors]
-    flat = [t if t.dtype == torch.float32 else t.float() for t in flat]
+    flat = [as_real_values(t) for t in tensors]
     with torch.no_grad():
         if fast and flat[0].device.type == "cpu":
             return _reduce_cpu(flat, bins, zeros, centered)
         return torch.stack([_reduce_generic(t, bins, zeros, centered) for t in flat])
+
+
+def as_real_values(t: torch.Tensor) -> torch.Tensor:
+    """A flat float32 view (or copy) of ``t``'s values: a complex tensor counts its real and
+    imaginary parts as values, so its norm is the norm of the complex tensor."""
+    t = t.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    flat = t.reshape(-1)
+    return flat if flat.dtype == torch.float32 else flat.float()
 
 
 def _reduce_generic(
@@ -164,7 +173,7 @@ def reduce_sharded(local_shards: Sequence[torch.Tensor], group: Any, bins: int, 
 
     if not local_shards:
         return torch.empty(0, row_width(bins), dtype=torch.float64)
-    flat = [t.detach().reshape(-1).float() for t in local_shards]
+    flat = [as_real_values(t) for t in local_shards]
     with torch.no_grad():
         extremes = torch.stack([torch.stack(_finite_extremes(t, torch.isfinite(t))) for t in flat]).double()
         extremes[:, 1].neg_()
