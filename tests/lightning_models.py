@@ -80,3 +80,35 @@ class TwoOptimizers(L.LightningModule):
 
     def train_dataloader(self):
         return DataLoader(dataset(), batch_size=8)
+
+
+class LitZoo(L.LightningModule):
+    """Wraps an awkward model of ``zoo.py`` (by case name) with a loss that uses all its outputs."""
+
+    def __init__(self, case: str) -> None:
+        super().__init__()
+        from zoo import StructuredOutputs, Recurrent
+        from models import FrozenBackbone, InPlaceCheckpointed
+
+        self.case = case
+        self.net = {"structured outputs": StructuredOutputs, "LSTM and GRU": Recurrent,
+                    "checkpoint": InPlaceCheckpointed, "frozen backbone": FrozenBackbone}[case]()
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        if self.case == "structured outputs":
+            h, d, out, _ = self.net(x)
+            loss = h.pow(2).mean() + d["a"].pow(2).mean() + out.logits.pow(2).mean()
+        elif self.case == "LSTM and GRU":
+            loss = self.net(x.reshape(-1, 2, 4)).pow(2).mean()
+        else:
+            loss = self.net(x).pow(2).mean()
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(64, 8, generator=torch.Generator().manual_seed(0))), batch_size=8)

@@ -81,3 +81,26 @@ def test_complex_parameter_is_measured_through_real_and_imaginary_parts(tmp_path
         inspector.step()
     norm = events(tmp_path).Scalars("weights_norm/filter")[0].value
     assert norm == pytest.approx(torch.linalg.vector_norm(model.filter).item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("case", ["structured outputs", "LSTM and GRU", "checkpoint", "frozen backbone"])
+def test_awkward_models_through_the_callback(case, tmp_path, events):
+    from layerwatch import InspectCallback
+    from lightning_models import LitZoo
+    from test_lightning import make_trainer
+
+    def fit(callbacks, root):
+        torch.manual_seed(0)
+        module = LitZoo(case)
+        make_trainer(root, callbacks, max_steps=6).fit(module)
+        return module
+
+    plain = fit([], tmp_path / "plain")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        watched = fit([InspectCallback(every_n_steps=1)], tmp_path / "watched")
+    assert watched.losses == plain.losses
+    assert not [w for w in seen if str(w.message).startswith("layerwatch")]
+    assert hook_count(watched, torch.optim.SGD([torch.zeros(1)], lr=0)) == 0
+    acc = events(tmp_path / "watched" / "tb" / "version_0")
+    assert len(acc.Scalars("layerwatch/overhead_ms")) == 6 and acc.Tensors("layerwatch/structure/text_summary")

@@ -99,6 +99,28 @@ class ComplexWeights(nn.Module):
         return self.head((x.to(torch.complex64) @ self.filter).abs())
 
 
+class Exotic(torch.Tensor):
+    """A tensor subclass whose reductions fail: the statistics cannot handle it."""
+
+    BLOCKED = {"aminmax", "isfinite", "amin", "amax", "sum", "linalg_vector_norm", "norm", "_foreach_norm"}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in cls.BLOCKED:
+            raise RuntimeError(f"Exotic does not support {func.__name__}")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class WithExoticParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+        self.ghost = nn.Parameter(torch.ones(3).as_subclass(Exotic), requires_grad=False)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
 def sgd(model: nn.Module) -> list[torch.optim.Optimizer]:
     params = [p for p in model.parameters() if p.requires_grad]
     return [torch.optim.SGD(params, lr=0.05, momentum=0.9)] if params else []
@@ -192,4 +214,6 @@ CASES = [
     Case("torch.compile", _compiled, plain_step(lambda m: m(torch.randn(16, 8)).pow(2).mean()),
          messages=(r"torch.compile'd; the layer table is not recorded",)),
     Case("complex parameter", ComplexWeights, plain_step(lambda m: m(torch.randn(16, 8)).pow(2).mean())),
+    Case("a parameter the statistics cannot handle", WithExoticParameter,
+         plain_step(lambda m: m(torch.randn(16, 8)).pow(2).mean()), messages=(r"could not measure the weights of 'ghost' \(Exotic",)),
 ]

@@ -146,6 +146,7 @@ class Inspector:
         self._step = 0
         self._sample: Optional[_Sample] = None
         self._handles: list[Any] = []
+        self._unmeasurable: set[tuple[str, str]] = set()  # (weights|gradients, name) whose statistics failed
         self._structure: Optional[StructureProbe] = None
         self._structure_written = False
         self._warned: set[str] = set()
@@ -340,17 +341,39 @@ class Inspector:
             groups += [(None, names, tensors) for names, tensors in _by_device(plain)]
         return groups
 
-    def _reduce(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> list[_Piece]:
+    def _reduce(self, pairs: Sequence[tuple[str, torch.Tensor]], what: str) -> list[_Piece]:
+        """Rows of ``what`` ("weights" or "gradients") of the named tensors this rank reduces."""
         zeros, centered = "zero_frac" in self.stats, "std" in self.stats
-        return [
-            (
-                names,
-                S.reduce(tensors, self._bins, zeros=zeros, centered=centered)
-                if group is None
-                else S.reduce_sharded(tensors, group, self._bins, zeros=zeros),
-            )
-            for group, names, tensors in self._this_ranks_groups(pairs)
-        ]
+        pieces = []
+        measurable = [(name, t) for name, t in pairs if (what, name) not in self._unmeasurable]
+        for group, names, tensors in self._this_ranks_groups(measurable):
+            if group is not None:  # collective: every rank must take part in step with the others
+                pieces.append((names, S.reduce_sharded(tensors, group, self._bins, zeros=zeros)))
+                continue
+            try:
+                pieces.append((names, S.reduce(tensors, self._bins, zeros=zeros, centered=centered)))
+            except Exception:
+                pieces.append(self._reduce_one_by_one(what, names, tensors, zeros, centered))
+        return [(names, rows) for names, rows in pieces if names]
+
+    def _reduce_one_by_one(
+        self, what: str, names: list[str], tensors: list[torch.Tensor], zeros: bool, centered: bool
+    ) -> _Piece:
+        """After a batched reduction failed: the tensors that can be measured, and a one-time
+        warning naming each that cannot (it is left out from then on)."""
+        kept, rows = [], []
+        for name, tensor in zip(names, tensors):
+            try:
+                rows.append(S.reduce([tensor], self._bins, zeros=zeros, centered=centered))
+                kept.append(name)
+            except Exception as e:
+                self._unmeasurable.add((what, name))
+                self._warn_once(
+                    f"unmeasurable:{what}:{name}",
+                    f"layerwatch: could not measure the {what} of {name!r} ({type(tensor).__name__}, {tensor.dtype}): "
+                    f"{e!r}; they are left out from now on",
+                )
+        return kept, torch.cat(rows) if rows else torch.empty(0)
 
     def _read_grads(self, sample: _Sample) -> None:
         if "grads" not in self.families:
@@ -369,11 +392,11 @@ class Inspector:
                 f"layerwatch: no gradients at sampled step {sample.step}; call inspector.step() after "
                 "optimizer.step() and before optimizer.zero_grad(), or pass optimizer=",
             )
-        sample.grads = self._reduce(pairs)
+        sample.grads = self._reduce(pairs, "gradients")
 
     def _read_weights(self, sample: _Sample) -> None:
         if "weights" in self.families:
-            sample.weights = self._reduce(self._parameters())
+            sample.weights = self._reduce(self._parameters(), "weights")
 
     def _snapshot(self, sample: _Sample) -> None:
         trainable = [(name, p) for name, p in self._parameters() if p.requires_grad]
