@@ -291,3 +291,51 @@ def test_callback_exposes_alerts_after_fit(tmp_path):
     with pytest.warns(RuntimeWarning, match="stuck"):
         make_trainer(tmp_path, [callback], max_steps=8).fit(LitMLP(lr=0.0))
     assert {(a.kind, a.name) for a in callback.alerts} == {("stuck", "net.0"), ("stuck", "net.2")}
+
+
+def grad_row(norm: float) -> np.ndarray:
+    row = np.zeros(S.HIST)
+    row[[S.COUNT, S.MIN, S.MAX, S.SUMSQ]] = 4, -norm, norm, norm**2
+    return row
+
+
+def feed(monitor, norms_per_step: list[dict[str, float]]) -> list[Alert]:
+    found = []
+    for step, norms in enumerate(norms_per_step):
+        grads = {name: grad_row(n) for name, n in norms.items()}
+        found += monitor.observe(step, weights={}, grads=grads, trainable=list(grads))
+    return found
+
+
+def test_gradients_that_shrink_together_as_the_loss_nears_zero_are_healthy():
+    steps = [{"a.weight": 10.0 ** -k, "b.weight": 3 * 10.0 ** -k} for k in range(12)]  # 1e11x down, together
+    assert feed(HealthMonitor(AlertRules()), steps) == []
+    alone = [{"a.weight": 1.0, "b.weight": 10.0 ** -k} for k in range(12)]  # one layer leaves the other behind
+    (alert,) = feed(HealthMonitor(AlertRules()), alone)
+    assert (alert.kind, alert.name) == ("vanishing", "b")
+    assert "below the largest layer's gradient norm" in alert.message
+
+
+def test_gradients_coming_back_from_near_zero_are_not_exploding():
+    levels = [1.0] * 5 + [1e-9] * 5 + [1e-2] * 5  # back up by 1e7x, still below the early level
+    assert feed(HealthMonitor(AlertRules()), [{"a.weight": n} for n in levels]) == []
+    blow_up = [1.0] * 5 + [1e5] * 5  # 1e5x, and never seen before
+    (alert,) = feed(HealthMonitor(AlertRules()), [{"a.weight": n} for n in blow_up])
+    assert (alert.kind, alert.step) == ("exploding", 9)
+
+
+def test_weights_that_moved_and_then_stopped_are_not_stuck(tmp_path):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 if k < 4 else 0.0)  # ends at lr 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Inspector(model, log_dir=tmp_path, every_n_steps=1, optimizer=opt) as inspector:
+            for _ in range(12):
+                model(torch.randn(8, 8)).pow(2).mean().backward()
+                opt.step()
+                schedule.step()
+                opt.zero_grad()
+                inspector.step()
+    assert inspector.alerts == []

@@ -6,11 +6,12 @@ thresholds in :class:`AlertRules`:
 
 - ``dead``: every gradient of a layer is exactly zero, or a parameter's weights are all
   zero, for ``dead_samples`` samples in a row.
-- ``stuck``: a trainable parameter that has a non-zero gradient but does not change between
-  samples, or that gets no gradient at all, for ``stuck_samples`` samples in a row.
+- ``stuck``: a trainable parameter that has a non-zero gradient but has never changed between
+  samples, for ``stuck_samples`` samples in a row; or that gets no gradient at all for as long.
 - ``exploding`` / ``vanishing``: the median norm of the last ``window`` samples is more
-  than ``factor`` times larger / smaller than the median of the ``window`` samples before;
-  or a norm is outside its absolute bounds.
+  than ``factor`` times larger / smaller than the median of the ``window`` samples before
+  (gradients: larger, and above any level seen before; smaller than the largest layer's
+  gradient norm over the same samples); or a norm is outside its absolute bounds.
 - ``nonfinite``: NaN or Inf in a parameter's weights or gradients.
 
 Alerts are named by layer (the module that owns the parameter), so a layer's weight and
@@ -115,6 +116,8 @@ class HealthMonitor:
         self._unchanged = np.zeros(size, dtype=int)
         self._no_grad = np.zeros(size, dtype=int)
         self._last_weights = np.full((size, len(_FINGERPRINT)), np.nan)
+        self._moved = np.zeros(size, dtype=bool)  # the weights changed between two samples, ever
+        self._peak = {family: np.zeros(size) for family in ("weights", "grads")}  # largest window median
 
     def observe(
         self,
@@ -182,16 +185,30 @@ class HealthMonitor:
             return
         before = np.median(history[: rules.window, judged], axis=0)
         now = np.median(history[rules.window :, judged], axis=0)
+        peak = np.fmax(self._peak[family][judged], before)  # the largest window median seen before now
+        self._peak[family][judged] = np.fmax(peak, now)
         span = f"over the last {rules.window} samples"
+        if family == "grads":
+            # Gradients shrink by orders of magnitude as a loss nears zero, and come back from
+            # there by as much: growth counts only to a level never seen before, and shrinking
+            # only against the other layers of the same step, which shrink together when healthy.
+            grew = (now > factor * before) & (now > peak)
+            shrank = (now * factor < now.max()) & (now > 0)  # exactly 0 is the dead rule's
+            shrank_what = f"{{:.3g}}x below the largest layer's gradient norm {span}"
+        else:
+            grew = now > factor * before
+            shrank = (now * factor < before) & (now > 0)
+            shrank_what = f"shrank {{:.3g}}x {span}"
         with np.errstate(divide="ignore", invalid="ignore"):
-            for i in np.flatnonzero(now > factor * before):
+            for i in np.flatnonzero(grew):
                 name = self._names[judged[i]]
                 self._raise(new, "exploding", name, step,
                             f"{label} norm of {name} grew {now[i] / before[i]:.3g}x {span} (to {now[i]:.3g})")
-            for i in np.flatnonzero(now * factor < before):
+            for i in np.flatnonzero(shrank):
                 name = self._names[judged[i]]
+                ratio = (now.max() if family == "grads" else before[i]) / now[i]
                 self._raise(new, "vanishing", name, step,
-                            f"{label} norm of {name} shrank {before[i] / now[i]:.3g}x {span} (to {now[i]:.3g})")
+                            f"{label} norm of {name} " + shrank_what.format(ratio) + f" (at {now[i]:.3g})")
 
     def _dead(
         self,
@@ -248,15 +265,19 @@ class HealthMonitor:
         trainable = np.zeros(size, dtype=bool)
         trainable[t_idx] = True
         fingerprint = w_rows[:, _FINGERPRINT]
+        seen = ~np.isnan(self._last_weights[w_idx, 0])
         same = np.all(fingerprint == self._last_weights[w_idx], axis=1) & (w_rows[:, S.NONFINITE] == 0)
-        counted = same & moving_grad[w_idx] & trainable[w_idx]
+        self._moved[w_idx] |= seen & ~same
+        # Only weights that never moved: a schedule that ends at lr 0, or Adam on a vanishing
+        # gradient, legitimately stops weights that moved before.
+        counted = same & moving_grad[w_idx] & trainable[w_idx] & ~self._moved[w_idx]
         self._unchanged[w_idx] = np.where(counted, self._unchanged[w_idx] + 1, 0)
         self._last_weights[w_idx] = fingerprint
         for i in w_idx[self._unchanged[w_idx] >= n]:
             name = self._names[i]
             self._raise(
                 new, "stuck", name, step,
-                f"{name} has a gradient but has not changed for {n} samples: is it in the optimizer, "
+                f"{name} has a gradient but has not changed in {n} samples, nor ever before: is it in the optimizer, "
                 "with a learning rate above 0?",
             )
 
@@ -278,9 +299,11 @@ class HealthMonitor:
         for family, history in self._history.items():
             self._history[family] = np.concatenate([history, np.full((history.shape[0], extra), np.nan)], axis=1)
             self._filled[family] = np.concatenate([self._filled[family], np.zeros(extra, dtype=int)])
+            self._peak[family] = np.concatenate([self._peak[family], np.zeros(extra)])
         for attr in ("_zero_grads", "_zero_weights", "_unchanged", "_no_grad"):
             setattr(self, attr, np.concatenate([getattr(self, attr), np.zeros(extra, dtype=int)]))
         self._last_weights = np.concatenate([self._last_weights, np.full((extra, len(_FINGERPRINT)), np.nan)])
+        self._moved = np.concatenate([self._moved, np.zeros(extra, dtype=bool)])
 
     def _stack(self, rows: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """Indices and stacked rows of ``rows`` (name -> row)."""
