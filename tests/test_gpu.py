@@ -64,3 +64,21 @@ def test_layer_table_on_cuda_matches_cpu_and_never_syncs(tmp_path):
     assert [(r.name, r.macs, r.activation_bytes, r.output_shapes) for r in on_gpu] == [
         (r.name, r.macs, r.activation_bytes, r.output_shapes) for r in on_cpu
     ]
+
+
+def test_fp16_grad_scaler_overflow_is_a_skip_not_a_fault(tmp_path, events):
+    model = MLP().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**40)  # fp16 overflows at first: skipped steps
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, optimizer=opt) as inspector:
+        for _ in range(40):
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(torch.randn(32, 8, device="cuda")).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            inspector.step()
+    assert inspector.alerts == []
+    skipped = [e.step for e in events(tmp_path).Scalars("layerwatch/optimizer_skipped")]
+    assert skipped and skipped[0] == 0 and len(skipped) < 40
