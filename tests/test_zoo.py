@@ -77,7 +77,7 @@ def test_complex_parameter_is_measured_through_real_and_imaginary_parts(tmp_path
     from zoo import ComplexWeights
 
     model = ComplexWeights()
-    with Inspector(model, log_dir=tmp_path, every_n_steps=1) as inspector:
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, families=("weights",)) as inspector:
         inspector.step()
     norm = events(tmp_path).Scalars("weights_norm/filter")[0].value
     assert norm == pytest.approx(torch.linalg.vector_norm(model.filter).item(), rel=1e-6)
