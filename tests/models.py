@@ -46,12 +46,16 @@ class NoParams(nn.Module):
         return torch.relu(x)
 
 
-def train(model: nn.Module, steps: int, inspector=None, *, optimizer=None, seed: int = 0, d_in: int = 8) -> list[float]:
-    """Train on fixed synthetic data; returns the losses (exact floats)."""
+def train(model: nn.Module, steps: int, inspector=None, *, optimizer=None, seed: int = 0, d_in: int = 8,
+          before_step=None) -> list[float]:
+    """Train on fixed synthetic data; returns the losses (exact floats). ``before_step(k)``,
+    when given, runs before step ``k`` (to break something mid-run)."""
     torch.manual_seed(seed)
     opt = optimizer or torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses = []
-    for _ in range(steps):
+    for k in range(steps):
+        if before_step is not None:
+            before_step(k)
         x = torch.randn(32, d_in)
         loss = model(x).pow(2).mean()
         opt.zero_grad()

@@ -71,25 +71,13 @@ def test_interrupt_inside_a_trainer(tmp_path, events):
 
 
 def run(steps: int, inspector_args=None, *, between=None):
-    """Train an MLP for ``steps`` steps, optionally inspected; ``between(k)`` runs before step ``k``."""
+    """Train a fresh MLP for ``steps`` steps, inspected when ``inspector_args`` are given."""
     torch.manual_seed(0)
     model = MLP()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    inspector = Inspector(model, **inspector_args).start() if inspector_args else None
-    losses = []
-    for k in range(steps):
-        if between is not None:
-            between(k)
-        loss = model(torch.randn(32, 8)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        if inspector is not None:
-            inspector.step()
-    if inspector is not None:
-        inspector.finish()
-    return losses
+    if not inspector_args:
+        return train(model, steps, before_step=between)
+    with Inspector(model, **inspector_args) as inspector:
+        return train(model, steps, inspector, before_step=between)
 
 
 def test_log_directory_removed_mid_run(tmp_path):
