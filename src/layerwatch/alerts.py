@@ -117,7 +117,7 @@ class HealthMonitor:
         self._no_grad = np.zeros(size, dtype=int)
         self._last_weights = np.full((size, len(_FINGERPRINT)), np.nan)
         self._moved = np.zeros(size, dtype=bool)  # the weights changed between two samples, ever
-        self._peak = {family: np.zeros(size) for family in ("weights", "grads")}  # largest window median
+        self._grad_peak = np.zeros(size)  # the largest window median of each gradient norm so far
 
     def observe(
         self,
@@ -185,13 +185,13 @@ class HealthMonitor:
             return
         before = np.median(history[: rules.window, judged], axis=0)
         now = np.median(history[rules.window :, judged], axis=0)
-        peak = np.fmax(self._peak[family][judged], before)  # the largest window median seen before now
-        self._peak[family][judged] = np.fmax(peak, now)
         span = f"over the last {rules.window} samples"
         if family == "grads":
             # Gradients shrink by orders of magnitude as a loss nears zero, and come back from
             # there by as much: growth counts only to a level never seen before, and shrinking
             # only against the other layers of the same step, which shrink together when healthy.
+            peak = np.fmax(self._grad_peak[judged], before)  # the largest window median before now
+            self._grad_peak[judged] = np.fmax(peak, now)
             grew = (now > factor * before) & (now > peak)
             shrank = (now * factor < now.max()) & (now > 0)  # exactly 0 is the dead rule's
             shrank_what = f"{{:.3g}}x below the largest layer's gradient norm {span}"
@@ -299,11 +299,11 @@ class HealthMonitor:
         for family, history in self._history.items():
             self._history[family] = np.concatenate([history, np.full((history.shape[0], extra), np.nan)], axis=1)
             self._filled[family] = np.concatenate([self._filled[family], np.zeros(extra, dtype=int)])
-            self._peak[family] = np.concatenate([self._peak[family], np.zeros(extra)])
         for attr in ("_zero_grads", "_zero_weights", "_unchanged", "_no_grad"):
             setattr(self, attr, np.concatenate([getattr(self, attr), np.zeros(extra, dtype=int)]))
         self._last_weights = np.concatenate([self._last_weights, np.full((extra, len(_FINGERPRINT)), np.nan)])
         self._moved = np.concatenate([self._moved, np.zeros(extra, dtype=bool)])
+        self._grad_peak = np.concatenate([self._grad_peak, np.zeros(extra)])
 
     def _stack(self, rows: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """Indices and stacked rows of ``rows`` (name -> row)."""
