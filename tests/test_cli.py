@@ -19,9 +19,14 @@ def test_demo_writes_logs_and_shows_an_injected_nan(tmp_path, events, capsys):
     nonfinite = {e.step: e.value for e in acc.Scalars("weights_nonfinite/encoder.0.weight")}
     assert nonfinite[0] == 0 and nonfinite[20] == 0
     assert nonfinite[30] > 0  # the NaN from step 25's forward reached the weights through Adam
-    assert [e.step for e in acc.Scalars("layerwatch/grad_norm")] == [0, 10, 20, 30]
+    # The sentinel saw step 25's NaN gradients and had step 26 sampled with every probe armed.
+    assert [(e.step, e.value) for e in acc.Scalars("layerwatch/first_nonfinite_step")] == [(25, 25.0)]
+    assert [e.step for e in acc.Scalars("layerwatch/grad_norm")] == [0, 10, 20, 26, 30]
+    (offender,) = acc.Tensors("layerwatch/first_offender/text_summary")
+    assert offender.step == 26  # Adam spread the NaN into every weight: the first layer is the first to use one
+    assert "forward: encoder.0 turned finite inputs" in offender.tensor_proto.string_val[0].decode()
     alerts = acc.Tensors("layerwatch/alerts/text_summary")[-1].tensor_proto.string_val[0].decode()
-    assert "| nonfinite | encoder.0 | 30 |" in alerts and "stuck" not in alerts and "dead" not in alerts
+    assert "| nonfinite | encoder.0 | 26 | first offender" in alerts and "stuck" not in alerts and "dead" not in alerts
     assert "layerwatch report" in out
 
 

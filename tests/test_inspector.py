@@ -65,7 +65,8 @@ def test_weights_and_grads_written_and_match_numpy(tmp_path, events):
             ins.step()
     acc = events(tmp_path)
     names = [n for n, _ in model.named_parameters()]
-    assert sorted(acc.Tags()["histograms"]) == sorted([f"weights/{n}" for n in names] + [f"grads/{n}" for n in names])
+    parameter_histograms = [t for t in acc.Tags()["histograms"] if not t.startswith("activations/")]
+    assert sorted(parameter_histograms) == sorted([f"weights/{n}" for n in names] + [f"grads/{n}" for n in names])
     for name in names:
         assert [e.step for e in acc.Scalars(f"weights_norm/{name}")] == [0, 2, 4]
         for family, tensor in (("weights", seen[name][0]), ("grads", seen[name][1])):
@@ -92,7 +93,11 @@ def test_defaults_write_norms_nonfinite_and_both_histogram_families(tmp_path, ev
         train(model, 1, ins)
     tags = events(tmp_path).Tags()
     families = {t.split("/")[0] for t in tags["scalars"] + tags["histograms"]}
-    assert families == {"weights", "grads", "weights_norm", "grads_norm", "weights_nonfinite", "grads_nonfinite", "layerwatch"}
+    assert families == {
+        "weights", "grads", "weights_norm", "grads_norm", "weights_nonfinite", "grads_nonfinite", "layerwatch",
+        "activations", "activations_norm", "activations_nonfinite",  # per module, like the parameter families
+        "fwd_ms", "bwd_ms", "activation_bytes", "saved_bytes", "nonfinite",
+    }
 
 
 def test_one_event_per_sampled_step(tmp_path):
@@ -145,7 +150,8 @@ def test_frozen_and_tied_parameters(tmp_path, events):
         loss.backward()
         opt.step()
         ins.step()
-    assert sorted(events(tmp_path / "tied").Tags()["histograms"]) == ["grads/embed.weight", "weights/embed.weight"]
+    parameter_histograms = [t for t in events(tmp_path / "tied").Tags()["histograms"] if not t.startswith("activations/")]
+    assert sorted(parameter_histograms) == ["grads/embed.weight", "weights/embed.weight"]
 
 
 def test_losses_bitwise_identical_with_inspector(tmp_path):
@@ -162,17 +168,37 @@ def test_losses_bitwise_identical_with_inspector(tmp_path):
 def test_off_steps_register_nothing_and_touch_no_tensor(tmp_path):
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ins = Inspector(model, log_dir=tmp_path, schedule=at_steps([2]), optimizer=opt).start()
-    layer_table_hooks = 2 * len(list(model.modules()))  # the first sampled step records the layer table
+    ins = Inspector(model, log_dir=tmp_path, schedule=at_steps([2]), optimizer=opt, sentinel=False).start()
+    module_hooks = 2 * len(list(model.modules()))  # pre and post: the layer table (first sample) and the probes
     for step in range(4):
-        assert hook_count(model, opt) == (2 + layer_table_hooks if step == 2 else 0)
+        assert hook_count(model, opt) == (2 + 2 * module_hooks if step == 2 else 0)
         loss = model(torch.randn(4, 8)).sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
         with RecordTorchCalls() as calls:
             ins.step()
-        assert bool(calls.calls) == (step == 2), calls.calls[:5]
+        if step == 1:  # arming step 2's probes reads parameter metadata, never values
+            assert calls.calls and set(calls.calls) <= {"numel", "device", "__get__", "requires_grad", "untyped_storage"}, calls.calls
+        else:
+            assert bool(calls.calls) == (step == 2), calls.calls[:5]
+    ins.finish()
+    assert hook_count(model, opt) == 0
+
+
+def test_the_sentinel_is_the_only_work_on_an_off_step(tmp_path):
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ins = Inspector(model, log_dir=tmp_path, schedule=at_steps([5]), optimizer=opt).start()
+    for step in range(3):
+        assert hook_count(model, opt) == 1  # the sentinel counts optimizer steps, to tell GradScaler skips apart
+        train(model, 1, optimizer=opt)
+        with RecordTorchCalls() as calls:
+            ins.step()
+        assert {c for c in calls.calls if c not in ("__get__", "numel", "grad", "is_sparse", "_set_grad_enabled")} == {
+            "_foreach_norm", "stack", "float", "isfinite", "__invert__", "nonzero", "flatten", "tolist", "cat"
+        }, calls.calls
+        assert calls.calls.count("_foreach_norm") == 1  # one fused reduction over every gradient
     ins.finish()
     assert hook_count(model, opt) == 0
 
@@ -182,7 +208,8 @@ def test_finish_leaves_no_hook_is_idempotent_and_releases_the_model(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ins = Inspector(model, log_dir=tmp_path, every_n_steps=1, optimizer=opt).start()
     train(model, 2, ins, optimizer=opt)
-    assert hook_count(model, opt) == 2  # step 2 is armed
+    # step 2 is armed: the optimizer's pre and post hooks, the probes' module hooks, the sentinel's step counter
+    assert hook_count(model, opt) == 2 + 2 * len(list(model.modules())) + 1
     ins.finish()
     ins.finish()
     assert hook_count(model, opt) == 0
@@ -327,7 +354,11 @@ def test_a_failing_probe_warns_once_and_training_goes_on(tmp_path, monkeypatch):
         (dict(writer="w", log_dir="x"), ValueError, "pass writer or log_dir, not both"),
         (dict(writer=object()), TypeError, "writer must be a SummaryWriter, got object"),
         (dict(optimizer="adam"), TypeError, "optimizer must be a torch.optim.Optimizer, got str"),
-        (dict(families=("weights", "activations")), ValueError, "families: unknown value 'activations'"),
+        (dict(families=("weights", "activation")), ValueError, "families: unknown value 'activation'"),
+        (dict(modules=("fc*", 3)), TypeError, "modules: each entry must be a name pattern or an nn.Module type, got 3"),
+        (dict(modules=[dict]), TypeError, "modules: dict is not an nn.Module subclass"),
+        (dict(modules=[]), ValueError, "modules must name at least one pattern or type"),
+        (dict(sentinel="on"), TypeError, "sentinel must be a bool, got 'on'"),
         (dict(stats=("median",)), ValueError, "stats: unknown value 'median'"),
         (dict(stats="norm"), TypeError, "the string 'norm'"),
         (dict(histogram_bins=1), ValueError, "histogram_bins must be an int in \\[2, 254\\], got 1"),

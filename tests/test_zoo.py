@@ -61,7 +61,7 @@ def test_grad_scaler_overflow_is_a_skip_not_a_fault(tmp_path, events):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, backoff_factor=2.0**-60)  # step 0 overflows
     with pytest.warns(RuntimeWarning, match="at step 0 the optimizer skipped its step .* GradScaler overflow skip"):
         with Inspector(model, log_dir=tmp_path, every_n_steps=1, optimizer=opt) as inspector:
-            for _ in range(6):
+            for _ in range(5):  # the sixth forward diverges to NaN: a real fault, named as the first offender
                 loss = model(torch.randn(16, 8)).pow(2).mean() * 1e4
                 opt.zero_grad()
                 scaler.scale(loss).backward()
@@ -70,7 +70,7 @@ def test_grad_scaler_overflow_is_a_skip_not_a_fault(tmp_path, events):
                 inspector.step()
     assert inspector.alerts == []
     skipped = [e.step for e in events(tmp_path).Scalars("layerwatch/optimizer_skipped")]
-    assert skipped[0] == 0 and len(skipped) < 6  # overflow steps only; a real NaN still alerts (test_alerts)
+    assert skipped[0] == 0 and len(skipped) < 5  # overflow steps only; a real NaN still alerts (test_alerts)
 
 
 def test_complex_parameter_is_measured_through_real_and_imaginary_parts(tmp_path, events):

@@ -311,8 +311,16 @@ class HealthMonitor:
         stacked = np.stack(list(rows.values())) if rows else np.zeros((0, S.HIST))
         return idx, stacked
 
+    def report(self, kind: str, layer: str, step: int, message: str) -> list[Alert]:
+        """Raise an alert found outside the rules (the runtime probes); [] when already raised."""
+        new: list[Alert] = []
+        self._raise_for(new, kind, layer, step, message)
+        return new
+
     def _raise(self, new: list[Alert], kind: str, param: str, step: int, message: str) -> None:
-        layer = owner(param) or param
+        self._raise_for(new, kind, owner(param) or param, step, message)
+
+    def _raise_for(self, new: list[Alert], kind: str, layer: str, step: int, message: str) -> None:
         if (kind, layer) in self._raised:
             return
         self._raised.add((kind, layer))

@@ -81,7 +81,8 @@ def run_demo(steps: int = 8000, log_dir: str = "runs/layerwatch-demo", every: in
     run_dir = Path(logger.log_dir)
     print(f"\nlayerwatch demo: {steps} steps in {time.perf_counter() - started:.0f} s; TensorBoard logs in {run_dir.resolve()}")
     if inject_nan is not None:
-        print(f"a NaN was injected at step {inject_nan}: see the weights_nonfinite and grads_nonfinite cards")
+        print(f"a NaN was injected at step {inject_nan}: see layerwatch/first_nonfinite_step, the "
+              "layerwatch/first_offender text, and the nonfinite/ and weights_nonfinite/ cards")
     print(f"view them with:\n  tensorboard --logdir {log_dir}\nor summarize them (alerts, extreme norms) with:\n"
           f"  layerwatch report {log_dir}")
     return run_dir

@@ -27,7 +27,17 @@ from torch import nn
 from layerwatch import record as R
 from layerwatch import stats as S
 from layerwatch.alerts import Alert, AlertRules, HealthMonitor, alerts_markdown, all_zero
+from layerwatch.probes import (
+    PROBE_FAMILIES,
+    ModuleFilter,
+    ProbeResult,
+    RuntimeProbe,
+    check_module_filter,
+    is_compiled,
+    select_modules,
+)
 from layerwatch.schedule import Schedule, ScheduleLike, as_schedule, every_n_steps as every_n
+from layerwatch.sentinel import Finding, NonfiniteSentinel
 from layerwatch.sinks.tensorboard import TensorBoardSink
 from layerwatch.structure import StructureProbe, Summary
 
@@ -85,9 +95,14 @@ class Inspector:
         optimizer: When given, gradients are read just before ``optimizer.step()`` and
             weights just after it, and ``update_ratio/<param>`` is logged. Its hooks
             exist only during sampled steps.
-        families: Which of ``"weights"``, ``"grads"``, ``"updates"``, ``"structure"`` to log.
-            ``"structure"`` writes the layer table (``layerwatch/structure``) and the
-            parameter and MAC counts once, from the forward of the first sampled step.
+        families: Which families to log (all by default). Per parameter: ``"weights"``,
+            ``"grads"``, ``"updates"``. Once: ``"structure"``, the layer table
+            (``layerwatch/structure``) and the parameter and MAC counts, from the forward
+            of the first sampled step. Per module, by hooks that exist only during a
+            sampled step: ``"latency"`` (``fwd_ms``, ``bwd_ms``), ``"memory"``
+            (``activation_bytes``, ``saved_bytes``, ``cuda_alloc_bytes``),
+            ``"activations"`` (histograms and stats of module outputs) and
+            ``"nonfinite"`` (NaN/Inf flags and the first offender).
         stats: Per-tensor scalars to log for weights and grads, from
             ``mean std min max norm zero_frac nonfinite``.
         histograms: Log ``weights/<param>`` and ``grads/<param>`` histograms.
@@ -96,6 +111,15 @@ class Inspector:
         alerts: Health alerts (dead, stuck, exploding, vanishing, nonfinite layers):
             ``True`` for the default :class:`~layerwatch.AlertRules`, an ``AlertRules`` with
             your thresholds, or ``False`` for none. See :attr:`alerts`.
+        modules: Restrict the per-module families to modules whose qualified name matches
+            one of these glob patterns (``"blocks.*.attn"``; the model itself is
+            ``"(root)"``) or that are instances of one of these types (``nn.Linear``).
+            Default: every module.
+        sentinel: Check the gradients for NaN/Inf on every step (one fused reduction,
+            read without stalling the device); on the first hit log
+            ``layerwatch/first_nonfinite_step``, warn, and sample the next step with every
+            probe armed. Pass ``optimizer=`` when a GradScaler may skip steps, so its
+            overflow steps are told apart from faults.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer,
@@ -118,6 +142,8 @@ class Inspector:
         histograms: bool = True,
         histogram_bins: int = 32,
         alerts: AlertRules | bool = True,
+        modules: Optional[ModuleFilter] = None,
+        sentinel: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -127,7 +153,7 @@ class Inspector:
             raise TypeError(f"writer must be a SummaryWriter, got {type(writer).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        self.schedule, self.families, self.stats, self._bins, rules = validate_options(
+        options = validate_options(
             every_n_steps=every_n_steps,
             schedule=schedule,
             families=families,
@@ -135,8 +161,13 @@ class Inspector:
             histograms=histograms,
             histogram_bins=histogram_bins,
             alerts=alerts,
+            modules=modules,
+            sentinel=sentinel,
         )
-        self._monitor = None if rules is None else HealthMonitor(rules)
+        self.schedule, self.families, self.stats, self._bins = options.schedule, options.families, options.stats, options.bins
+        self._module_filter = options.modules
+        self._wants_sentinel = options.sentinel
+        self._monitor = None if options.rules is None else HealthMonitor(options.rules)
         self.log_dir = None if log_dir is None else _writable_dir(log_dir)
         self._model = weakref.ref(model)
         self._optimizer = None if optimizer is None else weakref.ref(optimizer)
@@ -149,6 +180,14 @@ class Inspector:
         self._unmeasurable: set[tuple[str, str]] = set()  # (weights|gradients, name) whose statistics failed
         self._structure: Optional[StructureProbe] = None
         self._structure_written = False
+        self._probe: Optional[RuntimeProbe] = None
+        self._probes_off = not any(family in self.families for family in PROBE_FAMILIES)
+        self._offender_found = False
+        self._sentinel: Optional[NonfiniteSentinel] = None
+        self._optimizer_steps: Optional[list[int]] = None  # counted by a post-hook while the sentinel runs
+        self._steps_seen = 0
+        self._sentinel_handles: list[Any] = []
+        self._force_sample = False
         self._warned: set[str] = set()
         self._extra_sinks: list[Callable[[R.StepRecord], None]] = []
 
@@ -176,6 +215,10 @@ class Inspector:
                 writer = SummaryWriter(log_dir=None if self.log_dir is None else str(self.log_dir))
             self._sink = TensorBoardSink(writer, owns_writer=self._writer is None)
         self._state = "running"
+        if self._wants_sentinel and _is_writer_rank():
+            self._sentinel = NonfiniteSentinel()
+            if self._optimizer is not None and self._optimizer() is not None:
+                self._count_optimizer_steps([self._optimizer()])
         names = [name for name, _ in self._parameters()]
         if not names:
             self._warn_once("no-params", "layerwatch: the model has no parameters; there is nothing to log")
@@ -191,6 +234,7 @@ class Inspector:
             raise RuntimeError(
                 f"step() called on an inspector that is {self._state}; call start() or use it as a context manager"
             )
+        self._check_sentinel()
         self._close_sample()
         self._step += 1
         self._open_sample()
@@ -200,6 +244,7 @@ class Inspector:
         if self._state == "finished":
             return
         self._drop_sample()
+        self._stop_sentinel()
         if self._sink is not None:
             self._guard("flush the writer", self._sink.close, disables_sink=True)
             self._sink = None
@@ -249,7 +294,9 @@ class Inspector:
 
     def _open_sample(self) -> None:
         self._disarm()
-        self._sample = _Sample(self._step) if self.schedule(self._step) else None
+        sampled = self.schedule(self._step) or self._force_sample
+        self._force_sample = False
+        self._sample = _Sample(self._step) if sampled else None
         optimizer = self._optimizer() if self._optimizer is not None else None
         if self._sample is not None and optimizer is not None:
             self._handles = [
@@ -258,12 +305,15 @@ class Inspector:
             ]
         if self._sample is not None and self._wants_structure():
             self._guard("record the layer table", self._arm_structure)
+        if self._sample is not None and not self._probes_off and _is_writer_rank():
+            self._guard("arm the runtime probes", self._arm_probes)
 
     def _disarm(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self._take_structure()
+        self._take_probes()
 
     def _wants_structure(self) -> bool:
         return "structure" in self.families and not self._structure_written and _is_writer_rank()
@@ -272,15 +322,60 @@ class Inspector:
         model = self._model()
         if model is None:
             return
-        if any(hasattr(m, "_orig_mod") for m in model.modules()):
+        if is_compiled(model):
             self._structure_written = True  # hooks would make torch.compile recompile; do not retry
-            self._warn_once(
-                "compiled",
-                "layerwatch: the model (or part of it) is torch.compile'd; the layer table is not recorded "
-                "during training. Call layerwatch.summarize(model._orig_mod, batch) for it.",
-            )
+            self._warn_compiled()
             return
         self._structure = StructureProbe(model, training_only=True)
+
+    def _warn_compiled(self) -> None:
+        self._warn_once(
+            "compiled",
+            "layerwatch: the model (or part of it) is torch.compile'd; module hooks cannot see inside a compiled "
+            "graph, so the layer table and the per-module families (latency, memory, activations, nonfinite) are "
+            "not recorded. Parameter families and the NaN sentinel go on. For the table call "
+            "layerwatch.summarize(model._orig_mod, batch).",
+        )
+
+    def _arm_probes(self) -> None:
+        model = self._model()
+        if model is None:
+            return
+        if is_compiled(model):
+            self._probes_off = True
+            self._warn_compiled()
+            return
+        modules = select_modules(model, self._module_filter)
+        if not modules:
+            self._probes_off = True
+            self._warn_once(
+                "no-modules", f"layerwatch: modules={list(self._module_filter or ())!r} matches no module of the model; "
+                "the per-module families are off",
+            )
+            return
+        self._probe = RuntimeProbe(
+            modules,
+            families=self.families,
+            bins=self._bins,
+            zeros="zero_frac" in self.stats,
+            centered="std" in self.stats,
+            parameters=[p for _, p in self._parameters()],
+        )
+
+    def _take_probes(self) -> Optional[ProbeResult]:
+        """Remove the runtime probes; what they measured, when they did not fail."""
+        probe, self._probe = self._probe, None
+        if probe is None:
+            return None
+        probe.remove()
+        if probe.error is None:
+            try:
+                return probe.result()
+            except Exception as e:
+                probe.error = e
+        self._probes_off = True
+        self._warn_once("fail:probes", f"layerwatch: a runtime probe failed: {probe.error!r}; the per-module families are off")
+        return None
 
     def _take_structure(self) -> Optional[Summary]:
         """Remove the layer-table hooks; the table when they saw a whole forward."""
@@ -320,10 +415,11 @@ class Inspector:
             return
         started = time.perf_counter()
         structure = self._take_structure()
+        probes = self._take_probes()
         self._disarm()
         self._guard("read gradients", lambda: self._read_grads(sample), when=sample.grads is None)
         self._guard("read weights", lambda: self._read_weights(sample), when=sample.weights is None)
-        self._guard("write the sampled step", lambda: self._write(sample, started, structure), disables_sink=True)
+        self._guard("write the sampled step", lambda: self._write(sample, started, structure, probes), disables_sink=True)
 
     def _parameters(self) -> list[tuple[str, nn.Parameter]]:
         model = self._model()
@@ -415,7 +511,9 @@ class Inspector:
                 sample.update.append((names, torch.stack([_norms(before, group), norms])))
         sample.before = None
 
-    def _write(self, sample: _Sample, started: float, structure: Optional[Summary]) -> None:
+    def _write(
+        self, sample: _Sample, started: float, structure: Optional[Summary], probes: Optional[ProbeResult]
+    ) -> None:
         if not _is_writer_rank():
             return
         families = {"grads": sample.grads or [], "weights": sample.weights or [], "update": sample.update or []}
@@ -440,7 +538,15 @@ class Inspector:
         if structure is not None:
             rec.add_structure(structure)
             self._structure_written = True
-        new_alerts = self._check_health(rec, host, sample) if self._monitor is not None else []
+        new_alerts = []
+        if probes is not None:
+            rec.add_probes(probes, self.stats, self._bins)
+            if probes.offender is not None and not self._offender_found:
+                self._offender_found = True  # raised before the rules, whose alert on the same layer says less
+                rec.texts[R.FIRST_OFFENDER] = probes.offender.describe(rec.step)
+                new_alerts += self._report(rec, "nonfinite", probes.offender.name, "first offender: " + rec.texts[R.FIRST_OFFENDER])
+        if self._monitor is not None:
+            new_alerts += self._check_health(rec, host, sample)
         rec.scalars[R.OVERHEAD_MS] = 1e3 * (sample.overhead_s + time.perf_counter() - started)
         if self._sink is not None:
             self._sink.write(rec)
@@ -486,6 +592,73 @@ class Inspector:
         if new:
             rec.texts[R.ALERTS] = alerts_markdown(self._monitor.alerts)
         return new
+
+    def _report(self, rec: R.StepRecord, kind: str, layer: str, message: str) -> list[Alert]:
+        """An alert found outside the rules, into the record's alert table; console-only
+        (returned for announcing) when alerts are off."""
+        if self._monitor is None:
+            return [Alert(kind, layer, rec.step, message)]
+        new = self._monitor.report(kind, layer, rec.step, message)
+        rec.scalars[R.ALERTS] = len(self._monitor.alerts)
+        if new:
+            rec.texts[R.ALERTS] = alerts_markdown(self._monitor.alerts)
+        return new
+
+    # ------------------------------------------------------------------ NaN sentinel
+
+    def _count_optimizer_steps(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Count optimizer steps, so that a GradScaler's skipped step is not taken for a fault."""
+        counter = self._optimizer_steps = [0]
+
+        def count(*_: Any) -> None:
+            counter[0] += 1
+
+        self._sentinel_handles += [optimizer.register_step_post_hook(count) for optimizer in optimizers]
+
+    def _check_sentinel(self) -> None:
+        """Enqueue this step's check of the gradients; act on the checks that have landed."""
+        sentinel = self._sentinel
+        if sentinel is None:
+            return
+        stepped = None
+        if self._optimizer_steps is not None:
+            stepped = self._optimizer_steps[0] != self._steps_seen
+            self._steps_seen = self._optimizer_steps[0]
+        step = self._step
+        self._guard("check the gradients for NaN/Inf", lambda: sentinel.check(step, self._local_grads(), stepped))
+        for finding in sentinel.poll():
+            if finding.stepped is False:
+                logger.info("layerwatch: step %d: NaN/Inf gradients and no optimizer step (a GradScaler skip)", finding.step)
+                continue
+            self._guard("report NaN/Inf gradients", lambda: self._on_nonfinite(finding), disables_sink=True)
+            self._stop_sentinel()
+            break
+
+    def _local_grads(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, _local(p.grad)) for n, p in self._parameters() if p.grad is not None and not p.grad.is_sparse]
+
+    def _on_nonfinite(self, finding: Finding) -> None:
+        """The sentinel's first hit: the step, an alert, and every probe armed for the next step."""
+        self._force_sample = True
+        rec = R.StepRecord(finding.step)
+        rec.scalars[R.FIRST_NONFINITE_STEP] = finding.step
+        names = ", ".join(finding.tensors[:5]) + (f" and {len(finding.tensors) - 5} more" if len(finding.tensors) > 5 else "")
+        message = (
+            f"NaN/Inf gradients at step {finding.step} (the sentinel, every step) in {names}; "
+            f"the next step is sampled with every probe armed to find the first offender"
+        )
+        if self._sink is not None:
+            self._sink.write(rec)
+        for extra in self._extra_sinks:
+            extra(rec)
+        logger.warning("layerwatch: %s", message)
+        warnings.warn(f"layerwatch: {message}", RuntimeWarning, stacklevel=4)
+
+    def _stop_sentinel(self) -> None:
+        for handle in self._sentinel_handles:
+            handle.remove()
+        self._sentinel_handles = []
+        self._sentinel = None
 
     # ------------------------------------------------------------------ failures
 
@@ -585,6 +758,19 @@ def _split_sharded(
     return plain, [(group, names, shards) for group, (names, shards) in groups.items()]
 
 
+@dataclass(frozen=True)
+class Options:
+    """The checked options shared by ``Inspector`` and ``InspectCallback``."""
+
+    schedule: Schedule
+    families: tuple[str, ...]
+    stats: tuple[str, ...]
+    bins: int  # 0: no histograms
+    rules: Optional[AlertRules]  # None: no alerts
+    modules: Optional[tuple[Any, ...]]  # None: every module
+    sentinel: bool
+
+
 def validate_options(
     *,
     every_n_steps: Optional[int],
@@ -594,9 +780,10 @@ def validate_options(
     histograms: bool,
     histogram_bins: int,
     alerts: AlertRules | bool,
-) -> tuple[Schedule, tuple[str, ...], tuple[str, ...], int, Optional[AlertRules]]:
-    """Check the options; returns ``(schedule, families, stats, bins, alert rules)``, bins 0
-    for no histograms and rules None for no alerts."""
+    modules: Optional[ModuleFilter],
+    sentinel: bool,
+) -> Options:
+    """Check every option; raises with a message that names the bad value."""
     if every_n_steps is not None and schedule is not None:
         raise ValueError(f"pass every_n_steps or schedule, not both (got {every_n_steps!r} and {schedule!r})")
     if schedule is not None:
@@ -607,12 +794,19 @@ def validate_options(
         raise TypeError(f"histograms must be a bool, got {histograms!r}")
     if isinstance(histogram_bins, bool) or not isinstance(histogram_bins, int) or not 2 <= histogram_bins <= S.MAX_BINS:
         raise ValueError(f"histogram_bins must be an int in [2, {S.MAX_BINS}], got {histogram_bins!r}")
-    families = _check_choice("families", families, R.FAMILIES)
-    stats = _check_choice("stats", stats, S.STATS)
     if not isinstance(alerts, (bool, AlertRules)):
         raise TypeError(f"alerts must be True, False or an AlertRules, got {alerts!r}")
-    rules = AlertRules() if alerts is True else alerts or None
-    return chosen, families, stats, histogram_bins if histograms else 0, rules
+    if not isinstance(sentinel, bool):
+        raise TypeError(f"sentinel must be a bool, got {sentinel!r}")
+    return Options(
+        schedule=chosen,
+        families=_check_choice("families", families, R.FAMILIES),
+        stats=_check_choice("stats", stats, S.STATS),
+        bins=histogram_bins if histograms else 0,
+        rules=AlertRules() if alerts is True else alerts or None,
+        modules=check_module_filter(modules),
+        sentinel=sentinel,
+    )
 
 
 def _check_choice(option: str, values: Collection[str], allowed: Sequence[str]) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ from typing import Any, Collection, Optional, Sequence
 from layerwatch import record as R
 from layerwatch.alerts import Alert, AlertRules
 from layerwatch.inspector import DEFAULT_STATS, Inspector, validate_options
+from layerwatch.probes import ModuleFilter
 from layerwatch.schedule import ScheduleLike
 
 _PACKAGES = ("lightning.pytorch", "pytorch_lightning")
@@ -65,14 +66,19 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
     Args:
         every_n_steps: Sample global step ``k`` when ``k % every_n_steps == 0``. Default 50.
         schedule: Instead of ``every_n_steps``: a Schedule, a list of steps, or a callable.
-        families: Which of ``"weights"``, ``"grads"``, ``"updates"``, ``"structure"`` to log
-            (``"structure"``: the layer table and parameter/MAC counts, once, from the
-            first sampled step's training forward).
+        families: Which families to log, all by default: ``"weights"``, ``"grads"``,
+            ``"updates"``, ``"structure"`` (the layer table, once, from the first sampled
+            step's training forward), and the per-module ``"latency"``, ``"memory"``,
+            ``"activations"``, ``"nonfinite"`` (hooks that exist only on sampled steps).
         stats: Per-tensor scalars, from ``mean std min max norm zero_frac nonfinite``.
         histograms: Log ``weights/<param>`` and ``grads/<param>`` histograms.
         histogram_bins: Buckets per histogram, 2 to 254.
         alerts: Health alerts: ``True`` (default rules), an ``AlertRules``, or ``False``.
             Those raised are in :attr:`alerts`, also after ``fit`` returns.
+        modules: Restrict the per-module families to modules matching these glob patterns
+            (qualified names; the LightningModule itself is ``"(root)"``) or types.
+        sentinel: Check the gradients for NaN/Inf on every step and, on the first hit, log
+            ``layerwatch/first_nonfinite_step`` and sample the next step with every probe.
 
     Use one InspectCallback per Trainer: Lightning refuses a second one (or the same
     object twice) when the Trainer is built, because their checkpoint states would collide.
@@ -91,6 +97,8 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         histograms: bool = True,
         histogram_bins: int = 32,
         alerts: AlertRules | bool = True,
+        modules: Optional[ModuleFilter] = None,
+        sentinel: bool = True,
     ) -> None:
         super().__init__()
         self._options = dict(
@@ -101,6 +109,8 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
             histograms=histograms,
             histogram_bins=histogram_bins,
             alerts=alerts,
+            modules=modules,
+            sentinel=sentinel,
         )
         validate_options(**self._options)
         self._inspector: Optional[Inspector] = None
@@ -146,6 +156,8 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
             return
         self._inspector.load_state_dict({"step": trainer.global_step})
         self._inspector.start()
+        if self._inspector._sentinel is not None:
+            self._inspector._count_optimizer_steps(trainer.optimizers)
         self._skip_if_written()
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -157,6 +169,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         if inspector is None or trainer.global_step == inspector.current_step:
             return  # no optimizer step finished in this batch (gradient accumulation)
         inspector._after_update()
+        inspector._check_sentinel()
         if inspector._sampled_step is not None:
             self._last_written_step = inspector._sampled_step
         self._advance(trainer.global_step)

@@ -13,11 +13,12 @@ from typing import Sequence
 import numpy as np
 
 from layerwatch import stats as S
+from layerwatch.probes import PROBE_FAMILIES, ProbeResult
 from layerwatch.stats import Histogram
 from layerwatch.structure import Summary
 
 TENSOR_FAMILIES = ("weights", "grads")
-FAMILIES = TENSOR_FAMILIES + ("updates", "structure")
+FAMILIES = TENSOR_FAMILIES + ("updates", "structure") + PROBE_FAMILIES
 
 GRAD_NORM = "layerwatch/grad_norm"
 OVERHEAD_MS = "layerwatch/overhead_ms"
@@ -28,6 +29,12 @@ PARAMS_FROZEN = "layerwatch/params_frozen"
 MACS_PER_STEP = "layerwatch/macs_per_step"
 ALERTS = "layerwatch/alerts"  # the count (scalar) and the table (text)
 OPTIMIZER_SKIPPED = "layerwatch/optimizer_skipped"
+NONFINITE_MODULES = "layerwatch/nonfinite_modules"
+FIRST_OFFENDER = "layerwatch/first_offender"  # text
+FIRST_NONFINITE_STEP = "layerwatch/first_nonfinite_step"
+
+# Per-module scalars of the runtime probes, tagged <field>/<module> after the ModuleTrace field.
+MODULE_SCALARS = ("fwd_ms", "bwd_ms", "activation_bytes", "saved_bytes", "cuda_alloc_bytes", "nonfinite")
 
 
 def histogram_tag(family: str, name: str) -> str:
@@ -58,6 +65,23 @@ class StepRecord:
         self.scalars[PARAMS_LEARNABLE] = summary.learnable_params
         self.scalars[PARAMS_FROZEN] = summary.frozen_params
         self.scalars[MACS_PER_STEP] = summary.total_macs
+
+    def add_probes(self, result: ProbeResult, stats: Sequence[str], bins: int) -> None:
+        """Per-module time, memory, activations and NaN/Inf flags of one step."""
+        for trace in result.modules:
+            for field_name in MODULE_SCALARS:
+                value = getattr(trace, field_name)
+                if value is not None:
+                    self.scalars[f"{field_name}/{trace.name}"] = float(value)
+            if trace.calls > 1:
+                self.scalars[f"calls/{trace.name}"] = trace.calls
+        measured = [t for t in result.modules if t.activation_row is not None]
+        if measured:
+            rows = np.stack([t.activation_row for t in measured])
+            self.add_tensor_family("activations", [t.name for t in measured], rows, stats, bins)
+        flags = [t.nonfinite for t in result.modules if t.nonfinite is not None]
+        if flags:
+            self.scalars[NONFINITE_MODULES] = sum(flags)
 
     def add_tensor_family(
         self, family: str, names: Sequence[str], rows: np.ndarray, stats: Sequence[str], bins: int

@@ -23,6 +23,7 @@ from typing import Any, Iterator, Optional
 
 from layerwatch import record as R
 from layerwatch.alerts import parse_alerts_markdown
+from layerwatch.probes import ROOT
 
 TOP = 5
 _SCALAR_PREFIXES = (
@@ -173,8 +174,16 @@ def _top_by_median(scalars: dict[str, list[tuple[int, float]]], prefixes: tuple[
             if values:
                 module = tag.split("/", 1)[1]
                 totals[module] = totals.get(module, 0.0) + values[len(values) // 2]
-    ranked = sorted(totals.items(), key=lambda item: -item[1])[:TOP]
+    # A parent's time and memory include its children's: rank the leaves, the layers that do the work.
+    leaves = {name: value for name, value in totals.items() if not _has_children(name, totals)}
+    ranked = sorted(leaves.items(), key=lambda item: -item[1])[:TOP]
     return [{"name": name, unit: value} for name, value in ranked]
+
+
+def _has_children(name: str, names: dict[str, float]) -> bool:
+    if name == ROOT:
+        return len(names) > 1
+    return any(other.startswith(name + ".") for other in names)
 
 
 # ---------------------------------------------------------------------- text
@@ -210,8 +219,8 @@ def format_report(report: dict[str, Any]) -> str:
                     for row in norms["fastest_changing"]
                 ]
         for key, label, unit, tags in (
-            ("slowest", "Slowest layers (median fwd + bwd)", "ms", "fwd_ms/, bwd_ms/"),
-            ("largest_memory", "Largest memory (median bytes)", "bytes", "activation_bytes/, saved_bytes/"),
+            ("slowest", "Slowest leaf layers (median fwd + bwd)", "ms", "fwd_ms/, bwd_ms/"),
+            ("largest_memory", "Largest memory, leaf layers (median bytes)", "bytes", "activation_bytes/, saved_bytes/"),
         ):
             rows = run[key]
             if rows:

@@ -1,0 +1,446 @@
+"""Runtime probes: per-module time, memory, activations and NaN/Inf on one sampled step.
+
+A ``RuntimeProbe`` exists only between the opening and the closing of a sampled step.
+It hooks every selected module (containers and leaves alike):
+
+* forward pre/post hooks time each call, count the bytes it returns, reduce its
+  outputs (``stats.reduce``, one row per distinct tensor) and flag NaN/Inf in its
+  inputs and outputs;
+* tensor hooks, never full backward hooks (an in-place op after a module breaks
+  those), mark its backward: a hook on its outputs fires when the gradient with
+  respect to them is ready (its backward starts), a multi-grad hook on its inputs
+  (or, when no input needs a gradient, its parameters) fires when its backward is
+  done;
+* ``saved_tensors_hooks`` around each outermost forward count the storages autograd
+  keeps for backward, once each, parameters excluded, for every module running.
+
+Hooks only record clock marks and enqueue device work: nothing is read on the host
+until :meth:`RuntimeProbe.result`, after the step. Every hook's own duration is one
+interval on the same clock, and a module's time is its span minus the intervals of
+the hooks nested in it, so the probes' work never counts as the model's. Times come
+from ``time.perf_counter_ns`` on the CPU and from CUDA events on a GPU.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from torch import nn
+
+from layerwatch import stats as S
+from layerwatch.structure import _tensors
+
+ROOT = "(root)"  # the model itself: named_modules() names it ""
+PROBE_FAMILIES = ("latency", "memory", "activations", "nonfinite")
+
+ModuleFilter = Sequence[Union[str, type]]
+
+
+def probe_name(name: str) -> str:
+    return name or ROOT
+
+
+def select_modules(model: nn.Module, modules: Optional[ModuleFilter]) -> list[tuple[str, nn.Module]]:
+    """The modules to probe: every one, or those whose name matches a glob pattern or
+    whose type is one of the given types."""
+    named = list(model.named_modules())
+    if modules is None:
+        return named
+    patterns = [m for m in modules if isinstance(m, str)]
+    types = tuple(m for m in modules if isinstance(m, type))
+    return [
+        (name, module)
+        for name, module in named
+        if isinstance(module, types) or any(fnmatch.fnmatchcase(probe_name(name), p) for p in patterns)
+    ]
+
+
+def check_module_filter(modules: Any) -> Optional[tuple[Union[str, type], ...]]:
+    """Validate the ``modules=`` option: None, or a collection of glob patterns and module types."""
+    if modules is None:
+        return None
+    if isinstance(modules, (str, type)):
+        modules = (modules,)
+    chosen = tuple(modules)
+    if not chosen:
+        raise ValueError("modules must name at least one pattern or type (or be None for every module)")
+    for item in chosen:
+        if isinstance(item, type):
+            if not issubclass(item, nn.Module):
+                raise TypeError(f"modules: {item.__name__} is not an nn.Module subclass")
+        elif not isinstance(item, str) or not item:
+            raise TypeError(f"modules: each entry must be a name pattern or an nn.Module type, got {item!r}")
+    return chosen
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` or a part of it runs under torch.compile (module hooks would not
+    see inside the compiled graph, and adding them forces a recompile)."""
+    return any(hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+
+
+@dataclass
+class ModuleTrace:
+    """One module's measurements on a sampled step (host values)."""
+
+    name: str
+    calls: int = 0
+    # None where the family is off (or, for bwd_ms, where no backward was seen).
+    fwd_ms: Optional[float] = None
+    bwd_ms: Optional[float] = None
+    activation_bytes: Optional[int] = None
+    saved_bytes: Optional[int] = None
+    cuda_alloc_bytes: Optional[int] = None
+    nonfinite: Optional[bool] = None
+    activation_row: Optional[np.ndarray] = None  # stats row of its first call's outputs
+
+
+@dataclass
+class Offender:
+    """The first module whose inputs were finite and whose outputs were not."""
+
+    name: str
+    phase: str  # "forward" or "backward"
+
+    def describe(self, step: int) -> str:
+        what = "output" if self.phase == "forward" else "gradient with respect to its inputs (or parameters)"
+        given = "inputs" if self.phase == "forward" else "gradient with respect to its outputs"
+        return f"step {step}, {self.phase}: {self.name} turned finite {given} into a non-finite {what}"
+
+
+@dataclass
+class ProbeResult:
+    modules: list[ModuleTrace]  # the modules called during the step, in model order
+    offender: Optional[Offender]
+
+
+@dataclass
+class _Call:
+    """One forward call of a module, until its backward is done."""
+
+    index: int  # the module's index
+    start: int  # hook interval after which the forward starts
+    inputs: list[int]  # flag entries
+    alloc_before: int = 0
+    bwd_start: Optional[int] = None
+    grad_outputs: list[int] = field(default_factory=list)
+
+
+class _HostClock:
+    def mark(self) -> int:
+        return time.perf_counter_ns()
+
+    def resolve(self, marks: list[Any]) -> np.ndarray:
+        return np.asarray(marks, dtype=np.float64) / 1e6
+
+
+class _CudaClock:
+    """CUDA events recorded in hooks; read once, after the step."""
+
+    def mark(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def resolve(self, marks: list[Any]) -> np.ndarray:
+        if not marks:
+            return np.zeros(0)
+        marks[-1].synchronize()
+        base = marks[0]
+        return np.array([0.0] + [base.elapsed_time(m) for m in marks[1:]])
+
+
+class RuntimeProbe:
+    """Hooks on the selected modules for one sampled step; ``remove()`` is safe twice.
+
+    A hook that fails records the error and the probe goes quiet; it never raises into
+    the training step. Forwards with autograd off (validation) and recomputes inside
+    backward (activation checkpointing) are not recorded.
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[tuple[str, nn.Module]],
+        *,
+        families: Sequence[str],
+        bins: int,
+        zeros: bool,
+        centered: bool,
+        parameters: Sequence[nn.Parameter],
+    ) -> None:
+        self.error: Optional[BaseException] = None
+        self._latency = "latency" in families
+        self._memory = "memory" in families
+        self._activations = "activations" in families
+        self._nonfinite = "nonfinite" in families
+        self._backward = self._latency or self._nonfinite
+        self._bins, self._zeros, self._centered = bins, zeros, centered
+        device = next((p.device for p in parameters), torch.device("cpu"))
+        self._cuda = device.type == "cuda"
+        self._clock: Any = _CudaClock() if self._cuda else _HostClock()
+        self._traces = [ModuleTrace(probe_name(name)) for name, _ in modules]
+        for trace in self._traces:
+            if self._memory:
+                trace.activation_bytes, trace.saved_bytes = 0, 0
+                trace.cuda_alloc_bytes = 0 if self._cuda else None
+            if self._nonfinite:
+                trace.nonfinite = False
+        self._param_storages = {_storage_key(p) for p in parameters} if self._memory else set()
+        self._saved_storages: set[int] = set()
+        self._saved_context: Any = None
+        self._stack: list[_Call] = []
+        self._ignored_depth = 0
+        # Hook intervals: marks at entry and exit of every hook, in firing order.
+        self._entered: list[Any] = []
+        self._left: list[Any] = []
+        self._fwd_spans: list[tuple[int, int, int]] = []  # (module, start interval, end interval)
+        self._bwd_spans: list[tuple[int, int, int]] = []
+        # Non-finite flags: device scalars, one per distinct tensor seen; events name them.
+        self._flags: list[torch.Tensor] = []
+        self._rows: list[torch.Tensor] = []
+        self._row_of: dict[int, int] = {}  # module -> row
+        self._seen: dict[int, tuple[Any, int, int, Optional[int]]] = {}  # id -> (ref, version, flag, row)
+        self._fwd_events: list[tuple[int, list[int], list[int]]] = []
+        self._bwd_events: list[tuple[int, list[int], list[int]]] = []
+        self._grad_handles: list[Any] = []
+        self._handles: list[Any] = []
+        for index, (_, module) in enumerate(modules):
+            own = [p for p in module.parameters() if p.requires_grad] if self._backward else []
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(index, own)))
+            self._handles.append(module.register_forward_hook(self._post_hook(index), always_call=True))
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def remove(self) -> None:
+        for handle in self._handles + self._grad_handles:
+            handle.remove()
+        self._handles, self._grad_handles = [], []
+        self._exit_saved_context()
+        self._stack = []
+        self._seen = {}
+
+    def result(self) -> ProbeResult:
+        """The step's measurements: one host transfer for every flag and stats row."""
+        self.remove()
+        rows_host, flags_host = S.to_host(
+            [
+                torch.cat(self._rows) if self._rows else torch.empty(0, dtype=torch.float64),
+                torch.stack([f.to(torch.float64) for f in self._flags]) if self._flags else torch.empty(0),
+            ]
+        )
+        rows_host = rows_host.reshape(len(self._rows), S.row_width(self._bins))
+        nonfinite = flags_host > 0
+        marks = self._clock.resolve([m for pair in zip(self._entered, self._left) for m in pair])
+        entered, left = marks[0::2], marks[1::2]
+        # nested[k]: time spent in hooks 0..k-1; a span subtracts the hooks inside it.
+        nested = np.concatenate([[0.0], np.cumsum(left - entered)])
+        for spans, attribute in ((self._fwd_spans, "fwd_ms"), (self._bwd_spans, "bwd_ms")) if self._latency else ():
+            for index, start, end in spans:
+                trace = self._traces[index]
+                ms = entered[end] - left[start] - (nested[end] - nested[start + 1])
+                if getattr(trace, attribute) is None:
+                    setattr(trace, attribute, 0.0)
+                setattr(trace, attribute, getattr(trace, attribute) + max(ms, 0.0))
+        for index, row in self._row_of.items():
+            self._traces[index].activation_row = rows_host[row]
+        offender = None
+        if self._nonfinite:
+            for events, phase in ((self._fwd_events, "forward"), (self._bwd_events, "backward")):
+                for index, inputs, outputs in events:
+                    bad_out = any(nonfinite[i] for i in outputs)
+                    trace = self._traces[index]
+                    trace.nonfinite = trace.nonfinite or bad_out
+                    if offender is None and bad_out and not any(nonfinite[i] for i in inputs):
+                        offender = Offender(trace.name, phase)
+        return ProbeResult([t for t in self._traces if t.calls], offender)
+
+    # ------------------------------------------------------------------ hooks
+    # Hooks hold the probe (names and indices), never a module or the inspector.
+
+    def _pre_hook(self, index: int, own: list[nn.Parameter]) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple) -> None:
+            if self.error is None:
+                self._guarded(lambda: self._enter(index, args, own))
+
+        return hook
+
+    def _post_hook(self, index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if self._ignored_depth:
+                self._ignored_depth -= 1
+            elif self.error is None:
+                self._guarded(lambda: self._leave(index, output))
+            if not self._stack:
+                self._exit_saved_context()
+
+        return hook
+
+    def _guarded(self, action: Callable[[], None]) -> None:
+        entered = self._clock.mark()
+        try:
+            action()
+        except Exception as e:  # a probe must never break the training step
+            self.error = e
+            self._stack = []
+            self._exit_saved_context()
+        self._entered.append(entered)
+        self._left.append(self._clock.mark())
+
+    def _enter(self, index: int, args: tuple, own: list[nn.Parameter]) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a recompute inside backward
+        if self._ignored_depth or (not self._stack and not torch.is_grad_enabled()):
+            self._ignored_depth += 1
+            return
+        if not self._stack and self._memory:
+            self._enter_saved_context()
+        tensors = list(_tensors(args))
+        call = _Call(index, len(self._entered), [self._flag(t) for t in tensors if _is_float(t)] if self._nonfinite else [])
+        if self._memory and self._cuda:
+            call.alloc_before = torch.cuda.memory_allocated()
+        if self._backward and torch.is_grad_enabled():
+            watched = [t for t in tensors if t.requires_grad] or list(own)
+            if watched:
+                self._grad_handles.append(
+                    torch.autograd.graph.register_multi_grad_hook(watched, self._backward_done(call), mode="all")
+                )
+        self._stack.append(call)
+
+    def _leave(self, index: int, output: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return
+        call = self._stack.pop()
+        if call.index != index:
+            raise RuntimeError(f"module calls out of order: left {self._traces[index].name!r} while in "
+                               f"{self._traces[call.index].name!r}")
+        end = len(self._entered)
+        trace = self._traces[index]
+        first_call = trace.calls == 0
+        trace.calls += 1
+        self._fwd_spans.append((index, call.start, end))
+        tensors = list({id(t): t for t in _tensors(output)}.values())
+        if self._memory:
+            trace.activation_bytes += sum(t.numel() * t.element_size() for t in tensors)
+            if self._cuda:
+                trace.cuda_alloc_bytes += torch.cuda.memory_allocated() - call.alloc_before
+        measured = [t for t in tensors if _is_float(t)]
+        if self._activations and first_call and measured:
+            self._row_of[index] = self._row(measured)
+        if self._nonfinite:
+            self._fwd_events.append((index, call.inputs, [self._flag(t) for t in measured]))
+        if self._backward:
+            needing = [t for t in measured if t.requires_grad]
+            if needing:
+                self._grad_handles.append(
+                    torch.autograd.graph.register_multi_grad_hook(needing, self._backward_starts(call), mode="any")
+                )
+
+    def _backward_starts(self, call: _Call) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if self.error is None and call.bwd_start is None:
+                self._guarded(lambda: self._start_backward(call, grad))
+
+        return hook
+
+    def _start_backward(self, call: _Call, grad: torch.Tensor) -> None:
+        call.bwd_start = len(self._entered)
+        if self._nonfinite and grad is not None:
+            call.grad_outputs = [self._flag(grad)]
+
+    def _backward_done(self, call: _Call) -> Callable[[Sequence[Optional[torch.Tensor]]], None]:
+        def hook(grads: Sequence[Optional[torch.Tensor]]) -> None:
+            if self.error is None and call.bwd_start is not None:
+                self._guarded(lambda: self._finish_backward(call, grads))
+
+        return hook
+
+    def _finish_backward(self, call: _Call, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        self._bwd_spans.append((call.index, call.bwd_start, len(self._entered)))
+        call.bwd_start = None
+        if self._nonfinite:
+            flags = [self._flag(g) for g in grads if g is not None and _is_float(g)]
+            self._bwd_events.append((call.index, call.grad_outputs, flags))
+
+    # ------------------------------------------------------------------ tensors
+
+    def _flag(self, t: torch.Tensor) -> int:
+        """The entry of a device flag that holds whether ``t`` has a NaN or Inf."""
+        seen = self._seen.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == t._version:
+            return seen[2]
+        self._flags.append(torch.isfinite(t.detach()).all().logical_not())
+        self._remember(t, len(self._flags) - 1, None)
+        return len(self._flags) - 1
+
+    def _row(self, tensors: list[torch.Tensor]) -> int:
+        """A stats row of the values of ``tensors`` together; shared with an identical earlier row."""
+        t = tensors[0]
+        seen = self._seen.get(id(t))
+        if len(tensors) == 1 and seen is not None and seen[0]() is t and seen[1] == t._version and seen[3] is not None:
+            return seen[3]
+        values = t if len(tensors) == 1 else torch.cat([S.as_real_values(x) for x in tensors])
+        self._rows.append(S.reduce([values], self._bins, zeros=self._zeros, centered=self._centered))
+        row = len(self._rows) - 1
+        if len(tensors) == 1:
+            self._flags.append(self._rows[row][0, S.NONFINITE])
+            self._remember(t, len(self._flags) - 1, row)
+        return row
+
+    def _remember(self, t: torch.Tensor, flag: int, row: Optional[int]) -> None:
+        try:
+            self._seen[id(t)] = (weakref.ref(t), t._version, flag, row)
+        except TypeError:  # a tensor type without weak references: not shared
+            pass
+
+    # ------------------------------------------------------------------ saved tensors
+
+    def _enter_saved_context(self) -> None:
+        context = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        context.__enter__()
+        self._saved_context = context
+
+    def _exit_saved_context(self) -> None:
+        context, self._saved_context = self._saved_context, None
+        if context is not None:
+            context.__exit__(None, None, None)
+
+    def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        if self._stack and self.error is None:
+            try:
+                key = _storage_key(t)
+                if key not in self._param_storages and key not in self._saved_storages:
+                    self._saved_storages.add(key)
+                    nbytes = t.untyped_storage().nbytes()
+                    for index in dict.fromkeys(call.index for call in self._stack):
+                        self._traces[index].saved_bytes += nbytes
+            except Exception:  # a tensor without a storage (a subclass, meta): not counted
+                pass
+        # Returning ``t`` itself would make a reference cycle through its grad_fn that keeps
+        # activations alive; a detached alias shares its storage and version counter, and
+        # the version keeps autograd's check against in-place changes of saved tensors.
+        return t.detach(), t._version
+
+
+def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    t, version = packed
+    if t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"a {tuple(t.shape)} {t.dtype} tensor is at version {t._version}; expected version {version}"
+        )
+    return t
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _is_float(t: torch.Tensor) -> bool:
+    """A dense floating (or complex) tensor: one whose values can be NaN and can be reduced."""
+    return t.layout == torch.strided and (t.is_floating_point() or t.is_complex())

@@ -1,0 +1,73 @@
+"""The NaN sentinel: one fused finiteness check of the gradients on every step.
+
+``check`` enqueues ``max |g|`` of every gradient (``torch._foreach_norm`` with
+``ord=inf``: NaN when a value is NaN, Inf when one is infinite, never an overflow of
+finite values) and starts a non-blocking copy to the host; ``poll`` reads the copies
+that have landed, a step or more later on a GPU, at once on the CPU. Nothing waits on
+the device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+
+@dataclass
+class Finding:
+    """A step whose gradients held NaN or Inf."""
+
+    step: int
+    tensors: list[str]  # the parameters whose gradient held them
+    stepped: Optional[bool]  # whether the optimizer stepped (False: a GradScaler skip); None: unknown
+
+
+class NonfiniteSentinel:
+    def __init__(self) -> None:
+        self._pending: deque[tuple[int, list[str], list[tuple[torch.Tensor, Any]], Optional[bool]]] = deque()
+
+    def check(self, step: int, named_grads: Sequence[tuple[str, torch.Tensor]], stepped: Optional[bool]) -> None:
+        """Enqueue the check of ``step``'s gradients."""
+        if not named_grads:
+            return
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[torch.Tensor]]] = {}
+        for i, (_, grad) in enumerate(named_grads):
+            indices, grads = groups.setdefault((grad.device, grad.dtype), ([], []))
+            indices.append(i)
+            grads.append(grad)
+        order = [i for indices, _ in groups.values() for i in indices]
+        names = [named_grads[i][0] for i in order]  # in the order the peaks come back
+        copies = []
+        with torch.no_grad():
+            for (device, _), (_, grads) in groups.items():
+                peaks = torch.stack(torch._foreach_norm(grads, math.inf)).float()
+                if device.type == "cuda":
+                    host = torch.empty(peaks.shape, dtype=peaks.dtype, pin_memory=True)
+                    host.copy_(peaks, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record()
+                    copies.append((host, event))
+                else:
+                    copies.append((peaks, None))
+        self._pending.append((step, names, copies, stepped))
+
+    def poll(self) -> list[Finding]:
+        """The checks that have landed, oldest first, that found a NaN or Inf."""
+        found = []
+        while self._pending:
+            step, names, copies, stepped = self._pending[0]
+            if any(event is not None and not event.query() for _, event in copies):
+                break
+            self._pending.popleft()
+            peaks = torch.cat([host for host, _ in copies])
+            bad = set((~torch.isfinite(peaks)).nonzero().flatten().tolist())
+            if bad:
+                found.append(Finding(step, [name for i, name in enumerate(names) if i in bad], stepped))
+        return found
+
+    def clear(self) -> None:
+        self._pending.clear()
