@@ -1,6 +1,11 @@
 """Overhead of the Inspector, as ratios to an uninstrumented step measured in the same process.
 
     python benchmarks/overhead.py [--workloads gpt,cnn,stack] [--rounds 15] [--naive-rounds 3] [--optimizer]
+                                  [--families weights,grads,...] [--no-sentinel]
+
+By default every family is on (the parameter families, the layer table, and the
+per-module probes: latency, memory, activations, nonfinite) and so is the NaN sentinel,
+whose fused check runs in every off-step's ``inspector.step()`` call.
 
 Each round runs, on the same model: an uninstrumented step (base); a step the inspector
 does not sample (off), a step it samples (sampled) and the off-step right after it
@@ -41,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import WORKLOADS  # noqa: E402
 
 from layerwatch import Inspector  # noqa: E402
+from layerwatch.record import FAMILIES  # noqa: E402
 
 
 def timed(fn) -> float:
@@ -63,7 +69,7 @@ def event_bytes(log_dir: str) -> tuple[int, int, float]:
     return size, len(steps), statistics.mean(histo_sizes) if histo_sizes else 0.0
 
 
-def run(name: str, rounds: int, naive_rounds: int, with_optimizer: bool) -> dict:
+def run(name: str, rounds: int, naive_rounds: int, with_optimizer: bool, families: tuple, sentinel: bool) -> dict:
     model, opt, step = WORKLOADS[name]()
     params = [p for p in model.parameters()]
     for _ in range(2):
@@ -77,6 +83,8 @@ def run(name: str, rounds: int, naive_rounds: int, with_optimizer: bool) -> dict
             log_dir=f"{tmp}/lw",
             schedule=lambda k: k % 3 == 1,
             optimizer=opt if with_optimizer else None,
+            families=families,
+            sentinel=sentinel,
         )
         naive_writer = SummaryWriter(f"{tmp}/naive")
         with inspector:
@@ -121,6 +129,8 @@ def run(name: str, rounds: int, naive_rounds: int, with_optimizer: bool) -> dict
     return {
         "workload": name,
         "optimizer": with_optimizer,
+        "families": ",".join(families),
+        "sentinel": sentinel,
         "tensors": len(params),
         "params": sum(p.numel() for p in params),
         "base_ms": 1e3 * statistics.median(base),
@@ -143,17 +153,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--naive-rounds", type=int, default=3)
     parser.add_argument("--optimizer", action="store_true", help="also measure with optimizer= (update ratios)")
+    parser.add_argument("--families", default=",".join(FAMILIES), help="families to log (default: all)")
+    parser.add_argument("--no-sentinel", action="store_true", help="turn the every-step NaN sentinel off")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    families = tuple(args.families.split(","))
     results = []
     for name in args.workloads.split(","):
         for with_optimizer in (False, True) if args.optimizer else (False,):
-            results.append(run(name, args.rounds, args.naive_rounds, with_optimizer))
+            results.append(run(name, args.rounds, args.naive_rounds, with_optimizer, families, not args.no_sentinel))
             if args.json:
                 print(json.dumps(results[-1]), flush=True)
     if args.json:
         return
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, rounds={args.rounds}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, rounds={args.rounds}, "
+          f"families={args.families}, sentinel={'off' if args.no_sentinel else 'on'}")
     print("| workload | optimizer= | tensors | base step | sampled | first sampled (+ layer table) | off-step | off-step call | after sample | amortized@50 | naive | read once | bytes/sampled step | bytes/histogram |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:

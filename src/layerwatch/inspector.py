@@ -353,9 +353,12 @@ class Inspector:
                 "the per-module families are off",
             )
             return
+        families = self.families
+        if self._structure is not None:  # FlopCounterMode slows every op of this step: its times would mislead
+            families = tuple(f for f in families if f != "latency")
         self._probe = RuntimeProbe(
             modules,
-            families=self.families,
+            families=families,
             bins=self._bins,
             zeros="zero_frac" in self.stats,
             centered="std" in self.stats,

@@ -374,7 +374,7 @@ class RuntimeProbe:
         seen = self._seen.get(id(t))
         if seen is not None and seen[0]() is t and seen[1] == t._version:
             return seen[2]
-        self._flags.append(torch.isfinite(t.detach()).all().logical_not())
+        self._flags.append(_nonfinite(t.detach()))
         self._remember(t, len(self._flags) - 1, None)
         return len(self._flags) - 1
 
@@ -439,6 +439,14 @@ def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
 
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
+
+
+def _nonfinite(t: torch.Tensor) -> torch.Tensor:
+    """Whether ``t`` holds a NaN or Inf, as a device scalar: its sum is not finite. One read
+    pass, several times cheaper than ``isfinite(t).all()``; exact except that finite values
+    whose float32 sum overflows (beyond ~3e38) read as non-finite."""
+    total = t.sum(dtype=torch.float32) if t.is_floating_point() and t.element_size() < 4 else t.sum()
+    return torch.isfinite(total).logical_not()
 
 
 def _is_float(t: torch.Tensor) -> bool:

@@ -1,15 +1,15 @@
 """The NaN sentinel: one fused finiteness check of the gradients on every step.
 
-``check`` enqueues ``max |g|`` of every gradient (``torch._foreach_norm`` with
-``ord=inf``: NaN when a value is NaN, Inf when one is infinite, never an overflow of
-finite values) and starts a non-blocking copy to the host; ``poll`` reads the copies
-that have landed, a step or more later on a GPU, at once on the CPU. Nothing waits on
-the device.
+``check`` enqueues the L2 norm of every gradient (``torch._foreach_norm``, one fused
+pass, accumulated in float32 at least: NaN or Inf when a value is; finite values read
+as non-finite only when a gradient's norm passes ~1.8e19, an explosion in any case) and
+starts a non-blocking copy to the host; ``poll`` reads the copies that have landed, a
+step or more later on a GPU, at once on the CPU. Nothing waits on the device. On the
+CPU, ``ord=inf`` (which never overflows) runs 10x slower and ``ord=1`` 2x slower.
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -44,7 +44,8 @@ class NonfiniteSentinel:
         copies = []
         with torch.no_grad():
             for (device, _), (_, grads) in groups.items():
-                peaks = torch.stack(torch._foreach_norm(grads, math.inf)).float()
+                dtype = None if grads[0].element_size() >= 4 or grads[0].is_complex() else torch.float32
+                peaks = torch.stack(torch._foreach_norm(grads, 2, dtype=dtype)).float()
                 if device.type == "cuda":
                     host = torch.empty(peaks.shape, dtype=peaks.dtype, pin_memory=True)
                     host.copy_(peaks, non_blocking=True)

@@ -1,0 +1,293 @@
+"""The per-module runtime probes and the NaN sentinel (issue 4)."""
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from layerwatch import Inspector, at_steps
+from models import MLP, InPlaceCheckpointed, SharedLayer, train
+from test_inspector import hook_count
+
+NO_TABLE = ("weights", "grads", "latency", "memory", "activations", "nonfinite")  # timed from the first sample
+
+
+def scalar(acc, tag: str, step: int) -> float:
+    (value,) = [e.value for e in acc.Scalars(tag) if e.step == step]
+    return value
+
+
+class Poison(nn.Module):
+    """Identity, except at ``step``: its output turns to NaN (its input stays finite)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step, self.calls = step, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x * math.nan if self.calls - 1 == self.step else x
+
+
+class Sqrt(nn.Module):
+    """sqrt: finite forward at 0, infinite gradient there (a backward-only fault after a ReLU)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sqrt()
+
+
+def wide_nested(d: int = 384) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(d, d), nn.Tanh(), nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d)), nn.Linear(d, d)
+    )
+
+
+def test_a_container_takes_its_childrens_time_and_agrees_with_the_profiler(tmp_path, events):
+    model = wide_nested()
+    x = torch.randn(1024, 384)
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, families=NO_TABLE) as inspector:
+        for _ in range(2):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                model(x).square().mean().backward()
+            inspector.step()
+    acc = events(tmp_path)
+    fwd = {name: scalar(acc, f"fwd_ms/{name}", 1) for name in ("(root)", "0", "1", "2", "2.0", "2.1", "2.2", "3")}
+    bwd = {name: scalar(acc, f"bwd_ms/{name}", 1) for name in ("(root)", "2", "2.0", "2.2")}
+    # A container's time is its children's sum plus its own glue (a Sequential has next to none).
+    assert fwd["2"] == pytest.approx(fwd["2.0"] + fwd["2.1"] + fwd["2.2"], rel=0.15, abs=0.1)
+    assert fwd["(root)"] == pytest.approx(fwd["0"] + fwd["1"] + fwd["2"] + fwd["3"], rel=0.15, abs=0.1)
+    assert bwd["(root)"] >= bwd["2"] >= 0.9 * (bwd["2.0"] + bwd["2.2"])
+    # The profiler's own measure of each Linear's op on the same step, in forward order.
+    linears = [e.cpu_time_total / 1e3 for e in prof.events() if e.name == "aten::linear"]
+    assert len(linears) == 4
+    for name, profiled in zip(("0", "2.0", "2.2", "3"), linears):
+        assert fwd[name] == pytest.approx(profiled, rel=0.3, abs=0.15), name
+
+
+def test_exact_bytes_returned_and_saved_for_backward(tmp_path, events):
+    torch.manual_seed(0)
+    model = MLP(d_in=8, hidden=16, d_out=4)  # fc1 -> act (ReLU) -> fc2
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1) as inspector:
+        train(model, 1, inspector)  # a batch of 32
+    acc = events(tmp_path)
+    f32 = 4
+    assert scalar(acc, "activation_bytes/fc1", 0) == 32 * 16 * f32
+    assert scalar(acc, "activation_bytes/act", 0) == 32 * 16 * f32
+    assert scalar(acc, "activation_bytes/fc2", 0) == 32 * 4 * f32
+    assert scalar(acc, "activation_bytes/(root)", 0) == 32 * 4 * f32
+    # fc1 keeps its input for its weight's gradient (its weight is a parameter: not counted);
+    # the ReLU keeps its output; fc2's input is that same storage, counted once, by the ReLU.
+    assert scalar(acc, "saved_bytes/fc1", 0) == 32 * 8 * f32
+    assert scalar(acc, "saved_bytes/act", 0) == 32 * 16 * f32
+    assert scalar(acc, "saved_bytes/fc2", 0) == 0
+    assert scalar(acc, "saved_bytes/(root)", 0) == 32 * 8 * f32 + 32 * 16 * f32
+    assert "cuda_alloc_bytes/fc1" not in acc.Tags()["scalars"]  # a GPU measure only
+
+
+def test_activation_stats_and_histogram_match_numpy(tmp_path, events):
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(32, 8)
+    expected = model.fc1(x).detach().numpy().ravel()
+    stats = ("mean", "std", "min", "max", "norm", "zero_frac", "nonfinite")
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, stats=stats) as inspector:
+        model(x).sum().backward()
+        inspector.step()
+    acc = events(tmp_path)
+    for stat, value in {"mean": expected.mean(), "std": expected.std(), "min": expected.min(), "max": expected.max(),
+                        "norm": np.linalg.norm(expected), "zero_frac": 0.0, "nonfinite": 0.0}.items():
+        assert scalar(acc, f"activations_{stat}/fc1", 0) == pytest.approx(value, rel=1e-4, abs=1e-6), stat
+    assert scalar(acc, "activations_zero_frac/act", 0) == pytest.approx((expected <= 0).mean())
+    hist = acc.Histograms("activations/fc1")[0].histogram_value
+    assert hist.num == expected.size == sum(hist.bucket)
+    assert "activations/(root)" in acc.Tags()["histograms"]
+
+
+def test_first_offender_is_the_module_that_made_the_nan_not_one_upstream(tmp_path, events):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Poison(step=3), nn.Linear(8, 8), nn.ReLU())
+    with pytest.warns(RuntimeWarning, match=r"first offender: step 3, forward: 1 turned finite inputs into a non-finite output"):
+        with Inspector(model, log_dir=tmp_path, every_n_steps=1) as inspector:
+            train(model, 5, inspector)
+    acc = events(tmp_path)
+    assert [scalar(acc, f"nonfinite/{m}", 2) for m in ("0", "1", "2", "3")] == [0, 0, 0, 0]
+    assert [scalar(acc, f"nonfinite/{m}", 3) for m in ("0", "1", "2", "3")] == [1, 1, 1, 1]  # 0: its gradient
+    assert scalar(acc, "layerwatch/nonfinite_modules", 3) == 5  # and the root
+    (text,) = acc.Tensors("layerwatch/first_offender/text_summary")
+    assert text.step == 3
+    assert text.tensor_proto.string_val[0].decode() == "step 3, forward: 1 turned finite inputs into a non-finite output"
+    assert [(a.kind, a.name, a.step) for a in inspector.alerts][0] == ("nonfinite", "1", 3)
+
+
+def test_a_backward_only_fault_is_named_in_the_backward_phase(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), Sqrt(), nn.Linear(8, 1))
+    with pytest.warns(RuntimeWarning, match=r"step 0, backward: 2 turned finite gradient with respect to its outputs"):
+        with Inspector(model, log_dir=tmp_path, every_n_steps=1, sentinel=False) as inspector:
+            loss = model(torch.randn(32, 8)).sum()
+            assert torch.isfinite(loss)
+            loss.backward()
+            inspector.step()
+    assert inspector.alerts[0].name == "2"
+
+
+def test_the_sentinel_reports_a_nan_between_samples_and_arms_the_next_step(tmp_path, events):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Poison(step=7), nn.Linear(8, 4))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Inspector(model, log_dir=tmp_path, schedule=at_steps([0, 100])) as inspector:
+            train(model, 12, inspector)
+    acc = events(tmp_path)
+    assert [(e.step, e.value) for e in acc.Scalars("layerwatch/first_nonfinite_step")] == [(7, 7.0)]
+    assert [e.step for e in acc.Scalars("fwd_ms/0")] == [8]  # step 0 recorded the layer table; 8 was armed
+    sentinel = [str(w.message) for w in seen if "the sentinel" in str(w.message)]
+    assert len(sentinel) == 1 and "NaN/Inf gradients at step 7" in sentinel[0] and "0.weight" in sentinel[0]
+    (text,) = acc.Tensors("layerwatch/first_offender/text_summary")
+    assert text.step == 8  # SGD spread step 7's NaN into the weights; the first layer to use one is named
+    assert "forward: 0 turned finite inputs" in text.tensor_proto.string_val[0].decode()
+
+
+def test_the_sentinel_can_be_turned_off(tmp_path, events):
+    model = nn.Sequential(nn.Linear(8, 8), Poison(step=2), nn.Linear(8, 4))
+    with Inspector(model, log_dir=tmp_path, schedule=at_steps([0]), sentinel=False) as inspector:
+        train(model, 5, inspector)
+    assert "layerwatch/first_nonfinite_step" not in events(tmp_path).Tags()["scalars"]
+
+
+def test_a_grad_scaler_skip_does_not_fire_the_sentinel(tmp_path, events):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, backoff_factor=2.0**-60)  # step 0 overflows
+    with Inspector(model, log_dir=tmp_path, schedule=at_steps([3]), optimizer=opt) as inspector:
+        for _ in range(3):
+            loss = model(torch.randn(16, 8)).pow(2).mean() * 1e4
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            inspector.step()
+    assert "layerwatch/first_nonfinite_step" not in events(tmp_path).Tags()["scalars"]
+
+
+def test_in_place_ops_and_checkpointing_keep_bitwise_losses_and_get_backward_times(tmp_path, events):
+    torch.manual_seed(0)
+    plain = train(InPlaceCheckpointed(), 4)
+    torch.manual_seed(0)
+    model = InPlaceCheckpointed()
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1) as inspector:
+        watched = train(model, 4, inspector)
+    assert watched == plain
+    tags = events(tmp_path).Tags()["scalars"]
+    assert {"bwd_ms/a", "bwd_ms/act", "bwd_ms/block", "bwd_ms/head", "bwd_ms/(root)"} <= set(tags)
+    assert hook_count(model, torch.optim.SGD(model.parameters(), lr=0)) == 0
+
+
+def test_a_module_called_twice_adds_up_its_calls(tmp_path, events):
+    model = SharedLayer()
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, families=NO_TABLE) as inspector:
+        train(model, 2, inspector)
+    acc = events(tmp_path)
+    assert scalar(acc, "calls/layer", 1) == 2
+    assert "calls/out" not in acc.Tags()["scalars"]  # called once: no card
+    assert scalar(acc, "activation_bytes/layer", 1) == 2 * 32 * 8 * 4
+
+
+@pytest.mark.parametrize(
+    "modules, expected",
+    [(["fc*"], {"fc1", "fc2"}), ([nn.ReLU], {"act"}), (["(root)", nn.ReLU], {"(root)", "act"})],
+)
+def test_modules_restricts_the_probes(modules, expected, tmp_path, events):
+    model = MLP()
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, modules=modules) as inspector:
+        train(model, 1, inspector)
+    probed = {t.split("/", 1)[1] for t in events(tmp_path).Tags()["scalars"] if t.startswith("activation_bytes/")}
+    assert probed == expected
+
+
+def test_a_filter_that_matches_nothing_is_said_once(tmp_path):
+    model = MLP()
+    with pytest.warns(RuntimeWarning, match=r"modules=\['encoder\.\*'\] matches no module"):
+        with Inspector(model, log_dir=tmp_path, every_n_steps=1, modules=["encoder.*"]) as inspector:
+            train(model, 3, inspector)
+
+
+def test_families_off_arm_no_module_hook(tmp_path, events):
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, families=("weights", "grads"), sentinel=False) as inspector:
+        for _ in range(2):
+            assert hook_count(model, opt) == 0
+            train(model, 1, optimizer=opt)
+            inspector.step()
+    families = {t.split("/")[0] for t in events(tmp_path).Tags()["scalars"]}
+    assert families.isdisjoint({"fwd_ms", "bwd_ms", "activation_bytes", "saved_bytes", "nonfinite", "activations_norm"})
+
+
+def test_only_latency_still_times_every_level(tmp_path, events):
+    model = MLP()
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, families=("latency",)) as inspector:
+        train(model, 2, inspector)
+    tags = events(tmp_path).Tags()["scalars"]
+    assert {"fwd_ms/(root)", "fwd_ms/fc1", "bwd_ms/fc1", "bwd_ms/(root)"} <= set(tags)
+    assert not any(t.startswith(("activation_bytes/", "nonfinite/", "activations_")) for t in tags)
+
+
+def test_the_layer_table_step_leaves_out_times_only(tmp_path, events):
+    model = MLP()
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1) as inspector:
+        train(model, 2, inspector)
+    acc = events(tmp_path)
+    assert [e.step for e in acc.Scalars("fwd_ms/fc1")] == [1]  # step 0 ran under FlopCounterMode
+    assert [e.step for e in acc.Scalars("activation_bytes/fc1")] == [0, 1]
+
+
+def test_validation_forwards_are_not_probed(tmp_path, events):
+    model = MLP()
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, families=NO_TABLE) as inspector:
+        with torch.no_grad():
+            model(torch.randn(4, 8))  # a different batch size: would change the byte counts
+        train(model, 1, inspector)
+    assert scalar(events(tmp_path), "activation_bytes/fc1", 0) == 32 * 16 * 4
+
+
+def test_a_failing_probe_is_warned_once_and_training_goes_on(tmp_path, monkeypatch):
+    from layerwatch import probes
+
+    torch.manual_seed(0)
+    plain = train(MLP(), 4)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(probes.RuntimeProbe, "_row", broken)
+    torch.manual_seed(0)
+    model = MLP()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Inspector(model, log_dir=tmp_path, every_n_steps=1) as inspector:
+            watched = train(model, 4, inspector)
+    assert watched == plain
+    failures = [str(w.message) for w in seen if "runtime probe failed" in str(w.message)]
+    assert len(failures) == 1 and "boom" in failures[0]
+    assert hook_count(model, torch.optim.SGD(model.parameters(), lr=0)) == 0
+
+
+def test_a_saved_tensor_changed_in_place_still_raises_like_autograd(tmp_path):
+    class Bad(nn.Module):
+        def forward(self, x):
+            y = x * 1
+            out = y.sin()  # saves y
+            y.add_(1)
+            return out
+
+    model = nn.Sequential(nn.Linear(4, 4), Bad())
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, families=("memory",)) as inspector:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            model(torch.randn(2, 4)).sum().backward()
+        inspector.step()
