@@ -291,3 +291,28 @@ def test_a_saved_tensor_changed_in_place_still_raises_like_autograd(tmp_path):
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             model(torch.randn(2, 4)).sum().backward()
         inspector.step()
+
+
+def test_the_callback_probes_modules_of_the_lightning_module(tmp_path, events):
+    from layerwatch import InspectCallback
+    from lightning_models import LitMLP
+    from test_lightning import make_trainer
+
+    torch.manual_seed(0)
+    callback = InspectCallback(every_n_steps=2, modules=["net.*"])
+    make_trainer(tmp_path, [callback], max_steps=5).fit(LitMLP())
+    tags = set(events(tmp_path / "tb" / "version_0").Tags()["scalars"])
+    assert {"fwd_ms/net.0", "bwd_ms/net.2", "saved_bytes/net.1", "nonfinite/net.0"} <= tags
+    assert not any(t.endswith("/(root)") or t.endswith("/net") for t in tags)  # not matched by "net.*"
+
+
+def test_garbage_collection_is_paused_only_during_a_sampled_step(tmp_path):
+    import gc
+
+    model = MLP()
+    seen = []
+    model.fc1.register_forward_hook(lambda *_: seen.append(gc.isenabled()))
+    with Inspector(model, log_dir=tmp_path, schedule=at_steps([1])) as inspector:
+        train(model, 3, inspector)
+        assert gc.isenabled()
+    assert seen == [True, False, True] and gc.isenabled()

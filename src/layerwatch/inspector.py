@@ -10,6 +10,7 @@ record is written as one TensorBoard event. The hooks are removed again before
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import tempfile
@@ -181,12 +182,14 @@ class Inspector:
         self._structure: Optional[StructureProbe] = None
         self._structure_written = False
         self._probe: Optional[RuntimeProbe] = None
+        self._paused_gc = False
         self._probes_off = not any(family in self.families for family in PROBE_FAMILIES)
         self._offender_found = False
         self._sentinel: Optional[NonfiniteSentinel] = None
         self._optimizer_steps: Optional[list[int]] = None  # counted by a post-hook while the sentinel runs
         self._steps_seen = 0
         self._sentinel_handles: list[Any] = []
+        self._sentinel_params: Optional[list[tuple[str, nn.Parameter]]] = None  # holds the parameters while it runs
         self._force_sample = False
         self._warned: set[str] = set()
         self._extra_sinks: list[Callable[[R.StepRecord], None]] = []
@@ -284,6 +287,7 @@ class Inspector:
     def _drop_sample(self) -> None:
         """Forget the open sample without writing it."""
         self._disarm()
+        self._resume_gc()
         self._sample = None
 
     def _advance_to(self, step: int) -> None:
@@ -356,6 +360,11 @@ class Inspector:
         families = self.families
         if self._structure is not None:  # FlopCounterMode slows every op of this step: its times would mislead
             families = tuple(f for f in families if f != "latency")
+        # The probes allocate thousands of small objects per step; each collection they would trigger
+        # walks every object of the process (the model, the autograd graph). Collection waits
+        # until the step is written; nothing it would free is ours to keep.
+        self._paused_gc = gc.isenabled()
+        gc.disable()
         self._probe = RuntimeProbe(
             modules,
             families=families,
@@ -423,6 +432,12 @@ class Inspector:
         self._guard("read gradients", lambda: self._read_grads(sample), when=sample.grads is None)
         self._guard("read weights", lambda: self._read_weights(sample), when=sample.weights is None)
         self._guard("write the sampled step", lambda: self._write(sample, started, structure, probes), disables_sink=True)
+        self._resume_gc()
+
+    def _resume_gc(self) -> None:
+        if self._paused_gc:
+            self._paused_gc = False
+            gc.enable()
 
     def _parameters(self) -> list[tuple[str, nn.Parameter]]:
         model = self._model()
@@ -638,7 +653,9 @@ class Inspector:
             break
 
     def _local_grads(self) -> list[tuple[str, torch.Tensor]]:
-        return [(n, _local(p.grad)) for n, p in self._parameters() if p.grad is not None and not p.grad.is_sparse]
+        if self._sentinel_params is None or self._sample is not None:  # walked again on sampled steps
+            self._sentinel_params = self._parameters()
+        return [(n, _local(p.grad)) for n, p in self._sentinel_params if p.grad is not None and not p.grad.is_sparse]
 
     def _on_nonfinite(self, finding: Finding) -> None:
         """The sentinel's first hit: the step, an alert, and every probe armed for the next step."""
@@ -662,6 +679,7 @@ class Inspector:
             handle.remove()
         self._sentinel_handles = []
         self._sentinel = None
+        self._sentinel_params = None
 
     # ------------------------------------------------------------------ failures
 

@@ -185,6 +185,7 @@ class RuntimeProbe:
         self._cuda = device.type == "cuda"
         self._clock: Any = _CudaClock() if self._cuda else _HostClock()
         self._traces = [ModuleTrace(probe_name(name)) for name, _ in modules]
+        self._is_leaf = [next(module.children(), None) is None for _, module in modules]
         for trace in self._traces:
             if self._memory:
                 trace.activation_bytes, trace.saved_bytes = 0, 0
@@ -211,8 +212,7 @@ class RuntimeProbe:
         self._grad_handles: list[Any] = []
         self._handles: list[Any] = []
         for index, (_, module) in enumerate(modules):
-            own = [p for p in module.parameters() if p.requires_grad] if self._backward else []
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(index, own)))
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(index)))
             self._handles.append(module.register_forward_hook(self._post_hook(index), always_call=True))
 
     # ------------------------------------------------------------------ lifecycle
@@ -263,10 +263,10 @@ class RuntimeProbe:
     # ------------------------------------------------------------------ hooks
     # Hooks hold the probe (names and indices), never a module or the inspector.
 
-    def _pre_hook(self, index: int, own: list[nn.Parameter]) -> Callable[..., None]:
+    def _pre_hook(self, index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple) -> None:
             if self.error is None:
-                self._guarded(lambda: self._enter(index, args, own))
+                self._guarded(lambda: self._enter(index, args, module))
 
         return hook
 
@@ -292,7 +292,7 @@ class RuntimeProbe:
         self._entered.append(entered)
         self._left.append(self._clock.mark())
 
-    def _enter(self, index: int, args: tuple, own: list[nn.Parameter]) -> None:
+    def _enter(self, index: int, args: tuple, module: nn.Module) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # a recompute inside backward
         if self._ignored_depth or (not self._stack and not torch.is_grad_enabled()):
@@ -305,7 +305,7 @@ class RuntimeProbe:
         if self._memory and self._cuda:
             call.alloc_before = torch.cuda.memory_allocated()
         if self._backward and torch.is_grad_enabled():
-            watched = [t for t in tensors if t.requires_grad] or list(own)
+            watched = [t for t in tensors if t.requires_grad] or [p for p in module.parameters() if p.requires_grad]
             if watched:
                 self._grad_handles.append(
                     torch.autograd.graph.register_multi_grad_hook(watched, self._backward_done(call), mode="all")
@@ -331,7 +331,9 @@ class RuntimeProbe:
                 trace.cuda_alloc_bytes += torch.cuda.memory_allocated() - call.alloc_before
         measured = [t for t in tensors if _is_float(t)]
         if self._activations and first_call and measured:
-            self._row_of[index] = self._row(measured)
+            row = self._row(measured, reuse_only=not self._is_leaf[index])
+            if row is not None:
+                self._row_of[index] = row
         if self._nonfinite:
             self._fwd_events.append((index, call.inputs, [self._flag(t) for t in measured]))
         if self._backward:
@@ -378,12 +380,15 @@ class RuntimeProbe:
         self._remember(t, len(self._flags) - 1, None)
         return len(self._flags) - 1
 
-    def _row(self, tensors: list[torch.Tensor]) -> int:
-        """A stats row of the values of ``tensors`` together; shared with an identical earlier row."""
+    def _row(self, tensors: list[torch.Tensor], reuse_only: bool) -> Optional[int]:
+        """A stats row of the values of ``tensors`` together, shared with an identical earlier
+        row; with ``reuse_only`` (a container) only that: None when there is none."""
         t = tensors[0]
         seen = self._seen.get(id(t))
         if len(tensors) == 1 and seen is not None and seen[0]() is t and seen[1] == t._version and seen[3] is not None:
             return seen[3]
+        if reuse_only:
+            return None
         values = t if len(tensors) == 1 else torch.cat([S.as_real_values(x) for x in tensors])
         self._rows.append(S.reduce([values], self._bins, zeros=self._zeros, centered=self._centered))
         row = len(self._rows) - 1
