@@ -82,3 +82,26 @@ def test_fp16_grad_scaler_overflow_is_a_skip_not_a_fault(tmp_path, events):
     assert inspector.alerts == []
     skipped = [e.step for e in events(tmp_path).Scalars("layerwatch/optimizer_skipped")]
     assert skipped and skipped[0] == 0 and len(skipped) < 40
+
+
+def test_probes_on_cuda_time_with_events_measure_the_allocator_and_never_sync_in_a_hook(tmp_path, events):
+    from layerwatch.probes import RuntimeProbe, select_modules
+
+    torch.manual_seed(0)
+    model = MLP().cuda()
+    x = torch.randn(64, 8, device="cuda")
+    probe = RuntimeProbe(select_modules(model, None), families=("latency", "memory", "activations", "nonfinite"),
+                         bins=32, zeros=False, centered=False, parameters=list(model.parameters()))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(x).pow(2).mean().backward()  # every hook runs here: none may sync
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    result = probe.result()
+    by_name = {t.name: t for t in result.modules}
+    assert by_name["fc1"].fwd_ms > 0 and by_name["fc1"].bwd_ms > 0
+    assert by_name["(root)"].fwd_ms >= by_name["fc1"].fwd_ms
+    assert by_name["fc1"].cuda_alloc_bytes >= 64 * 16 * 4  # its output stays allocated
+    assert by_name["fc1"].activation_bytes == 64 * 16 * 4 and by_name["fc1"].nonfinite is False
+    assert result.offender is None
