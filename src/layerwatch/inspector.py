@@ -663,8 +663,9 @@ class Inspector:
         rec = R.StepRecord(finding.step)
         rec.scalars[R.FIRST_NONFINITE_STEP] = finding.step
         names = ", ".join(finding.tensors[:5]) + (f" and {len(finding.tensors) - 5} more" if len(finding.tensors) > 5 else "")
+        overflow = "" if finding.nan else " (or finite gradients whose norm passes ~1.8e19: an explosion)"
         message = (
-            f"NaN/Inf gradients at step {finding.step} (the sentinel, every step) in {names}; "
+            f"NaN/Inf gradients at step {finding.step} (the sentinel, every step) in {names}{overflow}; "
             f"the next step is sampled with every probe armed to find the first offender"
         )
         if self._sink is not None:

@@ -243,10 +243,8 @@ class RuntimeProbe:
         for spans, attribute in ((self._fwd_spans, "fwd_ms"), (self._bwd_spans, "bwd_ms")) if self._latency else ():
             for index, start, end in spans:
                 trace = self._traces[index]
-                ms = entered[end] - left[start] - (nested[end] - nested[start + 1])
-                if getattr(trace, attribute) is None:
-                    setattr(trace, attribute, 0.0)
-                setattr(trace, attribute, getattr(trace, attribute) + max(ms, 0.0))
+                ms = max(entered[end] - left[start] - (nested[end] - nested[start + 1]), 0.0)
+                setattr(trace, attribute, (getattr(trace, attribute) or 0.0) + ms)
         for index, row in self._row_of.items():
             self._traces[index].activation_row = rows_host[row]
         offender = None

@@ -24,6 +24,7 @@ class Finding:
     step: int
     tensors: list[str]  # the parameters whose gradient held them
     stepped: Optional[bool]  # whether the optimizer stepped (False: a GradScaler skip); None: unknown
+    nan: bool  # some norm was NaN; else only infinite, which finite values past ~1.8e19 also give
 
 
 class NonfiniteSentinel:
@@ -67,7 +68,8 @@ class NonfiniteSentinel:
             peaks = torch.cat([host for host, _ in copies])
             bad = set((~torch.isfinite(peaks)).nonzero().flatten().tolist())
             if bad:
-                found.append(Finding(step, [name for i, name in enumerate(names) if i in bad], stepped))
+                nan = bool(torch.isnan(peaks).any())
+                found.append(Finding(step, [name for i, name in enumerate(names) if i in bad], stepped, nan))
         return found
 
     def clear(self) -> None:
