@@ -107,6 +107,23 @@ def test_activation_stats_and_histogram_match_numpy(tmp_path, events):
     assert "activations/(root)" in acc.Tags()["histograms"]
 
 
+def test_a_large_output_gets_a_sampled_histogram_and_exact_stats(tmp_path, events, monkeypatch):
+    monkeypatch.setattr("layerwatch.probes.HISTOGRAM_VALUES", 500)
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(256, 8)
+    expected = model.fc1(x).detach().numpy().ravel()  # 4096 values
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, stats=("mean", "max", "norm")) as inspector:
+        model(x).sum().backward()
+        inspector.step()
+    acc = events(tmp_path)
+    for stat, value in {"mean": expected.mean(), "max": expected.max(), "norm": np.linalg.norm(expected)}.items():
+        assert scalar(acc, f"activations_{stat}/fc1", 0) == pytest.approx(value, rel=1e-5), stat
+    hist = acc.Histograms("activations/fc1")[0].histogram_value
+    assert hist.num == expected.size and sum(hist.bucket) == pytest.approx(expected.size)
+    assert (hist.min, hist.max) == pytest.approx((expected.min(), expected.max()))
+    assert len([c for c in hist.bucket if c]) > 10  # a shape, not one lump
+
+
 def test_first_offender_is_the_module_that_made_the_nan_not_one_upstream(tmp_path, events):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), Poison(step=3), nn.Linear(8, 8), nn.ReLU())

@@ -80,6 +80,46 @@ def test_fast_and_generic_paths_agree():
     np.testing.assert_allclose(fast[:, : S.HIST].numpy(), generic[:, : S.HIST].numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["cpu-fast", "generic"])
+def test_a_sampled_histogram_keeps_exact_stats_and_estimates_the_shape(fast):
+    torch.manual_seed(0)
+    t = torch.cat([torch.randn(199_990), torch.tensor([40.0] * 5 + [-9.0] * 5)])[torch.randperm(200_000)]
+    exact = S.reduce([t], 64, zeros=True, centered=True, fast=fast)[0].numpy()
+    sampled = S.reduce([t], 64, zeros=True, centered=True, fast=fast, histogram_values=10_000)[0].numpy()
+    np.testing.assert_array_equal(sampled[: S.HIST], exact[: S.HIST])  # stats and grid: untouched
+    hist, reference = S.histogram(sampled, 64), S.histogram(exact, 64)
+    assert hist.num == 200_000 and sum(hist.bucket_counts) == pytest.approx(200_000)
+    assert (hist.min, hist.max) == (-9.0, 40.0)
+    assert hist.bucket_counts[0] > 0 and hist.bucket_counts[-1] > 0  # the exact extremes are in the sample
+    estimate = np.array(hist.bucket_counts) / 200_000
+    truth = np.array(reference.bucket_counts) / 200_000
+    assert 0.5 * np.abs(estimate - truth).sum() < 0.03  # total variation distance
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["cpu-fast", "generic"])
+def test_a_sampled_histogram_sees_every_channel_of_a_channels_last_layout(fast):
+    channels = 64  # a power-of-two stride would see only some of them
+    t = torch.arange(channels, dtype=torch.float32).repeat(8 * 16 * 16)
+    hist = S.histogram(S.reduce([t], channels, fast=fast, histogram_values=4096)[0].numpy(), channels)
+    counts = np.array(hist.bucket_counts)
+    assert len(counts) == channels
+    np.testing.assert_allclose(counts, t.numel() / channels, rtol=0.1)
+
+
+def test_a_sampled_histogram_scales_to_the_finite_count():
+    t = torch.randn(50_000)
+    t[::7] = math.nan
+    row = S.reduce([t], 32, histogram_values=1000)[0].numpy()
+    finite = int(torch.isfinite(t).sum())
+    assert row[S.COUNT] == finite and row[S.NONFINITE] == t.numel() - finite
+    assert sum(S.histogram(row, 32).bucket_counts) == pytest.approx(finite)
+
+
+def test_a_tensor_within_the_sample_size_is_read_whole():
+    t = torch.randn(5000)
+    np.testing.assert_array_equal(S.reduce([t], 64, histogram_values=5000), S.reduce([t], 64))
+
+
 def test_all_nonfinite_tensor_has_no_histogram():
     row = S.reduce([torch.full((4,), math.nan)], 64)[0].numpy()
     assert row[S.COUNT] == 0 and row[S.NONFINITE] == 4
@@ -110,6 +150,11 @@ def test_reduce_does_not_change_inputs_or_grad_mode():
 def test_bins_out_of_range_is_refused():
     with pytest.raises(ValueError, match="got 255"):
         S.reduce([torch.randn(3)], 255)
+
+
+def test_a_histogram_sample_size_below_one_is_refused():
+    with pytest.raises(ValueError, match="got 0"):
+        S.reduce([torch.randn(3)], 16, histogram_values=0)
 
 
 def test_to_host_keeps_order_and_shapes():

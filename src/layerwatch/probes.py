@@ -4,7 +4,8 @@ A ``RuntimeProbe`` exists only between the opening and the closing of a sampled 
 It hooks every selected module (containers and leaves alike):
 
 * forward pre/post hooks time each call, count the bytes it returns, reduce its
-  outputs (``stats.reduce``, one row per distinct tensor) and flag NaN/Inf in its
+  outputs (``stats.reduce``, one row per distinct tensor; the histogram of a large
+  output from a sample of ``HISTOGRAM_VALUES`` values) and flag NaN/Inf in its
   inputs and outputs;
 * tensor hooks, never full backward hooks (an in-place op after a module breaks
   those), mark its backward: a hook on its outputs fires when the gradient with
@@ -38,6 +39,10 @@ from layerwatch.structure import _tensors
 
 ROOT = "(root)"  # the model itself: named_modules() names it ""
 PROBE_FAMILIES = ("latency", "memory", "activations", "nonfinite")
+# An activation histogram of a larger output is estimated from a strided sample of this
+# many values (its statistics stay exact): reading every value of every conv output cost
+# more than the whole step's other probes on the CNN benchmark.
+HISTOGRAM_VALUES = 1 << 20
 
 ModuleFilter = Sequence[Union[str, type]]
 
@@ -388,7 +393,11 @@ class RuntimeProbe:
         if reuse_only:
             return None
         values = t if len(tensors) == 1 else torch.cat([S.as_real_values(x) for x in tensors])
-        self._rows.append(S.reduce([values], self._bins, zeros=self._zeros, centered=self._centered))
+        self._rows.append(
+            S.reduce(
+                [values], self._bins, zeros=self._zeros, centered=self._centered, histogram_values=HISTOGRAM_VALUES
+            )
+        )
         row = len(self._rows) - 1
         if len(tensors) == 1:
             self._flags.append(self._rows[row][0, S.NONFINITE])

@@ -17,6 +17,11 @@ is chosen so the finite range ``[min, max]`` lands in bins ``1..bins``; bins ``0
   device to sync with), 8-bit quantization plus ``bincount`` count the bins about 2.5x
   faster than ``torch.histc``.
 
+With ``histogram_values=N``, the bucket counts of a tensor of more than N values are
+estimated from an evenly strided sample of at most N of them plus its exact min and max,
+scaled to the tensor's finite count; its statistics stay exact. The stride is a prime, so
+it walks through every channel of a channels-first or channels-last layout alike.
+
 Tensors of another floating dtype are measured in float32.
 """
 
@@ -87,23 +92,27 @@ def reduce(
     zeros: bool = False,
     centered: bool = False,
     fast: bool = True,
+    histogram_values: Optional[int] = None,
 ) -> torch.Tensor:
     """Pack statistics (and ``bins``-bucket histograms, 0 for none) of each tensor.
 
     All tensors must be on one device; the result is a ``(len(tensors), row_width(bins))``
     float64 tensor on that device. Nothing is read on the host unless the device is the
     CPU. ``fast=False`` forces the generic path (the reference the fast path is tested
-    against).
+    against). ``histogram_values`` caps the values a histogram reads (see the module's
+    docstring); None reads them all.
     """
     if bins and not 2 <= bins <= MAX_BINS:
         raise ValueError(f"bins must be 0 or in [2, {MAX_BINS}], got {bins!r}")
+    if histogram_values is not None and histogram_values < 1:
+        raise ValueError(f"histogram_values must be None or a positive count, got {histogram_values!r}")
     if not tensors:
         return torch.empty(0, row_width(bins), dtype=torch.float64)
     flat = [as_real_values(t) for t in tensors]
     with torch.no_grad():
         if fast and flat[0].device.type == "cpu":
-            return _reduce_cpu(flat, bins, zeros, centered)
-        return torch.stack([_reduce_generic(t, bins, zeros, centered) for t in flat])
+            return _reduce_cpu(flat, bins, zeros, centered, histogram_values)
+        return torch.stack([_reduce_generic(t, bins, zeros, centered, histogram_values=histogram_values) for t in flat])
 
 
 def as_real_values(t: torch.Tensor) -> torch.Tensor:
@@ -122,6 +131,7 @@ def _reduce_generic(
     zeros: bool,
     centered: bool,
     extremes: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    histogram_values: Optional[int] = None,
 ) -> torch.Tensor:
     """One tensor's row with masked ops only: correct for any values, no host read.
 
@@ -145,11 +155,34 @@ def _reduce_generic(
     if not bins:
         return torch.stack([v.to(torch.float64) for v in head])
     scale, anchor, zero_point = grid(mn, mx, bins)
+    sample = _histogram_sample(t, histogram_values, torch.stack([mn, mx]))
+    if sample is not t:
+        finite = torch.isfinite(sample)
+        x = torch.where(finite, sample, zero)
     q = torch.round((x - anchor) / scale) + zero_point
     q = torch.where(finite, q.clamp(0, bins + 1), torch.full_like(q, bins + 2)).long()
     counts = torch.zeros(bins + 3, dtype=torch.int64, device=t.device).scatter_add_(0, q, torch.ones_like(q))
+    counts = counts[: bins + 2].to(torch.float64)
+    if sample is not t:
+        counts *= count / finite.sum().clamp(min=1)
     head += [scale, anchor, zero_point]
-    return torch.cat([torch.stack([v.to(torch.float64) for v in head]), counts[: bins + 2].to(torch.float64)])
+    return torch.cat([torch.stack([v.to(torch.float64) for v in head]), counts])
+
+
+def _histogram_sample(t: torch.Tensor, limit: Optional[int], extremes: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it has at most ``limit`` values (or no limit), else every p-th value,
+    p the smallest prime that keeps at most ``limit`` of them, followed by ``extremes``."""
+    if limit is None or t.numel() <= limit:
+        return t
+    stride = _next_prime(-(-t.numel() // limit))
+    return torch.cat([t[::stride], extremes.to(t.dtype)])
+
+
+def _next_prime(n: int) -> int:
+    n = max(n, 2)
+    while any(n % d == 0 for d in range(2, math.isqrt(n) + 1)):
+        n += 1
+    return n
 
 
 def _finite_extremes(t: torch.Tensor, finite: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,7 +226,9 @@ def reduce_sharded(local_shards: Sequence[torch.Tensor], group: Any, bins: int, 
     return rows
 
 
-def _reduce_cpu(flat: list[torch.Tensor], bins: int, zeros: bool, centered: bool) -> torch.Tensor:
+def _reduce_cpu(
+    flat: list[torch.Tensor], bins: int, zeros: bool, centered: bool, histogram_values: Optional[int]
+) -> torch.Tensor:
     """The CPU fast path. Each tensor's passes run back to back while it is still in cache;
     on the CPU, reading a value on the host is not a device sync."""
     heads: list[list[float]] = []
@@ -212,10 +247,10 @@ def _reduce_cpu(flat: list[torch.Tensor], bins: int, zeros: bool, centered: bool
             values = torch.stack([p.double() for p in parts]).tolist()
             mn, mx, total, norm = values[:4]
             if not math.isfinite(mn + mx + total + norm):
-                generic[i] = _reduce_generic(t, bins, zeros, centered)  # replaces row i below
-                heads.append([nan] * HIST)
+                generic[i] = _reduce_generic(t, bins, zeros, centered, histogram_values=histogram_values)
+                heads.append([nan] * HIST)  # replaced by row i of ``generic`` below
                 if bins:
-                    counts.append(torch.zeros(256, dtype=torch.int64))
+                    counts.append(torch.zeros(256, dtype=torch.float64))
                 continue
             n = t.numel()
             extra = values[4:]
@@ -225,11 +260,13 @@ def _reduce_cpu(flat: list[torch.Tensor], bins: int, zeros: bool, centered: bool
             if bins:
                 scale, anchor, zero_point = _grid_host(mn, mx, bins)
                 head += [scale, anchor, zero_point]
-                counts.append(_bucket_counts_cpu(t, bins, scale, anchor, zero_point))
+                sample = _histogram_sample(t, histogram_values, torch.tensor([mn, mx]))
+                bucket_counts = _bucket_counts_cpu(sample, bins, scale, anchor, zero_point).to(torch.float64)
+                counts.append(bucket_counts if sample is t else bucket_counts * (n / sample.numel()))
             heads.append(head + [0.0] * (HIST - len(head)))
     out = torch.tensor(heads, dtype=torch.float64)
     if bins:
-        hist = torch.stack(counts).to(torch.float64)
+        hist = torch.stack(counts)
         hist[:, bins + 1] += hist[:, bins + 2 :].sum(dim=1)  # quantization spills past the top bucket
         out = torch.cat([out, hist[:, : bins + 2]], dim=1)
     for i, row in generic.items():
