@@ -67,6 +67,18 @@ def train(model: nn.Module, steps: int, inspector=None, *, optimizer=None, seed:
     return losses
 
 
+
+def train_through_scaler_overflow(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, inspector) -> None:
+    """Steps under a CPU GradScaler whose first scale overflows, so the optimizer skips step 0."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, backoff_factor=2.0**-60)
+    for _ in range(steps):
+        loss = model(torch.randn(16, 8)).pow(2).mean() * 1e4
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        inspector.step()
+
 class SmallCNN(nn.Module):
     """The edge-deployment tool's reference model: input 1x28x28, ten classes."""
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from layerwatch import Inspector, at_steps
-from models import MLP, InPlaceCheckpointed, SharedLayer, train
+from models import MLP, InPlaceCheckpointed, SharedLayer, train, train_through_scaler_overflow
 from test_inspector import hook_count
 
 NO_TABLE = ("weights", "grads", "latency", "memory", "activations", "nonfinite")  # timed from the first sample
@@ -180,15 +180,8 @@ def test_a_grad_scaler_skip_does_not_fire_the_sentinel(tmp_path, events):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, backoff_factor=2.0**-60)  # step 0 overflows
     with Inspector(model, log_dir=tmp_path, schedule=at_steps([3]), optimizer=opt) as inspector:
-        for _ in range(3):
-            loss = model(torch.randn(16, 8)).pow(2).mean() * 1e4
-            opt.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            inspector.step()
+        train_through_scaler_overflow(model, opt, 3, inspector)
     assert "layerwatch/first_nonfinite_step" not in events(tmp_path).Tags()["scalars"]
 
 

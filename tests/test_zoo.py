@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from layerwatch import Inspector
+from models import train_through_scaler_overflow
 from test_inspector import hook_count
 from zoo import CASES, Case
 
@@ -58,16 +59,10 @@ def test_grad_scaler_overflow_is_a_skip_not_a_fault(tmp_path, events):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, backoff_factor=2.0**-60)  # step 0 overflows
     with pytest.warns(RuntimeWarning, match="at step 0 the optimizer skipped its step .* GradScaler overflow skip"):
         with Inspector(model, log_dir=tmp_path, every_n_steps=1, optimizer=opt) as inspector:
-            for _ in range(5):  # the sixth forward diverges to NaN: a real fault, named as the first offender
-                loss = model(torch.randn(16, 8)).pow(2).mean() * 1e4
-                opt.zero_grad()
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-                inspector.step()
+            # 5 steps: the sixth forward diverges to NaN, a real fault, named as the first offender
+            train_through_scaler_overflow(model, opt, 5, inspector)
     assert inspector.alerts == []
     skipped = [e.step for e in events(tmp_path).Scalars("layerwatch/optimizer_skipped")]
     assert skipped[0] == 0 and len(skipped) < 5  # overflow steps only; a real NaN still alerts (test_alerts)
