@@ -1,42 +1,76 @@
 """Overhead of the Inspector, as ratios to an uninstrumented step measured in the same process.
 
-    python benchmarks/overhead.py [--workloads gpt,cnn,stack] [--rounds 15] [--naive-rounds 3] [--optimizer]
+    python benchmarks/overhead.py [--workloads gpt,cnn,stack32,tfm,tfm-tiny] [--configs wgu,defaults]
+                                  [--rounds 15] [--naive-rounds 0] [--wandb-rounds 3] [--json]
                                   [--families weights,grads,...] [--no-sentinel]
 
-By default every family is on (the parameter families, the layer table, and the
-per-module probes: latency, memory, activations, nonfinite) and so is the NaN sentinel,
-whose fused check runs in every off-step's ``inspector.step()`` call.
+Workloads are in ``workloads.py``. Each workload is measured once per configuration, each
+on a freshly built model in the same process:
+
+    wgu       Inspector(model, optimizer=opt, families=("weights", "grads", "updates"),
+              sentinel=False): the parameter families only, no probes, no layer table
+    defaults  Inspector(model, optimizer=opt): every default, i.e. every family (the
+              parameter families, the layer table and the per-module probes: latency,
+              memory, activations, nonfinite) and the NaN sentinel, whose fused check
+              runs in every off-step's ``inspector.step()`` call
+    custom    Inspector(model, optimizer=opt, families=--families, sentinel=not --no-sentinel)
+              (only when named in --configs)
 
 Each round runs, on the same model: an uninstrumented step (base); a step the inspector
 does not sample (off), a step it samples (sampled) and the off-step right after it
 (after), in that order; and a step followed by reading every parameter and gradient
-once (``torch._foreach_norm``). An untimed step opens each round, and the three blocks
-rotate from round to round so that no condition always runs in the same position. The
-inspector's schedule samples every third inspector step, so base steps never see it.
-The naive approach (``SummaryWriter.add_histogram`` on every parameter and gradient) is
-timed in rounds of its own afterwards, so its after-effects never land on a base step.
+once (``torch._foreach_norm``, the read-once floor). An untimed step opens each round,
+and the three blocks rotate from round to round so that no condition always runs in the
+same position. The inspector's schedule samples every third inspector step, so base
+steps never see it. Comparisons that must not leave hooks or after-effects on a base
+step run in rounds of their own after the inspector's (and after it is finished), each
+an untimed step then a timed one: the naive approach (``SummaryWriter.add_histogram`` on
+every parameter and gradient, ``--naive-rounds``, off by default) and, when ``import
+wandb`` works, ``wandb.watch(model, log="all", log_freq=1)`` in offline mode
+(``WANDB_MODE=offline``, ``wandb.init(dir=<tmp>)``) with a ``run.log`` per step so each
+step's histograms are committed (``--wandb-rounds``). Install it with the ``bench`` extra.
 
-Each condition's ratio is the median over rounds of its time divided by the same
-round's base time (pairing neighbouring steps cancels slow drift of the machine).
-"amortized@50" is ``(sampled + after + 48 * off) / 50``. "first sampled" is the first
-sampled step alone: it also records the layer table (hooks on every module and
-FlopCounterMode over the forward), once per run. The step after a sample is
-counted as it is: memory released while writing a sample would show up there as page
-faults. For the off term, the time of the ``inspector.step()`` call itself is measured
-directly and added to base, because the only difference between an off-step and a base
-step (microseconds) is far below the ~1% noise of comparing two whole steps; the paired
-off-step ratio is reported beside it.
+Columns (ratios are the median over rounds of a condition's time divided by the same
+round's base time; pairing neighbouring steps cancels slow drift of the machine; the
+naive and wandb rounds are paired with the inspector rounds' base times by index):
+
+    base step       median uninstrumented step
+    sampled         a sampled step (step + ``inspector.step()``), ratio
+    first sampled   the first sampled step alone over the median base step; under
+                    "defaults" it also records the layer table (hooks on every module and
+                    FlopCounterMode over the forward), once per run
+    off-step        an unsampled step, paired ratio (its difference from base, microseconds,
+                    is far below the ~1% noise of comparing two whole steps)
+    off-step call   the time of the off-step's ``inspector.step()`` call itself
+    after sample    the off-step right after a sample, counted as it is: memory released
+                    while writing a sample would show up there as page faults
+    amortized@50    ``(sampled + after + 48 * off) / 50`` where the off term is base plus
+                    the measured off-step call
+    read once       the read-once floor: a step plus one ``_foreach_norm`` over every
+                    parameter and gradient, ratio
+    reported        mean ``layerwatch/overhead_ms`` the inspector wrote to its event file,
+                    over its sampled steps except the first (the layer-table one)
+    delta           measured sampled-step delta: median sampled minus median base, ms
+    rep/delta       reported / delta: how much of the measured cost the inspector sees
+    wandb           ``wandb.watch(log="all", log_freq=1)`` step + ``run.log``, ratio;
+                    "-" when wandb is not importable
+    naive           the add_histogram step, ratio (only with --naive-rounds > 0)
+
+``--json`` prints one JSON object per (workload, config) as it finishes (which also holds
+the event-file bytes per sampled step and per histogram); otherwise a Markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Optional
 
 import torch
 from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
@@ -48,6 +82,9 @@ from workloads import WORKLOADS  # noqa: E402
 from layerwatch import Inspector  # noqa: E402
 from layerwatch.record import FAMILIES  # noqa: E402
 
+OVERHEAD_TAG = "layerwatch/overhead_ms"
+WGU = ("weights", "grads", "updates")
+
 
 def timed(fn) -> float:
     start = time.perf_counter()
@@ -55,40 +92,95 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def event_bytes(log_dir: str) -> tuple[int, int, float]:
-    """(file bytes, sampled steps written, mean serialized bytes per histogram value)."""
+def config_kwargs(config: str, families: tuple, sentinel: bool) -> dict[str, Any]:
+    """Inspector keyword arguments (besides model, log_dir, schedule, optimizer) of a config."""
+    if config == "wgu":
+        return {"families": WGU, "sentinel": False}
+    if config == "defaults":
+        return {}
+    if config == "custom":
+        return {"families": families, "sentinel": sentinel}
+    raise SystemExit(f"unknown config {config!r} (choose from wgu, defaults, custom)")
+
+
+def read_events(log_dir: str) -> dict[str, Any]:
+    """File bytes, sampled steps written, mean serialized bytes per histogram value, and the
+    ``layerwatch/overhead_ms`` scalar per step."""
     files = list(Path(log_dir).glob("events.out.tfevents.*"))
-    steps, histo_sizes = set(), []
+    steps, histo_sizes, overhead = set(), [], {}
     for f in files:
         for event in LegacyEventFileLoader(str(f)).Load():
             for value in event.summary.value:
                 if value.HasField("histo"):
                     steps.add(event.step)
                     histo_sizes.append(value.ByteSize())
-    size = sum(f.stat().st_size for f in files)
-    return size, len(steps), statistics.mean(histo_sizes) if histo_sizes else 0.0
+                elif value.tag == OVERHEAD_TAG:
+                    overhead[event.step] = value.simple_value
+    return {
+        "size": sum(f.stat().st_size for f in files),
+        "histogram_steps": len(steps),
+        "per_histogram": statistics.mean(histo_sizes) if histo_sizes else 0.0,
+        "overhead_ms": overhead,
+    }
 
 
-def run(name: str, rounds: int, naive_rounds: int, with_optimizer: bool, families: tuple, sentinel: bool) -> dict:
+def import_wandb():
+    try:
+        import wandb
+    except ImportError:
+        return None
+    except Exception as exc:  # installed but broken (e.g. a protobuf clash): say so, go on without it
+        print(f"import wandb failed, no wandb figure: {exc!r}", file=sys.stderr)
+        return None
+    return wandb
+
+
+def wandb_times(wandb, model: torch.nn.Module, step, rounds: int, tmp: str) -> Optional[list[float]]:
+    """Rounds of an untimed then a timed step under ``wandb.watch(log="all", log_freq=1)``, offline."""
+    os.environ["WANDB_MODE"] = "offline"
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.makedirs(tmp, exist_ok=True)
+    try:
+        run = wandb.init(dir=tmp, mode="offline", project="layerwatch-overhead")
+    except Exception as exc:  # a broken install should not cost the inspector's figures
+        print(f"wandb.init failed, no wandb figure: {exc!r}", file=sys.stderr)
+        return None
+    times = []
+    try:
+        wandb.watch(model, log="all", log_freq=1)
+        for _ in range(rounds):
+            run.log({"loss": float(step())})  # untimed: commits anything a previous step left
+            times.append(timed(lambda: run.log({"loss": float(step())})))
+    finally:
+        unwatch = getattr(run, "unwatch", None) or wandb.unwatch
+        unwatch(model)
+        run.finish()
+    return times
+
+
+def run(
+    name: str, config: str, rounds: int, naive_rounds: int, wandb_rounds: int, families: tuple, sentinel: bool
+) -> dict:
     model, opt, step = WORKLOADS[name]()
     params = [p for p in model.parameters()]
     for _ in range(2):
         step()
     times: dict[str, list[float]] = {
-        "base": [], "off": [], "off_call": [], "sampled": [], "after": [], "naive": [], "read_once": []
+        "base": [], "off": [], "off_call": [], "sampled": [], "after": [], "read_once": [], "naive": [], "wandb": []
     }
+    wandb = import_wandb() if wandb_rounds > 0 else None
     with tempfile.TemporaryDirectory() as tmp:
         inspector = Inspector(
             model,
             log_dir=f"{tmp}/lw",
             schedule=lambda k: k % 3 == 1,
-            optimizer=opt if with_optimizer else None,
-            families=families,
-            sentinel=sentinel,
+            optimizer=opt,
+            **config_kwargs(config, families, sentinel),
         )
-        naive_writer = SummaryWriter(f"{tmp}/naive")
         with inspector:
-            empty_size = event_bytes(f"{tmp}/lw")[0]
+            logged_families = ",".join(sorted(inspector.families, key=FAMILIES.index))
+            empty_size = read_events(f"{tmp}/lw")["size"]
+
             def base() -> None:
                 times["base"].append(timed(step))
 
@@ -111,72 +203,109 @@ def run(name: str, rounds: int, naive_rounds: int, with_optimizer: bool, familie
                 step()  # untimed: absorbs any after-effect of the previous round
                 for block in blocks[r % 3 :] + blocks[: r % 3]:  # rotate: no condition owns a position
                     block()
-        for r in range(naive_rounds):
-            def naive() -> None:
-                step()
-                for pname, p in model.named_parameters():
-                    naive_writer.add_histogram(f"weights/{pname}", p, r)
-                    naive_writer.add_histogram(f"grads/{pname}", p.grad, r)
-                naive_writer.flush()
+        events = read_events(f"{tmp}/lw")
+        if naive_rounds > 0:
+            naive_writer = SummaryWriter(f"{tmp}/naive")
+            for r in range(naive_rounds):
+                def naive() -> None:
+                    step()
+                    for pname, p in model.named_parameters():
+                        naive_writer.add_histogram(f"weights/{pname}", p, r)
+                        naive_writer.add_histogram(f"grads/{pname}", p.grad, r)
+                    naive_writer.flush()
 
-            step()
-            times["naive"].append(timed(naive))
-        naive_writer.close()
-        size, sampled_steps, per_histogram = event_bytes(f"{tmp}/lw")
+                step()
+                times["naive"].append(timed(naive))
+            naive_writer.close()
+        if wandb is not None:
+            times["wandb"] = wandb_times(wandb, model, step, wandb_rounds, f"{tmp}/wandb") or []
     base = times["base"]
+    base_median = statistics.median(base)
     ratio = {k: statistics.median(t / base[i % len(base)] for i, t in enumerate(v)) for k, v in times.items() if v}
-    off_direct = 1 + statistics.median(times["off_call"]) / statistics.median(base)
+    off_direct = 1 + statistics.median(times["off_call"]) / base_median
+    overhead = events["overhead_ms"]
+    reported = [overhead[s] for s in sorted(overhead)[1:]]  # the first sample also records the layer table
+    reported_ms = statistics.mean(reported) if reported else None
+    delta_ms = 1e3 * (statistics.median(times["sampled"]) - base_median)
     return {
         "workload": name,
-        "optimizer": with_optimizer,
-        "families": ",".join(families),
-        "sentinel": sentinel,
+        "config": config,
+        "families": logged_families,
+        "sentinel": config_kwargs(config, families, sentinel).get("sentinel", True),
+        "rounds": rounds,
         "tensors": len(params),
         "params": sum(p.numel() for p in params),
-        "base_ms": 1e3 * statistics.median(base),
+        "base_ms": 1e3 * base_median,
         "sampled": ratio["sampled"],
-        "first_sampled": times["sampled"][0] / statistics.median(base),  # also records the layer table
+        "first_sampled": times["sampled"][0] / base_median,
         "off": ratio["off"],
-        "after": ratio["after"],
         "off_call_us": 1e6 * statistics.median(times["off_call"]),
+        "after": ratio["after"],
         "amortized@50": (ratio["sampled"] + ratio["after"] + 48 * off_direct) / 50,
-        "naive": ratio.get("naive"),
         "read_once": ratio["read_once"],
-        "bytes_per_sampled_step": (size - empty_size) / max(sampled_steps, 1),
-        "bytes_per_histogram": per_histogram,
+        "reported_overhead_ms": reported_ms,
+        "sampled_delta_ms": delta_ms,
+        "reported_over_delta": reported_ms / delta_ms if reported_ms is not None and delta_ms > 0 else None,
+        "wandb": ratio.get("wandb"),
+        "naive": ratio.get("naive"),
+        "bytes_per_sampled_step": (events["size"] - empty_size) / max(len(overhead), 1),
+        "bytes_per_histogram": events["per_histogram"],
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="gpt,cnn,stack")
+    parser.add_argument("--workloads", default="gpt,cnn,stack32,tfm,tfm-tiny", help=f"from {','.join(WORKLOADS)}")
+    parser.add_argument("--configs", default="wgu,defaults", help="from wgu, defaults, custom")
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--naive-rounds", type=int, default=3)
-    parser.add_argument("--optimizer", action="store_true", help="also measure with optimizer= (update ratios)")
-    parser.add_argument("--families", default=",".join(FAMILIES), help="families to log (default: all)")
-    parser.add_argument("--no-sentinel", action="store_true", help="turn the every-step NaN sentinel off")
+    parser.add_argument("--naive-rounds", type=int, default=0, help="rounds of the add_histogram baseline (default: none)")
+    parser.add_argument("--wandb-rounds", type=int, default=3, help="rounds of wandb.watch when wandb imports (0: skip)")
+    parser.add_argument("--families", default=",".join(FAMILIES), help="families of the custom config (default: all)")
+    parser.add_argument("--no-sentinel", action="store_true", help="turn the sentinel off in the custom config")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     families = tuple(args.families.split(","))
+    configs = args.configs.split(",")
+    for config in configs:
+        config_kwargs(config, families, not args.no_sentinel)  # fail on a typo before any work
+    for name in args.workloads.split(","):
+        if name not in WORKLOADS:
+            parser.error(f"unknown workload {name!r} (choose from {', '.join(WORKLOADS)})")
     results = []
     for name in args.workloads.split(","):
-        for with_optimizer in (False, True) if args.optimizer else (False,):
-            results.append(run(name, args.rounds, args.naive_rounds, with_optimizer, families, not args.no_sentinel))
+        for config in configs:
+            results.append(run(name, config, args.rounds, args.naive_rounds, args.wandb_rounds, families, not args.no_sentinel))
             if args.json:
                 print(json.dumps(results[-1]), flush=True)
+    wandb = import_wandb() if args.wandb_rounds > 0 else None
+    if wandb is not None and hasattr(wandb, "teardown"):
+        wandb.teardown()
     if args.json:
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, rounds={args.rounds}, "
-          f"families={args.families}, sentinel={'off' if args.no_sentinel else 'on'}")
-    print("| workload | optimizer= | tensors | base step | sampled | first sampled (+ layer table) | off-step | off-step call | after sample | amortized@50 | naive | read once | bytes/sampled step | bytes/histogram |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f"wandb={'yes' if wandb is not None else 'not importable' if args.wandb_rounds > 0 else 'skipped'}"
+          + (f", custom: families={args.families} sentinel={'off' if args.no_sentinel else 'on'}" if "custom" in configs else ""))
+    naive = args.naive_rounds > 0
+    columns = ["workload", "config", "tensors", "base step", "sampled", "first sampled", "off-step", "off-step call",
+               "after sample", "amortized@50", "read once", "reported overhead_ms", "sampled delta", "reported/delta",
+               "wandb"] + (["naive"] if naive else [])
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+
+    def fmt(value: Optional[float], spec: str, unit: str = "") -> str:
+        return "-" if value is None else f"{value:{spec}}{unit}"
+
     for r in results:
-        naive = f"{r['naive']:.2f}x" if r["naive"] is not None else "-"
-        print(
-            f"| {r['workload']} | {'yes' if r['optimizer'] else 'no'} | {r['tensors']} | {r['base_ms']:.0f} ms "
-            f"| {r['sampled']:.3f}x | {r['first_sampled']:.2f}x | {r['off']:.3f}x | {r['off_call_us']:.1f} us | {r['after']:.3f}x | {r['amortized@50']:.4f}x | {naive} | {r['read_once']:.3f}x "
-            f"| {r['bytes_per_sampled_step'] / 1024:.0f} KiB | {r['bytes_per_histogram']:.0f} B |"
-        )
+        cells = [
+            r["workload"], r["config"], str(r["tensors"]), f"{r['base_ms']:.1f} ms",
+            f"{r['sampled']:.3f}x", f"{r['first_sampled']:.2f}x", f"{r['off']:.3f}x", f"{r['off_call_us']:.1f} us",
+            f"{r['after']:.3f}x", f"{r['amortized@50']:.4f}x", f"{r['read_once']:.3f}x",
+            fmt(r["reported_overhead_ms"], ".2f", " ms"), f"{r['sampled_delta_ms']:.2f} ms",
+            fmt(r["reported_over_delta"], ".2f"), fmt(r["wandb"], ".2f", "x"),
+        ] + ([fmt(r["naive"], ".2f", "x")] if naive else [])
+        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,18 @@
-"""The three training workloads the overhead benchmark measures, in plain torch.
+"""The training workloads the overhead benchmark measures, in plain torch.
 
-Each factory returns ``(model, step)`` where ``step()`` runs one full optimizer step
-(forward, backward, optimizer) on a fixed synthetic batch and returns the loss.
+Each factory returns ``(model, optimizer, step)`` where ``step()`` runs one full
+optimizer step (forward, backward, optimizer) on a fixed synthetic batch and returns
+the (detached) loss. Nothing is random after construction (no dropout), so every step
+does the same work.
+
+    gpt       6-block causal GPT (d 384, vocab 8192), batch 8 x 128 tokens, AdamW
+    cnn       ResNet-18 (7x7/2 stem + max pool, 4 stages of 2 BasicBlocks, 100 classes),
+              batch 32 x 3x64x64, SGD momentum 0.9
+    stack     200 residual Linear(256, 256) + ReLU blocks, batch 1024, SGD
+    stack32   the same stack at batch 32 (400 small tensors, tiny step)
+    tfm       nn.TransformerEncoder, 12 layers, d 256, 4 heads, ff 1024, vocab 1000,
+              batch 16 x 32 tokens, AdamW
+    tfm-tiny  the same with 6 layers, d 128, 4 heads, ff 512, batch 4 x 64 tokens, AdamW
 """
 
 from __future__ import annotations
@@ -66,7 +77,9 @@ class BasicBlock(nn.Module):
 class ResNet18(nn.Module):
     def __init__(self, classes: int = 100) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1)
+        )
         widths, layers, cin = (64, 128, 256, 512), [], 64
         for i, w in enumerate(widths):
             stride = 1 if i == 0 else 2
@@ -77,6 +90,20 @@ class ResNet18(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(F.adaptive_avg_pool2d(self.layers(self.stem(x)), 1).flatten(1))
+
+
+class EncoderLM(nn.Module):
+    """Token embedding, ``nn.TransformerEncoder`` (post-norm, no dropout), linear head to the vocabulary."""
+
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, ff: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, heads, dim_feedforward=ff, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.tok(idx)))
 
 
 class Residual(nn.Module):
@@ -128,4 +155,25 @@ def stack(seed: int = 0, batch: int = 1024) -> Workload:
     return model, opt, _make_step(model, opt, lambda: model(x).square().mean())
 
 
-WORKLOADS = {"gpt": gpt, "cnn": cnn, "stack": stack}
+def stack32(seed: int = 0) -> Workload:
+    return stack(seed, batch=32)
+
+
+def _encoder_lm(seed: int, vocab: int, d: int, layers: int, heads: int, ff: int, batch: int, seq: int) -> Workload:
+    torch.manual_seed(seed)
+    model = EncoderLM(vocab, d, layers, heads, ff)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    idx = torch.randint(0, vocab, (batch, seq))
+    target = torch.randint(0, vocab, (batch, seq))
+    return model, opt, _make_step(model, opt, lambda: F.cross_entropy(model(idx).flatten(0, 1), target.flatten()))
+
+
+def tfm(seed: int = 0) -> Workload:
+    return _encoder_lm(seed, vocab=1000, d=256, layers=12, heads=4, ff=1024, batch=16, seq=32)
+
+
+def tfm_tiny(seed: int = 0) -> Workload:
+    return _encoder_lm(seed, vocab=1000, d=128, layers=6, heads=4, ff=512, batch=4, seq=64)
+
+
+WORKLOADS = {"gpt": gpt, "cnn": cnn, "stack": stack, "stack32": stack32, "tfm": tfm, "tfm-tiny": tfm_tiny}

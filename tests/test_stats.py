@@ -86,7 +86,8 @@ def test_a_sampled_histogram_keeps_exact_stats_and_estimates_the_shape(fast):
     t = torch.cat([torch.randn(199_990), torch.tensor([40.0] * 5 + [-9.0] * 5)])[torch.randperm(200_000)]
     exact = S.reduce([t], 64, zeros=True, centered=True, fast=fast)[0].numpy()
     sampled = S.reduce([t], 64, zeros=True, centered=True, fast=fast, histogram_values=10_000)[0].numpy()
-    np.testing.assert_array_equal(sampled[: S.HIST], exact[: S.HIST])  # stats and grid: untouched
+    # stats and grid: untouched by the sample (up to the order of float summation)
+    np.testing.assert_allclose(sampled[: S.HIST], exact[: S.HIST], rtol=1e-6)
     hist, reference = S.histogram(sampled, 64), S.histogram(exact, 64)
     assert hist.num == 200_000 and sum(hist.bucket_counts) == pytest.approx(200_000)
     assert (hist.min, hist.max) == (-9.0, 40.0)

@@ -1,25 +1,22 @@
 """Writes step records to a TensorBoard ``SummaryWriter``: one event per sampled step.
 
-``SummaryWriter`` queues each event through a queue of ``max_queue`` (10) entries, so a
-thousand small events per step wait on its lock. With torch's writer we encode all of a
-step's scalars and histograms as one ``Summary`` and hand one ``Event`` to the file
-writer, then flush, so the writer's (pure-Python CRC) work lands in the sampled step and
-never in the steps after it.
+Each step's scalars, histograms and texts are encoded here as one ``Summary`` (bytes, not
+thousands of proto objects: protobuf's upb runtime calls ``malloc_trim(0)`` after every
+10,000 freed arena blocks, which hands a CPU training step's cached memory back to the OS
+and makes the next step pay for it in page faults). The event is appended to the writer's
+own event file with a C CRC32C (:mod:`layerwatch.sinks.events`), so it lands in the same run
+as the rest of what the writer holds; without the C CRC it goes through the writer's
+``add_event`` and is flushed, so its pure-Python CRC runs in the sampled step and not in the
+steps after it.
 
-The ``Summary`` bytes are encoded here rather than built from thousands of proto
-objects: protobuf's upb runtime calls ``malloc_trim(0)`` after every 10,000 freed arena
-blocks. That hands the allocator's free memory (a CPU training step's cached
-activations) back to the OS, and the next training step pays for it in page faults:
-+20% on the 400-tensor benchmark when every sampled step built ~1,600 proto objects.
-Parsing the encoded step once costs a handful of blocks.
-
-Any other writer with the ``SummaryWriter`` interface (e.g. tensorboardX) gets the same
-data value by value through its public methods (texts only if it has ``add_text``).
+Any other writer with the ``SummaryWriter`` interface (e.g. tensorboardX) gets the same data
+value by value through its public methods (texts only if it has ``add_text``).
 """
 
 from __future__ import annotations
 
 import struct
+import time
 from typing import Any
 
 import numpy as np
@@ -28,6 +25,7 @@ from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard import summary as builders
 
 from layerwatch.record import StepRecord
+from layerwatch.sinks import events
 from layerwatch.stats import Histogram
 
 
@@ -38,10 +36,14 @@ class TensorBoardSink:
         self.writer = writer
         self.owns_writer = owns_writer
         self._batched = isinstance(writer, SummaryWriter)
+        self._tag_fields: dict[str, bytes] = {}
 
     def write(self, record: StepRecord) -> None:
         if self._batched:
-            event = Event.FromString(_message_field(5, encode_summary(record)))  # Event.summary
+            summary = encode_summary(record, self._tag_fields)
+            if events.append(self.writer, [events.event(time.time(), record.step, summary)]):
+                return
+            event = Event.FromString(events.field(5, summary))  # Event.summary
             self.writer._get_file_writer().add_event(event, record.step)
         else:
             for tag, v in record.scalars.items():
@@ -77,44 +79,36 @@ class TensorBoardSink:
 #   HistogramProto { double min = 1; double max = 2; double num = 3; double sum = 4;
 #                    double sum_squares = 5; repeated double bucket_limit = 6 [packed];
 #                    repeated double bucket = 7 [packed]; }
-_FLOAT_FIELD_2 = bytes([2 << 3 | 5])
 _HISTO_HEAD = struct.Struct("<BdBdBdBdBd")
 
 
-def encode_summary(record: StepRecord) -> bytes:
+def encode_summary(record: StepRecord, tag_fields: dict[str, bytes] | None = None) -> bytes:
     """The serialized ``Summary`` holding all of ``record``'s scalars, histograms and texts.
 
     Texts are rare (the layer table, once), so they are built by torch's own builder;
-    serialized ``Summary`` messages concatenate into one.
+    serialized ``Summary`` messages concatenate into one. ``tag_fields`` caches each tag's
+    encoded field between calls (the same tags come back every sampled step).
     """
+    cache = {} if tag_fields is None else tag_fields
+    floats = np.asarray(list(record.scalars.values()), dtype="<f4").tobytes()
     values = [
-        _message_field(1, _message_field(1, tag.encode()) + _FLOAT_FIELD_2 + struct.pack("<f", v))
-        for tag, v in record.scalars.items()
+        _value(cache, tag, b"\x15" + floats[4 * i : 4 * i + 4]) for i, tag in enumerate(record.scalars)
     ]
-    values += [
-        _message_field(1, _message_field(1, tag.encode()) + _message_field(5, _encode_histogram(h)))
-        for tag, h in record.histograms.items()
-    ]
+    values += [_value(cache, tag, events.field(5, _encode_histogram(h))) for tag, h in record.histograms.items()]
     values += [builders.text(tag, text).SerializeToString() for tag, text in record.texts.items()]
     return b"".join(values)
+
+
+def _value(cache: dict[str, bytes], tag: str, rest: bytes) -> bytes:
+    """``Summary.value`` entry: the tag field, then ``rest`` (the value's other fields)."""
+    head = cache.get(tag)
+    if head is None:
+        head = cache[tag] = events.field(1, tag.encode())
+    return b"\x0a" + events.varint(len(head) + len(rest)) + head + rest
 
 
 def _encode_histogram(h: Histogram) -> bytes:
     head = _HISTO_HEAD.pack(1 << 3 | 1, h.min, 2 << 3 | 1, h.max, 3 << 3 | 1, h.num, 4 << 3 | 1, h.sum, 5 << 3 | 1, h.sum_squares)
     limits = np.asarray(h.bucket_limits, dtype="<f8").tobytes()
     counts = np.asarray(h.bucket_counts, dtype="<f8").tobytes()
-    return head + _message_field(6, limits) + _message_field(7, counts)
-
-
-def _message_field(number: int, payload: bytes) -> bytes:
-    """A length-delimited field (wire type 2): key, length, payload."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+    return head + events.field(6, limits) + events.field(7, counts)
