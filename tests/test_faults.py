@@ -97,14 +97,14 @@ def test_writer_failing_mid_run_keeps_earlier_samples_and_training(tmp_path, mon
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(str(tmp_path))
-    file_writer = writer._get_file_writer()
+    event_file = writer._get_file_writer().event_writer._async_writer._writer._writer  # the open GFile
 
     def disk_full_from_2(k):
         if k == 2:
             def disk_full(*args, **kwargs):
                 raise OSError(28, "No space left on device")
 
-            monkeypatch.setattr(file_writer, "add_event", disk_full)
+            monkeypatch.setattr(event_file, "write", disk_full)
 
     with pytest.warns(RuntimeWarning, match="could not write the sampled step at step 2: OSError") as record:
         losses = run(5, dict(writer=writer, every_n_steps=1), between=disk_full_from_2)

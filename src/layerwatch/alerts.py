@@ -20,13 +20,18 @@ bias raise one alert between them.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from layerwatch import record as R
 from layerwatch import stats as S
+from layerwatch.failures import FailurePolicy
 from layerwatch.record import owner
+
+logger = logging.getLogger("layerwatch")
 
 KINDS = ("dead", "stuck", "exploding", "vanishing", "nonfinite")
 
@@ -327,6 +332,61 @@ class HealthMonitor:
         alert = Alert(kind, layer, step, message)
         self.alerts.append(alert)
         new.append(alert)
+
+
+class HealthCheck:
+    """The rules applied to each sampled step's record: the alert count and, when it changed,
+    the alert table go into the record."""
+
+    def __init__(self, rules: AlertRules, failures: FailurePolicy) -> None:
+        self.monitor = HealthMonitor(rules)
+        self.failures = failures
+
+    def judge(
+        self,
+        rec: R.StepRecord,
+        host: dict[str, list[tuple[list[str], np.ndarray]]],
+        grads_read: bool,
+        trainable: Sequence[str],
+        stepped: Optional[bool],
+    ) -> list[Alert]:
+        """The alerts first seen at this step. ``stepped`` is False when the optimizer skipped
+        the step (None: not known)."""
+        def by_name(family: str) -> dict[str, np.ndarray]:
+            return {name: row for names, rows in host[family] for name, row in zip(names, rows)}
+
+        grads = by_name("grads") if grads_read else None
+        if grads and all_zero(np.stack(list(grads.values()))).all():
+            self.failures.warn_once(
+                "zero-grads",
+                f"layerwatch: every gradient is zero at sampled step {rec.step}; call inspector.step() before "
+                "optimizer.zero_grad(). Gradients are not judged by the alerts at such steps.",
+            )
+            grads = None
+        if grads and stepped is False and any(row[S.NONFINITE] for row in grads.values()):
+            # GradScaler skips optimizer.step() when the scaled gradients overflow: expected, not a fault.
+            rec.scalars[R.OPTIMIZER_SKIPPED] = 1.0
+            logger.info("layerwatch: step %d: the optimizer skipped a step with NaN/Inf gradients", rec.step)
+            self.failures.warn_once(
+                "scaler-skip",
+                f"layerwatch: at step {rec.step} the optimizer skipped its step and the gradients hold NaN/Inf: "
+                "a GradScaler overflow skip, not reported as a model fault (layerwatch/optimizer_skipped)",
+            )
+            grads = None
+        new = self.monitor.observe(rec.step, weights=by_name("weights"), grads=grads, trainable=trainable)
+        self._count(rec, new)
+        return new
+
+    def report(self, rec: R.StepRecord, kind: str, layer: str, message: str) -> list[Alert]:
+        """An alert found outside the rules (the first offender), into the same table."""
+        new = self.monitor.report(kind, layer, rec.step, message)
+        self._count(rec, new)
+        return new
+
+    def _count(self, rec: R.StepRecord, new: list[Alert]) -> None:
+        rec.scalars[R.ALERTS] = len(self.monitor.alerts)
+        if new:
+            rec.texts[R.ALERTS] = alerts_markdown(self.monitor.alerts)
 
 
 def all_zero(rows: np.ndarray) -> np.ndarray:

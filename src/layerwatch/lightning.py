@@ -13,7 +13,8 @@ from typing import Any, Collection, Optional, Sequence
 
 from layerwatch import record as R
 from layerwatch.alerts import Alert, AlertRules
-from layerwatch.inspector import DEFAULT_STATS, Inspector, validate_options
+from layerwatch.engine import Engine
+from layerwatch.options import DEFAULT_STATS, validate_options
 from layerwatch.probes import ModuleFilter
 from layerwatch.schedule import ScheduleLike
 
@@ -101,7 +102,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         sentinel: bool = True,
     ) -> None:
         super().__init__()
-        self._options = dict(
+        self._options = validate_options(
             every_n_steps=every_n_steps,
             schedule=schedule,
             families=families,
@@ -112,8 +113,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
             modules=modules,
             sentinel=sentinel,
         )
-        validate_options(**self._options)
-        self._inspector: Optional[Inspector] = None
+        self._engine: Optional[Engine] = None
         self._alerts: list[Alert] = []
         self._last_written_step = -1
         self.log_dir: Optional[str] = None
@@ -139,12 +139,12 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
                     f"layerwatch: no TensorBoardLogger on the Trainer; writing TensorBoard logs to {self.log_dir}"
                 )
             others = [lg for lg in trainer.loggers if lg is not tensorboard]
-        # Every rank gets an inspector: each takes part in the reductions of sharded
-        # parameters (FSDP); only rank 0 reads replicated ones and writes.
-        self._inspector = Inspector(pl_module, **target, **self._options)
-        self._alerts = self._inspector.alerts  # the monitor's own list: it outlives the inspector
+        # Every rank gets an engine: each takes part in the reductions of sharded parameters
+        # (FSDP); only rank 0 reads replicated ones and writes.
+        self._engine = Engine(pl_module, self._options, **target)
+        self._alerts = self._engine.alerts  # the monitor's own list: it outlives the engine
         if others:
-            self._inspector._extra_sinks.append(lambda rec: _log_run_wide(others, rec))
+            self._engine.add_sink(lambda rec: _log_run_wide(others, rec))
 
     @property
     def alerts(self) -> list[Alert]:
@@ -152,27 +152,25 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         return list(self._alerts)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if self._inspector is None:
+        if self._engine is None:
             return
-        self._inspector.load_state_dict({"step": trainer.global_step})
-        self._inspector.start()
-        if self._inspector._sentinel is not None:
-            self._inspector._count_optimizer_steps(trainer.optimizers)
-        self._skip_if_written()
+        self._engine.start()
+        self._engine.track_optimizers(trainer.optimizers)
+        self._begin(trainer.global_step)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        if self._inspector is not None:
-            self._inspector._before_update()
+        if self._engine is not None:
+            self._engine.before_optimizer_step()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        inspector = self._inspector
-        if inspector is None or trainer.global_step == inspector.current_step:
+        engine = self._engine
+        if engine is None or trainer.global_step == engine.current_step:
             return  # no optimizer step finished in this batch (gradient accumulation)
-        inspector._after_update()
-        inspector._check_sentinel()
-        if inspector._sampled_step is not None:
-            self._last_written_step = inspector._sampled_step
-        self._advance(trainer.global_step)
+        engine.after_optimizer_step()
+        written = engine.end_step()
+        if written is not None:
+            self._last_written_step = written
+        self._begin(trainer.global_step)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._finish()
@@ -194,24 +192,18 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
 
     # ------------------------------------------------------------------ helpers
 
-    def _advance(self, step: int) -> None:
-        """Close the open sample and open ``step``, never sampling a step written before a resume."""
-        self._inspector._advance_to(step)
-        self._skip_if_written()
-
-    def _skip_if_written(self) -> None:
-        sampled = self._inspector._sampled_step
-        if sampled is not None and sampled <= self._last_written_step:
-            self._inspector._drop_sample()
+    def _begin(self, step: int) -> None:
+        """Open ``step``, never sampling a step written before a resume."""
+        self._engine.begin_step(step, may_sample=step > self._last_written_step)
 
     def _finish(self) -> None:
-        if self._inspector is not None:
-            self._inspector.finish()
-            self._inspector = None
+        if self._engine is not None:
+            self._engine.finish()
+            self._engine = None
 
 
 def _log_run_wide(loggers: Sequence[Any], record: R.StepRecord) -> None:
     """Send the run-wide scalars to loggers that are not TensorBoard (cheap: a few values)."""
-    metrics = {tag: value for tag, value in record.scalars.items() if tag.startswith("layerwatch/")}
+    metrics = {tag: value for tag, value in record.scalars.items() if tag.startswith(R.RUN_WIDE)}
     for logger in loggers:
         logger.log_metrics(metrics, step=record.step)

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from layerwatch import stats as S
-from layerwatch.structure import _tensors
+from layerwatch.failures import FailurePolicy
+from layerwatch.structure import StructureProbe, Summary, _tensors
 
 ROOT = "(root)"  # the model itself: named_modules() names it ""
 PROBE_FAMILIES = ("latency", "memory", "activations", "nonfinite")
@@ -180,6 +181,7 @@ class RuntimeProbe:
         parameters: Sequence[nn.Parameter],
     ) -> None:
         self.error: Optional[BaseException] = None
+        self.hook_seconds = 0.0  # host time spent in the hooks (the probes' own cost)
         self._latency = "latency" in families
         self._memory = "memory" in families
         self._activations = "activations" in families
@@ -285,6 +287,7 @@ class RuntimeProbe:
         return hook
 
     def _guarded(self, action: Callable[[], None]) -> None:
+        started = time.perf_counter()
         entered = self._clock.mark()
         try:
             action()
@@ -294,6 +297,7 @@ class RuntimeProbe:
             self._exit_saved_context()
         self._entered.append(entered)
         self._left.append(self._clock.mark())
+        self.hook_seconds += time.perf_counter() - started
 
     def _enter(self, index: int, args: tuple, module: nn.Module) -> None:
         if torch._C._current_graph_task_id() != -1:
@@ -464,3 +468,90 @@ def _nonfinite(t: torch.Tensor) -> torch.Tensor:
 def _is_float(t: torch.Tensor) -> bool:
     """A dense floating (or complex) tensor: one whose values can be NaN and can be reduced."""
     return t.layout == torch.strided and (t.is_floating_point() or t.is_complex())
+
+
+class StepProbes:
+    """The module hooks of one sampled step: the layer table (the first time) and the
+    runtime probes. Neither is armed on a compiled model (hooks would force a recompile
+    and see nothing inside the graph); that is said once."""
+
+    def __init__(self, families: Sequence[str], modules: Optional[ModuleFilter], stats: Sequence[str], bins: int,
+                 failures: FailurePolicy) -> None:
+        self.families, self.modules, self.bins, self.failures = families, modules, bins, failures
+        self.zeros, self.centered = "zero_frac" in stats, "std" in stats
+        self.structure_pending = "structure" in families
+        self.runtime_on = any(family in families for family in PROBE_FAMILIES)
+        self._structure: Optional[StructureProbe] = None
+        self._runtime: Optional[RuntimeProbe] = None
+
+    def arm(self, model: nn.Module, parameters: Sequence[nn.Parameter], step: int) -> None:
+        if not (self.structure_pending or self.runtime_on):
+            return
+        if is_compiled(model):
+            self.structure_pending = self.runtime_on = False
+            self.failures.warn_once(
+                "compiled",
+                "layerwatch: the model (or part of it) is torch.compile'd; module hooks cannot see inside a compiled "
+                "graph, so the layer table and the per-module families (latency, memory, activations, nonfinite) are "
+                "not recorded. Parameter families and the NaN sentinel go on. For the table call "
+                "layerwatch.summarize(model._orig_mod, batch).",
+            )
+            return
+        if self.structure_pending:
+            self.failures.run("record the layer table", lambda: self._arm_structure(model), step)
+        if self.runtime_on:
+            self.failures.run("arm the runtime probes", lambda: self._arm_runtime(model, parameters), step)
+
+    def _arm_structure(self, model: nn.Module) -> None:
+        self._structure = StructureProbe(model, training_only=True)
+
+    def _arm_runtime(self, model: nn.Module, parameters: Sequence[nn.Parameter]) -> None:
+        modules = select_modules(model, self.modules)
+        if not modules:
+            self.runtime_on = False
+            self.failures.warn_once(
+                "no-modules", f"layerwatch: modules={list(self.modules or ())!r} matches no module of the model; "
+                "the per-module families are off",
+            )
+            return
+        families = self.families
+        if self._structure is not None:  # FlopCounterMode slows every op of this step: its times would mislead
+            families = tuple(f for f in families if f != "latency")
+        self._runtime = RuntimeProbe(
+            modules, families=families, bins=self.bins, zeros=self.zeros, centered=self.centered, parameters=parameters
+        )
+
+    @property
+    def hook_seconds(self) -> float:
+        """Host time the runtime probes' hooks have spent so far this step."""
+        return 0.0 if self._runtime is None else self._runtime.hook_seconds
+
+    def remove(self) -> None:
+        for probe in (self._structure, self._runtime):
+            if probe is not None:
+                probe.remove()
+        self._structure = self._runtime = None
+
+    def take(self) -> tuple[Optional[Summary], Optional[ProbeResult]]:
+        """Remove the hooks; the layer table (when a whole forward was seen) and the runtime
+        measurements (when no probe failed)."""
+        structure, runtime = self._structure, self._runtime
+        self.remove()
+        summary = result = None
+        if structure is not None:
+            if structure.error is not None:
+                self.structure_pending = False
+                self.failures.warn_once("fail:structure", f"layerwatch: could not record the layer table: {structure.error!r}; skipped")
+            elif structure.windows:
+                summary = structure.summary()
+                self.structure_pending = False
+        if runtime is not None:
+            if runtime.error is None:
+                try:
+                    result = runtime.result()
+                except Exception as e:
+                    runtime.error = e
+            if runtime.error is not None:
+                self.runtime_on = False
+                self.failures.warn_once("fail:probes", f"layerwatch: a runtime probe failed: {runtime.error!r}; the per-module families are off")
+        return summary, result

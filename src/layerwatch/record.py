@@ -20,6 +20,7 @@ from layerwatch.structure import Summary
 TENSOR_FAMILIES = ("weights", "grads")
 FAMILIES = TENSOR_FAMILIES + ("updates", "structure") + PROBE_FAMILIES
 
+RUN_WIDE = "layerwatch/"  # the prefix of the run-wide tags below
 GRAD_NORM = "layerwatch/grad_norm"
 OVERHEAD_MS = "layerwatch/overhead_ms"
 STRUCTURE = "layerwatch/structure"
@@ -37,12 +38,22 @@ FIRST_NONFINITE_STEP = "layerwatch/first_nonfinite_step"
 MODULE_SCALARS = ("fwd_ms", "bwd_ms", "activation_bytes", "saved_bytes", "cuda_alloc_bytes", "nonfinite")
 
 
+def stat_prefix(family: str, stat: str) -> str:
+    """The prefix of a per-tensor statistic's tags: ``weights_norm/``."""
+    return f"{family}_{stat}/"
+
+
+def module_prefix(field_name: str) -> str:
+    """The prefix of a per-module scalar's tags (one of ``MODULE_SCALARS``): ``fwd_ms/``."""
+    return f"{field_name}/"
+
+
 def histogram_tag(family: str, name: str) -> str:
     return f"{family}/{name}"
 
 
 def stat_tag(family: str, stat: str, name: str) -> str:
-    return f"{family}_{stat}/{name}"
+    return stat_prefix(family, stat) + name
 
 
 def update_ratio_tag(name: str) -> str:
@@ -72,7 +83,7 @@ class StepRecord:
             for field_name in MODULE_SCALARS:
                 value = getattr(trace, field_name)
                 if value is not None:
-                    self.scalars[f"{field_name}/{trace.name}"] = float(value)
+                    self.scalars[module_prefix(field_name) + trace.name] = float(value)
             if trace.calls > 1:
                 self.scalars[f"calls/{trace.name}"] = trace.calls
         measured = [t for t in result.modules if t.activation_row is not None]
@@ -91,10 +102,21 @@ class StepRecord:
             for name, value in zip(names, values.tolist()):
                 self.scalars[stat_tag(family, stat, name)] = value
         if bins:
-            for name, row in zip(names, rows):
-                hist = S.histogram(row, bins)
+            for name, hist in zip(names, S.histograms(rows, bins)):
                 if hist is not None:
                     self.histograms[histogram_tag(family, name)] = hist
+
+    def add_grad_norm(self, rows: np.ndarray) -> None:
+        """The global gradient norm from the gradients' rows (NaN when any holds a NaN or Inf)."""
+        nonfinite = rows[:, S.NONFINITE].sum() > 0
+        self.scalars[GRAD_NORM] = float("nan") if nonfinite else float(np.sqrt(rows[:, S.SUMSQ].sum()))
+
+    def add_update_ratios(self, names: Sequence[str], deltas: np.ndarray, norms: np.ndarray) -> None:
+        """``update_ratio/<param>``: ‖Δw‖ / ‖w‖ of the step, 0 where the weights did not change."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratios = np.where(deltas == 0, 0.0, deltas / norms)
+        for name, ratio in zip(names, ratios.tolist()):
+            self.scalars[update_ratio_tag(name)] = ratio
 
 
 def owner(param_name: str) -> str:

@@ -26,10 +26,11 @@ from layerwatch.alerts import parse_alerts_markdown
 from layerwatch.probes import ROOT
 
 TOP = 5
-_SCALAR_PREFIXES = (
-    "weights_norm/", "grads_norm/", "weights_nonfinite/", "grads_nonfinite/",
-    "fwd_ms/", "bwd_ms/", "activation_bytes/", "saved_bytes/", "cuda_alloc_bytes/", "layerwatch/",
-)
+_NORMS = {family: R.stat_prefix(family, "norm") for family in R.TENSOR_FAMILIES}
+_NONFINITE = tuple(R.stat_prefix(family, "nonfinite") for family in R.TENSOR_FAMILIES)
+_TIMES = (R.module_prefix("fwd_ms"), R.module_prefix("bwd_ms"))
+_BYTES = (R.module_prefix("activation_bytes"), R.module_prefix("saved_bytes"), R.module_prefix("cuda_alloc_bytes"))
+_SCALAR_PREFIXES = (*_NORMS.values(), *_NONFINITE, *_TIMES, *_BYTES, R.RUN_WIDE)
 _ALERTS_TEXT = R.ALERTS + "/text_summary"  # the tag torch's text builder gives layerwatch/alerts
 
 
@@ -120,11 +121,10 @@ def _summarize(name: str, run: _Run) -> dict[str, Any]:
         "alerts": alerts,
         "first_nonfinite": nonfinite,
         "norms_until_step": until,
-        "weights": _norms(run.scalars, "weights_norm/", until),
-        "grads": _norms(run.scalars, "grads_norm/", until),
-        "slowest": _top_by_median(run.scalars, ("fwd_ms/", "bwd_ms/"), unit="ms"),
-        "largest_memory": _top_by_median(run.scalars, ("activation_bytes/", "saved_bytes/", "cuda_alloc_bytes/"),
-                                         unit="bytes"),
+        "weights": _norms(run.scalars, _NORMS["weights"], until),
+        "grads": _norms(run.scalars, _NORMS["grads"], until),
+        "slowest": _top_by_median(run.scalars, _TIMES, unit="ms"),
+        "largest_memory": _top_by_median(run.scalars, _BYTES, unit="bytes"),
     }
 
 
@@ -132,7 +132,7 @@ def _first_nonfinite(scalars: dict[str, list[tuple[int, float]]]) -> Optional[di
     """The earliest step with a positive NaN/Inf count, and every tensor counted at it."""
     hits: dict[int, list[str]] = {}
     for tag, series in scalars.items():
-        if tag.startswith(("weights_nonfinite/", "grads_nonfinite/")):
+        if tag.startswith(_NONFINITE):
             first = next((step for step, value in sorted(series) if value > 0), None)
             if first is not None:
                 hits.setdefault(first, []).append(tag)

@@ -74,3 +74,38 @@ class NonfiniteSentinel:
 
     def clear(self) -> None:
         self._pending.clear()
+
+
+class StepCounter:
+    """Counts the steps of the optimizers it tracks (a post-hook each), so that a step an
+    optimizer skipped (a GradScaler overflow) is told from a fault. ``remove()`` is safe twice."""
+
+    def __init__(self) -> None:
+        self._count: Optional[list[int]] = None
+        self._handles: list[Any] = []
+        self._seen = 0
+
+    def track(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        counter = self._count = self._count or [0]
+
+        def count(*_: Any) -> None:
+            counter[0] += 1
+
+        self._handles += [optimizer.register_step_post_hook(count) for optimizer in optimizers]
+
+    @property
+    def count(self) -> Optional[int]:
+        """Optimizer steps so far; None when no optimizer is tracked."""
+        return None if self._count is None else self._count[0]
+
+    def stepped_since_last_check(self) -> Optional[bool]:
+        """Whether an optimizer stepped since the last call (None: not known)."""
+        if self._count is None:
+            return None
+        stepped, self._seen = self._count[0] != self._seen, self._count[0]
+        return stepped
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

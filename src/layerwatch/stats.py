@@ -287,17 +287,21 @@ class _Batch:
         self.mx = torch.full((n,), -math.inf, device=device)
         self.grid = [torch.ones(n, device=device), torch.zeros(n, device=device), torch.zeros(n, device=device)]
         self.counts = torch.zeros(n * (bins + 3), dtype=torch.int64, device=device) if bins else None
-        partials, owners, lasts, pads, sampled_pads = [], [], [], [], []
+        partials, owners, lasts, sampled_pads = [], [], [], []
         for first, last, width, single in self._chunks():
             x, chunk_pads = self._rows_of(first, last, width, single)
             rows_per = [-(-self.sizes[i] // width) for i in range(first, last)]
             owner = torch.repeat_interleave(torch.arange(first, last), torch.tensor(rows_per)).to(device)
             last_rows = torch.tensor(rows_per).cumsum(0).sub_(1).to(device)
             masked = device.type != "cpu"
-            row = _row_partials(x, self.zeros, self.centered, masked)
+            last_values = x[last_rows, -1]
+            row_pads = torch.zeros(x.shape[0], device=device).index_put_((last_rows,), torch.tensor(chunk_pads, dtype=torch.float32).to(device))
+            shift = torch.zeros(x.shape[0], device=device).index_put_((last_rows,), last_values)
+            scratch = self.workspace.get(device, torch.float32, x.numel(), "shifted").view(x.shape)
+            row = _row_partials(x, shift, row_pads, scratch, self.zeros, self.centered, masked)
             if not masked and not math.isfinite(float(row[1].sum())):  # a NaN or Inf: the CPU reads it freely
                 masked = True
-                row = _row_partials(x, self.zeros, self.centered, masked)
+                row = _row_partials(x, shift, row_pads, scratch, self.zeros, self.centered, masked)
             self.mn.scatter_reduce_(0, owner, row[2], "amin")
             self.mx.scatter_reduce_(0, owner, row[3], "amax")
             stride = self.strides[first]
@@ -306,10 +310,9 @@ class _Batch:
                 self._count(first, last, sample, sample_owner, masked)
             partials.append(torch.stack([r.to(f64) for r in row], dim=1))
             owners.append(owner)
-            lasts.append(x[last_rows, -1])
-            pads += chunk_pads
+            lasts.append(last_values)
             sampled_pads += [0 if single else (width - 1) // stride - (width - p - 1) // stride for p in chunk_pads]
-        rows = self._finish(torch.cat(partials), torch.cat(owners), torch.cat(lasts), pads, sampled_pads)
+        rows = self._finish(torch.cat(partials), torch.cat(owners), torch.cat(lasts), sampled_pads)
         inverse = [0] * n
         for position, i in enumerate(self.order):
             inverse[i] = position
@@ -370,29 +373,22 @@ class _Batch:
         index.add_((owner * (bins + 3))[:, None])
         self.counts += _bincount(index.view(-1), self.counts.numel())
 
-    def _finish(
-        self, partials: torch.Tensor, owner: torch.Tensor, last: torch.Tensor, pads_list: list[int], sampled_pads: list[int]
-    ) -> torch.Tensor:
-        """Per-tensor rows from the row partials: sums combined, the padding taken back out."""
+    def _finish(self, partials: torch.Tensor, owner: torch.Tensor, last: torch.Tensor, sampled_pads: list[int]) -> torch.Tensor:
+        """Per-tensor rows from the row partials (each exact over its row's own values): sums
+        combined, the sums of squared deviations by Chan et al.'s rule; the padding taken
+        back out of the bucket counts."""
         n, device, f64, bins = len(self.flat), self.device, torch.float64, self.bins
         sums = torch.zeros(n, partials.shape[1], dtype=f64, device=device).index_add_(0, owner, partials)
-        count, total, sumsq = sums[:, 0], sums[:, 1], sums[:, 4]
-        last_finite = torch.isfinite(last)
-        v = torch.where(last_finite, last, 0.0).to(f64)
-        pads = torch.tensor(pads_list, dtype=f64).to(device) * last_finite  # padding counted as finite values
+        count, total = sums[:, 0], sums[:, 1]
         nan = torch.full((n,), math.nan, dtype=f64, device=device)
-        n_zeros = sums[:, 5] - pads * (v == 0) if self.zeros else nan
         csumsq = nan
-        if self.centered:  # per-row sums of squared deviations, combined (Chan et al.), padding taken out
+        if self.centered:
             row_count, row_mean = partials[:, 0], partials[:, 1] / partials[:, 0].clamp(min=1)
-            mean_all = total / count.clamp(min=1)
-            spread = torch.zeros(n, dtype=f64, device=device).index_add_(0, owner, row_count * (row_mean - mean_all[owner]) ** 2)
-            real = count - pads
-            mean = (total - pads * v) / real.clamp(min=1)
-            csumsq = (sums[:, 6] + spread - real * pads / count.clamp(min=1) * (mean - v) ** 2).clamp(min=0)
-        count = count - pads
+            mean = total / count.clamp(min=1)
+            spread = torch.zeros(n, dtype=f64, device=device).index_add_(0, owner, row_count * (row_mean - mean[owner]) ** 2)
+            csumsq = (sums[:, 6] + spread).clamp(min=0)
         sizes = torch.tensor(self.sizes, dtype=f64).to(device)
-        head = [count, sizes - count, self.mn.to(f64), self.mx.to(f64), total - pads * v, sumsq - pads * v * v, n_zeros, csumsq]
+        head = [count, sizes - count, self.mn.to(f64), self.mx.to(f64), total, sums[:, 4], sums[:, 5] if self.zeros else nan, csumsq]
         if not bins:
             return torch.stack(head + [nan] * (HIST - len(head)), dim=1)
         scale, anchor, zero_point = self.grid
@@ -425,27 +421,44 @@ def _row_divisor(n: int) -> int:
     return 0
 
 
-def _row_partials(x: torch.Tensor, zeros: bool, centered: bool, masked: bool) -> list[torch.Tensor]:
-    """Per row: count, sum, min, max, sum of squares, zeros, sum of squared deviations from
-    the row's mean (finite values only when ``masked``; else every value is taken as finite)."""
+def _row_partials(
+    x: torch.Tensor, shift: torch.Tensor, pads: torch.Tensor, scratch: torch.Tensor, zeros: bool, centered: bool, masked: bool
+) -> list[torch.Tensor]:
+    """Per row, over its own values (the last ``pads`` of a row repeat its last value and are
+    left out): count, sum, min, max, sum of squares, zeros, sum of squared deviations from
+    the row's mean; finite values only when ``masked``, else every value is taken as finite.
+
+    Sums are taken of ``x - shift`` (the last value of each tensor's last row, 0 elsewhere), in
+    which the padding is exactly 0, and shifted back in float64: summing the padding in float32
+    and taking it out again would cancel away a small tensor's digits.
+    """
+    f64 = torch.float64
+    pads_are_zero = pads.to(f64) * (shift == 0)
+    if masked:
+        shift_finite = torch.isfinite(shift)  # else the padding is not finite, and left out as such
+        shift = torch.where(shift_finite, shift, 0.0)
+    y = torch.sub(x, shift[:, None], out=scratch)
     if masked:
         finite = torch.isfinite(x)
-        values = torch.where(finite, x, 0.0)
-        count = finite.sum(1).to(x.dtype)
+        y = torch.where(finite, y, 0.0)
+        count = finite.sum(1).to(f64) - pads.to(f64) * shift_finite
         mn, mx = torch.where(finite, x, math.inf).amin(1), torch.where(finite, x, -math.inf).amax(1)
     else:
-        values = x
-        count = torch.full((x.shape[0],), float(x.shape[1]), device=x.device)
+        count = x.shape[1] - pads.to(f64)
         mn, mx = x.amin(1), x.amax(1)
-    total = values.sum(1)
-    sumsq = torch.linalg.vector_norm(values, dim=1) ** 2
-    n_zeros = x.shape[1] - torch.count_nonzero(x, dim=1).to(x.dtype) if zeros else count
+    s = shift.to(f64)
+    y_sum = y.sum(1).to(f64)
+    y_sumsq = torch.linalg.vector_norm(y, dim=1).to(f64) ** 2
+    total = y_sum + count * s
+    sumsq = y_sumsq + 2 * s * y_sum + count * s * s
+    n_zeros = x.shape[1] - torch.count_nonzero(x, dim=1).to(f64) - pads_are_zero if zeros else count
     m2 = count
     if centered:
-        dev = x - (total / count.clamp(min=1))[:, None]
+        y_mean = y_sum / count.clamp(min=1)
+        dev = y - y_mean.to(y.dtype)[:, None]
         if masked:
             dev = torch.where(finite, dev, 0.0)
-        m2 = torch.linalg.vector_norm(dev, dim=1) ** 2
+        m2 = torch.linalg.vector_norm(dev, dim=1).to(f64) ** 2 - pads.to(f64) * y_mean**2  # the padding: y = 0
     return [count, total, mn, mx, sumsq, n_zeros, m2]
 
 
@@ -466,21 +479,30 @@ def _bincount(index: torch.Tensor, size: int) -> torch.Tensor:
 
 def histogram(row: np.ndarray, bins: int) -> Histogram | None:
     """The TensorBoard histogram of one packed row, or None when it has no finite value."""
-    n = row[COUNT]
-    if n == 0:
-        return None
-    mn, mx = float(row[MIN]), float(row[MAX])
-    if mn == mx:
-        return Histogram(mn, mx, n, float(row[SUM]), float(row[SUMSQ]), [mx], [float(n)])
-    counts = row[HIST + 1 : HIST + bins + 1].copy()
-    counts[0] += row[HIST]
-    counts[-1] += row[HIST + bins + 1]
-    limits = row[ANCHOR] + (np.arange(1, bins + 1) - row[ZERO_POINT] + 0.5) * row[SCALE]
-    filled = np.flatnonzero(counts)
-    lo, hi = filled[0], filled[-1] + 1
-    limits = limits[lo:hi]
-    limits[-1] = mx
-    return Histogram(mn, mx, n, float(row[SUM]), float(row[SUMSQ]), limits.tolist(), counts[lo:hi].tolist())
+    return histograms(row[None, :], bins)[0]
+
+
+def histograms(rows: np.ndarray, bins: int) -> list[Optional[Histogram]]:
+    """The TensorBoard histogram of each packed row (None where it has no finite value),
+    trimmed to the buckets between its first and last non-empty one."""
+    counts = rows[:, HIST + 1 : HIST + bins + 1].copy()
+    counts[:, 0] += rows[:, HIST]
+    counts[:, -1] += rows[:, HIST + bins + 1]
+    limits = rows[:, ANCHOR, None] + (np.arange(1, bins + 1) - rows[:, ZERO_POINT, None] + 0.5) * rows[:, SCALE, None]
+    filled = counts != 0
+    first = filled.argmax(1)
+    end = bins - filled[:, ::-1].argmax(1)
+    out: list[Optional[Histogram]] = []
+    for i, (n, mn, mx, total, sumsq) in enumerate(rows[:, [COUNT, MIN, MAX, SUM, SUMSQ]].tolist()):
+        if n == 0:
+            out.append(None)
+        elif mn == mx:
+            out.append(Histogram(mn, mx, n, total, sumsq, [mx], [n]))
+        else:
+            kept = limits[i, first[i] : end[i]].tolist()
+            kept[-1] = mx
+            out.append(Histogram(mn, mx, n, total, sumsq, kept, counts[i, first[i] : end[i]].tolist()))
+    return out
 
 
 def scalar_stats(rows: np.ndarray, stats: Sequence[str]) -> dict[str, np.ndarray]:

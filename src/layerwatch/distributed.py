@@ -1,0 +1,71 @@
+"""Which rank does what, and sharded tensors (DTensor, FSDP2) without gathering them."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+NamedTensors = Sequence[tuple[str, torch.Tensor]]
+Group = tuple[Any, list[str], list[torch.Tensor]]  # (process group or None, names, local tensors)
+
+
+def is_writer_rank() -> bool:
+    """Rank 0 writes; every rank takes part in the reductions of sharded tensors."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def this_ranks_groups(pairs: NamedTensors, warn_once: Callable[[str, str], None]) -> list[Group]:
+    """``(group, names, tensors)`` this rank reduces: sharded tensors (local shards) with their
+    process group on every rank, then the rest by device (group None) on rank 0.
+
+    A DTensor sharded along one mesh dimension is reduced over that dimension's process
+    group; replicated DTensors count as plain (their local tensor is the whole tensor).
+    """
+    plain: dict[torch.device, tuple[list[str], list[torch.Tensor]]] = {}
+    sharded: dict[Any, tuple[list[str], list[torch.Tensor]]] = {}
+    writer = is_writer_rank()
+    for name, tensor in pairs:
+        if is_dtensor(tensor):
+            shard_dims = [i for i, placement in enumerate(tensor.placements) if placement.is_shard()]
+            if len(shard_dims) > 1:
+                warn_once(f"shard:{name}", f"layerwatch: {name!r} is sharded along several mesh dimensions; not measured")
+                continue
+            if shard_dims:
+                names, shards = sharded.setdefault(tensor.device_mesh.get_group(shard_dims[0]), ([], []))
+                names.append(name)
+                shards.append(tensor.to_local())
+                continue
+            tensor = tensor.to_local()
+        if writer:
+            names, tensors = plain.setdefault(tensor.device, ([], []))
+            names.append(name)
+            tensors.append(tensor)
+    groups = [(group, names, shards) for group, (names, shards) in sharded.items()]
+    return groups + [(None, names, tensors) for names, tensors in plain.values()]
+
+
+def norms(tensors: list[torch.Tensor], group: Any = None) -> torch.Tensor:
+    """L2 norms (float64); of whole sharded tensors when ``group`` holds their shards."""
+    result = torch.stack(torch._foreach_norm(tensors)).to(torch.float64)  # stack promotes mixed dtypes
+    if group is None:
+        return result
+    import torch.distributed as dist
+
+    squares = result**2
+    dist.all_reduce(squares, group=group)
+    return squares.sqrt()

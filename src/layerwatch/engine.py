@@ -1,0 +1,375 @@
+"""The engine every front door drives: what happens on a sampled step, and in which order.
+
+A front door (``Inspector`` for a plain loop, ``InspectCallback`` for Lightning) calls this
+small protocol, and nothing private::
+
+    engine.start()
+    for each optimizer step k:
+        engine.begin_step(k)             # k sampled? then the module hooks are armed
+        ...forward, backward...
+        engine.before_optimizer_step()   # gradients are final: read them, snapshot the weights
+        ...optimizer.step()...
+        engine.after_optimizer_step()    # weights are final: update ratios, read them
+        engine.end_step()                # the NaN sentinel; a sampled step is written
+    engine.finish()
+
+``before_optimizer_step`` and ``after_optimizer_step`` may be left out: ``end_step`` reads
+whatever the step has not read yet. Off-steps cost a schedule lookup (and the sentinel's
+fused check, when it is on). The data flow of a sampled step is one way: device rows
+(:mod:`~layerwatch.params`, :mod:`~layerwatch.probes`) -> one transfer per device -> a
+:class:`~layerwatch.record.StepRecord` -> the sinks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from layerwatch import record as R
+from layerwatch import stats as S
+from layerwatch.alerts import Alert, HealthCheck
+from layerwatch.distributed import is_writer_rank, local
+from layerwatch.failures import FailurePolicy
+from layerwatch.options import Options, writable_dir
+from layerwatch.params import ParameterFamilies, Piece, Snapshot, parameters
+from layerwatch.probes import ProbeResult, StepProbes
+from layerwatch.sentinel import Finding, NonfiniteSentinel, StepCounter
+from layerwatch.sinks.tensorboard import TensorBoardSink
+from layerwatch.structure import Summary
+
+logger = logging.getLogger("layerwatch")
+logger.addHandler(logging.NullHandler())  # a library logs; the application decides where it goes
+
+
+@dataclass
+class _Sample:
+    """What a sampled step has gathered so far: device tensors until ``end_step``."""
+
+    step: int
+    params: list[tuple[str, nn.Parameter]]
+    steps_before: Optional[int]  # the optimizers' step count when it began (None: not counted)
+    overhead_s: float = 0.0
+    optimizer_calls: int = 0  # 1: before_optimizer_step came; 2: after_optimizer_step too
+    grads: Optional[list[Piece]] = None
+    weights: Optional[list[Piece]] = None
+    snapshot: Optional[Snapshot] = None
+    update: list[Piece] = field(default_factory=list)
+
+
+class Engine:
+    """Samples a model's parameters and modules on a schedule and writes them to TensorBoard.
+
+    Args:
+        model: The module to watch. Held by weak reference.
+        options: The validated options (:func:`~layerwatch.options.validate_options`).
+        writer: A ``SummaryWriter`` to write into (flushed, never closed). Exclusive with
+            ``log_dir``.
+        log_dir: Directory for a ``SummaryWriter`` the engine owns and closes. With
+            neither, ``SummaryWriter()``'s default ``runs/...`` directory.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or ``writer`` lacks the
+            ``SummaryWriter`` interface.
+        ValueError: both ``writer`` and ``log_dir``, or a ``log_dir`` that cannot be written.
+    """
+
+    def __init__(
+        self, model: nn.Module, options: Options, *, writer: Any = None, log_dir: Optional[str | os.PathLike] = None
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(options, Options):
+            raise TypeError(f"options must be an Options from validate_options(), got {type(options).__name__}")
+        if writer is not None and log_dir is not None:
+            raise ValueError(f"pass writer or log_dir, not both (got writer={writer!r}, log_dir={str(log_dir)!r})")
+        if writer is not None and not all(hasattr(writer, m) for m in ("add_scalar", "add_histogram_raw", "flush")):
+            raise TypeError(f"writer must be a SummaryWriter, got {type(writer).__name__}")
+        self.options = options
+        self.log_dir = None if log_dir is None else writable_dir(log_dir)
+        self._model = weakref.ref(model)
+        self._writer = writer
+        self._sink: Optional[TensorBoardSink] = None
+        self._extra_sinks: list[Callable[[R.StepRecord], None]] = []
+        self._state = "new"
+        self._step = 0
+        self._sample: Optional[_Sample] = None
+        self.failures = FailurePolicy()
+        self._params = ParameterFamilies(options, self.failures)
+        self._probes = StepProbes(options.families, options.modules, options.stats, options.bins, self.failures)
+        self._health = None if options.rules is None else HealthCheck(options.rules, self.failures)
+        self._counter = StepCounter()
+        self._sentinel: Optional[NonfiniteSentinel] = None
+        self._force_sample = False
+        self._offender_found = False
+        self._param_cache: Optional[list[tuple[str, nn.Parameter]]] = None  # for the sentinel's off-steps
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def alerts(self) -> list[Alert]:
+        """Every health alert raised so far, in the order first seen (rank 0; empty elsewhere)."""
+        return [] if self._health is None else self._health.monitor.alerts
+
+    @property
+    def current_step(self) -> int:
+        """The step last opened by :meth:`begin_step`."""
+        return self._step
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the open step is sampled."""
+        return self._sample is not None
+
+    def start(self) -> "Engine":
+        """Open the writer (rank 0) and write the chart layout. Opens no step."""
+        if self._state != "new":
+            raise RuntimeError(f"start() called on an {type(self).__name__.lower()} that is {self._state}")
+        if is_writer_rank():
+            writer = self._writer
+            if writer is None:
+                from torch.utils.tensorboard import SummaryWriter
+
+                writer = SummaryWriter(log_dir=None if self.log_dir is None else str(self.log_dir))
+            self._sink = TensorBoardSink(writer, owns_writer=self._writer is None)
+            if self.options.sentinel:
+                self._sentinel = NonfiniteSentinel()
+        self._state = "running"
+        names = [name for name, _ in parameters(self._model())]
+        if not names:
+            self.failures.warn_once("no-params", "layerwatch: the model has no parameters; there is nothing to log")
+        elif self._sink is not None and self.options.stats and any(f in self.options.families for f in R.TENSOR_FAMILIES):
+            layout = R.custom_scalars_layout(names, self.options.stats)
+            self._write_with(lambda sink: sink.write_layout(layout), "write the chart layout")
+        return self
+
+    def finish(self) -> None:
+        """Remove every hook, flush and (if owned) close the writer. Safe to call twice."""
+        if self._state == "finished":
+            return
+        self._drop_sample()
+        self._counter.remove()
+        self._sentinel = None
+        self._param_cache = None
+        self._params.release()
+        if self._sink is not None:
+            self._write_with(lambda sink: sink.close(), "flush the writer")
+            self._sink = None
+        self._writer = None
+        self._state = "finished"
+
+    def track_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Count these optimizers' steps (a post-hook each, until :meth:`finish`), so that a step
+        the optimizer skipped (a GradScaler overflow) is not taken for a model fault."""
+        self._counter.track(optimizers)
+
+    def add_sink(self, sink: Callable[[R.StepRecord], None]) -> None:
+        """Also hand every record written (rank 0) to ``sink``."""
+        self._extra_sinks.append(sink)
+
+    # ------------------------------------------------------------------ the step protocol
+
+    def begin_step(self, step: int, *, may_sample: bool = True) -> bool:
+        """Open ``step``; sampled when the schedule says so (or the sentinel asked for it) and
+        ``may_sample``. Arms the module hooks of a sampled step. Returns whether it is sampled."""
+        self._check_running("begin_step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        started = time.perf_counter()
+        self._drop_sample()
+        self._step = step
+        if not (may_sample and (self._force_sample or self.options.schedule(step))):
+            return False
+        self._force_sample = False
+        model = self._model()
+        sample = self._sample = _Sample(step, parameters(model), self._counter.count)
+        self._param_cache = sample.params
+        if model is not None and is_writer_rank():
+            self._probes.arm(model, [p for _, p in sample.params], step)
+        sample.overhead_s += time.perf_counter() - started
+        return True
+
+    def before_optimizer_step(self) -> None:
+        """The gradients are final: read them, and snapshot the weights for the update ratios."""
+        sample = self._sample
+        if sample is None or sample.grads is not None:
+            return
+        sample.optimizer_calls = 1
+        started = time.perf_counter()
+        self._read_grads(sample)
+        if "updates" in self.options.families:
+            self.failures.run("snapshot weights for update ratios", lambda: self._snapshot(sample), sample.step)
+        sample.overhead_s += time.perf_counter() - started
+
+    def after_optimizer_step(self) -> None:
+        """The weights are final: measure the update and read the weights."""
+        sample = self._sample
+        if sample is None or sample.weights is not None:
+            return
+        sample.optimizer_calls *= 2
+        started = time.perf_counter()
+        if sample.snapshot is not None:
+            self.failures.run("measure updates", lambda: self._measure_update(sample), sample.step)
+        self._read_weights(sample)
+        sample.overhead_s += time.perf_counter() - started
+
+    def end_step(self) -> Optional[int]:
+        """Close the open step: the sentinel's check; a sampled step is read to the end and
+        written. Returns the step written, or None."""
+        self._check_running("end_step")
+        self._check_sentinel()
+        sample, self._sample = self._sample, None
+        if sample is None:
+            return None
+        started = time.perf_counter()
+        sample.overhead_s += self._probes.hook_seconds
+        structure, probes = self._probes.take()
+        if sample.grads is None:
+            self._read_grads(sample)
+        if sample.weights is None:
+            self._read_weights(sample)
+        if is_writer_rank():
+            self.failures.run("write the sampled step", lambda: self._write(sample, started, structure, probes), sample.step)
+        return sample.step
+
+    # ------------------------------------------------------------------ reading
+
+    def _check_running(self, what: str) -> None:
+        if self._state != "running":
+            raise RuntimeError(f"{what}() called on an {type(self).__name__.lower()} that is {self._state}; call start() first")
+
+    def _drop_sample(self) -> None:
+        self._probes.remove()
+        self._sample = None
+
+    def _read_grads(self, sample: _Sample) -> None:
+        sample.grads = []
+        if "grads" in self.options.families:
+            self.failures.run("read gradients", lambda: setattr(sample, "grads", self._params.gradients(sample.params, sample.step)), sample.step)
+
+    def _read_weights(self, sample: _Sample) -> None:
+        sample.weights = []
+        if "weights" in self.options.families:
+            self.failures.run("read weights", lambda: setattr(sample, "weights", self._params.weights(sample.params)), sample.step)
+
+    def _snapshot(self, sample: _Sample) -> None:
+        sample.snapshot = self._params.snapshot(sample.params)
+
+    def _measure_update(self, sample: _Sample) -> None:
+        snapshot, sample.snapshot = sample.snapshot, None
+        sample.update = self._params.updates(snapshot, sample.params)
+
+    # ------------------------------------------------------------------ writing
+
+    def _write(self, sample: _Sample, started: float, structure: Optional[Summary], probes: Optional[ProbeResult]) -> None:
+        options = self.options
+        families = {"grads": sample.grads or [], "weights": sample.weights or [], "update": sample.update}
+        arrays = iter(S.to_host([rows for pieces in families.values() for _, rows in pieces]))
+        host = {
+            family: [(names, next(arrays).reshape(len(names) if family != "update" else 2, -1)) for names, _ in pieces]
+            for family, pieces in families.items()
+        }
+        rec = R.StepRecord(sample.step)
+        for family in R.TENSOR_FAMILIES:
+            for names, rows in host[family]:
+                rec.add_tensor_family(family, names, rows, options.stats, options.bins)
+        if host["grads"]:
+            rec.add_grad_norm(np.concatenate([rows for _, rows in host["grads"]]))
+        for names, (deltas, norms) in host["update"]:
+            rec.add_update_ratios(names, deltas, norms)
+        if structure is not None:
+            rec.add_structure(structure)
+        new_alerts = []
+        if probes is not None:
+            rec.add_probes(probes, options.stats, options.bins)
+            if probes.offender is not None and not self._offender_found:
+                self._offender_found = True  # raised before the rules, whose alert on the same layer says less
+                rec.texts[R.FIRST_OFFENDER] = probes.offender.describe(rec.step)
+                message = "first offender: " + rec.texts[R.FIRST_OFFENDER]
+                if self._health is None:
+                    new_alerts.append(Alert("nonfinite", probes.offender.name, rec.step, message))
+                else:
+                    new_alerts += self._health.report(rec, "nonfinite", probes.offender.name, message)
+        if self._health is not None:
+            stepped = self._stepped(sample)
+            trainable = [  # a sparse gradient exists but is not measured: not "no gradient"
+                name for name, p in sample.params if p.requires_grad and not (p.grad is not None and p.grad.is_sparse)
+            ]
+            new_alerts += self._health.judge(rec, host, "grads" in options.families, trainable, stepped)
+        rec.scalars[R.OVERHEAD_MS] = 1e3 * (sample.overhead_s + time.perf_counter() - started)
+        self._emit(rec)
+        _announce(rec.step, new_alerts)
+
+    def _stepped(self, sample: _Sample) -> Optional[bool]:
+        """Whether the optimizer stepped during the sample: counted when the optimizers are
+        tracked; else False when ``before_optimizer_step`` came and ``after_optimizer_step``
+        did not (an optimizer's post-hook never fires for a skipped step); else unknown."""
+        if sample.steps_before is not None:
+            return self._counter.count != sample.steps_before
+        return None if sample.optimizer_calls == 0 else sample.optimizer_calls == 2
+
+    def _emit(self, rec: R.StepRecord) -> None:
+        self._write_with(lambda sink: sink.write(rec), "write the sampled step")
+        for extra in self._extra_sinks:
+            extra(rec)
+
+    def _write_with(self, action: Callable[[TensorBoardSink], None], what: str) -> None:
+        """A write; a failed one stops all further writing (a full disk does not heal mid-run)."""
+        sink = self._sink
+        if sink is not None and not self.failures.run(what, lambda: action(sink), self._step):
+            self._sink = None
+
+    # ------------------------------------------------------------------ NaN sentinel
+
+    def _check_sentinel(self) -> None:
+        """Enqueue this step's check of the gradients; act on the checks that have landed."""
+        sentinel = self._sentinel
+        if sentinel is None:
+            return
+        stepped = self._counter.stepped_since_last_check()
+        step = self._step
+        self.failures.run("check the gradients for NaN/Inf", lambda: sentinel.check(step, self._local_grads(), stepped), step)
+        for finding in sentinel.poll():
+            if finding.stepped is False:
+                logger.info("layerwatch: step %d: NaN/Inf gradients and no optimizer step (a GradScaler skip)", finding.step)
+                continue
+            self.failures.run("report NaN/Inf gradients", lambda: self._on_nonfinite(finding), step)
+            self._sentinel = None
+            break
+
+    def _local_grads(self) -> list[tuple[str, torch.Tensor]]:
+        if self._param_cache is None:  # a walk of the model costs per module: once, then at each sample
+            self._param_cache = parameters(self._model())
+        return [(n, local(p.grad)) for n, p in self._param_cache if p.grad is not None and not p.grad.is_sparse]
+
+    def _on_nonfinite(self, finding: Finding) -> None:
+        """The sentinel's first hit: the step, an alert, and every probe armed for the next step."""
+        self._force_sample = True
+        rec = R.StepRecord(finding.step)
+        rec.scalars[R.FIRST_NONFINITE_STEP] = finding.step
+        names = ", ".join(finding.tensors[:5]) + (f" and {len(finding.tensors) - 5} more" if len(finding.tensors) > 5 else "")
+        overflow = "" if finding.nan else " (or finite gradients whose norm passes ~1.8e19: an explosion)"
+        message = (
+            f"NaN/Inf gradients at step {finding.step} (the sentinel, every step) in {names}{overflow}; "
+            f"the next step is sampled with every probe armed to find the first offender"
+        )
+        self._emit(rec)
+        logger.warning("layerwatch: %s", message)
+        warnings.warn(f"layerwatch: {message}", RuntimeWarning, stacklevel=4)
+
+
+def _announce(step: int, alerts: list[Alert]) -> None:
+    """New alerts to Python logging, one record each, and to warnings, one per step."""
+    for alert in alerts:
+        logger.warning("layerwatch alert at step %d: %s %s: %s", alert.step, alert.kind, alert.name, alert.message)
+    if alerts:
+        lines = "\n".join(f"  {a.kind} {a.name}: {a.message}" for a in alerts)
+        warnings.warn(f"layerwatch: {len(alerts)} new alert(s) at step {step}:\n{lines}", RuntimeWarning, stacklevel=4)
