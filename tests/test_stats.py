@@ -63,8 +63,8 @@ def test_histogram_counts_match_numpy(fast, bins):
         assert hist.num == f.size and sum(hist.bucket_counts) == f.size
         assert hist.min == pytest.approx(f.min()) and hist.max == pytest.approx(f.max())
         assert len(hist.bucket_counts) <= bins
-        assert hist.bucket_limits == sorted(hist.bucket_limits) and hist.bucket_limits[-1] == hist.max
-        edges = np.array([hist.min] + hist.bucket_limits)
+        assert list(hist.bucket_limits) == sorted(hist.bucket_limits) and hist.bucket_limits[-1] == hist.max
+        edges = np.array([hist.min, *hist.bucket_limits])
         if f.min() != f.max():
             expected, _ = np.histogram(f, edges)
             np.testing.assert_array_equal(hist.bucket_counts, expected, err_msg=f"tensor {i}, bins {bins}")

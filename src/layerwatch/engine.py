@@ -110,7 +110,10 @@ class Engine:
         self._sentinel: Optional[NonfiniteSentinel] = None
         self._force_sample = False
         self._offender_found = False
-        self._param_cache: Optional[list[tuple[str, nn.Parameter]]] = None  # for the sentinel's off-steps
+        # The parameters as last walked (a walk costs per module: once, then at each sample),
+        # and the list the sentinel's shares were made from.
+        self._param_cache: Optional[list[tuple[str, nn.Parameter]]] = None
+        self._sentinel_watching: Optional[list[tuple[str, nn.Parameter]]] = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -158,7 +161,7 @@ class Engine:
         self._drop_sample()
         self._counter.remove()
         self._sentinel = None
-        self._param_cache = None
+        self._param_cache = self._sentinel_watching = None
         self._params.release()
         if self._sink is not None:
             self._write_with(lambda sink: sink.close(), "flush the writer")
@@ -336,7 +339,12 @@ class Engine:
             return
         stepped = self._counter.stepped_since_last_check()
         step = self._step
-        self.failures.run("check the gradients for NaN/Inf", lambda: sentinel.check(step, self._local_grads(), stepped), step)
+        if self._param_cache is None:
+            self._param_cache = parameters(self._model())
+        if self._sentinel_watching is not self._param_cache:  # walked again at a sample: new shares
+            self._sentinel_watching = self._param_cache
+            sentinel.watch(self._param_cache, local)
+        self.failures.run("check the gradients for NaN/Inf", lambda: sentinel.check_next(step, stepped), step)
         for finding in sentinel.poll():
             if finding.stepped is False:
                 logger.info("layerwatch: step %d: NaN/Inf gradients and no optimizer step (a GradScaler skip)", finding.step)
@@ -345,11 +353,6 @@ class Engine:
             self._sentinel = None
             break
 
-    def _local_grads(self) -> list[tuple[str, torch.Tensor]]:
-        if self._param_cache is None:  # a walk of the model costs per module: once, then at each sample
-            self._param_cache = parameters(self._model())
-        return [(n, local(p.grad)) for n, p in self._param_cache if p.grad is not None and not p.grad.is_sparse]
-
     def _on_nonfinite(self, finding: Finding) -> None:
         """The sentinel's first hit: the step, an alert, and every probe armed for the next step."""
         self._force_sample = True
@@ -357,8 +360,11 @@ class Engine:
         rec.scalars[R.FIRST_NONFINITE_STEP] = finding.step
         names = ", ".join(finding.tensors[:5]) + (f" and {len(finding.tensors) - 5} more" if len(finding.tensors) > 5 else "")
         overflow = "" if finding.nan else " (or finite gradients whose norm passes ~1.8e19: an explosion)"
+        every = "every step" if self._sentinel is None or self._sentinel.rotation == 1 else (
+            f"each gradient at least every {self._sentinel.rotation} steps"
+        )
         message = (
-            f"NaN/Inf gradients at step {finding.step} (the sentinel, every step) in {names}{overflow}; "
+            f"NaN/Inf gradients at step {finding.step} (the sentinel, {every}) in {names}{overflow}; "
             f"the next step is sampled with every probe armed to find the first offender"
         )
         self._emit(rec)

@@ -18,10 +18,7 @@ from layerwatch.distributed import NamedTensors, local, norms, this_ranks_groups
 from layerwatch.failures import FailurePolicy
 from layerwatch.options import Options
 
-# Values a weight or gradient histogram reads at most: 32 buckets estimated from 16,384 values
-# are within a few per cent of the exact counts, and counting every value of a large model
-# cost more than the rest of a sampled step on the 400-tensor benchmark.
-HISTOGRAM_VALUES = 1 << 14
+HISTOGRAM_VALUES = S.HISTOGRAM_VALUES
 
 Piece = tuple[list[str], torch.Tensor]  # names, and their packed rows on one device
 

@@ -40,10 +40,10 @@ from layerwatch.structure import StructureProbe, Summary, _tensors
 
 ROOT = "(root)"  # the model itself: named_modules() names it ""
 PROBE_FAMILIES = ("latency", "memory", "activations", "nonfinite")
-# An activation histogram of a larger output is estimated from a strided sample of this
-# many values (its statistics stay exact): reading every value of every conv output cost
-# more than the whole step's other probes on the CNN benchmark.
-HISTOGRAM_VALUES = 1 << 20
+# An output of up to this many values is copied in its hook and measured after the step with
+# all the others (one batched reduction); a larger one gets its statistics from a few
+# whole-tensor ops in the hook and its histogram from a strided sample of this many values.
+HISTOGRAM_VALUES = S.HISTOGRAM_VALUES
 
 ModuleFilter = Sequence[Union[str, type]]
 
@@ -162,6 +162,59 @@ class _CudaClock:
         return np.array([0.0] + [base.elapsed_time(m) for m in marks[1:]])
 
 
+class _Outputs:
+    """The statistics rows of the measured outputs of one step, all made after it.
+
+    A hook does the least it can: an output of up to ``HISTOGRAM_VALUES`` values is copied
+    (one op); a larger one gets its count of finite values, min, max, sum and norm from a few
+    whole-tensor ops, and a strided sample (with those extremes) for its histogram. After
+    the step one batched :func:`~layerwatch.stats.reduce` measures the copies and the
+    samples together.
+    """
+
+    def __init__(self, bins: int, zeros: bool, centered: bool) -> None:
+        self.bins, self.zeros, self.centered = bins, zeros, centered
+        self.values: list[torch.Tensor] = []  # copies, or samples
+        self.exact: dict[int, tuple[torch.Tensor, int]] = {}  # row -> (statistics from the hook, values)
+
+    def add(self, t: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Record ``t``; its row, and a device flag of whether it holds a NaN or Inf."""
+        flat = S.as_real_values(t)
+        row, n = len(self.values), flat.numel()
+        if n <= HISTOGRAM_VALUES:
+            copy = flat.clone()
+            self.values.append(copy)
+            return row, _nonfinite(copy)
+        parts = [torch.isfinite(flat).sum(dtype=torch.float64), flat.amin(), flat.amax(), flat.sum(), torch.linalg.vector_norm(flat)]
+        if self.zeros:
+            parts.append(torch.count_nonzero(flat))
+        if self.centered:
+            parts.append(torch.var(flat, correction=0))
+        stats = torch.stack(parts)  # float64: the count promotes the rest
+        self.exact[row] = (stats, n)
+        self.values.append(torch.cat([flat[:: S.prime_stride(n, HISTOGRAM_VALUES)], stats[1:3].to(flat.dtype)]))
+        return row, n - stats[0]
+
+    def rows(self, flags: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """``flags`` and every row, on the host (one transfer per device)."""
+        if not self.values:
+            return S.to_host([flags])[0], np.empty((0, S.row_width(self.bins)))
+        device_rows = S.reduce(self.values, self.bins, zeros=self.zeros, centered=self.centered)
+        exact = [stats for stats, _ in self.exact.values()]
+        flags_host, rows, *exact_host = S.to_host([flags, device_rows] + exact)
+        rows = rows.reshape(len(self.values), -1)
+        for (row, (_, n)), stats in zip(self.exact.items(), exact_host):
+            finite = stats[0]
+            rows[row, S.HIST :] *= finite / max(rows[row, S.COUNT], 1.0)  # the sample stands for every value
+            rows[row, S.COUNT], rows[row, S.NONFINITE] = finite, n - finite
+            rows[row, [S.MIN, S.MAX, S.SUM]] = stats[1:4]
+            rows[row, S.SUMSQ] = stats[4] ** 2
+            extra = list(stats[5:])
+            rows[row, S.ZEROS] = n - extra.pop(0) if self.zeros else np.nan
+            rows[row, S.CENTERED_SUMSQ] = extra.pop(0) * n if self.centered else np.nan
+        return flags_host, rows
+
+
 class RuntimeProbe:
     """Hooks on the selected modules for one sampled step; ``remove()`` is safe twice.
 
@@ -211,7 +264,7 @@ class RuntimeProbe:
         self._bwd_spans: list[tuple[int, int, int]] = []
         # Non-finite flags: device scalars, one per distinct tensor seen; events name them.
         self._flags: list[torch.Tensor] = []
-        self._rows: list[torch.Tensor] = []
+        self._outputs = _Outputs(bins, zeros, centered)
         self._row_of: dict[int, int] = {}  # module -> row
         self._seen: dict[int, tuple[Any, int, int, Optional[int]]] = {}  # id -> (ref, version, flag, row)
         self._fwd_events: list[tuple[int, list[int], list[int]]] = []
@@ -235,13 +288,8 @@ class RuntimeProbe:
     def result(self) -> ProbeResult:
         """The step's measurements: one host transfer for every flag and stats row."""
         self.remove()
-        rows_host, flags_host = S.to_host(
-            [
-                torch.cat(self._rows) if self._rows else torch.empty(0, dtype=torch.float64),
-                torch.stack([f.to(torch.float64) for f in self._flags]) if self._flags else torch.empty(0),
-            ]
-        )
-        rows_host = rows_host.reshape(len(self._rows), S.row_width(self._bins))
+        flags = torch.stack([f.to(torch.float64) for f in self._flags]) if self._flags else torch.empty(0)
+        flags_host, rows_host = self._outputs.rows(flags)
         nonfinite = flags_host > 0
         marks = self._clock.resolve([m for pair in zip(self._entered, self._left) for m in pair])
         entered, left = marks[0::2], marks[1::2]
@@ -271,7 +319,7 @@ class RuntimeProbe:
     def _pre_hook(self, index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple) -> None:
             if self.error is None:
-                self._guarded(lambda: self._enter(index, args, module))
+                self._guarded(self._enter, index, args, module)
 
         return hook
 
@@ -280,17 +328,17 @@ class RuntimeProbe:
             if self._ignored_depth:
                 self._ignored_depth -= 1
             elif self.error is None:
-                self._guarded(lambda: self._leave(index, output))
+                self._guarded(self._leave, index, output)
             if not self._stack:
                 self._exit_saved_context()
 
         return hook
 
-    def _guarded(self, action: Callable[[], None]) -> None:
+    def _guarded(self, action: Callable[..., None], *args: Any) -> None:
         started = time.perf_counter()
         entered = self._clock.mark()
         try:
-            action()
+            action(*args)
         except Exception as e:  # a probe must never break the training step
             self.error = e
             self._stack = []
@@ -314,9 +362,7 @@ class RuntimeProbe:
         if self._backward and torch.is_grad_enabled():
             watched = [t for t in tensors if t.requires_grad] or [p for p in module.parameters() if p.requires_grad]
             if watched:
-                self._grad_handles.append(
-                    torch.autograd.graph.register_multi_grad_hook(watched, self._backward_done(call), mode="all")
-                )
+                self._grad_handles.append(_on_gradients(watched, self._backward_done(call), mode="all"))
         self._stack.append(call)
 
     def _leave(self, index: int, output: Any) -> None:
@@ -346,14 +392,12 @@ class RuntimeProbe:
         if self._backward:
             needing = [t for t in measured if t.requires_grad]
             if needing:
-                self._grad_handles.append(
-                    torch.autograd.graph.register_multi_grad_hook(needing, self._backward_starts(call), mode="any")
-                )
+                self._grad_handles.append(_on_gradients(needing, self._backward_starts(call), mode="any"))
 
     def _backward_starts(self, call: _Call) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             if self.error is None and call.bwd_start is None:
-                self._guarded(lambda: self._start_backward(call, grad))
+                self._guarded(self._start_backward, call, grad)
 
         return hook
 
@@ -365,7 +409,7 @@ class RuntimeProbe:
     def _backward_done(self, call: _Call) -> Callable[[Sequence[Optional[torch.Tensor]]], None]:
         def hook(grads: Sequence[Optional[torch.Tensor]]) -> None:
             if self.error is None and call.bwd_start is not None:
-                self._guarded(lambda: self._finish_backward(call, grads))
+                self._guarded(self._finish_backward, call, grads)
 
         return hook
 
@@ -397,14 +441,9 @@ class RuntimeProbe:
         if reuse_only:
             return None
         values = t if len(tensors) == 1 else torch.cat([S.as_real_values(x) for x in tensors])
-        self._rows.append(
-            S.reduce(
-                [values], self._bins, zeros=self._zeros, centered=self._centered, histogram_values=HISTOGRAM_VALUES
-            )
-        )
-        row = len(self._rows) - 1
+        row, flag = self._outputs.add(values)
         if len(tensors) == 1:
-            self._flags.append(self._rows[row][0, S.NONFINITE])
+            self._flags.append(flag)
             self._remember(t, len(self._flags) - 1, row)
         return row
 
@@ -441,6 +480,17 @@ class RuntimeProbe:
         # activations alive; a detached alias shares its storage and version counter, and
         # the version keeps autograd's check against in-place changes of saved tensors.
         return t.detach(), t._version
+
+
+def _on_gradients(tensors: list[torch.Tensor], hook: Callable[..., None], mode: str) -> Any:
+    """``register_multi_grad_hook``; for one tensor (most modules) its plain tensor hook, which
+    fires at the same moment and allocates a tenth of the objects. ``hook`` is called with the
+    gradient in mode "any", with the tuple of gradients in mode "all"."""
+    if len(tensors) > 1:
+        return torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode=mode)
+    if mode == "any":
+        return tensors[0].register_hook(hook)
+    return tensors[0].register_hook(lambda grad: hook((grad,)))
 
 
 def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:

@@ -1,11 +1,18 @@
-"""The NaN sentinel: one fused finiteness check of the gradients on every step.
+"""The NaN sentinel: a fused finiteness check of the gradients between samples.
 
-``check`` enqueues the L2 norm of every gradient (``torch._foreach_norm``, one fused
-pass, accumulated in float32 at least: NaN or Inf when a value is; finite values read
-as non-finite only when a gradient's norm passes ~1.8e19, an explosion in any case) and
-starts a non-blocking copy to the host; ``poll`` reads the copies that have landed, a
-step or more later on a GPU, at once on the CPU. Nothing waits on the device. On the
-CPU, ``ord=inf`` (which never overflows) runs 10x slower and ``ord=1`` 2x slower.
+``check`` enqueues the L2 norms of the gradients (``torch._foreach_norm``, one fused pass,
+accumulated in float32 at least: NaN or Inf when a value is; finite values read as
+non-finite only when a gradient's norm passes ~1.8e19, an explosion in any case) and starts
+a non-blocking copy to the host; ``poll`` reads the copies that have landed, a step or more
+later on a GPU, at once on the CPU. Nothing waits on the device.
+
+On a GPU every gradient is checked on every step: the pass costs the device microseconds
+and the host one launch. On the CPU the pass is a synchronous read of memory, several per
+cent of a short step, so each step checks the next share of the gradients in turn, at most
+``1 / CPU_ROTATION`` of their bytes (or ``CPU_MIN_BYTES``): every gradient is checked at
+least every ``CPU_ROTATION`` steps. A NaN that stays (weights updated with it stay NaN) is
+found within that many steps; a NaN in a single step's gradients may be missed there.
+On the CPU, ``ord=inf`` (which never overflows) runs 10x slower and ``ord=1`` 2x slower.
 """
 
 from __future__ import annotations
@@ -27,9 +34,47 @@ class Finding:
     nan: bool  # some norm was NaN; else only infinite, which finite values past ~1.8e19 also give
 
 
+CPU_ROTATION = 8
+CPU_MIN_BYTES = 1 << 20
+
+
 class NonfiniteSentinel:
     def __init__(self) -> None:
         self._pending: deque[tuple[int, list[str], list[tuple[torch.Tensor, Any]], Optional[bool]]] = deque()
+        self._shares: list[list[tuple[str, Any]]] = []
+        self._next = 0
+
+    def watch(self, params: Sequence[tuple[str, torch.nn.Parameter]], local: Any) -> None:
+        """The parameters to check, split into the shares checked in turn (one on a GPU).
+        ``local`` maps a gradient to the part this rank holds."""
+        self._local = local
+        on_gpu = any(p.device.type != "cpu" for _, p in params)
+        total = sum(p.numel() * p.element_size() for _, p in params)
+        budget = total if on_gpu else max(CPU_MIN_BYTES, -(-total // CPU_ROTATION))
+        self._shares, share, size = [], [], 0
+        for name, p in params:
+            nbytes = p.numel() * p.element_size()
+            if share and size + nbytes > budget:
+                self._shares.append(share)
+                share, size = [], 0
+            share.append((name, p))
+            size += nbytes
+        if share:
+            self._shares.append(share)
+
+    @property
+    def rotation(self) -> int:
+        """Steps it takes to check every gradient once."""
+        return max(len(self._shares), 1)
+
+    def check_next(self, step: int, stepped: Optional[bool]) -> None:
+        """Enqueue the check of this step's share of the gradients."""
+        if not self._shares:
+            return
+        share = self._shares[self._next % len(self._shares)]
+        self._next += 1
+        local = self._local
+        self.check(step, [(n, local(p.grad)) for n, p in share if p.grad is not None and not p.grad.is_sparse], stepped)
 
     def check(self, step: int, named_grads: Sequence[tuple[str, torch.Tensor]], stepped: Optional[bool]) -> None:
         """Enqueue the check of ``step``'s gradients."""
