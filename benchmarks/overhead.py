@@ -16,13 +16,15 @@ on a freshly built model in the same process:
     custom    Inspector(model, optimizer=opt, families=--families, sentinel=not --no-sentinel)
               (only when named in --configs)
 
-Each round runs, on the same model: an uninstrumented step (base); a step the inspector
-does not sample (off), a step it samples (sampled) and the off-step right after it
-(after), in that order; and a step followed by reading every parameter and gradient
-once (``torch._foreach_norm``, the read-once floor). An untimed step opens each round,
-and the three blocks rotate from round to round so that no condition always runs in the
-same position. The inspector's schedule samples every third inspector step, so base
-steps never see it. Comparisons that must not leave hooks or after-effects on a base
+Each round runs, on the same model: an uninstrumented step (base); four inspected steps
+in a row: a pure off-step (off: neither it nor the next step is sampled), a step whose
+``inspector.step()`` opens the sampled step (arming its hooks: that call is counted as
+part of the sample), the sampled step (sampled), and the off-step right after it (after);
+and a step followed by reading every parameter and gradient once
+(``torch._foreach_norm``, the read-once floor). An untimed step opens each round, and the
+three blocks rotate from round to round so that no condition always runs in the same
+position. The inspector's schedule samples every fourth inspector step, so base steps
+never see it. Comparisons that must not leave hooks or after-effects on a base
 step run in rounds of their own after the inspector's (and after it is finished), each
 an untimed step then a timed one: the naive approach (``SummaryWriter.add_histogram`` on
 every parameter and gradient, ``--naive-rounds``, off by default) and, when ``import
@@ -35,13 +37,15 @@ round's base time; pairing neighbouring steps cancels slow drift of the machine;
 naive and wandb rounds are paired with the inspector rounds' base times by index):
 
     base step       median uninstrumented step
-    sampled         a sampled step (step + ``inspector.step()``), ratio
+    sampled         a sampled step (step + ``inspector.step()``) plus the call that armed
+                    it, ratio
     first sampled   the first sampled step alone over the median base step; under
                     "defaults" it also records the layer table (hooks on every module and
                     FlopCounterMode over the forward), once per run
-    off-step        an unsampled step, paired ratio (its difference from base, microseconds,
-                    is far below the ~1% noise of comparing two whole steps)
-    off-step call   the time of the off-step's ``inspector.step()`` call itself
+    off-step        a pure off-step, paired ratio (its difference from base is often below
+                    the ~1% noise of comparing two whole steps)
+    off-step call   the time of the off-step's ``inspector.step()`` call itself (with the
+                    sentinel: its share of the gradients)
     after sample    the off-step right after a sample, counted as it is: memory released
                     while writing a sample would show up there as page faults
     amortized@50    ``(sampled + after + 48 * off) / 50`` where the off term is base plus
@@ -166,14 +170,15 @@ def run(
     for _ in range(2):
         step()
     times: dict[str, list[float]] = {
-        "base": [], "off": [], "off_call": [], "sampled": [], "after": [], "read_once": [], "naive": [], "wandb": []
+        "base": [], "off": [], "off_call": [], "arm_call": [], "sampled": [], "after": [], "read_once": [], "naive": [],
+        "wandb": []
     }
     wandb = import_wandb() if wandb_rounds > 0 else None
     with tempfile.TemporaryDirectory() as tmp:
         inspector = Inspector(
             model,
             log_dir=f"{tmp}/lw",
-            schedule=lambda k: k % 3 == 1,
+            schedule=lambda k: k % 4 == 2,
             optimizer=opt,
             **config_kwargs(config, families, sentinel),
         )
@@ -185,6 +190,7 @@ def run(
                 times["base"].append(timed(step))
 
             def inspected() -> None:
+                # a pure off-step (neither this step nor the next is sampled: k % 4 == 0, opening 1)
                 start = time.perf_counter()
                 step()
                 call_start = time.perf_counter()
@@ -192,7 +198,11 @@ def run(
                 end = time.perf_counter()
                 times["off"].append(end - start)
                 times["off_call"].append(end - call_start)
-                times["sampled"].append(timed(lambda: (step(), inspector.step())))
+                # its inspector.step() opens (arms) sampled step k % 4 == 2: that call is the sample's
+                step()
+                arm = timed(inspector.step)
+                times["arm_call"].append(arm)
+                times["sampled"].append(arm + timed(lambda: (step(), inspector.step())))
                 times["after"].append(timed(lambda: (step(), inspector.step())))
 
             def read_once() -> None:
@@ -222,7 +232,7 @@ def run(
     base = times["base"]
     base_median = statistics.median(base)
     ratio = {k: statistics.median(t / base[i % len(base)] for i, t in enumerate(v)) for k, v in times.items() if v}
-    off_direct = 1 + statistics.median(times["off_call"]) / base_median
+    off_direct = 1 + statistics.median(times["off_call"]) / base_median  # base plus the measured call
     overhead = events["overhead_ms"]
     reported = [overhead[s] for s in sorted(overhead)[1:]]  # the first sample also records the layer table
     reported_ms = statistics.mean(reported) if reported else None

@@ -127,12 +127,26 @@ def test_update_ratio_with_optimizer(tmp_path, events):
         ins.step()
     acc = events(tmp_path)
     for name, w in before.items():
-        expected = (0.1 * grads[name]).norm().item() / w.norm().item()
+        after = dict(model.named_parameters())[name].detach()
+        expected = (after - w).norm().item() / after.norm().item()  # relative to the weights after the step
         assert acc.Scalars(f"update_ratio/{name}")[0].value == pytest.approx(expected, rel=1e-4)
         # gradients are read before the step, weights after it
         assert acc.Scalars(f"grads_norm/{name}")[0].value == pytest.approx(grads[name].norm().item(), rel=1e-5)
-        after = dict(model.named_parameters())[name].detach()
         assert acc.Scalars(f"weights_norm/{name}")[0].value == pytest.approx(after.norm().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("families", [("weights", "updates"), ("updates",)], ids=["with-weights", "updates-only"])
+def test_update_ratio_of_a_weight_that_starts_at_zero_is_finite(tmp_path, events, families):
+    model = MLP()
+    with torch.no_grad():
+        model.fc2.bias.zero_()  # as BatchNorm biases and LoRA's B start
+        model.fc1.bias.zero_()
+    model.fc1.bias.requires_grad_(True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, optimizer=opt, families=families) as ins:
+        train(model, 1, ins, optimizer=opt)
+    ratio = events(tmp_path).Scalars("update_ratio/fc2.bias")[0].value
+    assert ratio == pytest.approx(1.0, rel=1e-5)  # ‖Δw‖ / ‖w after‖, w before = 0: the whole weight is the update
 
 
 def test_frozen_and_tied_parameters(tmp_path, events):

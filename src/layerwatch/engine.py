@@ -268,7 +268,7 @@ class Engine:
 
     def _measure_update(self, sample: _Sample) -> None:
         snapshot, sample.snapshot = sample.snapshot, None
-        sample.update = self._params.updates(snapshot, sample.params)
+        sample.update = self._params.updates(snapshot, sample.params, weight_norms="weights" not in self.options.families)
 
     # ------------------------------------------------------------------ writing
 
@@ -286,8 +286,12 @@ class Engine:
                 rec.add_tensor_family(family, names, rows, options.stats, options.bins)
         if host["grads"]:
             rec.add_grad_norm(np.concatenate([rows for _, rows in host["grads"]]))
-        for names, (deltas, norms) in host["update"]:
-            rec.add_update_ratios(names, deltas, norms)
+        if host["update"]:
+            weight_norms = {name: np.sqrt(row[S.SUMSQ]) for names, rows in host["weights"] for name, row in zip(names, rows)}
+            for names, (deltas, norms) in host["update"]:
+                if weight_norms:
+                    norms = np.array([weight_norms.get(name, np.nan) for name in names])
+                rec.add_update_ratios(names, deltas, norms)
         if structure is not None:
             rec.add_structure(structure)
         new_alerts = []

@@ -25,9 +25,9 @@ Piece = tuple[list[str], torch.Tensor]  # names, and their packed rows on one de
 
 @dataclass
 class Snapshot:
-    """The trainable weights just before the optimizer step, and their norms."""
+    """The trainable weights just before the optimizer step."""
 
-    groups: list[tuple[Any, list[str], list[torch.Tensor], torch.Tensor]]
+    groups: list[tuple[Any, list[str], list[torch.Tensor]]]
 
 
 class ParameterFamilies:
@@ -67,18 +67,21 @@ class ParameterFamilies:
         groups = []
         with torch.no_grad():
             for group, names, tensors in this_ranks_groups(trainable, self.failures.warn_once):
-                before = [t.detach().clone() for t in tensors]
-                groups.append((group, names, before, norms(before, group)))
+                groups.append((group, names, [t.detach().clone() for t in tensors]))
         return Snapshot(groups)
 
-    def updates(self, snapshot: Snapshot, params: Sequence[tuple[str, nn.Parameter]]) -> list[Piece]:
-        """Rows ``[‖Δw‖, ‖w before‖]`` of each snapshotted parameter (two rows per piece)."""
+    def updates(self, snapshot: Snapshot, params: Sequence[tuple[str, nn.Parameter]], weight_norms: bool) -> list[Piece]:
+        """Rows ``[‖Δw‖, ‖w‖]`` of each snapshotted parameter (two rows per piece), ``w`` after
+        the step; ``‖w‖`` is NaN unless ``weight_norms`` (the weights' own rows hold it)."""
         current = dict(params)
         pieces = []
         with torch.no_grad():
-            for group, names, before, before_norms in snapshot.groups:
-                torch._foreach_sub_(before, [local(current[name]).detach() for name in names])
-                pieces.append((names, torch.stack([norms(before, group), before_norms])))
+            for group, names, before in snapshot.groups:
+                after = [local(current[name]).detach() for name in names]
+                torch._foreach_sub_(before, after)
+                deltas = norms(before, group)
+                after_norms = norms(after, group) if weight_norms else torch.full_like(deltas, float("nan"))
+                pieces.append((names, torch.stack([deltas, after_norms])))
         return pieces
 
     def reduce(self, pairs: NamedTensors, what: str) -> list[Piece]:

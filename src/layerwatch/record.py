@@ -112,9 +112,11 @@ class StepRecord:
         self.scalars[GRAD_NORM] = float("nan") if nonfinite else float(np.sqrt(rows[:, S.SUMSQ].sum()))
 
     def add_update_ratios(self, names: Sequence[str], deltas: np.ndarray, norms: np.ndarray) -> None:
-        """``update_ratio/<param>``: ‖Δw‖ / ‖w‖ of the step, 0 where the weights did not change."""
+        """``update_ratio/<param>``: ‖Δw‖ / ‖w‖, ``w`` the weights after the step; 0 where the step
+        did not change them, 1 where it set them to zero (never inf: a weight that was zero
+        before the step, as BatchNorm biases and LoRA's B start, has a finite ratio)."""
         with np.errstate(divide="ignore", invalid="ignore"):
-            ratios = np.where(deltas == 0, 0.0, deltas / norms)
+            ratios = np.where(deltas == 0, 0.0, np.where(norms == 0, 1.0, deltas / norms))
         for name, ratio in zip(names, ratios.tolist()):
             self.scalars[update_ratio_tag(name)] = ratio
 

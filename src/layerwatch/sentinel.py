@@ -34,8 +34,8 @@ class Finding:
     nan: bool  # some norm was NaN; else only infinite, which finite values past ~1.8e19 also give
 
 
-CPU_ROTATION = 8
-CPU_MIN_BYTES = 1 << 20
+CPU_ROTATION = 16
+CPU_MIN_BYTES = 1 << 18
 
 
 class NonfiniteSentinel:

@@ -307,13 +307,11 @@ class _Batch:
             last_rows = torch.tensor(rows_per).cumsum(0).sub_(1).to(device)
             masked = device.type != "cpu"
             last_values = x[last_rows, -1]
-            row_pads = torch.zeros(x.shape[0], device=device).index_put_((last_rows,), torch.tensor(chunk_pads, dtype=torch.float32).to(device))
-            shift = torch.zeros(x.shape[0], device=device).index_put_((last_rows,), last_values)
-            scratch = self.workspace.get(device, torch.float32, x.numel(), "shifted").view(x.shape)
-            row = _row_partials(x, shift, row_pads, scratch, self.zeros, self.centered, masked)
+            pads = torch.tensor(chunk_pads, dtype=torch.float64).to(device)
+            row = _row_partials(x, last_rows, last_values, pads, self.zeros, self.centered, masked)
             if not masked and not math.isfinite(float(row[1].sum())):  # a NaN or Inf: the CPU reads it freely
                 masked = True
-                row = _row_partials(x, shift, row_pads, scratch, self.zeros, self.centered, masked)
+                row = _row_partials(x, last_rows, last_values, pads, self.zeros, self.centered, masked)
             self.mn.scatter_reduce_(0, owner, row[2], "amin")
             self.mx.scatter_reduce_(0, owner, row[3], "amax")
             stride = self.strides[first]
@@ -434,44 +432,73 @@ def _row_divisor(n: int) -> int:
 
 
 def _row_partials(
-    x: torch.Tensor, shift: torch.Tensor, pads: torch.Tensor, scratch: torch.Tensor, zeros: bool, centered: bool, masked: bool
+    x: torch.Tensor, last_rows: torch.Tensor, last: torch.Tensor, pads: torch.Tensor, zeros: bool, centered: bool, masked: bool
 ) -> list[torch.Tensor]:
-    """Per row, over its own values (the last ``pads`` of a row repeat its last value and are
-    left out): count, sum, min, max, sum of squares, zeros, sum of squared deviations from
-    the row's mean; finite values only when ``masked``, else every value is taken as finite.
-
-    Sums are taken of ``x - shift`` (the last value of each tensor's last row, 0 elsewhere), in
-    which the padding is exactly 0, and shifted back in float64: summing the padding in float32
-    and taking it out again would cancel away a small tensor's digits.
+    """Per row, over its own values: count, sum, min, max, sum of squares, zeros, sum of squared
+    deviations from the row's mean; finite values only when ``masked``, else every value is
+    taken as finite. The last row of each tensor ends in ``pads`` copies of its last value
+    ``last``, left out: the sums of those rows are taken again of ``x - last``, in which the
+    padding is exactly 0 (summing it in float32 and taking it out in float64 would cancel
+    away a small tensor's digits).
     """
     f64 = torch.float64
-    pads_are_zero = pads.to(f64) * (shift == 0)
+    count, total, sumsq, mn, mx, finite = _sums(x, masked)
+    width = x.shape[1]
+    count = count - pads_per_row(pads, last_rows, x.shape[0], masked, last)
+    tail = x[last_rows]
+    last_is_zero = last == 0
     if masked:
-        shift_finite = torch.isfinite(shift)  # else the padding is not finite, and left out as such
-        shift = torch.where(shift_finite, shift, 0.0)
-    y = torch.sub(x, shift[:, None], out=scratch)
+        last_finite = torch.isfinite(last)
+        last = torch.where(last_finite, last, 0.0)
+    shifted = tail - last[:, None]
     if masked:
-        finite = torch.isfinite(x)
-        y = torch.where(finite, y, 0.0)
-        count = finite.sum(1).to(f64) - pads.to(f64) * shift_finite
-        mn, mx = torch.where(finite, x, math.inf).amin(1), torch.where(finite, x, -math.inf).amax(1)
-    else:
-        count = x.shape[1] - pads.to(f64)
-        mn, mx = x.amin(1), x.amax(1)
-    s = shift.to(f64)
-    y_sum = y.sum(1).to(f64)
-    y_sumsq = torch.linalg.vector_norm(y, dim=1).to(f64) ** 2
-    total = y_sum + count * s
-    sumsq = y_sumsq + 2 * s * y_sum + count * s * s
-    n_zeros = x.shape[1] - torch.count_nonzero(x, dim=1).to(f64) - pads_are_zero if zeros else count
+        shifted = torch.where(finite[last_rows], shifted, 0.0)
+    tail_sum = shifted.sum(1).to(f64)
+    tail_sumsq = torch.linalg.vector_norm(shifted, dim=1).to(f64) ** 2
+    tail_count = count[last_rows]
+    v = last.to(f64)
+    total[last_rows] = tail_sum + tail_count * v
+    sumsq[last_rows] = tail_sumsq + 2 * v * tail_sum + tail_count * v * v
+    n_zeros = count
+    if zeros:
+        n_zeros = width - torch.count_nonzero(x, dim=1).to(f64)
+        n_zeros[last_rows] -= pads * last_is_zero
     m2 = count
     if centered:
-        y_mean = y_sum / count.clamp(min=1)
-        dev = y - y_mean.to(y.dtype)[:, None]
+        mean = total / count.clamp(min=1)
+        dev = x - mean.to(x.dtype)[:, None]
         if masked:
             dev = torch.where(finite, dev, 0.0)
-        m2 = torch.linalg.vector_norm(dev, dim=1).to(f64) ** 2 - pads.to(f64) * y_mean**2  # the padding: y = 0
+        m2 = torch.linalg.vector_norm(dev, dim=1).to(f64) ** 2
+        tail_mean = tail_sum / tail_count.clamp(min=1)
+        tail_dev = shifted - tail_mean.to(x.dtype)[:, None]
+        if masked:
+            tail_dev = torch.where(finite[last_rows], tail_dev, 0.0)
+        m2[last_rows] = torch.linalg.vector_norm(tail_dev, dim=1).to(f64) ** 2 - pads * tail_mean**2  # padding: 0
     return [count, total, mn, mx, sumsq, n_zeros, m2]
+
+
+def _sums(x: torch.Tensor, masked: bool) -> tuple[torch.Tensor, ...]:
+    """Row count, sum, sum of squares (float64), min and max, and the finite mask when ``masked``."""
+    f64 = torch.float64
+    if masked:
+        finite = torch.isfinite(x)
+        values = torch.where(finite, x, 0.0)
+        count = finite.sum(1).to(f64)
+        mn, mx = torch.where(finite, x, math.inf).amin(1), torch.where(finite, x, -math.inf).amax(1)
+    else:
+        finite, values = None, x
+        count = torch.full((x.shape[0],), float(x.shape[1]), dtype=f64, device=x.device)
+        mn, mx = x.amin(1), x.amax(1)
+    total = values.sum(1).to(f64)
+    sumsq = torch.linalg.vector_norm(values, dim=1).to(f64) ** 2
+    return count, total, sumsq, mn, mx, finite
+
+
+def pads_per_row(pads: torch.Tensor, last_rows: torch.Tensor, rows: int, masked: bool, last: torch.Tensor) -> torch.Tensor:
+    """The padded values counted as values in each row (only finite ones when ``masked``)."""
+    counted = pads * torch.isfinite(last) if masked else pads
+    return torch.zeros(rows, dtype=torch.float64, device=pads.device).index_put_((last_rows,), counted)
 
 
 def _bucket_of(v: torch.Tensor, scale: torch.Tensor, anchor: torch.Tensor, zero_point: torch.Tensor, bins: int) -> torch.Tensor:
