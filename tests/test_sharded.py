@@ -76,7 +76,7 @@ def test_fully_shard_statistics_are_exact_for_whole_tensors(tmp_path, events):
                 assert np.abs(counts - np.array(hist.bucket)).sum() <= 2  # a value on an edge may move
             for name in names:
                 delta = reference[f"weights/{name}"] - reference[f"before/{name}"]
-                ratio = np.linalg.norm(delta) / np.linalg.norm(reference[f"before/{name}"])
+                ratio = np.linalg.norm(delta) / np.linalg.norm(reference[f"weights/{name}"])  # w after the step
                 assert acc.Scalars(f"update_ratio/{name}")[step].value == pytest.approx(ratio, rel=1e-4)
     grads = [np.load(tmp_path / "step0.npz")[f"grads/{n}"] for n in names]
     assert acc.Scalars("layerwatch/grad_norm")[0].value == pytest.approx(
