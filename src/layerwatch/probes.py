@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import fnmatch
 import time
+from time import perf_counter_ns
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
@@ -126,16 +127,18 @@ class ProbeResult:
     offender: Optional[Offender]
 
 
-@dataclass
 class _Call:
     """One forward call of a module, until its backward is done."""
 
-    index: int  # the module's index
-    start: int  # hook interval after which the forward starts
-    inputs: list[int]  # flag entries
-    alloc_before: int = 0
-    bwd_start: Optional[int] = None
-    grad_outputs: list[int] = field(default_factory=list)
+    __slots__ = ("index", "start", "inputs", "alloc_before", "bwd_start", "grad_outputs")
+
+    def __init__(self, index: int, start: int, inputs: list[int]) -> None:
+        self.index = index  # the module's index
+        self.start = start  # hook interval after which the forward starts
+        self.inputs = inputs  # flag entries
+        self.alloc_before = 0
+        self.bwd_start: Optional[int] = None
+        self.grad_outputs: list[int] = []
 
 
 class _HostClock:
@@ -177,14 +180,13 @@ class _Outputs:
         self.values: list[torch.Tensor] = []  # copies, or samples
         self.exact: dict[int, tuple[torch.Tensor, int]] = {}  # row -> (statistics from the hook, values)
 
-    def add(self, t: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """Record ``t``; its row, and a device flag of whether it holds a NaN or Inf."""
+    def add(self, t: torch.Tensor) -> tuple[int, Union[torch.Tensor, int]]:
+        """Record ``t``; its row, and its NaN/Inf flag: a device scalar, or the row to read it from."""
         flat = S.as_real_values(t)
         row, n = len(self.values), flat.numel()
         if n <= HISTOGRAM_VALUES:
-            copy = flat.clone()
-            self.values.append(copy)
-            return row, _nonfinite(copy)
+            self.values.append(flat.clone())
+            return row, row  # its flag is read from its row after the step
         parts = [torch.isfinite(flat).sum(dtype=torch.float64), flat.amin(), flat.amax(), flat.sum(), torch.linalg.vector_norm(flat)]
         if self.zeros:
             parts.append(torch.count_nonzero(flat))
@@ -234,7 +236,7 @@ class RuntimeProbe:
         parameters: Sequence[nn.Parameter],
     ) -> None:
         self.error: Optional[BaseException] = None
-        self.hook_seconds = 0.0  # host time spent in the hooks (the probes' own cost)
+        self._host_ns = 0
         self._latency = "latency" in families
         self._memory = "memory" in families
         self._activations = "activations" in families
@@ -288,9 +290,10 @@ class RuntimeProbe:
     def result(self) -> ProbeResult:
         """The step's measurements: one host transfer for every flag and stats row."""
         self.remove()
-        flags = torch.stack([f.to(torch.float64) for f in self._flags]) if self._flags else torch.empty(0)
-        flags_host, rows_host = self._outputs.rows(flags)
-        nonfinite = flags_host > 0
+        device_flags = [f.to(torch.float64) for f in self._flags if not isinstance(f, int)]
+        flags_host, rows_host = self._outputs.rows(torch.stack(device_flags) if device_flags else torch.empty(0))
+        from_device = iter((flags_host > 0).tolist())
+        nonfinite = [rows_host[f, S.NONFINITE] > 0 if isinstance(f, int) else next(from_device) for f in self._flags]
         marks = self._clock.resolve([m for pair in zip(self._entered, self._left) for m in pair])
         entered, left = marks[0::2], marks[1::2]
         # nested[k]: time spent in hooks 0..k-1; a span subtracts the hooks inside it.
@@ -335,17 +338,25 @@ class RuntimeProbe:
         return hook
 
     def _guarded(self, action: Callable[..., None], *args: Any) -> None:
-        started = time.perf_counter()
-        entered = self._clock.mark()
+        entered = perf_counter_ns()
+        device_mark = self._clock.mark() if self._cuda else None
         try:
             action(*args)
         except Exception as e:  # a probe must never break the training step
             self.error = e
             self._stack = []
             self._exit_saved_context()
-        self._entered.append(entered)
-        self._left.append(self._clock.mark())
-        self.hook_seconds += time.perf_counter() - started
+        self._entered.append(entered if device_mark is None else device_mark)
+        self._left.append(perf_counter_ns() if device_mark is None else self._clock.mark())
+        if device_mark is not None:
+            self._host_ns += perf_counter_ns() - entered
+        else:
+            self._host_ns += self._left[-1] - entered
+
+    @property
+    def hook_seconds(self) -> float:
+        """Host time spent in the hooks so far (the probes' own cost)."""
+        return self._host_ns / 1e9
 
     def _enter(self, index: int, args: tuple, module: nn.Module) -> None:
         if torch._C._current_graph_task_id() != -1:
@@ -355,7 +366,7 @@ class RuntimeProbe:
             return
         if not self._stack and self._memory:
             self._enter_saved_context()
-        tensors = list(_tensors(args))
+        tensors = list(args) if len(args) == 1 and type(args[0]) is torch.Tensor else list(_tensors(args))
         call = _Call(index, len(self._entered), [self._flag(t) for t in tensors if _is_float(t)] if self._nonfinite else [])
         if self._memory and self._cuda:
             call.alloc_before = torch.cuda.memory_allocated()
@@ -377,7 +388,7 @@ class RuntimeProbe:
         first_call = trace.calls == 0
         trace.calls += 1
         self._fwd_spans.append((index, call.start, end))
-        tensors = list({id(t): t for t in _tensors(output)}.values())
+        tensors = [output] if type(output) is torch.Tensor else list({id(t): t for t in _tensors(output)}.values())
         if self._memory:
             trace.activation_bytes += sum(t.numel() * t.element_size() for t in tensors)
             if self._cuda:
