@@ -163,3 +163,35 @@ def test_to_host_keeps_order_and_shapes():
     out = S.to_host([a.double(), b.double()])
     np.testing.assert_array_equal(out[0], [0, 1, 2, 3, 4, 5])
     np.testing.assert_array_equal(out[1], [7])
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 3000], ids=["one-chunk", "many-chunks"])
+def test_the_batched_path_matches_one_tensor_at_a_time(monkeypatch, chunk):
+    """Sizes around the row width (256), a NaN among finite tensors, tensors whose histograms are
+    sampled (above ``histogram_values``) beside exact ones, and chunks cut between tensors."""
+    monkeypatch.setattr(S, "chunk_values", lambda device: chunk)
+    torch.manual_seed(1)
+    tensors = [torch.randn(n) * scale + shift for n, scale, shift in
+               [(1, 1, 0), (255, 0.1, 3), (256, 2, 0), (257, 1, -5), (1000, 1e-3, 1), (5000, 1, 0), (4, 0.1, 0)]]
+    tensors[4][17] = math.nan
+    tensors.append(torch.rand(20_000) + 1.0)  # sampled: stride 3 at histogram_values=8000
+    tensors.append(torch.zeros(300))
+    batched = S.reduce(tensors, 32, zeros=True, centered=True, histogram_values=8000).numpy()
+    for i, t in enumerate(tensors):
+        alone = S.reduce([t], 32, zeros=True, centered=True, fast=False, histogram_values=8000)[0].numpy()
+        np.testing.assert_allclose(batched[i, : S.HIST], alone[: S.HIST], rtol=2e-6, atol=1e-7, err_msg=f"tensor {i}")
+        if t.numel() <= 8000:  # exact histograms: the same buckets
+            hist, reference = S.histogram(batched[i], 32), S.histogram(alone, 32)
+            assert (hist is None) == (reference is None)
+            if hist is not None:
+                np.testing.assert_allclose(hist.bucket_counts, reference.bucket_counts, atol=1, err_msg=f"tensor {i}")
+    sampled = S.histogram(batched[-2], 32)
+    assert sum(sampled.bucket_counts) == pytest.approx(20_000)
+    assert (sampled.min, sampled.max) == (float(tensors[-2].min()), float(tensors[-2].max()))
+
+
+def test_a_small_tensor_padded_to_a_row_keeps_its_digits():
+    t = torch.tensor([-0.1297536, 0.001, -0.002, 0.0005])  # padded with 252 copies of its last value
+    row = S.reduce([t], 16)[0].numpy()
+    assert math.sqrt(row[S.SUMSQ]) == pytest.approx(t.double().norm().item(), rel=1e-7)
+    assert row[S.SUM] == pytest.approx(t.double().sum().item(), rel=1e-6)

@@ -25,6 +25,7 @@ from ``time.perf_counter_ns`` on the CPU and from CUDA events on a GPU.
 from __future__ import annotations
 
 import fnmatch
+import math
 import time
 from time import perf_counter_ns
 import weakref
@@ -187,12 +188,18 @@ class _Outputs:
         if n <= HISTOGRAM_VALUES:
             self.values.append(flat.clone())
             return row, row  # its flag is read from its row after the step
-        parts = [torch.isfinite(flat).sum(dtype=torch.float64), flat.amin(), flat.amax(), flat.sum(), torch.linalg.vector_norm(flat)]
+        parts = [flat.amin(), flat.amax(), flat.sum(), torch.linalg.vector_norm(flat)]
         if self.zeros:
             parts.append(torch.count_nonzero(flat))
         if self.centered:
             parts.append(torch.var(flat, correction=0))
-        stats = torch.stack(parts)  # float64: the count promotes the rest
+        values = torch.stack(parts).to(torch.float64)
+        if flat.device.type == "cpu":  # reading a value is no device sync here; isfinite() is slow
+            finite = n if math.isfinite(float(values[2] + values[3])) else int(torch.isfinite(flat).sum())
+            count = torch.tensor([float(finite)], dtype=torch.float64)
+        else:
+            count = torch.isfinite(flat).sum(dtype=torch.float64).view(1)
+        stats = torch.cat([count, values])
         self.exact[row] = (stats, n)
         self.values.append(torch.cat([flat[:: S.prime_stride(n, HISTOGRAM_VALUES)], stats[1:3].to(flat.dtype)]))
         return row, n - stats[0]

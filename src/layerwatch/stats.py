@@ -471,10 +471,11 @@ def _row_partials(
             dev = torch.where(finite, dev, 0.0)
         m2 = torch.linalg.vector_norm(dev, dim=1).to(f64) ** 2
         tail_mean = tail_sum / tail_count.clamp(min=1)
-        tail_dev = shifted - tail_mean.to(x.dtype)[:, None]
+        real = torch.arange(width, device=x.device) < (width - pads)[:, None]  # the padding is not a value
         if masked:
-            tail_dev = torch.where(finite[last_rows], tail_dev, 0.0)
-        m2[last_rows] = torch.linalg.vector_norm(tail_dev, dim=1).to(f64) ** 2 - pads * tail_mean**2  # padding: 0
+            real = real & finite[last_rows]
+        tail_dev = torch.where(real, shifted - tail_mean.to(x.dtype)[:, None], 0.0)
+        m2[last_rows] = torch.linalg.vector_norm(tail_dev, dim=1).to(f64) ** 2
     return [count, total, mn, mx, sumsq, n_zeros, m2]
 
 

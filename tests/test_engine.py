@@ -1,0 +1,104 @@
+"""The engine's public driving protocol, as a third front door would use it."""
+
+import ast
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from layerwatch import probes
+from layerwatch.engine import Engine
+from layerwatch.options import validate_options
+from models import MLP
+
+
+def drive(engine, model, opt, steps, x=None):
+    """A loop that calls every step of the protocol, as the Lightning and Hugging Face adapters do."""
+    torch.manual_seed(0)
+    written, grads = [], {}
+    for k in range(steps):
+        engine.begin_step(k)
+        loss = model(torch.randn(16, 8)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        grads[k] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        engine.before_optimizer_step()
+        opt.step()
+        engine.after_optimizer_step()
+        written.append(engine.end_step())
+    return written, grads
+
+
+def test_the_protocol_reads_gradients_before_the_step_and_weights_after_it(tmp_path, events):
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine = Engine(model, validate_options(every_n_steps=2), log_dir=tmp_path).start()
+    written, grads = drive(engine, model, opt, 4)
+    engine.finish()
+    assert written == [0, None, 2, None]
+    acc = events(tmp_path)
+    for name, p in model.named_parameters():
+        norms = [s.value for s in acc.Scalars(f"grads_norm/{name}")]
+        np.testing.assert_allclose(norms, [grads[k][name].norm().item() for k in (0, 2)], rtol=1e-5)
+        assert [s.step for s in acc.Scalars(f"update_ratio/{name}")] == [0, 2]
+    last = [s.value for s in acc.Scalars("weights_norm/fc1.weight")][-1]
+    assert last != pytest.approx(model.fc1.weight.norm().item())  # step 3 changed them again: read at step 2
+
+
+def test_a_step_that_may_not_be_sampled_is_not(tmp_path, events):
+    model = MLP()
+    engine = Engine(model, validate_options(every_n_steps=1), log_dir=tmp_path).start()
+    assert engine.begin_step(0, may_sample=False) is False and not engine.sampled
+    assert engine.end_step() is None
+    assert engine.begin_step(1) is True and engine.sampled
+    engine.finish()
+
+
+def test_misuse_is_refused_with_the_bad_value(tmp_path):
+    model = MLP()
+    with pytest.raises(TypeError, match="options must be an Options from validate_options\\(\\), got dict"):
+        Engine(model, {"every_n_steps": 5})
+    engine = Engine(model, validate_options(), log_dir=tmp_path)
+    with pytest.raises(RuntimeError, match=r"begin_step\(\) called on an engine that is new"):
+        engine.begin_step(0)
+    engine.start()
+    with pytest.raises(ValueError, match="step must be an int >= 0, got -1"):
+        engine.begin_step(-1)
+    with pytest.raises(ValueError, match="step must be an int >= 0, got '3'"):
+        engine.begin_step("3")
+    engine.finish()
+    with pytest.raises(RuntimeError, match="that is finished"):
+        engine.end_step()
+
+
+def test_overhead_ms_counts_the_time_spent_in_the_hooks(tmp_path, events, monkeypatch):
+    slow = 0.002
+    leave = probes.RuntimeProbe._leave
+
+    def slow_leave(self, index, output):
+        time.sleep(slow)
+        leave(self, index, output)
+
+    monkeypatch.setattr(probes.RuntimeProbe, "_leave", slow_leave)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = Engine(model, validate_options(every_n_steps=1, families=("grads", "latency")), log_dir=tmp_path).start()
+    drive(engine, model, opt, 2)
+    engine.finish()
+    modules = len(list(model.modules()))
+    reported = [s.value for s in events(tmp_path).Scalars("layerwatch/overhead_ms")]
+    assert all(ms >= 1e3 * slow * modules for ms in reported), reported
+
+
+def test_the_front_doors_use_no_private_member_of_the_engine():
+    """The adapters drive the public protocol: any ``x._name`` on an engine is a defect."""
+    source = Path(__file__).resolve().parents[1] / "src" / "layerwatch" / "lightning.py"
+    tree = ast.parse(source.read_text())
+    private = [
+        node.attr for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+        and isinstance(node.value, ast.Attribute) and node.value.attr == "_engine"
+    ]
+    assert private == []
