@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 import warnings
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -110,6 +112,12 @@ class Engine:
         self._sentinel: Optional[NonfiniteSentinel] = None
         self._force_sample = False
         self._offender_found = False
+        # Wall time of the open step since begin_step, and of recent unsampled steps: a sampled
+        # step's cost beyond its neighbours' includes what no timer of ours sees (the module
+        # hooks' dispatch in torch, the garbage collector, page faults).
+        self._opened_at = 0.0
+        self._off_steps: deque[float] = deque(maxlen=16)
+        self._last_write_s = 0.0
         # The parameters as last walked (a walk costs per module: once, then at each sample),
         # and the list the sentinel's shares were made from.
         self._param_cache: Optional[list[tuple[str, nn.Parameter]]] = None
@@ -186,7 +194,7 @@ class Engine:
         self._check_running("begin_step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
-        started = time.perf_counter()
+        started = self._opened_at = time.perf_counter()
         self._drop_sample()
         self._step = step
         if not (may_sample and (self._force_sample or self.options.schedule(step))):
@@ -231,6 +239,7 @@ class Engine:
         self._check_sentinel()
         sample, self._sample = self._sample, None
         if sample is None:
+            self._off_steps.append(time.perf_counter() - self._opened_at)
             return None
         started = time.perf_counter()
         sample.overhead_s += self._probes.hook_seconds
@@ -311,9 +320,22 @@ class Engine:
                 name for name, p in sample.params if p.requires_grad and not (p.grad is not None and p.grad.is_sparse)
             ]
             new_alerts += self._health.judge(rec, host, "grads" in options.families, trainable, stepped)
-        rec.scalars[R.OVERHEAD_MS] = 1e3 * (sample.overhead_s + time.perf_counter() - started)
+        rec.scalars[R.OVERHEAD_MS] = 1e3 * self._overhead_s(sample, started)
+        writing = time.perf_counter()
         self._emit(rec)
+        self._last_write_s = time.perf_counter() - writing
         _announce(rec.step, new_alerts)
+
+    def _overhead_s(self, sample: _Sample, started: float) -> float:
+        """What sampling added to this step: at least the time measured in our own code, and
+        the step's excess over the median unsampled step when that is more (the write is
+        counted at the previous sample's duration: it comes after this figure is written)."""
+        now = time.perf_counter()
+        measured = sample.overhead_s + now - started + self._last_write_s
+        if len(self._off_steps) < 3:
+            return measured
+        excess = now - self._opened_at + self._last_write_s - statistics.median(self._off_steps)
+        return max(measured, excess)
 
     def _stepped(self, sample: _Sample) -> Optional[bool]:
         """Whether the optimizer stepped during the sample: counted when the optimizers are

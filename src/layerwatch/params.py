@@ -63,12 +63,29 @@ class ParameterFamilies:
         return self.reduce(params, "weights")
 
     def snapshot(self, params: Sequence[tuple[str, nn.Parameter]]) -> Snapshot:
-        trainable = [(name, p) for name, p in params if p.requires_grad]
         groups = []
         with torch.no_grad():
-            for group, names, tensors in this_ranks_groups(trainable, self.failures.warn_once):
-                groups.append((group, names, [t.detach().clone() for t in tensors]))
+            trainable = [(n, p) for n, p in params if p.requires_grad]
+            for i, (group, names, tensors) in enumerate(this_ranks_groups(trainable, self.failures.warn_once)):
+                groups.append((group, names, self._copies(tensors, f"snapshot{i}")))
         return Snapshot(groups)
+
+    def _copies(self, tensors: list[torch.Tensor], slot: str) -> list[torch.Tensor]:
+        """Copies of ``tensors`` in one buffer of the workspace, kept for the next sample on the
+        CPU (a fresh copy of a large weight costs a page fault per 4 KiB there); per-tensor
+        clones when their dtypes differ."""
+        dtype = tensors[0].dtype
+        if any(t.dtype != dtype for t in tensors):
+            return [t.detach().clone() for t in tensors]
+        sizes = [t.numel() for t in tensors]
+        flat = self.workspace.get(tensors[0].device, dtype, sum(sizes), slot)
+        copies = [piece.view(t.shape) for piece, t in zip(flat.split(sizes), tensors)]
+        torch._foreach_copy_(copies, [t.detach() for t in tensors])
+        return copies
+
+    def _release_snapshots(self) -> None:
+        """Give an accelerator's snapshot memory back (its caching allocator reuses it anyway)."""
+        self.workspace.drop("snapshot", keep_cpu=True)
 
     def updates(self, snapshot: Snapshot, params: Sequence[tuple[str, nn.Parameter]], weight_norms: bool) -> list[Piece]:
         """Rows ``[‖Δw‖, ‖w‖]`` of each snapshotted parameter (two rows per piece), ``w`` after
@@ -82,6 +99,7 @@ class ParameterFamilies:
                 deltas = norms(before, group)
                 after_norms = norms(after, group) if weight_norms else torch.full_like(deltas, float("nan"))
                 pieces.append((names, torch.stack([deltas, after_norms])))
+        self._release_snapshots()
         return pieces
 
     def reduce(self, pairs: NamedTensors, what: str) -> list[Piece]:

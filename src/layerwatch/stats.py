@@ -255,9 +255,16 @@ class Workspace:
         key = (device, dtype, slot)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < n:
-            buffer = torch.empty(max(n, chunk_values(device)), dtype=dtype, device=device)
+            size = n if slot.startswith("snapshot") else max(n, chunk_values(device))
+            buffer = torch.empty(size, dtype=dtype, device=device)
             self._buffers[key] = buffer
         return buffer[:n]
+
+    def drop(self, prefix: str, keep_cpu: bool = False) -> None:
+        """Free the buffers whose slot starts with ``prefix`` (but the CPU's, with ``keep_cpu``)."""
+        for key in [key for key in self._buffers if key[2].startswith(prefix)]:
+            if not (keep_cpu and key[0].type == "cpu"):
+                del self._buffers[key]
 
     def clear(self) -> None:
         self._buffers.clear()
