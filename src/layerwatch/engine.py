@@ -171,6 +171,7 @@ class Engine:
         self._sentinel = None
         self._param_cache = self._sentinel_watching = None
         self._params.release()
+        self._probes.workspace.clear()
         if self._sink is not None:
             self._write_with(lambda sink: sink.close(), "flush the writer")
             self._sink = None

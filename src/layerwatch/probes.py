@@ -46,6 +46,7 @@ PROBE_FAMILIES = ("latency", "memory", "activations", "nonfinite")
 # all the others (one batched reduction); a larger one gets its statistics from a few
 # whole-tensor ops in the hook and its histogram from a strided sample of this many values.
 HISTOGRAM_VALUES = S.HISTOGRAM_VALUES
+STASH_VALUES = 1 << 22  # the buffer the copies of one step go to (16 MiB of float32)
 
 ModuleFilter = Sequence[Union[str, type]]
 
@@ -176,17 +177,33 @@ class _Outputs:
     samples together.
     """
 
-    def __init__(self, bins: int, zeros: bool, centered: bool) -> None:
-        self.bins, self.zeros, self.centered = bins, zeros, centered
+    def __init__(self, bins: int, zeros: bool, centered: bool, workspace: S.Workspace) -> None:
+        self.bins, self.zeros, self.centered, self.workspace = bins, zeros, centered, workspace
         self.values: list[torch.Tensor] = []  # copies, or samples
         self.exact: dict[int, tuple[torch.Tensor, int]] = {}  # row -> (statistics from the hook, values)
+        self._stash: Optional[torch.Tensor] = None  # where copies go: a buffer kept from step to step
+        self._used = 0
+
+    def _copy(self, flat: torch.Tensor) -> torch.Tensor:
+        """A copy of ``flat`` in the stash (freeing hundreds of small copies after every sample
+        made the next step fault their pages back in), or a clone when it is full."""
+        n = flat.numel()
+        if self._stash is None:
+            self._stash = self.workspace.get(flat.device, torch.float32, STASH_VALUES, "outputs")
+            self._used = 0
+        if self._stash.device != flat.device or self._used + n > self._stash.numel():
+            return flat.clone()
+        copy = self._stash[self._used : self._used + n]
+        copy.copy_(flat)
+        self._used += n
+        return copy
 
     def add(self, t: torch.Tensor) -> tuple[int, Union[torch.Tensor, int]]:
         """Record ``t``; its row, and its NaN/Inf flag: a device scalar, or the row to read it from."""
         flat = S.as_real_values(t)
         row, n = len(self.values), flat.numel()
         if n <= HISTOGRAM_VALUES:
-            self.values.append(flat.clone())
+            self.values.append(self._copy(flat))
             return row, row  # its flag is read from its row after the step
         parts = [flat.amin(), flat.amax(), flat.sum(), torch.linalg.vector_norm(flat)]
         if self.zeros:
@@ -208,7 +225,7 @@ class _Outputs:
         """``flags`` and every row, on the host (one transfer per device)."""
         if not self.values:
             return S.to_host([flags])[0], np.empty((0, S.row_width(self.bins)))
-        device_rows = S.reduce(self.values, self.bins, zeros=self.zeros, centered=self.centered)
+        device_rows = S.reduce(self.values, self.bins, zeros=self.zeros, centered=self.centered, workspace=self.workspace)
         exact = [stats for stats, _ in self.exact.values()]
         flags_host, rows, *exact_host = S.to_host([flags, device_rows] + exact)
         rows = rows.reshape(len(self.values), -1)
@@ -241,6 +258,7 @@ class RuntimeProbe:
         zeros: bool,
         centered: bool,
         parameters: Sequence[nn.Parameter],
+        workspace: Optional[S.Workspace] = None,
     ) -> None:
         self.error: Optional[BaseException] = None
         self._host_ns = 0
@@ -273,7 +291,7 @@ class RuntimeProbe:
         self._bwd_spans: list[tuple[int, int, int]] = []
         # Non-finite flags: device scalars, one per distinct tensor seen; events name them.
         self._flags: list[torch.Tensor] = []
-        self._outputs = _Outputs(bins, zeros, centered)
+        self._outputs = _Outputs(bins, zeros, centered, workspace if workspace is not None else S.Workspace())
         self._row_of: dict[int, int] = {}  # module -> row
         self._seen: dict[int, tuple[Any, int, int, Optional[int]]] = {}  # id -> (ref, version, flag, row)
         self._fwd_events: list[tuple[int, list[int], list[int]]] = []
@@ -551,6 +569,7 @@ class StepProbes:
         self.runtime_on = any(family in families for family in PROBE_FAMILIES)
         self._structure: Optional[StructureProbe] = None
         self._runtime: Optional[RuntimeProbe] = None
+        self.workspace = S.Workspace()  # kept from one sampled step to the next
 
     def arm(self, model: nn.Module, parameters: Sequence[nn.Parameter], step: int) -> None:
         if not (self.structure_pending or self.runtime_on):
@@ -586,7 +605,8 @@ class StepProbes:
         if self._structure is not None:  # FlopCounterMode slows every op of this step: its times would mislead
             families = tuple(f for f in families if f != "latency")
         self._runtime = RuntimeProbe(
-            modules, families=families, bins=self.bins, zeros=self.zeros, centered=self.centered, parameters=parameters
+            modules, families=families, bins=self.bins, zeros=self.zeros, centered=self.centered, parameters=parameters,
+            workspace=self.workspace,
         )
 
     @property
