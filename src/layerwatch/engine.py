@@ -49,6 +49,8 @@ from layerwatch.sinks.tensorboard import TensorBoardSink
 from layerwatch.structure import Summary
 
 logger = logging.getLogger("layerwatch")
+
+EXCESS_LIMIT = 2.0  # see Engine._overhead_s
 logger.addHandler(logging.NullHandler())  # a library logs; the application decides where it goes
 
 
@@ -328,15 +330,18 @@ class Engine:
         _announce(rec.step, new_alerts)
 
     def _overhead_s(self, sample: _Sample, started: float) -> float:
-        """What sampling added to this step: at least the time measured in our own code, and
-        the step's excess over the median unsampled step when that is more (the write is
-        counted at the previous sample's duration: it comes after this figure is written)."""
+        """What sampling added to this step: the time measured in our own code, plus the step's
+        excess over the median recent unsampled step beyond that (what no timer of ours sees:
+        torch's slower path for hooked modules, the collector, page faults), taken up to
+        ``EXCESS_LIMIT`` times the measured time: a step slowed by more than that was slowed by
+        something else (a validation loop, a checkpoint) and is not put down to sampling. The
+        write is counted at the previous sample's duration: it comes after this figure."""
         now = time.perf_counter()
         measured = sample.overhead_s + now - started + self._last_write_s
         if len(self._off_steps) < 3:
             return measured
         excess = now - self._opened_at + self._last_write_s - statistics.median(self._off_steps)
-        return max(measured, excess)
+        return min(max(measured, excess), (1 + EXCESS_LIMIT) * measured)
 
     def _stepped(self, sample: _Sample) -> Optional[bool]:
         """Whether the optimizer stepped during the sample: counted when the optimizers are
