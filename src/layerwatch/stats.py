@@ -9,13 +9,18 @@ Histogram bins sit on a grid of width ``scale`` centred on multiples of ``scale`
 around ``anchor`` (zero when the range spans zero, else the minimum): bin ``j`` in
 ``1..bins`` holds the values with ``round((x - anchor) / scale) + zp == j``. The grid
 is chosen so the finite range ``[min, max]`` lands in bins ``1..bins``; bins ``0`` and
-``bins + 1`` catch rounding spills at the ends. One grid definition serves both paths:
+``bins + 1`` catch rounding spills at the ends.
 
-* the generic path: masked tensor ops that never read a value on the host, so a
-  sampled step on a GPU makes no host sync until its single packed transfer;
-* the CPU fast path: for tensors whose norm, min, max and sum are finite (checked, no
-  device to sync with), 8-bit quantization plus ``bincount`` count the bins about 2.5x
-  faster than ``torch.histc``.
+The work does not grow with the number of tensors: they are packed into chunks, each a
+``(rows, width)`` matrix of whole tensors padded to whole rows (a large tensor alone is
+viewed in rows, uncopied), through buffers a :class:`Workspace` keeps. Per chunk, a handful
+of ops: row minima, maxima, sums and norms; each tensor's range and grid; one bucket count
+(``bincount`` with a per-tensor offset) over the chunk. The rows are combined per tensor
+once for the whole call. On an accelerator every op is masked (correct for any value) and
+nothing is read on the host, so a sampled step makes no host sync until its single packed
+transfer; on the CPU the unmasked ops run first and a chunk whose sum is not finite is done
+again masked. ``fast=False`` reduces one tensor at a time with the masked ops: the
+reference the batched path is tested against.
 
 With ``histogram_values=N``, the bucket counts of a tensor of more than N values are
 estimated from an evenly strided sample of at most N of them plus its exact min and max,
@@ -29,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -54,7 +58,7 @@ STATS = ("mean", "std", "min", "max", "norm", "zero_frac", "nonfinite")
 # per cent of the exact counts, and counting every value of a large model cost more than the
 # rest of a sampled step on the 400-tensor benchmark.
 HISTOGRAM_VALUES = 1 << 14
-MAX_BINS = 254  # bins + 1 must fit a uint8 quantization bucket
+MAX_BINS = 254  # the largest histogram_bins (the option's documented range)
 
 
 
