@@ -16,7 +16,7 @@ from torch import nn
 from layerwatch import record as R
 from layerwatch.alerts import AlertRules
 from layerwatch.engine import Engine
-from layerwatch.options import DEFAULT_STATS, validate_options
+from layerwatch.options import DEFAULT_STATS, options_from
 from layerwatch.probes import ModuleFilter
 from layerwatch.schedule import ScheduleLike
 
@@ -104,17 +104,7 @@ class Inspector(Engine):
     ) -> None:
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        options = validate_options(
-            every_n_steps=every_n_steps,
-            schedule=schedule,
-            families=families,
-            stats=stats,
-            histograms=histograms,
-            histogram_bins=histogram_bins,
-            alerts=alerts,
-            modules=modules,
-            sentinel=sentinel,
-        )
+        options = options_from(locals())
         super().__init__(model, options, writer=writer, log_dir=log_dir)
         self._optimizer = None if optimizer is None else weakref.ref(optimizer)
         self._optimizer_hooks: list[Any] = []

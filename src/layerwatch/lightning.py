@@ -14,7 +14,7 @@ from typing import Any, Collection, Optional, Sequence
 from layerwatch import record as R
 from layerwatch.alerts import Alert, AlertRules
 from layerwatch.engine import Engine
-from layerwatch.options import DEFAULT_STATS, validate_options
+from layerwatch.options import DEFAULT_STATS, options_from
 from layerwatch.probes import ModuleFilter
 from layerwatch.schedule import ScheduleLike
 
@@ -102,17 +102,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         sentinel: bool = True,
     ) -> None:
         super().__init__()
-        self._options = validate_options(
-            every_n_steps=every_n_steps,
-            schedule=schedule,
-            families=families,
-            stats=stats,
-            histograms=histograms,
-            histogram_bins=histogram_bins,
-            alerts=alerts,
-            modules=modules,
-            sentinel=sentinel,
-        )
+        self._options = options_from(locals())
         self._engine: Optional[Engine] = None
         self._alerts: list[Alert] = []
         self._last_written_step = -1

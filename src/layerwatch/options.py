@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import tempfile
 from dataclasses import dataclass
@@ -81,6 +82,13 @@ def validate_options(
     )
 
 
+def options_from(arguments: dict[str, Any]) -> Options:
+    """:func:`validate_options` of the options among a front door's ``locals()``: the front
+    doors keep explicit signatures (help, completion) and pass them on without listing them
+    again."""
+    return validate_options(**{name: arguments[name] for name in OPTION_NAMES})
+
+
 def _check_choice(option: str, values: Collection[str], allowed: Sequence[str]) -> tuple[str, ...]:
     if isinstance(values, str):
         raise TypeError(f"{option} must be a collection of names, got the string {values!r}")
@@ -89,6 +97,9 @@ def _check_choice(option: str, values: Collection[str], allowed: Sequence[str]) 
         if value not in allowed:
             raise ValueError(f"{option}: unknown value {value!r}; choose from {', '.join(allowed)}")
     return chosen
+
+
+OPTION_NAMES = tuple(inspect.signature(validate_options).parameters)
 
 
 def writable_dir(log_dir: str | os.PathLike) -> Path:

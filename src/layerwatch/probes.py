@@ -29,7 +29,7 @@ import math
 import time
 from time import perf_counter_ns
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np

@@ -33,6 +33,7 @@ Tensors of another floating dtype are measured in float32.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -314,11 +315,11 @@ class _Batch:
         for first, last, width, single in self._chunks():
             x, chunk_pads = self._rows_of(first, last, width, single)
             rows_per = [-(-self.sizes[i] // width) for i in range(first, last)]
-            owner = torch.repeat_interleave(torch.arange(first, last), torch.tensor(rows_per)).to(device)
-            last_rows = torch.tensor(rows_per).cumsum(0).sub_(1).to(device)
+            owner = _to_device(torch.repeat_interleave(torch.arange(first, last), torch.tensor(rows_per)), torch.int64, device)
+            last_rows = _to_device(list(itertools.accumulate(rows_per, initial=-1))[1:], torch.int64, device)
             masked = device.type != "cpu"
             last_values = x[last_rows, -1]
-            pads = torch.tensor(chunk_pads, dtype=torch.float64).to(device)
+            pads = _to_device(chunk_pads, torch.float64, device)
             row = _row_partials(x, last_rows, last_values, pads, self.zeros, self.centered, masked)
             if not masked and not math.isfinite(float(row[1].sum())):  # a NaN or Inf: the CPU reads it freely
                 masked = True
@@ -337,7 +338,7 @@ class _Batch:
         inverse = [0] * n
         for position, i in enumerate(self.order):
             inverse[i] = position
-        return rows if inverse == list(range(n)) else rows.index_select(0, torch.tensor(inverse, device=device))
+        return rows if inverse == list(range(n)) else rows.index_select(0, _to_device(inverse, torch.int64, device))
 
     def _chunks(self):
         """``(first, last, width, single)`` per chunk: tensors ``first..last-1`` of one stride
@@ -408,7 +409,7 @@ class _Batch:
             mean = total / count.clamp(min=1)
             spread = torch.zeros(n, dtype=f64, device=device).index_add_(0, owner, row_count * (row_mean - mean[owner]) ** 2)
             csumsq = (sums[:, 6] + spread).clamp(min=0)
-        sizes = torch.tensor(self.sizes, dtype=f64).to(device)
+        sizes = _to_device(self.sizes, f64, device)
         head = [count, sizes - count, self.mn.to(f64), self.mx.to(f64), total, sums[:, 4], sums[:, 5] if self.zeros else nan, csumsq]
         if not bins:
             return torch.stack(head + [nan] * (HIST - len(head)), dim=1)
@@ -418,10 +419,10 @@ class _Batch:
         def bucket(values: torch.Tensor) -> torch.Tensor:
             return _bucket_of(values, scale, anchor, zero_point, bins)[:, None]
 
-        counts.scatter_add_(1, bucket(last), -torch.tensor(sampled_pads, dtype=f64).to(device)[:, None])
+        counts.scatter_add_(1, bucket(last), -_to_device(sampled_pads, f64, device)[:, None])
         counts = counts[:, : bins + 2]
-        strided = torch.tensor([s > 1 for s in self.strides], device=device)
-        if bool(strided.any()):  # a sample, with the exact extremes, stands for every finite value
+        if any(s > 1 for s in self.strides):  # a sample, with the exact extremes, stands for every finite value
+            strided = _to_device([s > 1 for s in self.strides], torch.bool, device)
             found = ((count > 0) & strided).to(f64)[:, None]
             for extreme in (self.mn, self.mx):
                 counts.scatter_add_(1, bucket(extreme).clamp(max=bins + 1), found)
@@ -517,6 +518,15 @@ def _bucket_of(v: torch.Tensor, scale: torch.Tensor, anchor: torch.Tensor, zero_
     """The bucket each tensor's value ``v`` falls in on its grid (``bins + 2``: not finite)."""
     q = (torch.round((v - anchor) / scale) + zero_point).clamp(0, bins + 1)
     return torch.where(torch.isfinite(v), q, torch.full_like(q, bins + 2)).long()
+
+
+def _to_device(values: list | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Small host values on ``device``; to an accelerator through pinned memory, without
+    blocking (a pageable copy would wait for the device)."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _bincount(index: torch.Tensor, size: int) -> torch.Tensor:
