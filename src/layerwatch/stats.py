@@ -435,6 +435,7 @@ class _Batch:
 ROW = 256  # values per row of a chunk, times the histogram stride: each row samples ROW values
 
 
+@functools.lru_cache(maxsize=1024)
 def _row_divisor(n: int) -> int:
     """The largest row width in [ROW, 16 ROW] that divides ``n`` (0 if none)."""
     for width in range(min(16 * ROW, n), ROW - 1, -1):
