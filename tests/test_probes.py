@@ -326,3 +326,21 @@ def test_the_garbage_collector_is_never_switched_off(tmp_path):
         train(model, 3, inspector)
         assert gc.isenabled()
     assert seen == [True, True, True] and gc.isenabled()
+
+
+def test_a_large_output_with_a_nan_keeps_finite_statistics(tmp_path, events, monkeypatch):
+    monkeypatch.setattr("layerwatch.probes.HISTOGRAM_VALUES", 500)
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(256, 8)
+    x[0, 0] = math.nan  # one NaN in fc1's 4096-value output row 0
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, stats=("mean", "max", "nonfinite"), sentinel=False,
+                   alerts=False) as inspector:
+        model(x).sum().backward()
+        inspector.step()
+    expected = model.fc1(x).detach().numpy().ravel()
+    finite = expected[np.isfinite(expected)]
+    acc = events(tmp_path)
+    assert scalar(acc, "activations_nonfinite/fc1", 0) == expected.size - finite.size
+    assert scalar(acc, "activations_mean/fc1", 0) == pytest.approx(finite.mean(), rel=1e-4, abs=1e-6)
+    hist = acc.Histograms("activations/fc1")[0].histogram_value
+    assert math.isfinite(hist.min) and math.isfinite(hist.max) and hist.max == pytest.approx(finite.max())

@@ -195,3 +195,12 @@ def test_a_small_tensor_padded_to_a_row_keeps_its_digits():
     row = S.reduce([t], 16)[0].numpy()
     assert math.sqrt(row[S.SUMSQ]) == pytest.approx(t.double().norm().item(), rel=1e-7)
     assert row[S.SUM] == pytest.approx(t.double().sum().item(), rel=1e-6)
+
+
+def test_an_empty_tensor_has_an_empty_row_and_leaves_its_neighbours_alone():
+    torch.manual_seed(0)
+    neighbour = torch.randn(600)
+    for bins in (0, 32):
+        rows = S.reduce([torch.empty(0), neighbour, torch.empty(0, 3)], bins).numpy()
+        assert rows[0, S.COUNT] == 0 and rows[2, S.COUNT] == 0 and rows[0, S.NONFINITE] == 0
+        assert rows[1, S.COUNT] == 600 and rows[1, S.SUM] == pytest.approx(neighbour.double().sum().item(), abs=1e-4)

@@ -46,7 +46,7 @@ PROBE_FAMILIES = ("latency", "memory", "activations", "nonfinite")
 # all the others (one batched reduction); a larger one gets its statistics from a few
 # whole-tensor ops in the hook and its histogram from a strided sample of this many values.
 HISTOGRAM_VALUES = S.HISTOGRAM_VALUES
-STASH_VALUES = 1 << 22  # the buffer the copies of one step go to (16 MiB of float32)
+STASH_VALUES = 1 << 22  # the buffer the copies of one step go to (16 MiB of float32, on any device)
 
 ModuleFilter = Sequence[Union[str, type]]
 
@@ -205,21 +205,35 @@ class _Outputs:
         if n <= HISTOGRAM_VALUES:
             self.values.append(self._copy(flat))
             return row, row  # its flag is read from its row after the step
-        parts = [flat.amin(), flat.amax(), flat.sum(), torch.linalg.vector_norm(flat)]
-        if self.zeros:
-            parts.append(torch.count_nonzero(flat))
-        if self.centered:
-            parts.append(torch.var(flat, correction=0))
-        values = torch.stack(parts).to(torch.float64)
+        values = self._statistics(flat)
         if flat.device.type == "cpu":  # reading a value is no device sync here; isfinite() is slow
             finite = n if math.isfinite(float(values[2] + values[3])) else int(torch.isfinite(flat).sum())
+            if finite < n:  # statistics over the finite values, as for every other tensor
+                values = self._statistics(flat[torch.isfinite(flat)])
             count = torch.tensor([float(finite)], dtype=torch.float64)
-        else:
-            count = torch.isfinite(flat).sum(dtype=torch.float64).view(1)
+        else:  # masked: correct for any value, nothing read on the host
+            finite_mask = torch.isfinite(flat)
+            count = finite_mask.sum(dtype=torch.float64).view(1)
+            zero = torch.zeros((), dtype=flat.dtype, device=flat.device)
+            values = self._statistics(torch.where(finite_mask, flat, zero))
+            values[0] = torch.where(finite_mask, flat, math.inf).amin().to(torch.float64)
+            values[1] = torch.where(finite_mask, flat, -math.inf).amax().to(torch.float64)
         stats = torch.cat([count, values])
         self.exact[row] = (stats, n)
         self.values.append(torch.cat([flat[:: S.prime_stride(n, HISTOGRAM_VALUES)], stats[1:3].to(flat.dtype)]))
         return row, n - stats[0]
+
+    def _statistics(self, flat: torch.Tensor) -> torch.Tensor:
+        """min, max, sum, norm (and non-zeros, variance when asked) of ``flat``, float64."""
+        if flat.numel() == 0:
+            flat = flat.new_zeros(1)[:0]
+        parts = [flat.amin() if flat.numel() else flat.new_tensor(math.inf),
+                 flat.amax() if flat.numel() else flat.new_tensor(-math.inf), flat.sum(), torch.linalg.vector_norm(flat)]
+        if self.zeros:
+            parts.append(torch.count_nonzero(flat))
+        if self.centered:
+            parts.append(torch.var(flat, correction=0))
+        return torch.stack(parts).to(torch.float64)
 
     def rows(self, flags: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """``flags`` and every row, on the host (one transfer per device)."""
@@ -236,8 +250,8 @@ class _Outputs:
             rows[row, [S.MIN, S.MAX, S.SUM]] = stats[1:4]
             rows[row, S.SUMSQ] = stats[4] ** 2
             extra = list(stats[5:])
-            rows[row, S.ZEROS] = n - extra.pop(0) if self.zeros else np.nan
-            rows[row, S.CENTERED_SUMSQ] = extra.pop(0) * n if self.centered else np.nan
+            rows[row, S.ZEROS] = finite - extra.pop(0) if self.zeros else np.nan
+            rows[row, S.CENTERED_SUMSQ] = extra.pop(0) * finite if self.centered else np.nan
         return flags_host, rows
 
 

@@ -123,8 +123,15 @@ def reduce(
     with torch.no_grad():
         if not fast:
             return torch.stack([_reduce_generic(t, bins, zeros, centered, histogram_values=histogram_values) for t in flat])
-        batch = _Batch(flat, bins, zeros, centered, histogram_values, workspace or Workspace())
-        return batch.rows()
+        present = [i for i, t in enumerate(flat) if t.numel()]
+        if len(present) == len(flat):
+            return _Batch(flat, bins, zeros, centered, histogram_values, workspace or Workspace()).rows()
+        rows = torch.zeros(len(flat), row_width(bins), dtype=torch.float64, device=flat[0].device)
+        rows[:, MIN], rows[:, MAX] = math.inf, -math.inf  # an empty tensor: no value, no histogram
+        if present:
+            batch = _Batch([flat[i] for i in present], bins, zeros, centered, histogram_values, workspace or Workspace())
+            rows[present] = batch.rows()
+        return rows
 
 
 def as_real_values(t: torch.Tensor) -> torch.Tensor:
@@ -260,7 +267,7 @@ class Workspace:
         key = (device, dtype, slot)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < n:
-            size = n if slot.startswith("snapshot") else max(n, chunk_values(device))
+            size = n if slot.startswith("snapshot") or device.type != "cpu" else max(n, chunk_values(device))
             buffer = torch.empty(size, dtype=dtype, device=device)
             self._buffers[key] = buffer
         return buffer[:n]
@@ -278,7 +285,7 @@ class Workspace:
 def chunk_values(device: torch.device) -> int:
     """Values reduced by one set of ops: a chunk that stays in the CPU's last-level cache, more
     on an accelerator (fewer launches)."""
-    return 1 << 20 if device.type == "cpu" else 1 << 25
+    return 1 << 20 if device.type == "cpu" else 1 << 22
 
 
 class _Batch:
