@@ -78,7 +78,7 @@ class ParameterFamilies:
         if any(t.dtype != dtype for t in tensors):
             return [t.detach().clone() for t in tensors]
         sizes = [t.numel() for t in tensors]
-        flat = self.workspace.get(tensors[0].device, dtype, sum(sizes), slot)
+        flat = self.workspace.get(tensors[0].device, dtype, sum(sizes), slot, exact=True)
         copies = [piece.view(t.shape) for piece, t in zip(flat.split(sizes), tensors)]
         torch._foreach_copy_(copies, [t.detach() for t in tensors])
         return copies

@@ -225,10 +225,9 @@ class _Outputs:
 
     def _statistics(self, flat: torch.Tensor) -> torch.Tensor:
         """min, max, sum, norm (and non-zeros, variance when asked) of ``flat``, float64."""
-        if flat.numel() == 0:
-            flat = flat.new_zeros(1)[:0]
-        parts = [flat.amin() if flat.numel() else flat.new_tensor(math.inf),
-                 flat.amax() if flat.numel() else flat.new_tensor(-math.inf), flat.sum(), torch.linalg.vector_norm(flat)]
+        empty = flat.numel() == 0  # every value was NaN/Inf
+        parts = [flat.new_tensor(math.inf) if empty else flat.amin(), flat.new_tensor(-math.inf) if empty else flat.amax(),
+                 flat.sum(), torch.linalg.vector_norm(flat)]
         if self.zeros:
             parts.append(torch.count_nonzero(flat))
         if self.centered:

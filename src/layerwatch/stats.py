@@ -263,11 +263,12 @@ class Workspace:
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.device, torch.dtype, str], torch.Tensor] = {}
 
-    def get(self, device: torch.device, dtype: torch.dtype, n: int, slot: str) -> torch.Tensor:
+    def get(self, device: torch.device, dtype: torch.dtype, n: int, slot: str, exact: bool = False) -> torch.Tensor:
+        """``n`` values of ``slot``; a new buffer holds at least a chunk on the CPU, unless ``exact``."""
         key = (device, dtype, slot)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < n:
-            size = n if slot.startswith("snapshot") or device.type != "cpu" else max(n, chunk_values(device))
+            size = n if exact or device.type != "cpu" else max(n, chunk_values(device))
             buffer = torch.empty(size, dtype=dtype, device=device)
             self._buffers[key] = buffer
         return buffer[:n]
