@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Iterable, Optional
+
 import torch
 from torch import nn
+from torch.optim import optimizer as optimizer_module
 
 
 class MLP(nn.Module):
@@ -44,6 +47,29 @@ class FrozenBackbone(nn.Module):
 class NoParams(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(x)
+
+
+def hook_count(model: nn.Module, optimizers: Optional[torch.optim.Optimizer | Iterable[torch.optim.Optimizer]] = None) -> int:
+    """Hooks on ``model`` (modules and parameters), on ``optimizers`` (the ones the run really
+    stepped), and the process-wide module and optimizer hooks."""
+    if isinstance(optimizers, torch.optim.Optimizer):
+        optimizers = [optimizers]
+    per_module = sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) + len(m._backward_pre_hooks)
+        for m in model.modules()
+    )
+    per_param = sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters())
+    per_param += sum(len(p._backward_hooks or {}) for p in model.parameters())
+    module_globals = (
+        nn.modules.module._global_forward_hooks,
+        nn.modules.module._global_forward_pre_hooks,
+        nn.modules.module._global_backward_hooks,
+        nn.modules.module._global_backward_pre_hooks,
+    )
+    process_wide = sum(len(d) for d in module_globals)
+    process_wide += len(optimizer_module._global_optimizer_pre_hooks) + len(optimizer_module._global_optimizer_post_hooks)
+    on_optimizers = sum(len(o._optimizer_step_pre_hooks) + len(o._optimizer_step_post_hooks) for o in optimizers or ())
+    return per_module + per_param + process_wide + on_optimizers
 
 
 def train(model: nn.Module, steps: int, inspector=None, *, optimizer=None, seed: int = 0, d_in: int = 8,

@@ -12,7 +12,7 @@ from torch import nn
 from layerwatch import Inspector, summarize
 from layerwatch.cli import main
 from models import MLP, BatchNormNet, FrozenBackbone, InPlaceCheckpointed, SharedLayer, SmallCNN, TiedLM, train
-from test_inspector import hook_count
+from models import hook_count
 
 BATCH = 32
 
@@ -135,7 +135,7 @@ def test_leaves_model_buffers_mode_rng_and_hooks_as_they_were(training):
     assert all(torch.equal(before[k], after[k]) for k in before)  # running stats, num_batches_tracked, weights
     assert torch.equal(rng, torch.get_rng_state())
     assert model.training == training and model.bn.training == training and not model.drop.training
-    assert hook_count(model, torch.optim.SGD(model.parameters(), lr=0.1)) == 0
+    assert hook_count(model) == 0
     assert s["bn"].output_shapes == [[4, 4, 6, 6]]
 
 
@@ -152,7 +152,7 @@ def test_failed_forward_names_the_module_and_removes_hooks():
     with pytest.raises(RuntimeError, match=r"forward failed in 'encoder\.1'.*shapes cannot be multiplied") as info:
         summarize(model, torch.randn(3, 8))
     assert isinstance(info.value.__cause__, RuntimeError)
-    assert hook_count(model, torch.optim.SGD(model.parameters(), lr=0.1)) == 0
+    assert hook_count(model) == 0
     assert summarize(model.encoder[0], torch.randn(3, 8)).total_macs == 3 * 8 * 4  # nothing left armed
 
 

@@ -26,7 +26,6 @@ import logging
 import os
 import statistics
 import time
-import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from layerwatch import stats as S
 from layerwatch.alerts import Alert, HealthCheck
 from layerwatch.distributed import is_writer_rank, local
 from layerwatch.failures import FailurePolicy
+from layerwatch.hooks import Attachments, claim
 from layerwatch.options import Options, writable_dir
 from layerwatch.params import ParameterFamilies, Piece, Snapshot, parameters
 from layerwatch.probes import ProbeResult, StepProbes
@@ -62,11 +62,21 @@ class _Sample:
     params: list[tuple[str, nn.Parameter]]
     steps_before: Optional[int]  # the optimizers' step count when it began (None: not counted)
     overhead_s: float = 0.0
-    optimizer_calls: int = 0  # 1: before_optimizer_step came; 2: after_optimizer_step too
-    grads: Optional[list[Piece]] = None
-    weights: Optional[list[Piece]] = None
-    snapshot: Optional[Snapshot] = None
+    before_calls: int = 0  # before_optimizer_step calls that read something
+    after_calls: int = 0
+    grads: list[Piece] = field(default_factory=list)
+    weights: list[Piece] = field(default_factory=list)
     update: list[Piece] = field(default_factory=list)
+    grads_read: set[int] = field(default_factory=set)  # id() of the parameters read so far
+    weights_read: set[int] = field(default_factory=set)
+    snapshots: list[tuple[Optional[int], Snapshot]] = field(default_factory=list)  # (id of the optimizer, ...)
+
+    def unread(self, read: set[int], optimizer: Any) -> list[tuple[str, nn.Parameter]]:
+        """The parameters (of ``optimizer``, or all) not read yet into ``read``; now marked read."""
+        mine = None if optimizer is None else {id(p) for group in optimizer.param_groups for p in group["params"]}
+        out = [(n, p) for n, p in self.params if id(p) not in read and (mine is None or id(p) in mine)]
+        read.update(id(p) for _, p in out)
+        return out
 
 
 class Engine:
@@ -101,7 +111,6 @@ class Engine:
         self.log_dir = None if log_dir is None else writable_dir(log_dir)
         self._model = weakref.ref(model)
         self._writer = writer
-        self._sink: Optional[TensorBoardSink] = None
         self._extra_sinks: list[Callable[[R.StepRecord], None]] = []
         self._state = "new"
         self._step = 0
@@ -111,6 +120,10 @@ class Engine:
         self._probes = StepProbes(options.families, options.modules, options.stats, options.bins, self.failures)
         self._health = None if options.rules is None else HealthCheck(options.rules, self.failures)
         self._counter = StepCounter()
+        # What is attached to the user's objects lives apart from the engine and goes with it.
+        self._attached = Attachments()
+        self._attached.removables += [self._probes, self._counter]
+        self._release = weakref.finalize(self, self._attached.release)
         self._sentinel: Optional[NonfiniteSentinel] = None
         self._force_sample = False
         self._offender_found = False
@@ -128,6 +141,14 @@ class Engine:
     # ------------------------------------------------------------------ lifecycle
 
     @property
+    def _sink(self) -> Optional[TensorBoardSink]:
+        return self._attached.sink
+
+    @_sink.setter
+    def _sink(self, sink: Optional[TensorBoardSink]) -> None:
+        self._attached.sink = sink
+
+    @property
     def alerts(self) -> list[Alert]:
         """Every health alert raised so far, in the order first seen (rank 0; empty elsewhere)."""
         return [] if self._health is None else self._health.monitor.alerts
@@ -143,9 +164,19 @@ class Engine:
         return self._sample is not None
 
     def start(self) -> "Engine":
-        """Open the writer (rank 0) and write the chart layout. Opens no step."""
+        """Open the writer (rank 0) and write the chart layout. Opens no step. A model still
+        watched by an earlier engine that was never finished is taken from it: that engine
+        is finished first (its hooks removed, its writer flushed)."""
         if self._state != "new":
             raise RuntimeError(f"start() called on an {type(self).__name__.lower()} that is {self._state}")
+        model = self._model()
+        previous = None if model is None else claim(model, self)
+        if previous is not None and previous._state == "running":
+            self.failures.warn(
+                f"layerwatch: this {type(model).__name__} was still watched by an earlier {type(previous).__name__} that "
+                "was not finished (a cell run again?); that one is finished now, so its hooks do not stay on the model"
+            )
+            previous.finish()
         if is_writer_rank():
             writer = self._writer
             if writer is None:
@@ -169,7 +200,7 @@ class Engine:
         if self._state == "finished":
             return
         self._drop_sample()
-        self._counter.remove()
+        self._attached.remove_hooks()
         self._sentinel = None
         self._param_cache = self._sentinel_watching = None
         self._params.release()
@@ -177,6 +208,7 @@ class Engine:
         if self._sink is not None:
             self._write_with(lambda sink: sink.close(), "flush the writer")
             self._sink = None
+        self._release()
         self._writer = None
         self._state = "finished"
 
@@ -211,28 +243,39 @@ class Engine:
         sample.overhead_s += time.perf_counter() - started
         return True
 
-    def before_optimizer_step(self) -> None:
-        """The gradients are final: read them, and snapshot the weights for the update ratios."""
+    def before_optimizer_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """The gradients of ``optimizer``'s parameters (of every parameter when None) are
+        final: read those not read yet this step, and snapshot their weights for the update
+        ratios. With several optimizers, call it before each one's step."""
         sample = self._sample
-        if sample is None or sample.grads is not None:
+        if sample is None:
             return
-        sample.optimizer_calls = 1
         started = time.perf_counter()
-        self._read_grads(sample)
-        if "updates" in self.options.families:
-            self.failures.run("snapshot weights for update ratios", lambda: self._snapshot(sample), sample.step)
+        params = sample.unread(sample.grads_read, optimizer)
+        if params:
+            sample.before_calls += 1
+            self._read_grads(sample, params)
+            if "updates" in self.options.families:
+                key = None if optimizer is None else id(optimizer)
+                self.failures.run("snapshot weights for update ratios", lambda: self._snapshot(sample, params, key), sample.step)
         sample.overhead_s += time.perf_counter() - started
 
-    def after_optimizer_step(self) -> None:
-        """The weights are final: measure the update and read the weights."""
+    def after_optimizer_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """``optimizer`` (every optimizer when None) has stepped: measure the updates of its
+        parameters and read their weights."""
         sample = self._sample
-        if sample is None or sample.weights is not None:
+        if sample is None:
             return
-        sample.optimizer_calls *= 2
         started = time.perf_counter()
-        if sample.snapshot is not None:
-            self.failures.run("measure updates", lambda: self._measure_update(sample), sample.step)
-        self._read_weights(sample)
+        key = None if optimizer is None else id(optimizer)
+        snapshots = [snap for owner, snap in sample.snapshots if key is None or owner in (key, None)]
+        params = sample.unread(sample.weights_read, optimizer)
+        if snapshots or params:
+            sample.after_calls += 1
+        sample.snapshots = [(owner, snap) for owner, snap in sample.snapshots if all(snap is not s for s in snapshots)]
+        for snapshot in snapshots:
+            self.failures.run("measure updates", lambda: self._measure_update(sample, snapshot), sample.step)
+        self._read_weights(sample, params)
         sample.overhead_s += time.perf_counter() - started
 
     def end_step(self) -> Optional[int]:
@@ -247,10 +290,10 @@ class Engine:
         started = time.perf_counter()
         sample.overhead_s += self._probes.hook_seconds
         structure, probes = self._probes.take()
-        if sample.grads is None:
-            self._read_grads(sample)
-        if sample.weights is None:
-            self._read_weights(sample)
+        self._read_grads(sample, sample.unread(sample.grads_read, None))
+        for _, snapshot in sample.snapshots:
+            self.failures.run("measure updates", lambda: self._measure_update(sample, snapshot), sample.step)
+        self._read_weights(sample, sample.unread(sample.weights_read, None))
         if is_writer_rank():
             self.failures.run("write the sampled step", lambda: self._write(sample, started, structure, probes), sample.step)
         return sample.step
@@ -262,31 +305,29 @@ class Engine:
             raise RuntimeError(f"{what}() called on an {type(self).__name__.lower()} that is {self._state}; call start() first")
 
     def _drop_sample(self) -> None:
-        self._probes.remove()
+        self._probes.disarm()
         self._sample = None
 
-    def _read_grads(self, sample: _Sample) -> None:
-        sample.grads = []
-        if "grads" in self.options.families:
-            self.failures.run("read gradients", lambda: setattr(sample, "grads", self._params.gradients(sample.params, sample.step)), sample.step)
+    def _read_grads(self, sample: _Sample, params: list[tuple[str, nn.Parameter]]) -> None:
+        if params and "grads" in self.options.families:
+            self.failures.run("read gradients", lambda: sample.grads.extend(self._params.gradients(params, sample.step)), sample.step)
 
-    def _read_weights(self, sample: _Sample) -> None:
-        sample.weights = []
-        if "weights" in self.options.families:
-            self.failures.run("read weights", lambda: setattr(sample, "weights", self._params.weights(sample.params)), sample.step)
+    def _read_weights(self, sample: _Sample, params: list[tuple[str, nn.Parameter]]) -> None:
+        if params and "weights" in self.options.families:
+            self.failures.run("read weights", lambda: sample.weights.extend(self._params.weights(params)), sample.step)
 
-    def _snapshot(self, sample: _Sample) -> None:
-        sample.snapshot = self._params.snapshot(sample.params)
+    def _snapshot(self, sample: _Sample, params: list[tuple[str, nn.Parameter]], key: Optional[int]) -> None:
+        sample.snapshots.append((key, self._params.snapshot(params, f"snapshot{len(sample.snapshots)}.")))
 
-    def _measure_update(self, sample: _Sample) -> None:
-        snapshot, sample.snapshot = sample.snapshot, None
-        sample.update = self._params.updates(snapshot, sample.params, weight_norms="weights" not in self.options.families)
+    def _measure_update(self, sample: _Sample, snapshot: Snapshot) -> None:
+        weight_norms = "weights" not in self.options.families
+        sample.update += self._params.updates(snapshot, sample.params, weight_norms=weight_norms)
 
     # ------------------------------------------------------------------ writing
 
     def _write(self, sample: _Sample, started: float, structure: Optional[Summary], probes: Optional[ProbeResult]) -> None:
         options = self.options
-        families = {"grads": sample.grads or [], "weights": sample.weights or [], "update": sample.update}
+        families = {"grads": sample.grads, "weights": sample.weights, "update": sample.update}
         arrays = iter(S.to_host([rows for pieces in families.values() for _, rows in pieces]))
         host = {
             family: [(names, next(arrays).reshape(len(names) if family != "update" else 2, -1)) for names, _ in pieces]
@@ -327,7 +368,7 @@ class Engine:
         writing = time.perf_counter()
         self._emit(rec)
         self._last_write_s = time.perf_counter() - writing
-        _announce(rec.step, new_alerts)
+        self._announce(rec.step, new_alerts)
 
     def _overhead_s(self, sample: _Sample, started: float) -> float:
         """What sampling added to this step: the time measured in our own code, plus the step's
@@ -347,14 +388,15 @@ class Engine:
         """Whether the optimizer stepped during the sample: counted when the optimizers are
         tracked; else False when ``before_optimizer_step`` came and ``after_optimizer_step``
         did not (an optimizer's post-hook never fires for a skipped step); else unknown."""
-        if sample.steps_before is not None:
-            return self._counter.count != sample.steps_before
-        return None if sample.optimizer_calls == 0 else sample.optimizer_calls == 2
+        now = self._counter.count
+        if sample.steps_before is not None and now is not None:
+            return now != sample.steps_before
+        return None if sample.before_calls == 0 else sample.after_calls >= sample.before_calls
 
     def _emit(self, rec: R.StepRecord) -> None:
         self._write_with(lambda sink: sink.write(rec), "write the sampled step")
         for extra in self._extra_sinks:
-            extra(rec)
+            self.failures.run("hand the step to an added sink", lambda: extra(rec), rec.step)
 
     def _write_with(self, action: Callable[[TensorBoardSink], None], what: str) -> None:
         """A write; a failed one stops all further writing (a full disk does not heal mid-run)."""
@@ -401,13 +443,12 @@ class Engine:
         )
         self._emit(rec)
         logger.warning("layerwatch: %s", message)
-        warnings.warn(f"layerwatch: {message}", RuntimeWarning, stacklevel=4)
+        self.failures.warn(f"layerwatch: {message}")
 
-
-def _announce(step: int, alerts: list[Alert]) -> None:
-    """New alerts to Python logging, one record each, and to warnings, one per step."""
-    for alert in alerts:
-        logger.warning("layerwatch alert at step %d: %s %s: %s", alert.step, alert.kind, alert.name, alert.message)
-    if alerts:
-        lines = "\n".join(f"  {a.kind} {a.name}: {a.message}" for a in alerts)
-        warnings.warn(f"layerwatch: {len(alerts)} new alert(s) at step {step}:\n{lines}", RuntimeWarning, stacklevel=4)
+    def _announce(self, step: int, alerts: list[Alert]) -> None:
+        """New alerts to Python logging, one record each, and to warnings, one per step."""
+        for alert in alerts:
+            logger.warning("layerwatch alert at step %d: %s %s: %s", alert.step, alert.kind, alert.name, alert.message)
+        if alerts:
+            lines = "\n".join(f"  {a.kind} {a.name}: {a.message}" for a in alerts)
+            self.failures.warn(f"layerwatch: {len(alerts)} new alert(s) at step {step}:\n{lines}")

@@ -3,23 +3,60 @@
 An inspector never raises into the training loop and never stops it: a probe, a reduction
 or a write that fails is named in one ``RuntimeWarning`` (the first time that kind of
 failure happens) and left out; training goes on unchanged.
+
+Every warning of a run goes through :meth:`FailurePolicy.warn`, which points it at the
+user's own line (the first frame outside layerwatch and the frameworks that call it), and
+prints it inside ``around_warning``: a front door sets that to pause a progress bar.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import warnings
-from typing import Callable
+from typing import Callable, ContextManager
+
+# Packages whose frames stand between a warning and the user's line; looked up when warning,
+# so none of them is imported for it.
+_FRAMEWORKS = ("torch", "lightning", "pytorch_lightning", "lightning_fabric", "transformers", "accelerate")
+
+
+def _internal_dirs() -> tuple[str, ...]:
+    dirs = [os.path.dirname(__file__)]
+    for name in _FRAMEWORKS:
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if path:
+            dirs.append(os.path.dirname(path))
+    return tuple(d + os.sep for d in dirs)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` made by this function's caller that names the
+    first frame outside layerwatch, torch and the training frameworks."""
+    internal = _internal_dirs()
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(internal):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class FailurePolicy:
     def __init__(self) -> None:
         self._warned: set[str] = set()
+        self.around_warning: Callable[[], ContextManager[object]] = contextlib.nullcontext
+
+    def warn(self, message: str) -> None:
+        """A ``RuntimeWarning`` pointing at the user's line."""
+        with self.around_warning():
+            warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
 
     def warn_once(self, key: str, message: str) -> None:
         """Warn with ``message`` the first time ``key`` comes up."""
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            self.warn(message)
 
     def run(self, what: str, action: Callable[[], object], step: int) -> bool:
         """Run ``action``; on an exception warn once (``could not <what>``) and return False."""

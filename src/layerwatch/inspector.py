@@ -1,7 +1,8 @@
 """``Inspector``: the front door for a plain PyTorch training loop.
 
 It drives the :class:`~layerwatch.engine.Engine` protocol from ``step()`` and, when given
-the optimizer, from that optimizer's step hooks (which exist only during sampled steps).
+the optimizer, from that optimizer's step hooks (from ``start()`` to ``finish()``; they do
+nothing on unsampled steps and inside a compiled ``optimizer.step``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 from layerwatch import record as R
 from layerwatch.alerts import AlertRules
 from layerwatch.engine import Engine
+from layerwatch.hooks import optimizer_hooks
 from layerwatch.options import DEFAULT_STATS, options_from
 from layerwatch.probes import ModuleFilter
 from layerwatch.schedule import ScheduleLike
@@ -50,8 +52,10 @@ class Inspector(Engine):
         schedule: Instead of ``every_n_steps``: a :class:`~layerwatch.schedule.Schedule`,
             a list of steps, or a callable ``step -> bool``.
         optimizer: When given, gradients are read just before ``optimizer.step()`` and
-            weights just after it, and ``update_ratio/<param>`` is logged. Its hooks
-            exist only during sampled steps.
+            weights just after it, and ``update_ratio/<param>`` is logged, by its step
+            hooks (until :meth:`finish`; they return at once on unsampled steps). A
+            compiled ``optimizer.step`` runs no hook: then gradients and weights are read
+            in :meth:`step` and no update ratio is logged.
         families: Which families to log (all by default). Per parameter: ``"weights"``,
             ``"grads"``, ``"updates"``. Once: ``"structure"``, the layer table
             (``layerwatch/structure``) and the parameter and MAC counts, from the forward
@@ -72,8 +76,9 @@ class Inspector(Engine):
             one of these glob patterns (``"blocks.*.attn"``; the model itself is
             ``"(root)"``) or that are instances of one of these types (``nn.Linear``).
             Default: every module.
-        sentinel: Check the gradients for NaN/Inf on every step (one fused reduction,
-            read without stalling the device); on the first hit log
+        sentinel: Check the gradients for NaN/Inf between samples (on a GPU all of them every
+            step, on the CPU a rotating share; one fused reduction, read without stalling
+            the device); on the first hit log
             ``layerwatch/first_nonfinite_step``, warn, and sample the next step with every
             probe armed. Pass ``optimizer=`` when a GradScaler may skip steps, so its
             overflow steps are told apart from faults.
@@ -107,7 +112,7 @@ class Inspector(Engine):
         options = options_from(locals())
         super().__init__(model, options, writer=writer, log_dir=log_dir)
         self._optimizer = None if optimizer is None else weakref.ref(optimizer)
-        self._optimizer_hooks: list[Any] = []
+        self._optimizer_hook_ran = False
 
     @property
     def schedule(self):
@@ -125,9 +130,24 @@ class Inspector(Engine):
         """Open the writer, write the chart layout, and open step 0 (armed if it is sampled)."""
         super().start()
         optimizer = self._optimizer() if self._optimizer is not None else None
-        if optimizer is not None and self.options.sentinel:  # the sentinel checks every step
-            self.track_optimizers([optimizer])
-        self._open(self.current_step)
+        if optimizer is not None:
+            if self.options.sentinel:  # told apart: a GradScaler's skipped step
+                self.track_optimizers([optimizer])
+            engine = weakref.ref(self)  # the optimizer must not keep the inspector alive
+
+            def before(opt: torch.optim.Optimizer) -> None:
+                inspector = engine()
+                if inspector is not None:
+                    inspector._optimizer_hook_ran = True
+                    inspector.before_optimizer_step(opt)
+
+            def after(opt: torch.optim.Optimizer) -> None:
+                inspector = engine()
+                if inspector is not None:
+                    inspector.after_optimizer_step(opt)
+
+            self._attached.handles += optimizer_hooks(optimizer, before, after)
+        self.begin_step(self.current_step)
         return self
 
     def step(self) -> None:
@@ -136,14 +156,16 @@ class Inspector(Engine):
             raise RuntimeError(
                 f"step() called on an inspector that is {self._state}; call start() or use it as a context manager"
             )
-        self._remove_optimizer_hooks()
+        if self.sampled and self._optimizer is not None and not self._optimizer_hook_ran:
+            self.failures.warn_once(
+                "optimizer-hooks",
+                f"layerwatch: the optimizer's step hooks did not run on sampled step {self.current_step} (a compiled "
+                "optimizer.step runs none, or optimizer.step() was not called before step()); gradients and weights "
+                "are read in step() instead, and update ratios are not logged at such steps",
+            )
+        self._optimizer_hook_ran = False
         self.end_step()
-        self._open(self.current_step + 1)
-
-    def finish(self) -> None:
-        """Remove every hook, flush and (if owned) close the writer. Safe to call twice."""
-        self._remove_optimizer_hooks()
-        super().finish()
+        self.begin_step(self.current_step + 1)
 
     def __enter__(self) -> "Inspector":
         return self.start()
@@ -160,20 +182,6 @@ class Inspector(Engine):
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"state['step'] must be an int >= 0, got {step!r}")
         if self._state == "running":
-            self._remove_optimizer_hooks()
-            self._open(step)
+            self.begin_step(step)
         else:
             self._step = step
-
-    def _open(self, step: int) -> None:
-        optimizer = self._optimizer() if self._optimizer is not None else None
-        if self.begin_step(step) and optimizer is not None:
-            self._optimizer_hooks = [
-                optimizer.register_step_pre_hook(lambda *_: self.before_optimizer_step()),
-                optimizer.register_step_post_hook(lambda *_: self.after_optimizer_step()),
-            ]
-
-    def _remove_optimizer_hooks(self) -> None:
-        for handle in self._optimizer_hooks:
-            handle.remove()
-        self._optimizer_hooks = []

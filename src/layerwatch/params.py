@@ -62,12 +62,14 @@ class ParameterFamilies:
     def weights(self, params: NamedTensors) -> list[Piece]:
         return self.reduce(params, "weights")
 
-    def snapshot(self, params: Sequence[tuple[str, nn.Parameter]]) -> Snapshot:
+    def snapshot(self, params: Sequence[tuple[str, nn.Parameter]], slot: str = "snapshot") -> Snapshot:
+        """Copies of the trainable weights, in workspace buffers named ``slot`` + a number
+        (several snapshots alive at once need different slots)."""
         groups = []
         with torch.no_grad():
             trainable = [(n, p) for n, p in params if p.requires_grad]
             for i, (group, names, tensors) in enumerate(this_ranks_groups(trainable, self.failures.warn_once)):
-                groups.append((group, names, self._copies(tensors, f"snapshot{i}")))
+                groups.append((group, names, self._copies(tensors, f"{slot}{i}")))
         return Snapshot(groups)
 
     def _copies(self, tensors: list[torch.Tensor], slot: str) -> list[torch.Tensor]:

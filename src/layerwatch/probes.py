@@ -38,6 +38,7 @@ from torch import nn
 
 from layerwatch import stats as S
 from layerwatch.failures import FailurePolicy
+from layerwatch.hooks import is_compiling
 from layerwatch.structure import StructureProbe, Summary, _tensors
 
 ROOT = "(root)"  # the model itself: named_modules() names it ""
@@ -274,6 +275,8 @@ class RuntimeProbe:
         workspace: Optional[S.Workspace] = None,
     ) -> None:
         self.error: Optional[BaseException] = None
+        self.compiled = False  # a hook was traced by Dynamo: the model runs inside compiled code
+        self.inert = False  # hooks left in place only so that compiled code keeps its guards
         self._host_ns = 0
         self._latency = "latency" in families
         self._memory = "memory" in families
@@ -359,13 +362,17 @@ class RuntimeProbe:
 
     def _pre_hook(self, index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple) -> None:
-            if self.error is None:
+            if is_compiling():  # traced: note it (a store Dynamo replays), nothing else
+                self.compiled = True
+            elif self.error is None and not self.inert:
                 self._guarded(self._enter, index, args, module)
 
         return hook
 
     def _post_hook(self, index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if is_compiling() or self.inert:
+                return
             if self._ignored_depth:
                 self._ignored_depth -= 1
             elif self.error is None:
@@ -445,7 +452,7 @@ class RuntimeProbe:
 
     def _backward_starts(self, call: _Call) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            if self.error is None and call.bwd_start is None:
+            if not is_compiling() and self.error is None and call.bwd_start is None:
                 self._guarded(self._start_backward, call, grad)
 
         return hook
@@ -457,7 +464,7 @@ class RuntimeProbe:
 
     def _backward_done(self, call: _Call) -> Callable[[Sequence[Optional[torch.Tensor]]], None]:
         def hook(grads: Sequence[Optional[torch.Tensor]]) -> None:
-            if self.error is None and call.bwd_start is not None:
+            if not is_compiling() and self.error is None and call.bwd_start is not None:
                 self._guarded(self._finish_backward, call, grads)
 
         return hook
@@ -572,7 +579,12 @@ def _is_float(t: torch.Tensor) -> bool:
 class StepProbes:
     """The module hooks of one sampled step: the layer table (the first time) and the
     runtime probes. Neither is armed on a compiled model (hooks would force a recompile
-    and see nothing inside the graph); that is said once."""
+    and see nothing inside the graph); that is said once.
+
+    A model called from compiled code (``torch.compile`` of a function that calls it) is
+    found when Dynamo traces the first armed hooks. Those hooks then stay, inert, until
+    :meth:`remove`: compiled code is guarded on the model's hooks, so removing them at the
+    end of the step, or arming new ones later, would recompile it."""
 
     def __init__(self, families: Sequence[str], modules: Optional[ModuleFilter], stats: Sequence[str], bins: int,
                  failures: FailurePolicy) -> None:
@@ -582,6 +594,7 @@ class StepProbes:
         self.runtime_on = any(family in families for family in PROBE_FAMILIES)
         self._structure: Optional[StructureProbe] = None
         self._runtime: Optional[RuntimeProbe] = None
+        self._inert: list[Any] = []
         self.workspace = S.Workspace()  # kept from one sampled step to the next
 
     def arm(self, model: nn.Module, parameters: Sequence[nn.Parameter], step: int) -> None:
@@ -627,17 +640,39 @@ class StepProbes:
         """Host time the runtime probes' hooks have spent so far this step."""
         return 0.0 if self._runtime is None else self._runtime.hook_seconds
 
-    def remove(self) -> None:
+    def disarm(self) -> None:
+        """Remove this step's hooks (not the inert ones)."""
         for probe in (self._structure, self._runtime):
             if probe is not None:
                 probe.remove()
         self._structure = self._runtime = None
 
+    def remove(self) -> None:
+        """Remove every hook, the inert ones too (the engine is finishing)."""
+        self.disarm()
+        for probe in self._inert:
+            probe.remove()
+        self._inert = []
+
     def take(self) -> tuple[Optional[Summary], Optional[ProbeResult]]:
         """Remove the hooks; the layer table (when a whole forward was seen) and the runtime
         measurements (when no probe failed)."""
         structure, runtime = self._structure, self._runtime
-        self.remove()
+        armed = [probe for probe in (structure, runtime) if probe is not None]
+        if any(probe.compiled for probe in armed):
+            for probe in armed:
+                probe.inert = True
+            self._inert += armed
+            self._structure = self._runtime = None
+            self.structure_pending = self.runtime_on = False
+            self.failures.warn_once(
+                "compiled-caller",
+                "layerwatch: the model runs inside compiled code (torch.compile of a function that calls it), where "
+                "module hooks do not run; the layer table and the per-module families (latency, memory, "
+                "activations, nonfinite) are not recorded. Parameter families and the NaN sentinel go on.",
+            )
+            return None, None
+        self.disarm()
         summary = result = None
         if structure is not None:
             if structure.error is not None:
@@ -652,6 +687,7 @@ class StepProbes:
                     result = runtime.result()
                 except Exception as e:
                     runtime.error = e
+
             if runtime.error is not None:
                 self.runtime_on = False
                 self.failures.warn_once("fail:probes", f"layerwatch: a runtime probe failed: {runtime.error!r}; the per-module families are off")

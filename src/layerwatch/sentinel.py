@@ -24,6 +24,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from layerwatch.hooks import is_compiling
+
 
 @dataclass
 class Finding:
@@ -128,29 +130,39 @@ class NonfiniteSentinel:
 
 class StepCounter:
     """Counts the steps of the optimizers it tracks (a post-hook each), so that a step an
-    optimizer skipped (a GradScaler overflow) is told from a fault. ``remove()`` is safe twice."""
+    optimizer skipped (a GradScaler overflow) is told from a fault. ``remove()`` is safe twice.
+
+    A compiled ``optimizer.step`` runs no hook: traced, the hook only notes that it was
+    (a store Dynamo replays after the compiled step; reading the count there would guard the
+    compiled step on its value and recompile it every step), and the count is unknown from
+    then on."""
 
     def __init__(self) -> None:
         self._count: Optional[list[int]] = None
+        self._compiled = [False]
         self._handles: list[Any] = []
         self._seen = 0
 
     def track(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         counter = self._count = self._count or [0]
+        compiled = self._compiled
 
         def count(*_: Any) -> None:
+            if is_compiling():
+                compiled[0] = True
+                return
             counter[0] += 1
 
         self._handles += [optimizer.register_step_post_hook(count) for optimizer in optimizers]
 
     @property
     def count(self) -> Optional[int]:
-        """Optimizer steps so far; None when no optimizer is tracked."""
-        return None if self._count is None else self._count[0]
+        """Optimizer steps so far; None when no optimizer is tracked or a step ran compiled."""
+        return None if self._count is None or self._compiled[0] else self._count[0]
 
     def stepped_since_last_check(self) -> Optional[bool]:
         """Whether an optimizer stepped since the last call (None: not known)."""
-        if self._count is None:
+        if self.count is None:
             return None
         stepped, self._seen = self._count[0] != self._seen, self._count[0]
         return stepped

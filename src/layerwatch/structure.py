@@ -27,6 +27,8 @@ from typing import Any, Iterator, Optional, Union
 import torch
 from torch import nn
 
+from layerwatch.hooks import is_compiling
+
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "float32": torch.float32,
@@ -345,6 +347,8 @@ class StructureProbe:
         self.layers = [_Layer(name, type(m).__name__, name.count(".") + 1 if name else 0) for name, m in model.named_modules()]
         self._model = weakref.ref(model)
         self.error: Optional[BaseException] = None
+        self.compiled = False  # a hook was traced by Dynamo (see probes.StepProbes)
+        self.inert = False
         self.failed_in: Optional[str] = None
         self.windows = 0
         self.first_input: Optional[tuple[int, ...]] = None  # shape of the first tensor the model received
@@ -376,7 +380,9 @@ class StructureProbe:
     # Hooks hold the layer record, never the module or the inspector.
     def _enter_hook(self, layer: _Layer) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if self.error is None:
+            if is_compiling():  # traced: note it (a store Dynamo replays), nothing else
+                self.compiled = True
+            elif self.error is None and not self.inert:
                 try:
                     self._enter(layer, args, kwargs)
                 except Exception as e:  # a probe must never break the forward
@@ -386,7 +392,7 @@ class StructureProbe:
 
     def _exit_hook(self, layer: _Layer) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if self.error is None:
+            if not is_compiling() and self.error is None and not self.inert:
                 try:
                     self._exit(layer, output)
                 except Exception as e:

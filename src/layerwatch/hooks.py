@@ -1,0 +1,85 @@
+"""What an engine attaches to the user's objects, and the two rules that keep it harmless.
+
+1. **Nothing outlives its engine.** The hooks on the model and the optimizers, and the
+   writer an engine owns, are held by an :class:`Attachments` apart from the engine (no
+   hook holds the engine itself), released once: at ``finish()``, when the engine is
+   garbage-collected, or at interpreter exit (``weakref.finalize``). A model handed to a
+   new engine is taken from the old one first (:func:`claim`), so a notebook cell run
+   twice does not stack hooks.
+2. **No hook body runs inside a Dynamo trace.** Every hook starts with
+   :func:`is_compiling`: traced, it is a constant ``True`` and the hook returns before
+   anything, so it adds no graph break, no recompile and no op to compiled code; compiled
+   code then runs without it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+try:
+    from torch.compiler import is_compiling
+except ImportError:  # torch < 2.3
+    from torch._dynamo import is_compiling  # type: ignore[no-redef]
+
+__all__ = ["Attachments", "claim", "is_compiling"]
+
+
+class Attachments:
+    """Hook handles and objects with a ``remove()`` (the probes, the step counter), and the
+    sink to close; :meth:`release` removes and closes them all, and is safe twice."""
+
+    def __init__(self) -> None:
+        self.handles: list[Any] = []
+        self.removables: list[Any] = []
+        self.sink: Any = None
+
+    def remove_hooks(self) -> None:
+        handles, self.handles = self.handles, []
+        for handle in handles:
+            handle.remove()
+        for removable in self.removables:
+            removable.remove()
+
+    def release(self) -> None:
+        """Remove every hook and close the sink; nothing raises (this runs from the collector
+        and at interpreter exit, where an exception would only be printed)."""
+        try:
+            self.remove_hooks()
+        finally:
+            sink, self.sink = self.sink, None
+            if sink is not None:
+                try:
+                    sink.close()
+                except Exception:  # a closed or broken writer: nothing left to save
+                    pass
+
+
+_owners: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def claim(model: nn.Module, engine: Any) -> Optional[Any]:
+    """Make ``engine`` the model's engine; return the live one it had before (or None)."""
+    previous = _owners.get(model)
+    _owners[model] = weakref.ref(engine)
+    previous_engine = None if previous is None else previous()
+    return None if previous_engine is engine else previous_engine
+
+
+def optimizer_hooks(optimizer: torch.optim.Optimizer, before: Callable[[Any], None], after: Callable[[Any], None]) -> list[Any]:
+    """A step pre-hook calling ``before(optimizer)`` and a post-hook calling ``after(optimizer)``,
+    both skipped inside compiled code. Registered once for a run: a hook added or removed
+    between steps would change what a compiled ``optimizer.step`` is guarded on."""
+
+    def pre_hook(opt: Any, args: Any, kwargs: Any) -> None:
+        if not is_compiling():
+            before(opt)
+
+    def post_hook(opt: Any, args: Any, kwargs: Any) -> None:
+        if not is_compiling():
+            after(opt)
+
+    return [optimizer.register_step_pre_hook(pre_hook), optimizer.register_step_post_hook(post_hook)]
