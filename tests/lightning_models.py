@@ -112,3 +112,41 @@ class LitZoo(L.LightningModule):
 
     def train_dataloader(self):
         return DataLoader(TensorDataset(torch.randn(64, 8, generator=torch.Generator().manual_seed(0))), batch_size=8)
+
+
+class LitGAN(L.LightningModule):
+    """Manual optimization with two optimizers, as a GAN steps them: the discriminator, then
+    the generator, each zeroing its own gradients just before its backward. Remembers the
+    norm of each generator gradient at the generator's own step, keyed by that step's
+    global step as the callback sees it at the batch's start."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.gen = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.disc = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+        self.gen_grad_norms: dict[int, dict[str, float]] = {}
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        opt_d, opt_g = self.optimizers()
+        step_at_start = self.trainer.global_step
+        noise = torch.randn(x.shape[0], 4)
+        fake = self.gen(noise)
+        d_loss = F.softplus(-self.disc(x)).mean() + F.softplus(self.disc(fake.detach())).mean()
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        g_loss = F.softplus(-self.disc(self.gen(noise))).mean()
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        self.gen_grad_norms[step_at_start] = {
+            f"gen.{name}": p.grad.norm().item() for name, p in self.gen.named_parameters()
+        }
+        opt_g.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.disc.parameters(), lr=0.05), torch.optim.SGD(self.gen.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return DataLoader(dataset(), batch_size=16)

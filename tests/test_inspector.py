@@ -412,3 +412,22 @@ def test_a_failing_writer_is_warned_once_and_training_goes_on(tmp_path, monkeypa
     writer.close()
     assert len(losses) == 3 and len(record) == 1
     assert [e.step for e in events(tmp_path).Scalars("weights_norm/fc1.weight")] == [0, 1]  # nothing lost
+
+
+def test_after_a_nan_the_norms_read_nan_not_a_vanished_layer(tmp_path, events):
+    model = MLP()
+
+    def poison(k):
+        if k == 2:
+            with torch.no_grad():
+                model.fc1.weight[0, 0] = math.nan
+
+    stats = ("mean", "std", "norm", "nonfinite")
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, stats=stats, alerts=False, sentinel=False) as inspector:
+        train(model, 5, inspector, before_step=poison)
+    acc = events(tmp_path)
+    for tag in ("weights_norm/fc2.weight", "grads_norm/fc2.weight", "weights_mean/fc1.weight", "grads_std/fc1.bias"):
+        values = {e.step: e.value for e in acc.Scalars(tag)}
+        assert all(math.isfinite(values[k]) for k in (0, 1)), (tag, values)
+        assert all(math.isnan(values[k]) for k in (3, 4)), (tag, values)  # not 0.0, read back from the file
+    assert {e.step: e.value for e in acc.Scalars("weights_nonfinite/fc2.weight")}[4] > 0

@@ -186,3 +186,49 @@ def test_works_with_the_pytorch_lightning_package(tmp_path, events):
     assert [e.step for e in acc.Scalars("grads_norm/net.weight")] == [0, 2]
     assert "train_loss" in acc.Tags()["scalars"]
     assert not math.isnan(acc.Scalars("layerwatch/grad_norm")[0].value)
+
+
+def test_two_optimizers_each_have_their_gradients_read_at_their_own_step(tmp_path, events):
+    from lightning_models import LitGAN
+
+    module = LitGAN()
+    trainer = make_trainer(tmp_path, [InspectCallback(every_n_steps=1)], max_steps=8)
+    trainer.fit(module)
+    acc = events(trainer.logger.log_dir)
+    for name in ("gen.0.weight", "gen.2.bias"):
+        logged = {e.step: e.value for e in acc.Scalars(f"grads_norm/{name}")}
+        assert 0 in logged  # read at step 0 too, not only from the batch after
+        for step, value in logged.items():
+            assert value == pytest.approx(module.gen_grad_norms[step][name], rel=1e-6), (name, step)
+
+
+def test_a_warning_during_fit_does_not_break_the_progress_bar_line(tmp_path, monkeypatch):
+    import contextlib
+    import io
+    import re
+    import sys
+    import warnings
+
+    from layerwatch.sinks.tensorboard import TensorBoardSink
+
+    write = TensorBoardSink.write
+
+    def failing_at_step_3(self, rec):
+        if rec.step == 3:
+            raise OSError("disk full")
+        return write(self, rec)
+
+    monkeypatch.setattr(TensorBoardSink, "write", failing_at_step_3)
+    screen = io.StringIO()  # one terminal: the bar (stdout) and the warning (stderr) interleave
+    with contextlib.redirect_stdout(screen), contextlib.redirect_stderr(screen), warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: sys.stderr.write(
+            warnings.formatwarning(message, category, filename, lineno, line)
+        )  # printed, as outside pytest
+        trainer = make_trainer(tmp_path, [InspectCallback(every_n_steps=1)], enable_progress_bar=True)
+        trainer.fit(LitMLP())
+    text = screen.getvalue()
+    found = re.search(r"([^\r\n]*?)(\S+\.py):\d+: (?:RuntimeWarning: )?layerwatch: could not write", text)
+    assert found, repr(text[-3000:])
+    assert found.group(1) == "", repr(found.group(0))  # it starts its own line
+    assert found.group(2) == __file__  # and points at the test's own line, not inside layerwatch

@@ -40,17 +40,22 @@ def zoo() -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["cpu-fast", "generic"])
-def test_stats_match_numpy_over_finite_values(fast):
+def test_stats_match_numpy_and_read_nan_for_a_tensor_holding_nan_or_inf(fast):
     tensors = zoo()
     rows = S.reduce(tensors, 64, zeros=True, centered=True, fast=fast).numpy()
     got = S.scalar_stats(rows, S.STATS)
     for i, t in enumerate(tensors):
         f = finite_values(t)
-        expected = [f.mean(), f.std(), f.min(), f.max(), np.linalg.norm(f)]
-        actual = [got[k][i] for k in ("mean", "std", "min", "max", "norm")]
-        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-7, err_msg=f"tensor {i}")
         assert got["nonfinite"][i] == t.numel() - f.size
-        assert got["zero_frac"][i] == pytest.approx((f == 0).sum() / t.numel())
+        actual = [got[k][i] for k in ("mean", "std", "min", "max", "norm", "zero_frac")]
+        if f.size < t.numel():  # never a finite number that looks healthy (or dead)
+            assert np.isnan(actual).all(), f"tensor {i}: {actual}"
+            row = rows[i]  # the row itself stays exact over the finite values (histograms use it)
+            if f.size:
+                np.testing.assert_allclose([row[S.MIN], row[S.MAX], row[S.SUM]], [f.min(), f.max(), f.sum()], rtol=1e-5, atol=1e-6)
+            continue
+        expected = [f.mean(), f.std(), f.min(), f.max(), np.linalg.norm(f), (f == 0).sum() / t.numel()]
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-7, err_msg=f"tensor {i}")
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["cpu-fast", "generic"])

@@ -7,9 +7,12 @@ call callbacks by their hook names, so one class serves either.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import os
-from typing import Any, Collection, Optional, Sequence
+import sys
+from typing import Any, Callable, Collection, ContextManager, Optional, Sequence
 
 from layerwatch import record as R
 from layerwatch.alerts import Alert, AlertRules
@@ -132,6 +135,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         # Every rank gets an engine: each takes part in the reductions of sharded parameters
         # (FSDP); only rank 0 reads replicated ones and writes.
         self._engine = Engine(pl_module, self._options, **target)
+        self._engine.failures.around_warning = _progress_bar_pause(trainer)
         self._alerts = self._engine.alerts  # the monitor's own list: it outlives the engine
         if others:
             self._engine.add_sink(lambda rec: _log_run_wide(others, rec))
@@ -150,7 +154,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self._engine is not None:
-            self._engine.before_optimizer_step()
+            self._engine.before_optimizer_step(optimizer)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         engine = self._engine
@@ -190,6 +194,18 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         if self._engine is not None:
             self._engine.finish()
             self._engine = None
+
+
+def _progress_bar_pause(trainer: Any) -> Callable[[], ContextManager[object]]:
+    """What to print a warning inside: with Lightning's tqdm bar showing, tqdm's own pause,
+    which clears the bars and draws them again below the warning instead of breaking their line."""
+    bar = trainer.progress_bar_callback
+    tqdm_bars = tuple(_import_first("callbacks.TQDMProgressBar"))
+    if bar is None or not isinstance(bar, tqdm_bars) or not bar.is_enabled:
+        return contextlib.nullcontext
+    from tqdm import tqdm
+
+    return functools.partial(tqdm.external_write_mode, file=sys.stderr)
 
 
 def _log_run_wide(loggers: Sequence[Any], record: R.StepRecord) -> None:

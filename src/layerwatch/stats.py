@@ -575,7 +575,11 @@ def histograms(rows: np.ndarray, bins: int) -> list[Optional[Histogram]]:
 
 
 def scalar_stats(rows: np.ndarray, stats: Sequence[str]) -> dict[str, np.ndarray]:
-    """Per-row values of the named statistics (see ``STATS``), over the finite values."""
+    """Per-row values of the named statistics (see ``STATS``). A tensor holding a NaN or Inf
+    gets NaN for every statistic but ``nonfinite`` (its count of them): a statistic of its
+    finite values alone would read as a healthy, or a vanished, layer."""
+    nonfinite = rows[:, NONFINITE]
+    rows = np.where(nonfinite[:, None] > 0, np.nan, rows)
     n = rows[:, COUNT]
     with np.errstate(divide="ignore", invalid="ignore"):
         derived = {
@@ -585,7 +589,7 @@ def scalar_stats(rows: np.ndarray, stats: Sequence[str]) -> dict[str, np.ndarray
             "max": lambda: rows[:, MAX],
             "norm": lambda: np.sqrt(rows[:, SUMSQ]),
             "zero_frac": lambda: rows[:, ZEROS] / (n + rows[:, NONFINITE]),
-            "nonfinite": lambda: rows[:, NONFINITE],
+            "nonfinite": lambda: nonfinite,
         }
         return {name: derived[name]() for name in stats}
 
