@@ -49,6 +49,15 @@ class NoParams(nn.Module):
         return torch.relu(x)
 
 
+SHORT_RUN_NOTE = "layerwatch: this run was sampled"  # the end-of-run note of a run too short for the alert windows
+
+
+def layerwatch_messages(seen) -> list[str]:
+    """layerwatch's warnings among ``seen`` (warning records or messages), less the short-run note."""
+    messages = [str(getattr(w, "message", w)) for w in seen]
+    return [m for m in messages if m.startswith("layerwatch") and not m.startswith(SHORT_RUN_NOTE)]
+
+
 def hook_count(model: nn.Module, optimizers: Optional[torch.optim.Optimizer | Iterable[torch.optim.Optimizer]] = None) -> int:
     """Hooks on ``model`` (modules and parameters), on ``optimizers`` (the ones the run really
     stepped), and the process-wide module and optimizer hooks."""

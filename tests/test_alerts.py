@@ -344,3 +344,52 @@ def test_weights_that_moved_and_then_stopped_are_not_stuck(tmp_path):
                 opt.zero_grad()
                 inspector.step()
     assert inspector.alerts == []
+
+
+class LoRALinear(nn.Module):
+    """A frozen base with a zero bias (as in GPT-2's frozen LoRA runs) and a trainable
+    low-rank adapter whose B starts at zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(8, 8)
+        nn.init.zeros_(self.base.bias)
+        self.base.requires_grad_(False)
+        self.lora_A = nn.Linear(8, 2, bias=False)
+        self.lora_B = nn.Linear(2, 8, bias=False)
+        nn.init.zeros_(self.lora_B.weight)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.base(x) + self.lora_B(self.lora_A(x))))
+
+
+def test_frozen_zero_weights_are_not_dead(tmp_path):
+    torch.manual_seed(0)
+    model = LoRALinear()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Inspector(model, log_dir=tmp_path, every_n_steps=1, optimizer=opt) as inspector:
+            train(model, 12, inspector, optimizer=opt)
+    assert inspector.alerts == []
+    monitor = HealthMonitor(AlertRules(dead_samples=2))
+    zero = np.zeros(S.HIST)
+    zero[S.COUNT] = 8
+    for step in range(3):  # the same all-zero weights: dead when trainable, nothing when frozen
+        alerts = monitor.observe(step, weights={"a.bias": zero, "b.bias": zero}, grads=None, trainable=["a.bias"])
+        assert [a.name for a in alerts] == (["a"] if step == 1 else [])
+
+
+@pytest.mark.parametrize("steps, said", [(6, True), (10, False)])
+def test_a_run_too_short_for_the_window_rules_says_so_once(tmp_path, steps, said):
+    model = MLP()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Inspector(model, log_dir=tmp_path, every_n_steps=1) as inspector:
+            train(model, steps, inspector)
+        inspector.finish()  # a second finish says nothing more
+    notes = [str(w.message) for w in seen if "could not fire" in str(w.message)]
+    assert len(notes) == int(said)
+    if said:
+        assert f"sampled {steps} time(s)" in notes[0] and "need 10 samples" in notes[0]

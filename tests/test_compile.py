@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from layerwatch import Inspector
-from models import MLP, hook_count
+from models import MLP, hook_count, layerwatch_messages
 
 dynamo = pytest.importorskip("torch._dynamo")
 from torch._dynamo.utils import counters  # noqa: E402
@@ -59,7 +59,7 @@ def test_a_compiled_loss_function_calling_the_model_runs_no_hook_and_compiles_th
     assert watched == plain  # bitwise
     assert counts == plain_counts and counts["graph_breaks"] == 0 and counts["unique_graphs"] == 1
     assert not [m for m in messages if "Dynamo" in m or "trace" in m.lower() and "layerwatch" not in m]
-    said = [m for m in messages if m.startswith("layerwatch")]
+    said = layerwatch_messages(messages)
     assert len(said) == 1 and "runs inside compiled code" in said[0]
     acc = events(tmp_path / "watched")
     assert [e.step for e in acc.Scalars("grads_norm/fc1.weight")] == [0, 3, 6]  # parameter families go on
@@ -73,7 +73,7 @@ def test_a_compiled_optimizer_step_is_not_traced_into(tmp_path, events):
     assert watched == plain
     assert counts == plain_counts and counts["unique_graphs"] == 1
     assert not [m for m in messages if not m.startswith("layerwatch")]  # Dynamo warns of nothing
-    said = [m for m in messages if m.startswith("layerwatch")]
+    said = layerwatch_messages(messages)
     assert len(said) == 1 and "step hooks did not run" in said[0]
     acc = events(tmp_path / "watched")
     assert [e.step for e in acc.Scalars("grads_norm/fc1.weight")] == [0, 3, 6]  # read in step() instead
@@ -85,7 +85,7 @@ def test_a_compiled_model_keeps_the_parameter_families_without_a_recompile(tmp_p
     watched, counts, messages = run(tmp_path / "watched", watch=True, compile_model=True)
     assert watched == plain
     assert counts == plain_counts
-    said = [m for m in messages if m.startswith("layerwatch")]
+    said = layerwatch_messages(messages)
     assert len(said) == 1 and "torch.compile'd" in said[0]
     acc = events(tmp_path / "watched")
     assert [e.step for e in acc.Scalars("weights_norm/_orig_mod.fc1.weight")] == [0, 3, 6]

@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from layerwatch import Inspector, at_steps
-from models import MLP, InPlaceCheckpointed, SharedLayer, train, train_through_scaler_overflow
-from models import hook_count
+from models import InPlaceCheckpointed, MLP, SharedLayer, hook_count, train, train_through_scaler_overflow
 
 NO_TABLE = ("weights", "grads", "latency", "memory", "activations", "nonfinite")  # timed from the first sample
 

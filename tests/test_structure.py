@@ -11,8 +11,7 @@ from torch import nn
 
 from layerwatch import Inspector, summarize
 from layerwatch.cli import main
-from models import MLP, BatchNormNet, FrozenBackbone, InPlaceCheckpointed, SharedLayer, SmallCNN, TiedLM, train
-from models import hook_count
+from models import BatchNormNet, FrozenBackbone, InPlaceCheckpointed, MLP, SHORT_RUN_NOTE, SharedLayer, SmallCNN, TiedLM, hook_count, train
 
 BATCH = 32
 
@@ -422,6 +421,7 @@ def test_table_in_training_with_in_place_ops_and_checkpointing(tmp_path, events)
     model = InPlaceCheckpointed()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message=SHORT_RUN_NOTE)
         with Inspector(model, log_dir=tmp_path, every_n_steps=1) as inspector:
             watched = train(model, 4, inspector, seed=2)
     assert watched == plain

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from layerwatch import Inspector
-from models import train_through_scaler_overflow
-from models import hook_count
+from models import hook_count, layerwatch_messages, train_through_scaler_overflow
 from zoo import CASES, Case
 
 STEPS = 5
@@ -43,7 +42,7 @@ def test_awkward_model(case, tmp_path, events):
         model, optimizers, watched, inspector = run(case, tmp_path)
     assert watched == plain  # bitwise: the same floats
     assert all(hook_count(model, opt) == 0 for opt in optimizers or [torch.optim.SGD([torch.zeros(1)], lr=0)])
-    ours = [str(w.message) for w in seen if str(w.message).startswith("layerwatch")]
+    ours = layerwatch_messages(seen)
     for message in ours:
         assert any(re.search(expected, message) for expected in case.messages), message
     for expected in case.messages:
@@ -95,7 +94,7 @@ def test_awkward_models_through_the_callback(case, tmp_path, events):
         warnings.simplefilter("always")
         watched = fit([InspectCallback(every_n_steps=1)], tmp_path / "watched")
     assert watched.losses == plain.losses
-    assert not [w for w in seen if str(w.message).startswith("layerwatch")]
+    assert not layerwatch_messages(seen)
     assert hook_count(watched, watched.trainer.optimizers) == 0
     acc = events(tmp_path / "watched" / "tb" / "version_0")
     assert len(acc.Scalars("layerwatch/overhead_ms")) == 6 and acc.Tensors("layerwatch/structure/text_summary")

@@ -4,8 +4,8 @@
 on the host) and returns the alerts first seen at that step. The rules, with their
 thresholds in :class:`AlertRules`:
 
-- ``dead``: every gradient of a layer is exactly zero, or a parameter's weights are all
-  zero, for ``dead_samples`` samples in a row.
+- ``dead``: every gradient of a layer is exactly zero, or a trainable parameter's weights
+  are all zero, for ``dead_samples`` samples in a row (a frozen zero bias is not dead).
 - ``stuck``: a trainable parameter that has a non-zero gradient but has never changed between
   samples, for ``stuck_samples`` samples in a row; or that gets no gradient at all for as long.
 - ``exploding`` / ``vanishing``: the median norm of the last ``window`` samples is more
@@ -147,7 +147,7 @@ class HealthMonitor:
         self._nonfinite(step, (("gradients", g_idx, g_rows), ("weights", w_idx, w_rows)), new)
         self._norms(step, "weights", w_idx, w_rows, new)
         self._norms(step, "grads", g_idx, g_rows, new)
-        self._dead(step, w_idx, w_rows, g_idx if grads is not None else None, g_rows, new)
+        self._dead(step, w_idx, w_rows, g_idx if grads is not None else None, g_rows, t_idx, new)
         self._stuck(step, w_idx, w_rows, None if grads is None else (g_idx, g_rows), t_idx, new)
         return new
 
@@ -222,10 +222,13 @@ class HealthMonitor:
         w_rows: np.ndarray,
         g_idx: Optional[np.ndarray],
         g_rows: np.ndarray,
+        t_idx: np.ndarray,
         new: list[Alert],
     ) -> None:
         n = self.rules.dead_samples
-        zero = all_zero(w_rows)
+        trainable = np.zeros(len(self._names), dtype=bool)
+        trainable[t_idx] = True
+        zero = all_zero(w_rows) & trainable[w_idx]  # training cannot revive a frozen weight: not a dead layer
         self._zero_weights[w_idx] = np.where(zero, self._zero_weights[w_idx] + 1, 0)
         for i in np.flatnonzero(self._zero_weights[w_idx] >= n):
             name = self._names[w_idx[i]]
@@ -376,6 +379,18 @@ class HealthCheck:
         new = self.monitor.observe(rec.step, weights=by_name("weights"), grads=grads, trainable=trainable)
         self._count(rec, new)
         return new
+
+    def say_if_too_short(self, samples: int) -> None:
+        """At the end of a run: say when it had too few samples for the window rules to judge."""
+        window = self.monitor.rules.window
+        if 0 < samples < 2 * window:
+            self.failures.warn_once(
+                "too-short",
+                f"layerwatch: this run was sampled {samples} time(s); the exploding and vanishing rules compare the "
+                f"median norm of the last {window} samples with the {window} before, so they need {2 * window} samples "
+                "and could not fire (AlertRules' absolute norm bounds still apply). For a short run, sample more "
+                "often (every_n_steps) or pass alerts=AlertRules(window=...).",
+            )
 
     def report(self, rec: R.StepRecord, kind: str, layer: str, message: str) -> list[Alert]:
         """An alert found outside the rules (the first offender), into the same table."""

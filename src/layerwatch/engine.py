@@ -127,6 +127,7 @@ class Engine:
         self._sentinel: Optional[NonfiniteSentinel] = None
         self._force_sample = False
         self._offender_found = False
+        self._samples_written = 0
         # Wall time of the open step since begin_step, and of recent unsampled steps: a sampled
         # step's cost beyond its neighbours' includes what no timer of ours sees (the module
         # hooks' dispatch in torch, the garbage collector, page faults).
@@ -199,6 +200,8 @@ class Engine:
         """Remove every hook, flush and (if owned) close the writer. Safe to call twice."""
         if self._state == "finished":
             return
+        if self._health is not None and self._state == "running":
+            self._health.say_if_too_short(self._samples_written)
         self._drop_sample()
         self._attached.remove_hooks()
         self._sentinel = None
@@ -365,6 +368,7 @@ class Engine:
             ]
             new_alerts += self._health.judge(rec, host, "grads" in options.families, trainable, stepped)
         rec.scalars[R.OVERHEAD_MS] = 1e3 * self._overhead_s(sample, started)
+        self._samples_written += 1
         writing = time.perf_counter()
         self._emit(rec)
         self._last_write_s = time.perf_counter() - writing
