@@ -374,6 +374,15 @@ def test_unwritable_log_dir_is_refused(tmp_path):
         Inspector(MLP(), log_dir=blocker / "runs")
 
 
+
+@pytest.mark.parametrize("log_dir", ["", "  "])
+def test_an_empty_log_dir_is_refused(tmp_path, log_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=f"log_dir must name a directory, got '{log_dir}'"):
+        Inspector(MLP(), log_dir=log_dir)
+    assert list(tmp_path.iterdir()) == []  # nothing written to the current directory
+
+
 def test_step_before_start_and_after_finish(tmp_path):
     model = MLP()  # held by the test: the inspector only keeps a weak reference
     ins = Inspector(model, log_dir=tmp_path)
@@ -431,3 +440,25 @@ def test_after_a_nan_the_norms_read_nan_not_a_vanished_layer(tmp_path, events):
         assert all(math.isfinite(values[k]) for k in (0, 1)), (tag, values)
         assert all(math.isnan(values[k]) for k in (3, 4)), (tag, values)  # not 0.0, read back from the file
     assert {e.step: e.value for e in acc.Scalars("weights_nonfinite/fc2.weight")}[4] > 0
+
+
+def test_warnings_point_at_the_users_line(tmp_path, monkeypatch):
+    from layerwatch import probes
+    from layerwatch.sinks.tensorboard import TensorBoardSink
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(TensorBoardSink, "write", broken)  # warned from inspector.step()
+    monkeypatch.setattr(probes.RuntimeProbe, "_row", broken)  # warned from a hook inside the forward
+    model = MLP()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Inspector(model, log_dir=tmp_path, every_n_steps=1, alerts=False) as inspector:
+            loss = model(torch.randn(4, 8)).sum()
+            loss.backward()
+            inspector.step()
+    ours = [w for w in seen if str(w.message).startswith("layerwatch")]
+    assert any("could not write" in str(w.message) for w in ours)
+    assert any("runtime probe failed" in str(w.message) for w in ours)
+    assert all(w.filename == __file__ for w in ours), [(w.filename, w.lineno) for w in ours]

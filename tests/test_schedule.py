@@ -62,3 +62,46 @@ def test_schedules_pickle_for_spawned_processes():
     for schedule in (every_n_steps(3), at_steps([1, 5]), windowed(wait=1, active=2, repeat=1), dense_then_every(2, 4)):
         clone = pickle.loads(pickle.dumps(schedule))
         assert sampled(clone) == sampled(schedule) and repr(clone) == repr(schedule)
+
+
+def test_a_schedule_callable_returning_anything_but_a_bool_is_refused_at_the_first_step(tmp_path):
+    import torch
+
+    from layerwatch import Inspector
+
+    with pytest.raises(TypeError, match=r"callable\(forgot_return\) must return a bool.*returned None for step 0"):
+        def forgot_return(step):
+            step % 10 == 0
+
+        Inspector(torch.nn.Linear(2, 2), log_dir=tmp_path, schedule=forgot_return).start()
+
+
+def test_a_schedule_callable_that_raises_is_named_at_the_first_step_and_skipped_later(tmp_path):
+    import warnings
+
+    import torch
+
+    from layerwatch import Inspector
+    from models import MLP, train
+
+    def broken(step):
+        return 1 / 0
+
+    with pytest.raises(ValueError, match=r"schedule callable\(broken\) failed for step 0: ZeroDivisionError"):
+        Inspector(torch.nn.Linear(2, 2), log_dir=tmp_path / "a", schedule=broken).start()
+
+    def breaks_at_3(step):
+        if step == 3:
+            raise KeyError(step)
+        return True
+
+    torch.manual_seed(0)
+    plain = train(MLP(), 5)
+    torch.manual_seed(0)
+    model = MLP()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Inspector(model, log_dir=tmp_path / "b", schedule=breaks_at_3, alerts=False) as inspector:
+            assert train(model, 5, inspector) == plain  # the run goes on, unchanged
+    failures = [str(w.message) for w in seen if "failed for step 3" in str(w.message)]
+    assert len(failures) == 1 and "KeyError(3)" in failures[0]

@@ -299,6 +299,7 @@ def test_summary_command_table_csv_and_json(capsys):
         (["models:Nope", "--input", "2"], "'models' has no attribute 'Nope'"),
         (["models:train", "--input", "2"], "'models:train' failed when called with no arguments"),
         (["models:torch", "--input", "2"], "gave a module, not a torch.nn.Module"),
+        (["raises_on_import:f", "--input", "2"], "importing 'raises_on_import' (from 'raises_on_import:f') raised RuntimeError: no GPU here"),
     ],
 )
 def test_summary_command_usage_errors(argv, message, capsys):

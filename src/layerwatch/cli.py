@@ -163,6 +163,8 @@ def _build(factory: str) -> Any:
         target: Any = importlib.import_module(module_name)
     except ImportError as e:
         raise ValueError(f"cannot import {module_name!r} (from {factory!r}): {e}") from e
+    except Exception as e:  # the module itself failed while being imported
+        raise ValueError(f"importing {module_name!r} (from {factory!r}) raised {type(e).__name__}: {e}") from e
     for part in attribute.split("."):
         if not hasattr(target, part):
             raise ValueError(f"{factory!r}: {getattr(target, '__name__', target)!r} has no attribute {part!r}")

@@ -128,6 +128,7 @@ class Engine:
         self._force_sample = False
         self._offender_found = False
         self._samples_written = 0
+        self._schedule_checked = False
         # Wall time of the open step since begin_step, and of recent unsampled steps: a sampled
         # step's cost beyond its neighbours' includes what no timer of ours sees (the module
         # hooks' dispatch in torch, the garbage collector, page faults).
@@ -235,7 +236,7 @@ class Engine:
         started = self._opened_at = time.perf_counter()
         self._drop_sample()
         self._step = step
-        if not (may_sample and (self._force_sample or self.options.schedule(step))):
+        if not (may_sample and (self._force_sample or self._scheduled(step))):
             return False
         self._force_sample = False
         model = self._model()
@@ -300,6 +301,27 @@ class Engine:
         if is_writer_rank():
             self.failures.run("write the sampled step", lambda: self._write(sample, started, structure, probes), sample.step)
         return sample.step
+
+    def _scheduled(self, step: int) -> bool:
+        """The schedule's answer for ``step``. Its first call is its check: what it raises then
+        is raised, with the schedule named; later it is warned about once and the step is
+        not sampled (a training run is never stopped by it)."""
+        schedule = self.options.schedule
+        if self._schedule_checked:
+            try:
+                return schedule(step)
+            except Exception as e:
+                self.failures.warn_once("schedule", f"layerwatch: schedule {schedule!r} failed for step {step}: {e!r}; "
+                                        "such steps are not sampled")
+                return False
+        try:
+            answer = schedule(step)
+        except TypeError:
+            raise
+        except Exception as e:
+            raise ValueError(f"schedule {schedule!r} failed for step {step}: {type(e).__name__}: {e}") from e
+        self._schedule_checked = True
+        return answer
 
     # ------------------------------------------------------------------ reading
 

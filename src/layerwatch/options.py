@@ -104,6 +104,8 @@ OPTION_NAMES = tuple(inspect.signature(validate_options).parameters)
 
 def writable_dir(log_dir: str | os.PathLike) -> Path:
     """``log_dir``, created if needed; raises ValueError naming it when it cannot be written."""
+    if not isinstance(log_dir, (str, os.PathLike)) or not str(log_dir).strip():
+        raise ValueError(f"log_dir must name a directory, got {log_dir!r}")
     path = Path(log_dir)
     try:
         path.mkdir(parents=True, exist_ok=True)

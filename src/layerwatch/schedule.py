@@ -10,6 +10,8 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable, Iterable, Union
 
+import numpy as np
+
 __all__ = ["Schedule", "every_n_steps", "at_steps", "windowed", "dense_then_every", "as_schedule"]
 
 
@@ -28,7 +30,14 @@ class Schedule:
         self._description = description
 
     def __call__(self, step: int) -> bool:
-        return bool(self._predicate(step))
+        """Whether ``step`` is sampled. Raises TypeError when the predicate returns anything but
+        a bool (``None`` would otherwise silently never sample)."""
+        result = self._predicate(step)
+        if result is True or result is False:
+            return result
+        if isinstance(result, np.bool_):
+            return bool(result)
+        raise TypeError(f"schedule {self!r} must return a bool for a step; it returned {result!r} for step {step}")
 
     def __repr__(self) -> str:
         return self._description

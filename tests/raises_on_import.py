@@ -1,0 +1,3 @@
+"""A factory module whose import fails (for the CLI tests)."""
+
+raise RuntimeError("no GPU here")
