@@ -112,3 +112,44 @@ def test_writer_failing_mid_run_keeps_earlier_samples_and_training(tmp_path, mon
     assert losses == run(5)  # training went on, unchanged
     assert len(layerwatch_messages(record)) == 1  # warned once, then quiet
     assert [e.step for e in events(tmp_path).Scalars("layerwatch/grad_norm")] == [0, 1]  # nothing lost
+
+
+def test_a_full_disk_at_start_is_one_warning_and_training_goes_on(tmp_path, monkeypatch):
+    import torch.utils.tensorboard
+
+    def no_space(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch.utils.tensorboard.SummaryWriter, "__init__", no_space)
+    torch.manual_seed(0)
+    plain = train(MLP(), 4)
+    torch.manual_seed(0)
+    model = MLP()
+    with pytest.warns(RuntimeWarning, match=r"could not open the TensorBoard writer.*No space left on device") as record:
+        with Inspector(model, log_dir=tmp_path, every_n_steps=1) as inspector:
+            assert train(model, 4, inspector) == plain
+    assert len(layerwatch_messages(record)) == 1
+
+
+def test_a_writer_failing_mid_run_prints_no_thread_traceback(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    script = textwrap.dedent(f"""
+        import shutil, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from models import MLP, train
+        from layerwatch import Inspector
+
+        log_dir = {str(tmp_path / "run")!r}
+        model = MLP()
+        with Inspector(model, log_dir=log_dir, every_n_steps=1, alerts=False) as inspector:
+            train(model, 6, inspector, before_step=lambda k: k == 3 and shutil.rmtree(log_dir))
+        print("trained")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "trained" in out.stdout, out.stderr
+    assert "Traceback" not in out.stderr and "Exception in thread" not in out.stderr, out.stderr
+    assert out.stderr.count("RuntimeWarning: layerwatch: could not write") == 1, out.stderr

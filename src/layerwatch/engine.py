@@ -182,10 +182,9 @@ class Engine:
         if is_writer_rank():
             writer = self._writer
             if writer is None:
-                from torch.utils.tensorboard import SummaryWriter
-
-                writer = SummaryWriter(log_dir=None if self.log_dir is None else str(self.log_dir))
-            self._sink = TensorBoardSink(writer, owns_writer=self._writer is None)
+                self.failures.run("open the TensorBoard writer (nothing is written; training goes on)", self._open_writer, 0)
+            else:
+                self._sink = TensorBoardSink(writer, owns_writer=False)
             if self.options.sentinel:
                 self._sentinel = NonfiniteSentinel()
         self._state = "running"
@@ -196,6 +195,12 @@ class Engine:
             layout = R.custom_scalars_layout(names, self.options.stats)
             self._write_with(lambda sink: sink.write_layout(layout), "write the chart layout")
         return self
+
+    def _open_writer(self) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(log_dir=None if self.log_dir is None else str(self.log_dir))
+        self._sink = TensorBoardSink(writer, owns_writer=True)
 
     def finish(self) -> None:
         """Remove every hook, flush and (if owned) close the writer. Safe to call twice."""
