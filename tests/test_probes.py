@@ -344,3 +344,40 @@ def test_a_large_output_with_a_nan_reads_nan_and_keeps_a_histogram_of_its_finite
     hist = acc.Histograms("activations/fc1")[0].histogram_value
     assert math.isfinite(hist.min) and math.isfinite(hist.max) and hist.max == pytest.approx(finite.max())
     assert hist.num == finite.size and hist.sum == pytest.approx(finite.sum(), rel=1e-4, abs=1e-4)
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+
+    def forward(self, x):
+        return x + self.mlp(x)  # a new tensor: the residual stream
+
+
+class ResidualStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(Residual(), Residual())
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def test_the_residual_stream_gets_an_activation_histogram(tmp_path, events):
+    torch.manual_seed(0)
+    model, x = ResidualStack(), torch.randn(16, 8)
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, stats=("mean", "norm"), alerts=False) as inspector:
+        model(x).sum().backward()
+        inspector.step()
+    with torch.no_grad():
+        stream = model.blocks[0](x)
+        out = model.blocks[1](stream)
+    acc = events(tmp_path)
+    tags = acc.Tags()["histograms"]
+    assert {"activations/blocks.0", "activations/blocks.1", "activations/blocks"} <= set(tags)
+    assert scalar(acc, "activations_mean/blocks.0", 0) == pytest.approx(stream.mean().item(), rel=1e-5)
+    assert scalar(acc, "activations_norm/blocks.1", 0) == pytest.approx(out.norm().item(), rel=1e-5)
+    assert scalar(acc, "activations_norm/blocks", 0) == scalar(acc, "activations_norm/blocks.1", 0)  # one reduction, shared
+    assert acc.Histograms("activations/blocks.0")[0].histogram_value.num == stream.numel()

@@ -288,7 +288,6 @@ class RuntimeProbe:
         self._cuda = device.type == "cuda"
         self._clock: Any = _CudaClock() if self._cuda else _HostClock()
         self._traces = [ModuleTrace(probe_name(name)) for name, _ in modules]
-        self._is_leaf = [next(module.children(), None) is None for _, module in modules]
         for trace in self._traces:
             if self._memory:
                 trace.activation_bytes, trace.saved_bytes = 0, 0
@@ -440,9 +439,7 @@ class RuntimeProbe:
                 trace.cuda_alloc_bytes += torch.cuda.memory_allocated() - call.alloc_before
         measured = [t for t in tensors if _is_float(t)]
         if self._activations and first_call and measured:
-            row = self._row(measured, reuse_only=not self._is_leaf[index])
-            if row is not None:
-                self._row_of[index] = row
+            self._row_of[index] = self._row(measured)
         if self._nonfinite:
             self._fwd_events.append((index, call.inputs, [self._flag(t) for t in measured]))
         if self._backward:
@@ -487,15 +484,13 @@ class RuntimeProbe:
         self._remember(t, len(self._flags) - 1, None)
         return len(self._flags) - 1
 
-    def _row(self, tensors: list[torch.Tensor], reuse_only: bool) -> Optional[int]:
+    def _row(self, tensors: list[torch.Tensor]) -> int:
         """A stats row of the values of ``tensors`` together, shared with an identical earlier
-        row; with ``reuse_only`` (a container) only that: None when there is none."""
+        row (a container returning its last child's output)."""
         t = tensors[0]
         seen = self._seen.get(id(t))
         if len(tensors) == 1 and seen is not None and seen[0]() is t and seen[1] == t._version and seen[3] is not None:
             return seen[3]
-        if reuse_only:
-            return None
         values = t if len(tensors) == 1 else torch.cat([S.as_real_values(x) for x in tensors])
         row, flag = self._outputs.add(values)
         if len(tensors) == 1:
