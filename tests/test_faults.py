@@ -5,7 +5,6 @@ import shutil
 
 import pytest
 import torch
-from torch import nn
 
 from layerwatch import Inspector, InspectCallback
 from models import MLP, hook_count, layerwatch_messages, train

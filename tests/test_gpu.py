@@ -8,7 +8,7 @@ import torch
 
 from layerwatch import Inspector
 from layerwatch import stats as S
-from models import MLP, train
+from models import MLP
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

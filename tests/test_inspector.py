@@ -6,7 +6,6 @@ import weakref
 import numpy as np
 import pytest
 import torch
-from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.tensorboard import SummaryWriter
 
