@@ -269,9 +269,13 @@ class Engine:
                 self.failures.run("snapshot weights for update ratios", lambda: self._snapshot(sample, params, key), sample.step)
         sample.overhead_s += time.perf_counter() - started
 
-    def after_optimizer_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+    def after_optimizer_step(self, optimizer: Optional[torch.optim.Optimizer] = None, *, stepped: Optional[bool] = None) -> None:
         """``optimizer`` (every optimizer when None) has stepped: measure the updates of its
-        parameters and read their weights."""
+        parameters and read their weights. ``stepped``, when the caller knows it (call it on
+        every step then): whether the optimizer really stepped (False: a GradScaler skip),
+        counted as :meth:`track_optimizers` counts, without a hook."""
+        if stepped is not None:
+            self._counter.add(stepped)
         sample = self._sample
         if sample is None:
             return

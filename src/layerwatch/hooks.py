@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any, Callable, Optional
 
@@ -67,6 +68,21 @@ def claim(model: nn.Module, engine: Any) -> Optional[Any]:
     _owners[model] = weakref.ref(engine)
     previous_engine = None if previous is None else previous()
     return None if previous_engine is engine else previous_engine
+
+
+def detached(error: Exception) -> Exception:
+    """``error``, kept by a probe to report later, without its traceback or the exception it
+    was raised during: those hold the training loop's frames (the trainer, the batch), which
+    the probe's hooks on the model would keep alive."""
+    error.__traceback__ = error.__context__ = error.__cause__ = None
+    return error
+
+
+def entered_by_its_own_hook(stack_top: Any, this: Any) -> bool:
+    """Whether a module whose forward hook runs now was entered by our pre-hook: not when an
+    earlier pre-hook of the user's raised before ours ran (torch still runs always-call
+    forward hooks then)."""
+    return stack_top is this or sys.exc_info()[1] is None
 
 
 def optimizer_hooks(optimizer: torch.optim.Optimizer, before: Callable[[Any], None], after: Callable[[Any], None]) -> list[Any]:

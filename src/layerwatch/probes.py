@@ -38,7 +38,7 @@ from torch import nn
 
 from layerwatch import stats as S
 from layerwatch.failures import FailurePolicy
-from layerwatch.hooks import is_compiling
+from layerwatch.hooks import detached, entered_by_its_own_hook, is_compiling
 from layerwatch.structure import StructureProbe, Summary, _tensors
 
 ROOT = "(root)"  # the model itself: named_modules() names it ""
@@ -387,7 +387,7 @@ class RuntimeProbe:
         try:
             action(*args)
         except Exception as e:  # a probe must never break the training step
-            self.error = e
+            self.error = detached(e)
             self._stack = []
             self._exit_saved_context()
         self._entered.append(entered if device_mark is None else device_mark)
@@ -422,6 +422,8 @@ class RuntimeProbe:
 
     def _leave(self, index: int, output: Any) -> None:
         if torch._C._current_graph_task_id() != -1:
+            return
+        if not entered_by_its_own_hook(self._stack[-1].index if self._stack else None, index):
             return
         call = self._stack.pop()
         if call.index != index:

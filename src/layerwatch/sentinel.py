@@ -155,6 +155,11 @@ class StepCounter:
 
         self._handles += [optimizer.register_step_post_hook(count) for optimizer in optimizers]
 
+    def add(self, stepped: bool) -> None:
+        """Count one optimizer step the caller saw (or saw skipped), without a hook."""
+        self._count = self._count or [0]
+        self._count[0] += int(stepped)
+
     @property
     def count(self) -> Optional[int]:
         """Optimizer steps so far; None when no optimizer is tracked or a step ran compiled."""

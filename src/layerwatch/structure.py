@@ -27,7 +27,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from layerwatch.hooks import is_compiling
+from layerwatch.hooks import detached, entered_by_its_own_hook, is_compiling
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -421,6 +421,8 @@ class StructureProbe:
         if self._ignored_depth:
             self._ignored_depth -= 1
             return
+        if not entered_by_its_own_hook(self._stack[-1][0] if self._stack else None, layer):
+            return
         entered, flops_at_entry, error_at_entry = self._stack.pop()
         if entered is not layer:
             raise RuntimeError(f"module calls out of order: left {layer.name!r} while in {entered.name!r}")
@@ -442,7 +444,7 @@ class StructureProbe:
         return any(entry[0] is layer for entry in self._stack)
 
     def _fail(self, error: Exception) -> None:
-        self.error = error
+        self.error = detached(error)
         self._stack = []
         self._ignored_depth = 0
         self._close_counter()

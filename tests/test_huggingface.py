@@ -1,0 +1,166 @@
+"""The Hugging Face Trainer front door: tiny models built from configs in code (nothing is
+downloaded), trained on CPU with and without the callback."""
+
+import gc
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from layerwatch.huggingface import InspectTrainerCallback  # noqa: E402
+from models import hook_count, layerwatch_messages  # noqa: E402
+
+VOCAB, SEQ = 128, 16
+
+
+class Tokens(Dataset):
+    def __init__(self, n: int = 64) -> None:
+        self.x = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def tiny(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=2))
+    if kind == "bert":
+        config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                         intermediate_size=128, max_position_embeddings=32)
+        return transformers.BertForMaskedLM(config)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(config)
+
+
+def train(model, out, callbacks=(), *, report_to=("tensorboard",), **kwargs):
+    settings = dict(max_steps=6, per_device_train_batch_size=4, logging_steps=1, save_strategy="no", use_cpu=True,
+                    seed=0, disable_tqdm=True, report_to=list(report_to))
+    settings.update(kwargs)
+    trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(str(out), **settings),
+                                   train_dataset=Tokens(), callbacks=list(callbacks))
+    trainer.train()
+    return trainer, [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def event_dirs(root):
+    return sorted({p.parent for p in root.rglob("events.out.tfevents.*")})
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
+def test_same_losses_and_weights_one_run_and_no_hook_left(kind, tmp_path, events):
+    plain_model = tiny(kind)
+    _, plain = train(plain_model, tmp_path / "plain", gradient_accumulation_steps=2)
+    model = tiny(kind)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer, watched = train(model, tmp_path / "watched", [InspectTrainerCallback(every_n_steps=2)],
+                                 gradient_accumulation_steps=2)
+    assert watched == plain  # bitwise
+    assert all(torch.equal(a, b) for a, b in zip(plain_model.state_dict().values(), model.state_dict().values()))
+    assert hook_count(model, trainer.optimizer.optimizer) == 0
+    assert not layerwatch_messages(seen)
+    (run,) = event_dirs(tmp_path / "watched")  # HF's writer reused: one run
+    acc = events(run)
+    scalars = set(acc.Tags()["scalars"])
+    assert "train/loss" in scalars and "layerwatch/grad_norm" in scalars
+    # optimizer steps 1..6 (accumulation counts only them); k is where HF logs that batch's loss
+    assert [e.step for e in acc.Scalars("layerwatch/grad_norm")] == [2, 4, 6]
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    name = next(t for t in scalars if t.startswith("update_ratio/"))
+    assert [e.step for e in acc.Scalars(name)] == [2, 4, 6]
+    assert any(t.startswith("fwd_ms/") for t in scalars)
+
+
+def test_gradients_are_read_after_hfs_clipping(tmp_path, events):
+    trainer, _ = train(tiny("gpt2"), tmp_path, [InspectTrainerCallback(every_n_steps=1)], max_grad_norm=0.01)
+    (run,) = event_dirs(tmp_path)
+    norms = [e.value for e in events(run).Scalars("layerwatch/grad_norm")]
+    assert len(norms) == 6 and max(norms) <= 0.01 * (1 + 1e-4)
+
+
+def test_without_tensorboard_callback_it_writes_its_own_run_and_says_where(tmp_path, events, capsys):
+    callback = InspectTrainerCallback(every_n_steps=3)
+    train(tiny("gpt2"), tmp_path, [callback], report_to=())
+    assert callback.log_dir == str(tmp_path / "runs" / "layerwatch")
+    assert str(tmp_path / "runs" / "layerwatch") in capsys.readouterr().out
+    assert [e.step for e in events(callback.log_dir).Scalars("layerwatch/grad_norm")] == [3, 6]
+
+
+class Adapted(nn.Module):
+    """A frozen base with zero biases and trainable low-rank adapters (B starts at zero), as
+    PEFT's LoRA builds it, around a tiny GPT-2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = tiny("gpt2")
+        self.base.requires_grad_(False)
+        for block in self.base.transformer.h:
+            nn.init.zeros_(block.mlp.c_fc.bias)
+        self.lora_A = nn.Linear(64, 4, bias=False)
+        self.lora_B = nn.Linear(4, 64, bias=False)
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, input_ids, labels):
+        embeds = self.base.transformer.wte(input_ids)
+        embeds = embeds + self.lora_B(self.lora_A(embeds))
+        return self.base(inputs_embeds=embeds, labels=labels)
+
+
+def test_a_frozen_base_with_adapters_raises_no_alert_and_watches_the_adapters(tmp_path, events):
+    callback = InspectTrainerCallback(every_n_steps=1)
+    train(Adapted(), tmp_path, [callback], max_steps=8, learning_rate=1e-2)
+    assert callback.alerts == []
+    (run,) = event_dirs(tmp_path)
+    acc = events(run)
+    scalars = set(acc.Tags()["scalars"])
+    assert {"grads_norm/lora_A.weight", "grads_norm/lora_B.weight", "update_ratio/lora_B.weight"} <= scalars
+    assert "weights_norm/base.transformer.h.0.mlp.c_fc.bias" in scalars  # frozen: weights, no gradient
+    assert not any(t.startswith("grads_norm/base.") for t in scalars)
+    assert [e.value for e in acc.Scalars("layerwatch/params_frozen")][0] > 0
+
+
+@pytest.mark.parametrize("then", ["drop the trainer", "train again"])
+def test_a_forward_that_raises_on_a_sampled_step_leaves_no_hook_after(tmp_path, then):
+    model = tiny("gpt2")
+    calls = []
+
+    def users_bug(module, args):
+        calls.append(1)
+        if len(calls) == 4:  # the 4th optimizer step's forward, sampled: every probe is armed
+            raise RuntimeError("a shape bug")
+
+    bug = model.transformer.h[1].register_forward_pre_hook(users_bug)
+    args = transformers.TrainingArguments(str(tmp_path), max_steps=6, per_device_train_batch_size=4, save_strategy="no",
+                                          use_cpu=True, seed=0, disable_tqdm=True, report_to=["tensorboard"])
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
+                                   callbacks=[InspectTrainerCallback(every_n_steps=1)])
+    with pytest.raises(RuntimeError, match="a shape bug"):
+        trainer.train()
+    optimizer = trainer.optimizer.optimizer
+    if then == "train again":
+        trainer.train()  # the hook has fired its error; this run completes
+        assert hook_count(model, optimizer) == 1  # the user's own hook only
+    else:
+        del trainer
+        gc.collect()
+        assert hook_count(model, optimizer) == 1
+    bug.remove()
+    assert hook_count(model, optimizer) == 0
+
+
+def test_importing_layerwatch_does_not_import_transformers():
+    code = "import sys, layerwatch; assert 'transformers' not in sys.modules; import layerwatch.huggingface"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
