@@ -164,3 +164,55 @@ def test_importing_layerwatch_does_not_import_transformers():
     code = "import sys, layerwatch; assert 'transformers' not in sys.modules; import layerwatch.huggingface"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def _ddp_rank(rank: int, out: str, port: int) -> None:
+    """One rank of a 2-process CPU DDP run, launched as HF's distributed launch sets it up."""
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    args = transformers.TrainingArguments(out, max_steps=4, per_device_train_batch_size=4, logging_steps=1, save_strategy="no",
+                                          use_cpu=True, seed=0, disable_tqdm=True, report_to=["tensorboard"], max_grad_norm=0)
+    trainer = transformers.Trainer(model=tiny("gpt2"), args=args, train_dataset=Tokens(),
+                                   callbacks=[InspectTrainerCallback(every_n_steps=2)])
+    trainer.train()
+    assert torch.distributed.get_world_size() == 2
+
+
+def test_ddp_on_two_cpu_ranks_rank_zero_writes_the_synchronized_gradients(tmp_path, events):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_rank, args=(str(tmp_path), port), nprocs=2)
+    (run,) = event_dirs(tmp_path)  # one run: rank 0's, in HF's writer
+    acc = events(run)
+    ours = {e.step: e.value for e in acc.Scalars("layerwatch/grad_norm")}
+    hfs = {e.step: e.value for e in acc.Scalars("train/grad_norm")}
+    assert sorted(ours) == [2, 4]
+    for step, value in ours.items():  # the all-reduced gradients, read before the optimizer step
+        assert value == pytest.approx(hfs[step], rel=1e-5)
+
+
+def test_peft_lora_frozen_base_raises_no_alert_and_its_adapters_are_watched(tmp_path, events):
+    peft = pytest.importorskip("peft")
+
+    def lora():
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0)
+        return peft.get_peft_model(tiny("gpt2"), config)
+
+    _, plain = train(lora(), tmp_path / "plain", max_steps=8)
+    callback = InspectTrainerCallback(every_n_steps=1)
+    _, watched = train(lora(), tmp_path / "watched", [callback], max_steps=8)
+    assert watched == plain
+    assert callback.alerts == []
+    (run,) = event_dirs(tmp_path / "watched")
+    scalars = set(events(run).Tags()["scalars"])
+    adapters = [t for t in scalars if t.startswith("grads_norm/") and "lora_" in t]
+    assert adapters and all(".lora_A." in t or ".lora_B." in t for t in adapters)
+    assert not [t for t in scalars if t.startswith("grads_norm/") and "lora_" not in t]  # the base is frozen
+    assert any(t.startswith("weights_norm/") and "c_attn.base_layer.bias" in t for t in scalars)
+    assert any(t.startswith("update_ratio/") and "lora_B" in t for t in scalars)
