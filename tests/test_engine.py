@@ -92,9 +92,10 @@ def test_overhead_ms_counts_the_time_spent_in_the_hooks(tmp_path, events, monkey
     assert all(ms >= 1e3 * slow * modules for ms in reported), reported
 
 
-def test_the_front_doors_use_no_private_member_of_the_engine():
+@pytest.mark.parametrize("adapter", ["lightning.py", "huggingface.py"])
+def test_the_front_doors_use_no_private_member_of_the_engine(adapter):
     """The adapters drive the public protocol: any ``x._name`` on an engine is a defect."""
-    source = Path(__file__).resolve().parents[1] / "src" / "layerwatch" / "lightning.py"
+    source = Path(__file__).resolve().parents[1] / "src" / "layerwatch" / adapter
     tree = ast.parse(source.read_text())
     private = [
         node.attr for node in ast.walk(tree)

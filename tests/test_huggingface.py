@@ -216,3 +216,12 @@ def test_peft_lora_frozen_base_raises_no_alert_and_its_adapters_are_watched(tmp_
     assert not [t for t in scalars if t.startswith("grads_norm/") and "lora_" not in t]  # the base is frozen
     assert any(t.startswith("weights_norm/") and "c_attn.base_layer.bias" in t for t in scalars)
     assert any(t.startswith("update_ratio/") and "lora_B" in t for t in scalars)
+
+
+def test_without_transformers_the_adapter_says_what_to_install():
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "try:\n    import layerwatch.huggingface\nexcept ImportError as e:\n    print(e)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert 'pip install "layerwatch[huggingface]"' in out.stdout, out.stdout + out.stderr
