@@ -81,7 +81,8 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
             Those raised are in :attr:`alerts`, also after ``fit`` returns.
         modules: Restrict the per-module families to modules matching these glob patterns
             (qualified names; the LightningModule itself is ``"(root)"``) or types.
-        sentinel: Check the gradients for NaN/Inf on every step and, on the first hit, log
+        sentinel: Check the gradients for NaN/Inf between samples (on a GPU all of them every
+            step, on the CPU a rotating share) and, on the first hit, log
             ``layerwatch/first_nonfinite_step`` and sample the next step with every probe.
 
     Use one InspectCallback per Trainer: Lightning refuses a second one (or the same
