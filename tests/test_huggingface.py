@@ -132,7 +132,7 @@ def test_a_frozen_base_with_adapters_raises_no_alert_and_watches_the_adapters(tm
 
 
 @pytest.mark.parametrize("then", ["drop the trainer", "train again"])
-def test_a_forward_that_raises_on_a_sampled_step_leaves_no_hook_after(tmp_path, then):
+def test_a_forward_that_raises_on_a_sampled_step_leaves_no_hook(tmp_path, then):
     model = tiny("gpt2")
     calls = []
 
@@ -149,6 +149,7 @@ def test_a_forward_that_raises_on_a_sampled_step_leaves_no_hook_after(tmp_path, 
     with pytest.raises(RuntimeError, match="a shape bug"):
         trainer.train()
     optimizer = trainer.optimizer.optimizer
+    assert hook_count(model, optimizer) == 1 and "forward" not in vars(model)  # at once: the user's own hook only
     if then == "train again":
         trainer.train()  # the hook has fired its error; this run completes
         assert hook_count(model, optimizer) == 1  # the user's own hook only

@@ -22,6 +22,8 @@ def test_a_forward_that_raises_and_no_finish_leaves_nothing_once_the_inspector_i
     assert hook_count(model, opt) > 0
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         model(torch.randn(4, 3))  # the notebook's shape error: no finish(), no with
+    assert hook_count(model, opt) == 3  # at once: only the optimizer's (step hooks, the sentinel's count), until finish
+    assert "forward" not in vars(model)
     del inspector
     gc.collect()
     assert hook_count(model, opt) == 0

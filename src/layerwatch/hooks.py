@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 import weakref
 from typing import Any, Callable, Optional
@@ -68,6 +70,50 @@ def claim(model: nn.Module, engine: Any) -> Optional[Any]:
     _owners[model] = weakref.ref(engine)
     previous_engine = None if previous is None else previous()
     return None if previous_engine is engine else previous_engine
+
+
+class FailedForwardGuard:
+    """``model.forward`` wrapped, as an instance attribute, for one sampled step: when the
+    model's forward raises, ``on_failure`` runs before torch runs the model's always-call
+    forward hooks, so it can remove every hook of the step, the model's own included (from
+    inside those hooks it could not: torch is iterating them). ``remove()`` puts ``forward``
+    back as it was. Traced by Dynamo, the wrapper only calls through."""
+
+    _MISSING = object()
+
+    def __init__(self, model: nn.Module, on_failure: Callable[[], None]) -> None:
+        # Neither the guard nor the wrapper holds the model: a model dropped mid-run is freed.
+        model_ref = weakref.ref(model)
+        previous = model.__dict__.get("forward", self._MISSING)
+
+        @functools.wraps(model.forward)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            target = previous if previous is not FailedForwardGuard._MISSING else type(model_ref()).forward.__get__(model_ref())
+            try:
+                return target(*args, **kwargs)
+            except BaseException:
+                if not is_compiling():
+                    on_failure()
+                raise
+
+        del forward.__wrapped__  # functools.wraps' link to the bound method would hold the model
+        try:
+            forward.__signature__ = inspect.signature(model.forward)  # type: ignore[attr-defined]  # for who inspects it
+        except (TypeError, ValueError):
+            pass
+        forward.layerwatch_previous = previous  # type: ignore[attr-defined]
+        self._model = model_ref
+        self._wrapper = weakref.ref(forward)
+        model.forward = forward
+
+    def remove(self) -> None:
+        model, wrapper = self._model(), self._wrapper()
+        if model is None or wrapper is None or model.__dict__.get("forward") is not wrapper:
+            return  # gone, or replaced since by someone else: theirs stays
+        if wrapper.layerwatch_previous is self._MISSING:
+            del model.forward
+        else:
+            model.forward = wrapper.layerwatch_previous
 
 
 def detached(error: Exception) -> Exception:

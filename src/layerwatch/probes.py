@@ -38,7 +38,7 @@ from torch import nn
 
 from layerwatch import stats as S
 from layerwatch.failures import FailurePolicy
-from layerwatch.hooks import detached, entered_by_its_own_hook, is_compiling
+from layerwatch.hooks import FailedForwardGuard, detached, entered_by_its_own_hook, is_compiling
 from layerwatch.structure import StructureProbe, Summary, _tensors
 
 ROOT = "(root)"  # the model itself: named_modules() names it ""
@@ -277,6 +277,7 @@ class RuntimeProbe:
         self.error: Optional[BaseException] = None
         self.compiled = False  # a hook was traced by Dynamo: the model runs inside compiled code
         self.inert = False  # hooks left in place only so that compiled code keeps its guards
+        self.aborted = False  # the model's forward raised: its hooks are gone, the step is not measured
         self._host_ns = 0
         self._latency = "latency" in families
         self._memory = "memory" in families
@@ -591,6 +592,7 @@ class StepProbes:
         self.runtime_on = any(family in families for family in PROBE_FAMILIES)
         self._structure: Optional[StructureProbe] = None
         self._runtime: Optional[RuntimeProbe] = None
+        self._forward_guard: Optional[FailedForwardGuard] = None
         self._inert: list[Any] = []
         self.workspace = S.Workspace()  # kept from one sampled step to the next
 
@@ -611,6 +613,21 @@ class StepProbes:
             self.failures.run("record the layer table", lambda: self._arm_structure(model), step)
         if self.runtime_on:
             self.failures.run("arm the runtime probes", lambda: self._arm_runtime(model, parameters), step)
+        if self._structure is not None or self._runtime is not None:
+            self.failures.run("guard the forward", lambda: self._guard(model), step)
+
+    def _guard(self, model: nn.Module) -> None:
+        self._forward_guard = FailedForwardGuard(model, self._forward_failed)
+
+    def _forward_failed(self) -> None:
+        """The model's forward raised: nothing of this step stays on the model (the exception
+        may leave the training loop, and nothing may come to disarm the step)."""
+        for probe in (self._structure, self._runtime):
+            if probe is not None:
+                probe.aborted = True
+                probe.remove()
+        if self._forward_guard is not None:
+            self._forward_guard.remove()
 
     def _arm_structure(self, model: nn.Module) -> None:
         self._structure = StructureProbe(model, training_only=True)
@@ -639,10 +656,10 @@ class StepProbes:
 
     def disarm(self) -> None:
         """Remove this step's hooks (not the inert ones)."""
-        for probe in (self._structure, self._runtime):
+        for probe in (self._structure, self._runtime, self._forward_guard):
             if probe is not None:
                 probe.remove()
-        self._structure = self._runtime = None
+        self._structure = self._runtime = self._forward_guard = None
 
     def remove(self) -> None:
         """Remove every hook, the inert ones too (the engine is finishing)."""
@@ -659,8 +676,8 @@ class StepProbes:
         if any(probe.compiled for probe in armed):
             for probe in armed:
                 probe.inert = True
-            self._inert += armed
-            self._structure = self._runtime = None
+            self._inert += armed + [g for g in (self._forward_guard,) if g is not None]  # compiled code is guarded on forward too
+            self._structure = self._runtime = self._forward_guard = None
             self.structure_pending = self.runtime_on = False
             self.failures.warn_once(
                 "compiled-caller",
@@ -678,7 +695,7 @@ class StepProbes:
             elif structure.windows:
                 summary = structure.summary()
                 self.structure_pending = False
-        if runtime is not None:
+        if runtime is not None and not runtime.aborted:
             if runtime.error is None:
                 try:
                     result = runtime.result()
