@@ -18,7 +18,7 @@ torch.set_num_threads(1)
 model = nn.Sequential(nn.Linear(8, 8))
 opt = torch.optim.SGD(model.parameters(), lr=0.0)
 x = torch.randn(2, 8)
-ins = Inspector(model, log_dir="tempfile.mkdtemp()", schedule=at_steps([10**9]), optimizer=opt, sentinel=False, alerts=False).start()
+ins = Inspector(model, log_dir=tempfile.mkdtemp(), schedule=at_steps([10**9]), optimizer=opt, sentinel=False, alerts=False).start()
 def measure(with_ins, n=3000):
     t = time.perf_counter_ns()
     for _ in range(n):
