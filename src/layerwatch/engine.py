@@ -209,7 +209,6 @@ class Engine:
         if self._health is not None and self._state == "running":
             self._health.say_if_too_short(self._samples_written)
         self._drop_sample()
-        self._attached.remove_hooks()
         self._sentinel = None
         self._param_cache = self._sentinel_watching = None
         self._params.release()
@@ -281,11 +280,12 @@ class Engine:
             return
         started = time.perf_counter()
         key = None if optimizer is None else id(optimizer)
-        snapshots = [snap for owner, snap in sample.snapshots if key is None or owner in (key, None)]
+        mine = [key is None or owner in (key, None) for owner, _ in sample.snapshots]
+        snapshots = [snap for (_, snap), taken in zip(sample.snapshots, mine) if taken]
+        sample.snapshots = [entry for entry, taken in zip(sample.snapshots, mine) if not taken]
         params = sample.unread(sample.weights_read, optimizer)
         if snapshots or params:
             sample.after_calls += 1
-        sample.snapshots = [(owner, snap) for owner, snap in sample.snapshots if all(snap is not s for s in snapshots)]
         for snapshot in snapshots:
             self.failures.run("measure updates", lambda: self._measure_update(sample, snapshot), sample.step)
         self._read_weights(sample, params)

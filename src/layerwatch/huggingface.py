@@ -21,7 +21,6 @@ logs it at the global step after the optimizer step).
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from typing import Any, Collection, Optional, Sequence
@@ -42,8 +41,6 @@ except ImportError as e:  # pragma: no cover - exercised by the import test in a
         "layerwatch.huggingface needs Hugging Face transformers and accelerate: "
         'pip install "layerwatch[huggingface]"'
     ) from e
-
-logger = logging.getLogger("layerwatch")
 
 
 class InspectTrainerCallback(TrainerCallback):
@@ -113,8 +110,7 @@ class InspectTrainerCallback(TrainerCallback):
             else:
                 self.log_dir = os.path.join(args.output_dir, "runs", "layerwatch")
                 target = {"log_dir": self.log_dir}
-                logger.warning("layerwatch: no TensorBoardCallback writer (report_to=['tensorboard']); writing to %s", self.log_dir)
-                print(f"layerwatch: writing TensorBoard logs to {self.log_dir}")
+                print(f"layerwatch: no TensorBoardCallback (report_to=['tensorboard']); writing TensorBoard logs to {self.log_dir}")
         self._engine = Engine(model, self._options, **target)
         self._alerts = self._engine.alerts
         self._engine.start()

@@ -277,7 +277,6 @@ class RuntimeProbe:
         self.error: Optional[BaseException] = None
         self.compiled = False  # a hook was traced by Dynamo: the model runs inside compiled code
         self.inert = False  # hooks left in place only so that compiled code keeps its guards
-        self.aborted = False  # the model's forward raised: its hooks are gone, the step is not measured
         self._host_ns = 0
         self._latency = "latency" in families
         self._memory = "memory" in families
@@ -617,17 +616,10 @@ class StepProbes:
             self.failures.run("guard the forward", lambda: self._guard(model), step)
 
     def _guard(self, model: nn.Module) -> None:
-        self._forward_guard = FailedForwardGuard(model, self._forward_failed)
-
-    def _forward_failed(self) -> None:
-        """The model's forward raised: nothing of this step stays on the model (the exception
-        may leave the training loop, and nothing may come to disarm the step)."""
-        for probe in (self._structure, self._runtime):
-            if probe is not None:
-                probe.aborted = True
-                probe.remove()
-        if self._forward_guard is not None:
-            self._forward_guard.remove()
+        # The model's forward raised: nothing of this step stays on the model (the exception
+        # may leave the training loop, and nothing may come to disarm the step), and the step
+        # is not measured.
+        self._forward_guard = FailedForwardGuard(model, self.disarm)
 
     def _arm_structure(self, model: nn.Module) -> None:
         self._structure = StructureProbe(model, training_only=True)
@@ -676,7 +668,9 @@ class StepProbes:
         if any(probe.compiled for probe in armed):
             for probe in armed:
                 probe.inert = True
-            self._inert += armed + [g for g in (self._forward_guard,) if g is not None]  # compiled code is guarded on forward too
+            self._inert += armed
+            if self._forward_guard is not None:  # compiled code is guarded on forward too
+                self._inert.append(self._forward_guard)
             self._structure = self._runtime = self._forward_guard = None
             self.structure_pending = self.runtime_on = False
             self.failures.warn_once(
@@ -695,7 +689,7 @@ class StepProbes:
             elif structure.windows:
                 summary = structure.summary()
                 self.structure_pending = False
-        if runtime is not None and not runtime.aborted:
+        if runtime is not None:
             if runtime.error is None:
                 try:
                     result = runtime.result()

@@ -348,7 +348,6 @@ class StructureProbe:
         self._model = weakref.ref(model)
         self.error: Optional[BaseException] = None
         self.compiled = False  # a hook was traced by Dynamo (see probes.StepProbes)
-        self.aborted = False  # the model's forward raised (see probes.StepProbes)
         self.inert = False
         self.failed_in: Optional[str] = None
         self.windows = 0
