@@ -201,3 +201,22 @@ class InPlaceCheckpointed(nn.Module):
     def forward(self, x):
         h = self.act(self.a(x))
         return self.head(torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False))
+
+
+def tab_values(acc) -> dict[str, dict[int, float]]:
+    """Every per-layer value in the LAYERWATCH tab's data of a run (an ``EventAccumulator``
+    read with ``tensors: 0``): ``{"activation_bytes/fc1": {step: value}}``. It holds the
+    series that are not TensorBoard cards too (bytes; NaN/Inf counts of healthy layers)."""
+    from layerwatch.tensorboard_plugin.metadata import Reader
+
+    reader = Reader()
+    for tag in acc.Tags()["tensors"]:
+        if tag.startswith("layerwatch/") and not tag.endswith("/text_summary"):
+            for event in acc.Tensors(tag):
+                reader.add(event.step, tag, event.tensor_proto)
+    out: dict[str, dict[int, float]] = {}
+    for key in reader.keys():
+        for step, (names, values) in reader.series(key).items():
+            for name, value in zip(names, values.tolist()):
+                out.setdefault(f"{key}/{name}", {})[step] = value
+    return out

@@ -32,8 +32,10 @@ def test_records_interleave_with_the_writers_own_in_one_readable_file(tmp_path):
         sink.write(StepRecord(step, scalars={"weights_norm/fc.weight": float(step)}))
     writer.close()
     loaded = read_events(tmp_path)
-    tags = [(e.step, v.tag) for e in loaded for v in e.summary.value]
+    tags = [(e.step, v.tag) for e in loaded for v in e.summary.value if not v.tag.startswith("layerwatch/")]
     assert tags == [(s, t) for s in range(3) for t in ("train/loss", "weights_norm/fc.weight")]
+    tab = [(e.step, v.tag) for e in loaded for v in e.summary.value if v.tag.startswith("layerwatch/")]
+    assert tab == [(0, "layerwatch/layout")] + [(s, "layerwatch/series/weights_norm") for s in range(3)]
     ours = [e for e in loaded if e.summary.value and e.summary.value[0].tag.startswith("weights")]
     assert [e.summary.value[0].tensor.float_val[0] for e in ours] == [0.0, 1.0, 2.0]  # the loader migrates scalars to tensors
     assert all(e.wall_time > 0 for e in ours)

@@ -10,7 +10,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.tensorboard import SummaryWriter
 
 from layerwatch import Inspector, at_steps
-from models import FrozenBackbone, MLP, NoParams, TiedLM, hook_count, layerwatch_messages, train
+from models import FrozenBackbone, MLP, NoParams, TiedLM, hook_count, layerwatch_messages, tab_values, train
 
 
 class RecordTorchCalls(TorchFunctionMode):
@@ -49,7 +49,11 @@ def test_weights_and_grads_written_and_match_numpy(tmp_path, events):
             a = tensor.numpy().ravel()
             expected = {"mean": a.mean(), "std": a.std(), "min": a.min(), "max": a.max(), "norm": np.linalg.norm(a),
                         "zero_frac": (a == 0).mean(), "nonfinite": 0.0}
+            assert f"{family}_nonfinite/{name}" not in acc.Tags()["scalars"]  # no card while it stays finite
+            assert tab_values(acc)[f"{family}_nonfinite/{name}"] == {0: 0.0, 2: 0.0, 4: 0.0}  # the tab has them
             for stat, value in expected.items():
+                if stat == "nonfinite":
+                    continue
                 got = acc.Scalars(f"{family}_{stat}/{name}")[1]
                 assert got.step == 2
                 assert got.value == pytest.approx(value, rel=1e-4, abs=1e-6), (family, stat, name)
@@ -70,10 +74,16 @@ def test_defaults_write_norms_nonfinite_and_both_histogram_families(tmp_path, ev
     tags = events(tmp_path).Tags()
     families = {t.split("/")[0] for t in tags["scalars"] + tags["histograms"]}
     assert families == {
-        "weights", "grads", "weights_norm", "grads_norm", "weights_nonfinite", "grads_nonfinite", "layerwatch",
-        "activations", "activations_norm", "activations_nonfinite",  # per module, like the parameter families
-        "fwd_ms", "bwd_ms", "activation_bytes", "saved_bytes", "nonfinite",
+        "weights", "grads", "weights_norm", "grads_norm", "layerwatch",
+        "activations", "activations_norm",  # per module, like the parameter families
+        "fwd_ms", "bwd_ms",
     }
+    # Not cards in a healthy run: the NaN/Inf counts (run-wide ones are) and the bytes; the tab has them.
+    assert {"layerwatch/weights_nonfinite", "layerwatch/grads_nonfinite", "layerwatch/activations_nonfinite",
+            "layerwatch/nonfinite_modules"} <= set(tags["scalars"])
+    tab_families = {t.split("/")[0] for t in tab_values(events(tmp_path))}
+    assert {"weights_nonfinite", "grads_nonfinite", "activations_nonfinite", "nonfinite", "activation_bytes",
+            "saved_bytes", "grads_norm", "fwd_ms"} <= tab_families
 
 
 def test_one_event_per_sampled_step(tmp_path):
@@ -283,22 +293,44 @@ def test_missing_gradients_are_explained_once(tmp_path):
     assert len(layerwatch_messages(record)) == 1
 
 
-def test_custom_scalars_layout_groups_each_layer(tmp_path, events):
+def test_custom_scalars_charts_compare_layers_in_one_unit(tmp_path, events):
+    import re
+
     from tensorboard.plugins.custom_scalar import layout_pb2
 
     model = MLP()
-    with Inspector(model, log_dir=tmp_path, every_n_steps=1) as ins:
-        train(model, 1, ins)
-    tensor = events(tmp_path).Tensors("custom_scalars__config__")[0].tensor_proto
-    layout = layout_pb2.Layout.FromString(tensor.string_val[0])
-    charts = {c.title: c.multiline.tag[0] for cat in layout.category for c in cat.chart}
-    assert set(charts) == {"fc1", "fc2"}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, optimizer=opt) as ins:
+        train(model, 2, ins, optimizer=opt)
+    acc = events(tmp_path)
+    layout = layout_pb2.Layout.FromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    charts = {cat.title: {c.title: c.multiline.tag[0] for c in cat.chart} for cat in layout.category}
+    assert list(charts) == [f"layerwatch: {s}" for s in ("weights_norm", "grads_norm", "update_ratio", "fwd_ms", "bwd_ms")]
+    scalars = acc.Tags()["scalars"]
+    for category, by_title in charts.items():
+        series = category.removeprefix("layerwatch: ")
+        (regex,) = by_title.values()  # a small model: one chart holds every layer
+        matched = sorted(t for t in scalars if re.match(regex, t))
+        assert matched and {t.split("/")[0] for t in matched} == {series}  # one unit per chart
+        assert matched == sorted(t for t in scalars if t.startswith(series + "/"))
+
+
+def test_a_large_block_is_split_into_charts_that_do_not_overlap():
+    from layerwatch.record import CHART_SERIES, custom_scalars_layout
+
+    params = [f"layers.{i}.linear{j}.{p}" for i in range(12) for j in (1, 2) for p in ("weight", "bias")]
+    modules = ["(root)", "layers"] + [f"layers.{i}" for i in range(12)] + [f"layers.{i}.linear{j}" for i in range(12) for j in (1, 2)]
+    layout = custom_scalars_layout(params, modules, ("grads", "latency"), ("norm", "nonfinite"))
+    assert set(layout) == {"layerwatch: grads_norm", "layerwatch: fwd_ms", "layerwatch: bwd_ms"}
     import re
 
-    scalars = events(tmp_path).Tags()["scalars"]
-    assert sorted(t for t in scalars if re.match(charts["fc1"], t)) == sorted(
-        f"{fam}_{stat}/fc1.{p}" for fam in ("weights", "grads") for stat in ("norm", "nonfinite") for p in ("weight", "bias")
-    )
+    for category, series_names in (("grads_norm", params), ("fwd_ms", modules)):
+        tags = [f"{category}/{n}" for n in series_names]
+        charts = layout[f"layerwatch: {category}"]
+        assert "layers.1" in charts and "layers.10" in charts
+        placed = [t for _, (_, [regex]) in charts.items() for t in tags if re.match(regex, t)]
+        assert sorted(placed) == sorted(tags)  # every layer in exactly one chart
+        assert all(sum(1 for t in tags if re.match(regex, t)) <= CHART_SERIES for _, [regex] in charts.values())
 
 
 def test_state_dict_resumes_the_schedule(tmp_path, events):
@@ -401,7 +433,7 @@ def test_histograms_can_be_turned_off_and_families_chosen(tmp_path, events):
         train(model, 1, ins)
     tags = events(tmp_path).Tags()
     assert tags["histograms"] == []
-    assert {t.split("/")[0] for t in tags["scalars"]} == {"grads_norm", "grads_nonfinite", "layerwatch"}
+    assert {t.split("/")[0] for t in tags["scalars"]} == {"grads_norm", "layerwatch"}
 
 
 def test_a_failing_writer_is_warned_once_and_training_goes_on(tmp_path, monkeypatch, events):

@@ -9,14 +9,19 @@ import torch
 from torch import nn
 
 from layerwatch import Inspector, at_steps
-from models import InPlaceCheckpointed, MLP, SharedLayer, hook_count, train, train_through_scaler_overflow
+from models import InPlaceCheckpointed, MLP, SharedLayer, hook_count, tab_values, train, train_through_scaler_overflow
 
 NO_TABLE = ("weights", "grads", "latency", "memory", "activations", "nonfinite")  # timed from the first sample
 
 
 def scalar(acc, tag: str, step: int) -> float:
-    (value,) = [e.value for e in acc.Scalars(tag) if e.step == step]
-    return value
+    """A value at ``step``: from its card, or from the LAYERWATCH tab's data (the byte series,
+    and the NaN/Inf series of a layer that has not been non-finite, are not cards)."""
+    card = [e.value for e in acc.Scalars(tag) if e.step == step] if tag in acc.Tags()["scalars"] else []
+    if card:
+        (value,) = card
+        return value
+    return tab_values(acc)[tag][step]
 
 
 class Poison(nn.Module):
@@ -215,7 +220,7 @@ def test_modules_restricts_the_probes(modules, expected, tmp_path, events):
     model = MLP()
     with Inspector(model, log_dir=tmp_path, every_n_steps=1, modules=modules) as inspector:
         train(model, 1, inspector)
-    probed = {t.split("/", 1)[1] for t in events(tmp_path).Tags()["scalars"] if t.startswith("activation_bytes/")}
+    probed = {t.split("/", 1)[1] for t in tab_values(events(tmp_path)) if t.startswith("activation_bytes/")}
     assert probed == expected
 
 
@@ -234,7 +239,8 @@ def test_families_off_arm_no_module_hook(tmp_path, events):
             assert hook_count(model, opt) == 0
             train(model, 1, optimizer=opt)
             inspector.step()
-    families = {t.split("/")[0] for t in events(tmp_path).Tags()["scalars"]}
+    acc = events(tmp_path)
+    families = {t.split("/")[0] for t in [*acc.Tags()["scalars"], *tab_values(acc)]}
     assert families.isdisjoint({"fwd_ms", "bwd_ms", "activation_bytes", "saved_bytes", "nonfinite", "activations_norm"})
 
 
@@ -242,7 +248,8 @@ def test_only_latency_still_times_every_level(tmp_path, events):
     model = MLP()
     with Inspector(model, log_dir=tmp_path, every_n_steps=1, families=("latency",)) as inspector:
         train(model, 2, inspector)
-    tags = events(tmp_path).Tags()["scalars"]
+    acc = events(tmp_path)
+    tags = [*acc.Tags()["scalars"], *tab_values(acc)]
     assert {"fwd_ms/(root)", "fwd_ms/fc1", "bwd_ms/fc1", "bwd_ms/(root)"} <= set(tags)
     assert not any(t.startswith(("activation_bytes/", "nonfinite/", "activations_")) for t in tags)
 
@@ -253,7 +260,7 @@ def test_the_layer_table_step_leaves_out_times_only(tmp_path, events):
         train(model, 2, inspector)
     acc = events(tmp_path)
     assert [e.step for e in acc.Scalars("fwd_ms/fc1")] == [1]  # step 0 ran under FlopCounterMode
-    assert [e.step for e in acc.Scalars("activation_bytes/fc1")] == [0, 1]
+    assert sorted(tab_values(acc)["activation_bytes/fc1"]) == [0, 1]
 
 
 def test_validation_forwards_are_not_probed(tmp_path, events):
@@ -310,7 +317,8 @@ def test_the_callback_probes_modules_of_the_lightning_module(tmp_path, events):
     torch.manual_seed(0)
     callback = InspectCallback(every_n_steps=2, modules=["net.*"])
     make_trainer(tmp_path, [callback], max_steps=5).fit(LitMLP())
-    tags = set(events(tmp_path / "tb" / "version_0").Tags()["scalars"])
+    acc = events(tmp_path / "tb" / "version_0")
+    tags = {*acc.Tags()["scalars"], *tab_values(acc)}
     assert {"fwd_ms/net.0", "bwd_ms/net.2", "saved_bytes/net.1", "nonfinite/net.0"} <= tags
     assert not any(t.endswith("/(root)") or t.endswith("/net") for t in tags)  # not matched by "net.*"
 

@@ -1,30 +1,44 @@
 """layerwatch: watch the inside of a PyTorch model while it trains, in TensorBoard."""
 
-from layerwatch.alerts import Alert, AlertRules
-from layerwatch.inspector import Inspector
-from layerwatch.schedule import Schedule, at_steps, dense_then_every, every_n_steps, windowed
-from layerwatch.structure import Summary, summarize
+from __future__ import annotations
 
-__all__ = [
-    "Inspector",
-    "InspectCallback",
-    "summarize",
-    "Summary",
-    "AlertRules",
-    "Alert",
-    "Schedule",
-    "every_n_steps",
-    "at_steps",
-    "windowed",
-    "dense_then_every",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from layerwatch.alerts import Alert, AlertRules
+    from layerwatch.inspector import Inspector
+    from layerwatch.lightning import InspectCallback
+    from layerwatch.schedule import Schedule, at_steps, dense_then_every, every_n_steps, windowed
+    from layerwatch.structure import Summary, summarize
+
+# Where each public name lives. They are imported when first asked for: TensorBoard imports
+# this package to load the LAYERWATCH tab and should not pay for torch (or Lightning) then.
+_HOMES = {
+    "Inspector": "layerwatch.inspector",
+    "InspectCallback": "layerwatch.lightning",
+    "summarize": "layerwatch.structure",
+    "Summary": "layerwatch.structure",
+    "AlertRules": "layerwatch.alerts",
+    "Alert": "layerwatch.alerts",
+    "Schedule": "layerwatch.schedule",
+    "every_n_steps": "layerwatch.schedule",
+    "at_steps": "layerwatch.schedule",
+    "windowed": "layerwatch.schedule",
+    "dense_then_every": "layerwatch.schedule",
+}
+__all__ = list(_HOMES)
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):
-    # InspectCallback imports Lightning; only pay for that when it is asked for.
-    if name == "InspectCallback":
-        from layerwatch.lightning import InspectCallback
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'layerwatch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
 
-        return InspectCallback
-    raise AttributeError(f"module 'layerwatch' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -43,7 +43,7 @@ from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import Attachments, claim
 from layerwatch.options import Options, writable_dir
 from layerwatch.params import ParameterFamilies, Piece, Snapshot, parameters
-from layerwatch.probes import ProbeResult, StepProbes
+from layerwatch.probes import ProbeResult, StepProbes, probe_name, select_modules
 from layerwatch.sentinel import Finding, NonfiniteSentinel, StepCounter
 from layerwatch.sinks.tensorboard import TensorBoardSink
 from layerwatch.structure import Summary
@@ -191,9 +191,11 @@ class Engine:
         names = [name for name, _ in parameters(self._model())]
         if not names:
             self.failures.warn_once("no-params", "layerwatch: the model has no parameters; there is nothing to log")
-        elif self._sink is not None and self.options.stats and any(f in self.options.families for f in R.TENSOR_FAMILIES):
-            layout = R.custom_scalars_layout(names, self.options.stats)
-            self._write_with(lambda sink: sink.write_layout(layout), "write the chart layout")
+        if self._sink is not None:
+            modules = [probe_name(name) for name, _ in select_modules(self._model(), self.options.modules)]
+            layout = R.custom_scalars_layout(names, modules, self.options.families, self.options.stats)
+            if layout:
+                self._write_with(lambda sink: sink.write_layout(layout), "write the chart layout")
         return self
 
     def _open_writer(self) -> None:
@@ -387,6 +389,7 @@ class Engine:
             if probes.offender is not None and not self._offender_found:
                 self._offender_found = True  # raised before the rules, whose alert on the same layer says less
                 rec.texts[R.FIRST_OFFENDER] = probes.offender.describe(rec.step)
+                rec.offender = probes.offender
                 message = "first offender: " + rec.texts[R.FIRST_OFFENDER]
                 if self._health is None:
                     new_alerts.append(Alert("nonfinite", probes.offender.name, rec.step, message))
@@ -399,6 +402,7 @@ class Engine:
             ]
             new_alerts += self._health.judge(rec, host, "grads" in options.families, trainable, stepped)
         rec.scalars[R.OVERHEAD_MS] = 1e3 * self._overhead_s(sample, started)
+        rec.alerts = new_alerts
         self._samples_written += 1
         writing = time.perf_counter()
         self._emit(rec)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from layerwatch import stats as S
-from layerwatch.probes import PROBE_FAMILIES, ProbeResult
+from layerwatch.probes import PROBE_FAMILIES, Offender, ProbeResult
 from layerwatch.stats import Histogram
 from layerwatch.structure import Summary
 
@@ -36,6 +36,15 @@ FIRST_NONFINITE_STEP = "layerwatch/first_nonfinite_step"
 
 # Per-module scalars of the runtime probes, tagged <field>/<module> after the ModuleTrace field.
 MODULE_SCALARS = ("fwd_ms", "bwd_ms", "activation_bytes", "saved_bytes", "cuda_alloc_bytes", "nonfinite")
+
+# Per-layer series kept out of TensorBoard's cards (see CardFilter); the LAYERWATCH tab has them.
+BYTE_SERIES = ("activation_bytes", "saved_bytes")
+NONFINITE_SERIES = ("weights_nonfinite", "grads_nonfinite", "activations_nonfinite", "nonfinite")
+
+
+def nonfinite_total_tag(family: str) -> str:
+    """The run-wide count of NaN/Inf values of a tensor family: ``layerwatch/grads_nonfinite``."""
+    return f"{RUN_WIDE}{family}_nonfinite"
 
 
 def stat_prefix(family: str, stat: str) -> str:
@@ -68,6 +77,8 @@ class StepRecord:
     scalars: dict[str, float] = field(default_factory=dict)
     histograms: dict[str, Histogram] = field(default_factory=dict)
     texts: dict[str, str] = field(default_factory=dict)
+    alerts: list = field(default_factory=list)  # the alerts.Alert raised at this step
+    offender: Optional[Offender] = None  # the first offender, at the step it was found
 
     def add_structure(self, summary: Summary) -> None:
         """The layer table as text (a Markdown code block keeps it aligned) and its totals."""
@@ -101,6 +112,8 @@ class StepRecord:
         for stat, values in S.scalar_stats(rows, stats).items():
             for name, value in zip(names, values.tolist()):
                 self.scalars[stat_tag(family, stat, name)] = value
+            if stat == "nonfinite":
+                self.scalars[nonfinite_total_tag(family)] = float(values.sum())
         if bins:
             for name, hist in zip(names, S.histograms(rows, bins)):
                 if hist is not None:
@@ -121,23 +134,86 @@ class StepRecord:
             self.scalars[update_ratio_tag(name)] = ratio
 
 
+class CardFilter:
+    """Which of a step's scalars become TensorBoard cards (every one still reaches the
+    LAYERWATCH tab's data).
+
+    A 12-layer transformer writes ~1,900 cards at the defaults, and most of them would say
+    nothing: the per-layer NaN/Inf counts, zero in a healthy run, and the byte series,
+    constant for fixed shapes. So a layer's NaN/Inf scalars become cards from the first
+    sample where any of them is non-zero (and stay), beside the run-wide counts written at
+    every sample; the byte series stay in the tab (and the layer table's output bytes).
+    """
+
+    def __init__(self) -> None:
+        self._nonfinite_layers: set[str] = set()
+
+    def __call__(self, scalars: dict[str, float]) -> dict[str, float]:
+        out = {}
+        quiet: dict[str, float] = {}
+        for tag, value in scalars.items():
+            series, _, name = tag.partition("/")
+            if series in BYTE_SERIES:
+                continue
+            if series in NONFINITE_SERIES:
+                quiet[tag] = value
+                if value:
+                    self._nonfinite_layers.add(name)
+                continue
+            out[tag] = value
+        out.update((tag, v) for tag, v in quiet.items() if tag.partition("/")[2] in self._nonfinite_layers)
+        return out
+
+
 def owner(param_name: str) -> str:
     """The module that owns a parameter: ``"blocks.0.mlp.weight"`` -> ``"blocks.0.mlp"``."""
     return param_name.rpartition(".")[0]
 
 
-def custom_scalars_layout(param_names: Sequence[str], stats: Sequence[str]) -> dict:
-    """A custom-scalars layout: one chart per layer holding its weight and gradient stats.
+CHART_SERIES = 12  # a Custom Scalars chart holds at most about this many lines
 
-    Categories are the model's top-level children; each chart matches the stats of
-    the layer's own parameters (weights and biases, weights and grads) by an anchored
-    regex, so ``layers.1`` never picks up ``layers.10``.
+
+def custom_scalars_layout(
+    param_names: Sequence[str], module_names: Sequence[str], families: Sequence[str], stats: Sequence[str]
+) -> dict:
+    """A Custom Scalars layout that compares layers, one unit per chart.
+
+    One category per per-layer series (``layerwatch: grads_norm``, ``layerwatch: fwd_ms``, ...),
+    and in it one chart per block of the model: a name prefix holding at most
+    ``CHART_SERIES`` layers (a larger block is split by its children). Each chart matches its
+    tags with an anchored regex, so ``layers.1`` never picks up ``layers.10``. NaN/Inf counts
+    and bytes are left out: they are not cards (:class:`CardFilter`).
     """
-    stat_group = "|".join(stats)
+    series: list[tuple[str, Sequence[str]]] = []
+    for family in TENSOR_FAMILIES:
+        if family in families:
+            series += [(stat_prefix(family, stat), param_names) for stat in stats if stat != "nonfinite"]
+    if "updates" in families:
+        series.append((update_ratio_tag(""), param_names))
+    if "latency" in families:
+        series += [(module_prefix("fwd_ms"), module_names), (module_prefix("bwd_ms"), module_names)]
     layout: dict[str, dict[str, list]] = {}
-    for module in dict.fromkeys(owner(n) for n in param_names):
-        category = f"layerwatch: {module.split('.')[0] or '(root)'}"
-        prefix = re.escape(f"{module}.") if module else ""
-        regex = rf"^(weights|grads)_({stat_group})/{prefix}[^.]+$"
-        layout.setdefault(category, {})[module or "(root)"] = ["Multiline", [regex]]
-    return layout
+    for prefix, names in series:
+        charts = layout.setdefault(f"layerwatch: {prefix[:-1]}", {})
+        for block, exact in chart_blocks(names):
+            end = "$" if exact else (r"(\.|$)" if block else "")
+            charts[block or "(root)"] = ["Multiline", [f"^{re.escape(prefix + block)}{end}"]]
+    return {category: charts for category, charts in layout.items() if charts}
+
+
+def chart_blocks(names: Sequence[str], prefix: str = "") -> list[tuple[str, bool]]:
+    """``(prefix, exact)`` pairs, in model order, that split ``names`` into groups of at most
+    ``CHART_SERIES``: a group is the names under ``prefix``, or ``prefix`` alone when ``exact``
+    (a block's own name, split off from its children)."""
+    if len(names) <= CHART_SERIES:
+        return [(prefix, False)] if names else []
+    children: dict[str, list[str]] = {}
+    for name in names:
+        head = name if name == prefix else (name[len(prefix) + 1 :] if prefix else name).split(".", 1)[0]
+        children.setdefault(name if name == prefix else (f"{prefix}.{head}" if prefix else head), []).append(name)
+    if list(children) == [prefix]:
+        return [(prefix, False)]
+    return [
+        block for child, group in children.items()
+        for block in ([(child, True)] if child == prefix else chart_blocks(group, child))
+    ]

@@ -9,8 +9,12 @@ as the rest of what the writer holds; without the C CRC it goes through the writ
 ``add_event`` and is flushed, so its pure-Python CRC runs in the sampled step and not in the
 steps after it.
 
-Any other writer with the ``SummaryWriter`` interface (e.g. tensorboardX) gets the same data
-value by value through its public methods (texts only if it has ``add_text``).
+Not every scalar becomes a card (:class:`~layerwatch.record.CardFilter`); all of them, with
+the step's alerts, go into the same event as the LAYERWATCH tab's compact data
+(:mod:`layerwatch.sinks.plugin_data`).
+
+Any other writer with the ``SummaryWriter`` interface (e.g. tensorboardX) gets the same cards
+value by value through its public methods (texts only if it has ``add_text``), and no tab data.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from tensorboard.compat.proto.event_pb2 import Event
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard import summary as builders
 
-from layerwatch.record import StepRecord
+from layerwatch.record import CardFilter, StepRecord
 from layerwatch.sinks import events
+from layerwatch.sinks.plugin_data import PluginData
 from layerwatch.stats import Histogram
 
 
@@ -37,16 +42,19 @@ class TensorBoardSink:
         self.owns_writer = owns_writer
         self._batched = isinstance(writer, SummaryWriter)
         self._tag_fields: dict[str, bytes] = {}
+        self._cards = CardFilter()
+        self._plugin = PluginData()
 
     def write(self, record: StepRecord) -> None:
+        scalars = self._cards(record.scalars)
         if self._batched:
-            summary = encode_summary(record, self._tag_fields)
+            summary = encode_summary(record, self._tag_fields, scalars) + self._plugin.encode(record)
             if events.append(self.writer, [events.event(time.time(), record.step, summary)]):
                 return
             event = Event.FromString(events.field(5, summary))  # Event.summary
             self.writer._get_file_writer().add_event(event, record.step)
         else:
-            for tag, v in record.scalars.items():
+            for tag, v in scalars.items():
                 self.writer.add_scalar(tag, v, record.step)
             for tag, h in record.histograms.items():
                 self.writer.add_histogram_raw(
@@ -82,18 +90,19 @@ class TensorBoardSink:
 _HISTO_HEAD = struct.Struct("<BdBdBdBdBd")
 
 
-def encode_summary(record: StepRecord, tag_fields: dict[str, bytes] | None = None) -> bytes:
-    """The serialized ``Summary`` holding all of ``record``'s scalars, histograms and texts.
+def encode_summary(
+    record: StepRecord, tag_fields: dict[str, bytes] | None = None, scalars: dict[str, float] | None = None
+) -> bytes:
+    """The serialized ``Summary`` holding ``record``'s scalars (or ``scalars``), histograms and texts.
 
     Texts are rare (the layer table, once), so they are built by torch's own builder;
     serialized ``Summary`` messages concatenate into one. ``tag_fields`` caches each tag's
     encoded field between calls (the same tags come back every sampled step).
     """
     cache = {} if tag_fields is None else tag_fields
-    floats = np.asarray(list(record.scalars.values()), dtype="<f4").tobytes()
-    values = [
-        _value(cache, tag, b"\x15" + floats[4 * i : 4 * i + 4]) for i, tag in enumerate(record.scalars)
-    ]
+    scalars = record.scalars if scalars is None else scalars
+    floats = np.asarray(list(scalars.values()), dtype="<f4").tobytes()
+    values = [_value(cache, tag, b"\x15" + floats[4 * i : 4 * i + 4]) for i, tag in enumerate(scalars)]
     values += [_value(cache, tag, events.field(5, _encode_histogram(h))) for tag, h in record.histograms.items()]
     values += [builders.text(tag, text).SerializeToString() for tag, text in record.texts.items()]
     return b"".join(values)

@@ -1,0 +1,96 @@
+"""The LAYERWATCH tab's data: compact per-step summaries under the plugin's own name.
+
+A model of 1,000 layers writes thousands of scalar tags; listing and reading them one by one
+is what makes TensorBoard slow on such runs. So each sampled step also writes a few tensors
+owned by the ``layerwatch`` plugin, which TensorBoard's data provider reads (the Python
+reader, ``--load_fast`` and the Rust data server alike). The format is in
+:mod:`layerwatch.tensorboard_plugin.metadata`, with its reader.
+
+Every value of the step is here, including the ones that do not become TensorBoard cards
+(:class:`~layerwatch.record.CardFilter`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+import numpy as np
+from tensorboard.compat.proto import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+
+from layerwatch import record as R
+from layerwatch.tensorboard_plugin.metadata import EVENTS, LAYOUT, PLUGIN_NAME, SERIES
+
+
+_METADATA = summary_pb2.SummaryMetadata(
+    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name=PLUGIN_NAME, content=b"1"),
+    data_class=summary_pb2.DATA_CLASS_TENSOR,
+)
+
+
+def per_layer_series(scalars: dict[str, float]) -> dict[str, tuple[list[str], list[float]]]:
+    """The step's per-layer scalars by series: ``{"grads_norm": (names, values)}``, in the
+    record's (model) order. Run-wide tags and ``calls/`` (written only above 1) are left out."""
+    out: dict[str, tuple[list[str], list[float]]] = {}
+    for tag, value in scalars.items():
+        series, _, name = tag.partition("/")
+        if not name or tag.startswith(R.RUN_WIDE) or series == "calls":
+            continue
+        names, values = out.setdefault(series, ([], []))
+        names.append(name)
+        values.append(value)
+    return out
+
+
+class PluginData:
+    """Encodes records for the tab; remembers the last layout written so it is written again
+    only when it changes."""
+
+    def __init__(self) -> None:
+        self._layout: Optional[dict[str, list[str]]] = None
+
+    def encode(self, record: R.StepRecord) -> bytes:
+        """Serialized ``Summary.Value`` entries (they concatenate into the step's ``Summary``)."""
+        series = per_layer_series(record.scalars)
+        layout = {key: names for key, (names, _) in series.items()}
+        values = []
+        if layout and layout != self._layout:
+            self._layout = layout
+            values.append(_string(LAYOUT, json.dumps({"series": layout})))
+        values += [_floats(SERIES + key, vals) for key, (_, vals) in series.items()]
+        values += [_string(EVENTS + key, json.dumps(event)) for key, event in record_events(record).items()]
+        return summary_pb2.Summary(value=values).SerializeToString()
+
+
+def record_events(record: R.StepRecord) -> dict[str, Any]:
+    """The alerts, first offender and first non-finite step that appear in ``record``."""
+    events: dict[str, Any] = {}
+    if record.alerts:
+        events["alerts"] = [
+            {"kind": a.kind, "layer": a.name, "step": a.step, "message": a.message} for a in record.alerts
+        ]
+    if record.offender is not None:
+        events["first_offender"] = {
+            "layer": record.offender.name, "step": record.step, "phase": record.offender.phase,
+            "text": record.offender.describe(record.step),
+        }
+    if R.FIRST_NONFINITE_STEP in record.scalars:
+        events["first_nonfinite_step"] = int(record.scalars[R.FIRST_NONFINITE_STEP])
+    return events
+
+
+def _floats(tag: str, values: list[float]) -> summary_pb2.Summary.Value:
+    array = np.asarray(values, dtype="<f4")
+    tensor = tensor_pb2.TensorProto(
+        dtype=types_pb2.DT_FLOAT,
+        tensor_shape=tensor_shape_pb2.TensorShapeProto(dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=array.size)]),
+        tensor_content=array.tobytes(),
+    )
+    return summary_pb2.Summary.Value(tag=tag, metadata=_METADATA, tensor=tensor)
+
+
+def _string(tag: str, text: str) -> summary_pb2.Summary.Value:
+    tensor = tensor_pb2.TensorProto(
+        dtype=types_pb2.DT_STRING, tensor_shape=tensor_shape_pb2.TensorShapeProto(), string_val=[text.encode()]
+    )
+    return summary_pb2.Summary.Value(tag=tag, metadata=_METADATA, tensor=tensor)

@@ -1,0 +1,271 @@
+"""The LAYERWATCH tab's backend: JSON routes over TensorBoard's data provider.
+
+Everything is read through the data provider (so the Python reader, ``--load_fast`` and the
+Rust data server all work): the tab's own compact tensors (:mod:`.metadata`) for the
+heatmaps, rankings and markers, and the histograms plugin's data for a layer's histograms.
+A run's series are read once per change of the run (TensorBoard reports each tag's last step
+and wall time) and kept.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import threading
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import werkzeug
+from tensorboard import plugin_util
+from tensorboard.data import provider
+from tensorboard.plugins import base_plugin
+from werkzeug import exceptions, wrappers
+
+from layerwatch import rankings
+from layerwatch.tensorboard_plugin.metadata import EVENTS, LAYOUT, PLUGIN_NAME, SERIES, Reader
+
+STATIC = Path(__file__).parent / "static"
+_ALL = 10**9  # downsample to this many: all (the loader asks TensorBoard to keep every sample)
+
+# How each series is shown: label, unit, default colour scale, and how a collapsed block's row
+# is made from its children when the block has no row of its own.
+_STATS: dict[str, tuple[str, str, str, str]] = {
+    "grads_norm": ("gradient norm", "L2 norm", "log", "rss"),
+    "weights_norm": ("weight norm", "L2 norm", "log", "rss"),
+    "update_ratio": ("update ratio", "‖Δw‖ / ‖w‖ per step", "log", "max"),
+    "fwd_ms": ("forward time", "ms", "log", "sum"),
+    "bwd_ms": ("backward time", "ms", "log", "sum"),
+    "activation_bytes": ("activation bytes", "bytes", "log", "sum"),
+    "saved_bytes": ("bytes saved for backward", "bytes", "log", "sum"),
+    "cuda_alloc_bytes": ("GPU memory growth", "bytes", "linear", "sum"),
+    "nonfinite": ("non-finite output or gradient", "0 / 1", "linear", "max"),
+    "grads_nonfinite": ("NaN/Inf gradient values", "count", "linear", "sum"),
+    "weights_nonfinite": ("NaN/Inf weight values", "count", "linear", "sum"),
+}
+_STAT_NAMES = {"mean": "mean", "std": "std", "min": "min", "max": "max", "norm": "norm", "zero_frac": "zero fraction"}
+
+
+def describe(key: str) -> dict[str, Any]:
+    """The tab's description of a series key (known or not)."""
+    if key in _STATS:
+        label, unit, scale, collapse = _STATS[key]
+    else:
+        family, _, stat = key.partition("_")
+        label = f"{family} {_STAT_NAMES.get(stat, stat)}"
+        unit, scale, collapse = ("count", "linear", "sum") if stat == "nonfinite" else ("value", "linear", "max")
+        if stat == "norm":
+            unit, scale, collapse = "L2 norm", "log", "rss"
+    return {"key": key, "label": label, "unit": unit, "scale": scale, "collapse": collapse}
+
+
+def _order(key: str) -> tuple[int, str]:
+    known = list(_STATS)
+    return (known.index(key), key) if key in known else (len(known), key)
+
+
+class LayerwatchPlugin(base_plugin.TBPlugin):
+    """The LAYERWATCH tab."""
+
+    plugin_name = PLUGIN_NAME
+
+    def __init__(self, context: base_plugin.TBContext) -> None:
+        self._provider = context.data_provider
+        self._cache: dict[tuple[str, str, str], tuple[Any, list[tuple[int, Any]]]] = {}
+        self._lock = threading.Lock()
+
+    def is_active(self) -> bool:
+        return False  # TensorBoard activates the tab from the data provider's plugin listing
+
+    def frontend_metadata(self) -> base_plugin.FrontendMetadata:
+        return base_plugin.FrontendMetadata(es_module_path="/index.js", tab_name="Layerwatch")
+
+    def get_plugin_apps(self) -> dict[str, Callable]:
+        return {
+            "/index.js": self._serve_index,
+            "/runs": self._route(self.runs),
+            "/stats": self._route(self.stats),
+            "/heatmap": self._route(self.heatmap),
+            "/layer": self._route(self.layer),
+            "/events": self._route(self.events),
+            "/rankings": self._route(self.rankings),
+        }
+
+    @wrappers.Request.application
+    def _serve_index(self, request: wrappers.Request) -> werkzeug.Response:
+        return werkzeug.Response((STATIC / "index.js").read_bytes(), content_type="text/javascript; charset=utf-8")
+
+    def _route(self, handler: Callable[..., dict[str, Any]]) -> Callable:
+        @wrappers.Request.application
+        def app(request: wrappers.Request) -> werkzeug.Response:
+            ctx = plugin_util.context(request.environ)
+            experiment = plugin_util.experiment_id(request.environ)
+            body = handler(ctx, experiment, request.args)
+            return werkzeug.Response(json.dumps(body, allow_nan=False), content_type="application/json")
+
+        return app
+
+    # ------------------------------------------------------------------ reading
+
+    def _tags(self, ctx: Any, experiment: str) -> dict[str, dict[str, Any]]:
+        return self._provider.list_tensors(ctx, experiment_id=experiment, plugin_name=PLUGIN_NAME)
+
+    def _reader(self, ctx: Any, experiment: str, run: str, series: Optional[list[str]] = None) -> Reader:
+        """The run's layout and events, and the ``series`` asked for (all when None)."""
+        listing = self._tags(ctx, experiment).get(run)
+        if not listing:
+            raise exceptions.NotFound(f"no layerwatch data in run {run!r}")
+        wanted = [
+            tag for tag in listing
+            if tag == LAYOUT or tag.startswith(EVENTS)
+            or (tag.startswith(SERIES) and (series is None or tag[len(SERIES) :] in series))
+        ]
+        reader = Reader()
+        for tag in wanted:
+            for step, value in self._read(ctx, experiment, run, tag, listing[tag]):
+                    reader.add(step, tag, value)
+        return reader
+
+    def _read(self, ctx: Any, experiment: str, run: str, tag: str, meta: Any) -> list[tuple[int, Any]]:
+        version = (meta.max_step, meta.max_wall_time)
+        key = (experiment, run, tag)
+        with self._lock:
+            cached = self._cache.get(key)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        data = self._provider.read_tensors(
+            ctx, experiment_id=experiment, plugin_name=PLUGIN_NAME, downsample=_ALL,
+            run_tag_filter=provider.RunTagFilter(runs=[run], tags=[tag]),
+        )
+        points = [(datum.step, datum.numpy) for datum in data.get(run, {}).get(tag, [])]
+        with self._lock:
+            self._cache[key] = (version, points)
+        return points
+
+    # ------------------------------------------------------------------ routes
+
+    def runs(self, ctx: Any, experiment: str, args: Any) -> dict[str, Any]:
+        out = []
+        for run, tags in sorted(self._tags(ctx, experiment).items()):
+            keys = _series_keys(tags)
+            if keys:
+                steps = self._reader(ctx, experiment, run, keys[:1]).steps()
+                out.append({"run": run, "first_step": steps[0], "last_step": steps[-1], "samples": len(steps)})
+        return {"runs": out}
+
+    def stats(self, ctx: Any, experiment: str, args: Any) -> dict[str, Any]:
+        run = _arg(args, "run")
+        keys = _series_keys(self._tags(ctx, experiment).get(run) or {})
+        if not keys:
+            raise exceptions.NotFound(f"no layerwatch data in run {run!r}")
+        reader = self._reader(ctx, experiment, run, keys[:1])
+        rows = reader.layout_sizes()
+        return {"run": run, "steps": reader.steps(), "stats": [dict(describe(key), rows=rows.get(key, 0)) for key in keys]}
+
+    def heatmap(self, ctx: Any, experiment: str, args: Any) -> dict[str, Any]:
+        run, stat = _arg(args, "run"), _arg(args, "stat")
+        rows, steps, matrix = self._reader(ctx, experiment, run, [stat]).matrix(stat)
+        if not rows:
+            raise exceptions.NotFound(f"run {run!r} has no series {stat!r}")
+        return {
+            "run": run, "stat": stat, "rows": list(rows), "steps": steps,
+            "values": base64.b64encode(matrix.tobytes()).decode("ascii"),
+        }
+
+    def layer(self, ctx: Any, experiment: str, args: Any) -> dict[str, Any]:
+        run, name = _arg(args, "run"), _arg(args, "name")
+        reader = self._reader(ctx, experiment, run)
+        points: dict[str, dict[int, float]] = {}
+        for key in reader.keys():
+            for step, (names, values) in reader.series(key).items():
+                if name in names:
+                    points.setdefault(key, {})[step] = float(values[names.index(name)])
+        if not points:
+            raise exceptions.NotFound(f"run {run!r} has no layer {name!r}")
+        steps = sorted({step for by_step in points.values() for step in by_step})
+        series = {key: [_json_value(by_step.get(step)) for step in steps] for key, by_step in sorted(points.items(), key=lambda kv: _order(kv[0]))}
+        return {"name": name, "steps": steps, "series": series, "histograms": self._histograms(ctx, experiment, run, name)}
+
+    def _histograms(self, ctx: Any, experiment: str, run: str, name: str) -> dict[str, list[dict[str, Any]]]:
+        """The histograms of ``name`` itself, and, for a module, of its own parameters."""
+        listing = self._provider.list_tensors(ctx, experiment_id=experiment, plugin_name="histograms").get(run, {})
+        tags = [
+            tag for tag in listing
+            if tag.partition("/")[2] == name or (tag.partition("/")[2].startswith(name + ".")
+                                                and "." not in tag.partition("/")[2][len(name) + 1 :])
+        ]
+        if not tags:
+            return {}
+        data = self._provider.read_tensors(
+            ctx, experiment_id=experiment, plugin_name="histograms", downsample=_ALL,
+            run_tag_filter=provider.RunTagFilter(runs=[run], tags=tags),
+        ).get(run, {})
+        return {
+            tag: [{"step": d.step, "buckets": np.asarray(d.numpy, dtype=float).tolist()} for d in data.get(tag, [])]
+            for tag in sorted(tags)
+        }
+
+    def events(self, ctx: Any, experiment: str, args: Any) -> dict[str, Any]:
+        run = _arg(args, "run")
+        reader = self._reader(ctx, experiment, run, [])
+        alerts: list[dict[str, Any]] = []
+        offender, first_step = None, None
+        for _, events in sorted(reader.events, key=lambda item: item[0]):
+            alerts += events.get("alerts", [])
+            offender = offender or events.get("first_offender")
+            step = events.get("first_nonfinite_step")
+            if step is not None and (first_step is None or step < first_step):
+                first_step = step
+        return {"alerts": alerts, "first_nonfinite_step": first_step, "first_offender": offender}
+
+    def rankings(self, ctx: Any, experiment: str, args: Any) -> dict[str, Any]:
+        run = _arg(args, "run")
+        reader = self._reader(ctx, experiment, run, ["fwd_ms", "bwd_ms", "activation_bytes", "saved_bytes", "grads_norm"])
+        tables = {key: _table(reader, key) for key in reader.keys()}
+        slowest = rankings.top_by_median([tables[k] for k in ("fwd_ms", "bwd_ms") if k in tables], "value", top=10)
+        memory = rankings.top_by_median(
+            [tables[k] for k in ("activation_bytes", "saved_bytes") if k in tables], "value", top=10
+        )
+        growth = [] if "grads_norm" not in tables else rankings.norms(tables["grads_norm"], top=10)["fastest_changing"]
+        return {"rankings": [
+            _ranking("slowest", "Slowest layers", "ms", "leaf layers, median forward + backward ms over the samples",
+                     slowest, "no fwd_ms/bwd_ms: the latency probes were off"),
+            _ranking("memory", "Largest memory", "bytes",
+                     "leaf layers, median activation + saved-for-backward bytes", memory,
+                     "no activation_bytes/saved_bytes: the memory probes were off"),
+            _ranking("grad_growth", "Largest gradient growth", "x",
+                     "gradient norm, last sample / first (the largest change either way)",
+                     [{"name": r["name"], "value": r["factor"]} for r in growth],
+                     "no gradient norms over two samples or more"),
+        ]}
+
+
+def _table(reader: Reader, key: str) -> rankings.Table:
+    names, steps, matrix = reader.matrix(key)
+    return rankings.Table(names, np.asarray(steps, dtype=np.int64), np.where(np.isfinite(matrix), matrix, np.nan))
+
+
+def _series_keys(listing: dict[str, Any]) -> list[str]:
+    return sorted((tag[len(SERIES) :] for tag in listing if tag.startswith(SERIES)), key=_order)
+
+
+def _ranking(key: str, title: str, unit: str, note: str, rows: list[dict[str, Any]], missing: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"key": key, "title": title, "unit": unit, "note": note,
+                           "rows": [{"layer": r["name"], "value": r["value"]} for r in rows]}
+    if not rows:
+        out["missing"] = missing
+    return out
+
+
+def _arg(args: Any, name: str) -> str:
+    value = args.get(name)
+    if not value:
+        raise exceptions.BadRequest(f"missing query parameter {name!r}")
+    return value
+
+
+def _json_value(value: Optional[float]) -> Any:
+    if value is None:
+        return None
+    return value if math.isfinite(value) else "NaN"
