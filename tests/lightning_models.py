@@ -150,3 +150,24 @@ class LitGAN(L.LightningModule):
 
     def train_dataloader(self):
         return DataLoader(dataset(), batch_size=16)
+
+
+class LitTransformer(L.LightningModule):
+    """The issue's 12-layer ``nn.TransformerEncoder`` (4 heads, ff 4x), narrow: its tags do not
+    depend on the width."""
+
+    def __init__(self, d_model: int = 32, seq: int = 8) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d_model, 4, 4 * d_model, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 12, enable_nested_tensor=False)
+        self.d_model, self.seq = d_model, seq
+
+    def training_step(self, batch, batch_idx):
+        return self.encoder(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(16, self.seq, self.d_model, generator=g)), batch_size=4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
+import math
 import torch
 from torch import nn
 from torch.optim import optimizer as optimizer_module
@@ -220,3 +221,15 @@ def tab_values(acc) -> dict[str, dict[int, float]]:
             for name, value in zip(names, values.tolist()):
                 out.setdefault(f"{key}/{name}", {})[step] = value
     return out
+
+
+class Poison(nn.Module):
+    """Identity, except at ``step``: its output turns to NaN (its input stays finite)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step, self.calls = step, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x * math.nan if self.calls - 1 == self.step else x

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from layerwatch import Inspector, at_steps
-from models import InPlaceCheckpointed, MLP, SharedLayer, hook_count, tab_values, train, train_through_scaler_overflow
+from models import InPlaceCheckpointed, MLP, Poison, SharedLayer, hook_count, tab_values, train, train_through_scaler_overflow
 
 NO_TABLE = ("weights", "grads", "latency", "memory", "activations", "nonfinite")  # timed from the first sample
 
@@ -22,18 +22,6 @@ def scalar(acc, tag: str, step: int) -> float:
         (value,) = card
         return value
     return tab_values(acc)[tag][step]
-
-
-class Poison(nn.Module):
-    """Identity, except at ``step``: its output turns to NaN (its input stays finite)."""
-
-    def __init__(self, step: int) -> None:
-        super().__init__()
-        self.step, self.calls = step, 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return x * math.nan if self.calls - 1 == self.step else x
 
 
 class Sqrt(nn.Module):

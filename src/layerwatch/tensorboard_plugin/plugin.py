@@ -101,8 +101,11 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
         def app(request: wrappers.Request) -> werkzeug.Response:
             ctx = plugin_util.context(request.environ)
             experiment = plugin_util.experiment_id(request.environ)
-            body = handler(ctx, experiment, request.args)
-            return werkzeug.Response(json.dumps(body, allow_nan=False), content_type="application/json")
+            try:
+                body, status = handler(ctx, experiment, request.args), 200
+            except exceptions.HTTPException as e:  # the page shows the message
+                body, status = {"error": e.description}, e.code
+            return werkzeug.Response(json.dumps(body, allow_nan=False), status=status, content_type="application/json")
 
         return app
 

@@ -1,0 +1,225 @@
+"""The LAYERWATCH tab's backend, through a real TensorBoard server (Python reader and Rust data
+server), over a run with a NaN incident; and the cards the standard tabs get."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.tensorboard import SummaryWriter
+
+from conftest import read_events
+from layerwatch import Inspector
+from models import Poison
+from tb_server import serve
+
+POISON_STEP = 8  # a sampled step: the probes are armed when the NaN appears
+STEPS = [0, 2, 4, 6, 8, 9, 10, 12]  # every 2, and the step after the sentinel saw NaN gradients
+
+
+def incident_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict(
+        embed=nn.Linear(8, 16), act=nn.ReLU(),
+        block=nn.Sequential(nn.Linear(16, 16), Poison(step=POISON_STEP)),
+        head=nn.Linear(16, 4),
+    ))
+
+
+@pytest.fixture(scope="module")
+def incident(tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("logs")
+    model = incident_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.warns(RuntimeWarning):
+        with Inspector(model, log_dir=logdir / "incident", every_n_steps=2, optimizer=opt) as inspector:
+            for _ in range(14):
+                loss = model(torch.randn(16, 8)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                inspector.step()
+    writer = SummaryWriter(str(logdir / "plain"))  # a run without layerwatch data beside it
+    writer.add_scalar("loss", 1.0, 0)
+    writer.close()
+    return logdir
+
+
+def has_rust_server() -> bool:
+    try:
+        from tensorboard.data import server_ingester
+
+        return server_ingester.get_server_binary() is not None
+    except Exception:
+        return False
+
+
+def decode(heatmap: dict) -> np.ndarray:
+    values = np.frombuffer(base64.b64decode(heatmap["values"]), dtype="<f4")
+    return values.reshape(len(heatmap["rows"]), len(heatmap["steps"]))
+
+
+@pytest.fixture(scope="module", params=[False, pytest.param(True, marks=pytest.mark.skipif(
+    not has_rust_server(), reason="no Rust data server for this platform"))], ids=["python-reader", "load-fast"])
+def server(request, incident):
+    def loaded(server):
+        runs = server.get_json("/data/plugin/layerwatch/runs")["runs"]
+        return runs and runs[0]["last_step"] == 12
+
+    with serve(incident, load_fast=request.param, ready=loaded) as server:
+        yield server
+
+
+def route(server, path, **params):
+    return server.get_json(f"/data/plugin/layerwatch/{path}", **params)
+
+
+def test_the_tab_is_listed_and_serves_its_own_front_end(server):
+    listing = server.get_json("/data/plugins_listing")["layerwatch"]
+    assert listing["enabled"] and listing["loading_mechanism"] == {"type": "IFRAME", "module_path": "/data/plugin/layerwatch/index.js"}
+    script = server.get("/data/plugin/layerwatch/index.js").decode()
+    assert "export async function render" in script
+    assert "https://" not in script and "http://" not in script  # nothing from a CDN
+
+
+def test_runs_lists_only_runs_with_layerwatch_data(server):
+    assert route(server, "runs") == {"runs": [{"run": "incident", "first_step": 0, "last_step": 12, "samples": 8}]}
+    assert "loss" in server.get_json("/data/plugin/scalars/tags")["plain"]  # the other tabs are untouched
+
+
+def test_the_heatmap_holds_every_sampled_value_and_marks_the_nan(server, incident):
+    stats = route(server, "stats", run="incident")
+    keys = [s["key"] for s in stats["stats"]]
+    assert keys[:3] == ["grads_norm", "weights_norm", "update_ratio"]
+    assert {"fwd_ms", "bwd_ms", "activation_bytes", "saved_bytes", "nonfinite", "activations_norm"} <= set(keys)
+    heatmap = route(server, "heatmap", run="incident", stat="grads_norm")
+    names = [n for n, _ in incident_model().named_parameters()]
+    assert heatmap["rows"] == names  # model order
+    assert heatmap["steps"] == STEPS
+    values = decode(heatmap)
+    cards = read_events(incident / "incident")
+    for i, name in enumerate(names):
+        card = {e.step: e.value for e in cards.Scalars(f"grads_norm/{name}")}
+        for j, step in enumerate(heatmap["steps"][:4]):
+            assert values[i, j] == pytest.approx(card[step], rel=1e-6)
+    at = heatmap["steps"].index(POISON_STEP)
+    assert np.isfinite(values[:, :at]).all() and np.isnan(values[:, at]).all()  # NaN: a finding, not "no value"
+
+    fwd = route(server, "heatmap", run="incident", stat="fwd_ms")
+    fwd_values = decode(fwd)
+    assert fwd["rows"][0] == "(root)" and "block.1" in fwd["rows"]
+    assert fwd["steps"] == STEPS[1:]  # the layer table's step is not timed
+    assert (fwd_values > 0).all()
+
+
+def test_a_layer_missing_at_a_step_reads_minus_inf_and_a_new_layout_applies_from_its_step():
+    from layerwatch.record import StepRecord
+    from layerwatch.sinks.plugin_data import PluginData
+    from layerwatch.tensorboard_plugin.metadata import Reader
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    plugin, reader = PluginData(), Reader()
+    for step, scalars in enumerate([{"fwd_ms/a": 1.0, "fwd_ms/b": 2.0}, {"fwd_ms/a": 3.0}, {"fwd_ms/a": 4.0, "fwd_ms/b": float("nan")}]):
+        for value in Summary.FromString(plugin.encode(StepRecord(step, scalars=scalars))).value:
+            reader.add(step, value.tag, value.tensor)
+    rows, steps, matrix = reader.matrix("fwd_ms")
+    assert rows == ["a", "b"] and steps == [0, 1, 2]
+    assert matrix[0].tolist() == [1.0, 3.0, 4.0]
+    assert matrix[1, 0] == 2.0 and np.isneginf(matrix[1, 1]) and np.isnan(matrix[1, 2])
+
+
+def test_events_name_the_first_nonfinite_step_and_the_offender(server):
+    events = route(server, "events", run="incident")
+    assert events["first_nonfinite_step"] == POISON_STEP
+    assert events["first_offender"]["layer"] == "block.1"
+    assert events["first_offender"]["step"] == POISON_STEP and events["first_offender"]["phase"] == "forward"
+    assert any(a["kind"] == "nonfinite" and a["step"] == POISON_STEP for a in events["alerts"])
+
+
+def test_rankings_answer_what_the_report_answers(server):
+    rankings = {r["key"]: r for r in route(server, "rankings", run="incident")["rankings"]}
+    assert set(rankings) == {"slowest", "memory", "grad_growth"}
+    slowest = [row["layer"] for row in rankings["slowest"]["rows"]]
+    assert slowest and set(slowest) <= {"embed", "act", "block.0", "block.1", "head"}  # leaves only
+    memory = {row["layer"]: row["value"] for row in rankings["memory"]["rows"]}
+    assert memory["embed"] == 16 * 16 * 4 + 16 * 8 * 4  # its output, and its input saved for backward
+    assert rankings["grad_growth"]["rows"]  # gradient norms over the finite samples
+
+
+def test_a_layer_has_its_series_and_histograms(server):
+    layer = route(server, "layer", run="incident", name="block.0.weight")
+    assert layer["steps"] == STEPS
+    assert set(layer["series"]) >= {"grads_norm", "weights_norm", "update_ratio"}
+    assert layer["series"]["grads_norm"][4] == "NaN" and isinstance(layer["series"]["grads_norm"][3], float)
+    histograms = layer["histograms"]
+    assert set(histograms) == {"weights/block.0.weight", "grads/block.0.weight"}
+    first = histograms["weights/block.0.weight"][0]
+    assert first["step"] == 0 and sum(count for _, _, count in first["buckets"]) == pytest.approx(16 * 16)
+    module = route(server, "layer", run="incident", name="block.0")
+    assert "fwd_ms" in module["series"] and "activations/block.0" in module["histograms"]
+    assert "weights/block.0.weight" in module["histograms"]  # a module shows its own parameters' histograms
+
+
+def test_bad_requests_get_a_message(server):
+    status, body = server.status("/data/plugin/layerwatch/heatmap", run="incident", stat="no_such_stat")
+    assert (status, json.loads(body)) == (404, {"error": "run 'incident' has no series 'no_such_stat'"})
+    status, body = server.status("/data/plugin/layerwatch/stats", run="plain")
+    assert (status, json.loads(body)) == (404, {"error": "no layerwatch data in run 'plain'"})
+    status, body = server.status("/data/plugin/layerwatch/heatmap", run="incident")
+    assert (status, json.loads(body)) == (400, {"error": "missing query parameter 'stat'"})
+
+
+def test_a_logdir_without_layerwatch_data_lists_no_run(tmp_path):
+    writer = SummaryWriter(str(tmp_path / "plain"))
+    writer.add_scalar("loss", 1.0, 0)
+    writer.close()
+    with serve(tmp_path, ready=lambda s: "plain" in s.get_json("/data/plugin/scalars/tags")) as server:
+        assert route(server, "runs") == {"runs": []}
+        assert "layerwatch" in server.get_json("/data/plugins_listing")  # listed; the page says why it is empty
+
+
+def test_the_loader_keeps_every_sample_of_the_tab_unless_told_otherwise():
+    from layerwatch.tensorboard_plugin import LayerwatchLoader
+
+    flags = argparse.Namespace(samples_per_plugin={})
+    LayerwatchLoader().fix_flags(flags)
+    assert flags.samples_per_plugin == {"layerwatch": 0}  # 0: all, for both readers
+    flags = argparse.Namespace(samples_per_plugin={"layerwatch": 50, "images": 3})
+    LayerwatchLoader().fix_flags(flags)
+    assert flags.samples_per_plugin == {"layerwatch": 50, "images": 3}
+
+
+def test_tensorboard_finds_the_tab_and_does_not_import_torch_for_it():
+    import subprocess
+    import sys
+
+    code = ("import sys; from tensorboard import default; "
+            "assert any(p.__name__ == 'LayerwatchLoader' for p in default.get_dynamic_plugins()); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_a_12_layer_transformer_keeps_under_1200_cards_at_the_defaults(tmp_path):
+    import lightning.pytorch as L
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from layerwatch import InspectCallback
+    from lightning_models import LitTransformer
+
+    logger = TensorBoardLogger(tmp_path, name="tfm", version=0)
+    L.Trainer(accelerator="cpu", max_steps=3, logger=logger, callbacks=[InspectCallback(every_n_steps=2)],
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(LitTransformer())
+    acc = read_events(logger.log_dir)
+    tags = acc.Tags()
+    assert len(tags["scalars"]) + len(tags["histograms"]) <= 1200
+    families = {t.split("/")[0] for t in tags["scalars"]}
+    assert {"weights_norm", "grads_norm", "update_ratio", "fwd_ms", "bwd_ms", "activations_norm"} <= families
+    assert not families & {"activation_bytes", "saved_bytes", "nonfinite", "grads_nonfinite", "weights_nonfinite"}
+    assert {t.split("/")[0] for t in tags["histograms"]} == {"weights", "grads", "activations"}
