@@ -14,10 +14,20 @@ _FORMATS = ("table", "csv", "json")
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def _step(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a step number (an integer >= 0), got {text!r}") from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -30,7 +40,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     demo.add_argument("--steps", type=_positive, default=8000, help="optimizer steps (default 8000)")
     demo.add_argument("--logdir", default="runs/layerwatch-demo", help="TensorBoard log directory")
     demo.add_argument("--every", type=_positive, default=50, help="sample every N steps (default 50)")
-    demo.add_argument("--inject-nan", type=int, default=None, metavar="STEP", help="make one layer emit a NaN at STEP")
+    demo.add_argument(
+        "--inject-nan", type=_step, default=None, metavar="STEP",
+        help="make the layer encoder.fault emit a NaN at STEP (0 to --steps - 1); that step is sampled too",
+    )
     summary = commands.add_parser(
         "summary",
         help="print the per-layer table (shapes, parameters, bytes, MACs) of a model built by a factory",
@@ -61,10 +74,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--fail-on",
         metavar="KIND[,KIND]",
         default=None,
-        help="exit with status 1 when alerts of these kinds exist (dead, stuck, exploding, vanishing, nonfinite, any)",
+        help="exit with status 1 when alerts of these kinds exist (dead, stuck, exploding, vanishing, nonfinite, any); "
+        "with status 2 when LOGDIR holds no layerwatch data to judge",
     )
     args = parser.parse_args(argv)
     if args.command == "demo":
+        _check_demo(demo, args)
         from layerwatch.demo import run_demo
 
         run_demo(steps=args.steps, log_dir=args.logdir, every=args.every, inject_nan=args.inject_nan)
@@ -75,11 +90,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def _check_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What argparse cannot check alone, before Lightning is imported; exits 2 naming the bad value."""
+    from layerwatch.options import writable_dir
+
+    if args.inject_nan is not None and not 0 <= args.inject_nan < args.steps:
+        parser.error(f"argument --inject-nan: step {args.inject_nan} is outside the run; choose a step in "
+                     f"0..{args.steps - 1} (--steps {args.steps})")
+    try:
+        writable_dir(args.logdir)
+    except ValueError as e:
+        cause = e.__cause__
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else "it does not name a directory"
+        parser.error(f"argument --logdir: cannot create or write to {args.logdir!r}: {reason}")
+
+
 def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import json
 
     from layerwatch.alerts import KINDS
-    from layerwatch.report import ReportError, build_report, format_report
+    from layerwatch.report import ReportError, build_report, format_report, has_layerwatch_data
 
     fail_on: set[str] = set()
     if args.fail_on is not None:
@@ -93,6 +123,10 @@ def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ReportError as e:
         parser.error(str(e))
     _print(json.dumps(result, indent=2) if args.json else format_report(result))
+    if fail_on and not has_layerwatch_data(result):
+        print(f"layerwatch report: no layerwatch data in {args.logdir!r} ({len(result['runs'])} run(s) with other "
+              f"writers' tags only); cannot judge --fail-on {args.fail_on}", file=sys.stderr)
+        return 2
     failing = [a for a in result["alerts"] if a["kind"] in fail_on or "any" in fail_on]
     if failing:
         kinds = ", ".join(sorted({a["kind"] for a in failing}))
@@ -141,9 +175,14 @@ def _make_input(spec: str) -> Any:
     dtype = getattr(torch, dtype_text or "float32", None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"--input {spec!r}: unknown dtype {dtype_text!r} (e.g. float32, float16, int64)")
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
-    return torch.zeros(shape, dtype=dtype)
+    try:
+        if dtype.is_floating_point:
+            return torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+        return torch.zeros(shape, dtype=dtype)
+    except RuntimeError as e:  # too large to allocate, or a dtype that cannot be made this way
+        reason = str(e).splitlines()[0]
+        reason = reason.split(". ")[0] if len(reason) > 300 else reason
+        raise ValueError(f"--input {spec!r}: cannot make this tensor: {reason}") from e
 
 
 def _build(factory: str) -> Any:

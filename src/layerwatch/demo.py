@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -21,6 +23,10 @@ except ImportError:  # the older package name
     from pytorch_lightning.loggers import TensorBoardLogger  # type: ignore[no-redef]
 
 from layerwatch.lightning import InspectCallback
+from layerwatch.options import writable_dir
+from layerwatch.schedule import Schedule
+
+FAULT = "encoder.fault"  # the layer that emits the injected NaN
 
 
 def make_data(n: int, d_in: int = 32, classes: int = 4, seed: int = 0) -> TensorDataset:
@@ -31,22 +37,38 @@ def make_data(n: int, d_in: int = 32, classes: int = 4, seed: int = 0) -> Tensor
     return TensorDataset(centres[y] + torch.randn(n, d_in, generator=g), y)
 
 
+class NaNInjector(nn.Module):
+    """An identity layer (it returns its input itself) until ``fire`` is set; then its first
+    unit outputs NaN. A layer of its own, so that layerwatch's first offender names it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fire = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fire:
+            return x
+        return x * torch.where(torch.arange(x.shape[-1], device=x.device) == 0, math.nan, 1.0)
+
+
 class DemoModule(L.LightningModule):
-    """An MLP classifier; at ``inject_nan`` its first encoder unit outputs NaN for one step."""
+    """An MLP classifier; at step ``inject_nan`` its layer ``encoder.fault`` (after the second
+    Linear) outputs NaN in its first unit, for that one step."""
 
     def __init__(self, d_in: int = 32, hidden: int = 256, classes: int = 4, inject_nan: Optional[int] = None) -> None:
         super().__init__()
-        self.encoder = nn.Sequential(
-            nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU()
-        )
+        # The named fault layer has no parameters and keeps the numbered layers' names.
+        self.encoder = nn.Sequential(OrderedDict([
+            ("0", nn.Linear(d_in, hidden)), ("1", nn.ReLU()), ("2", nn.Linear(hidden, hidden)),
+            ("fault", NaNInjector()),
+            ("3", nn.ReLU()), ("4", nn.Linear(hidden, hidden)), ("5", nn.ReLU()),
+        ]))
         self.head = nn.Linear(hidden, classes)
         self.inject_nan = inject_nan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.encoder(x)
-        if self.training and self.global_step == self.inject_nan:
-            h = h * torch.where(torch.arange(h.shape[-1], device=h.device) == 0, math.nan, 1.0)
-        return self.head(h)
+        self.encoder.fault.fire = self.training and self.global_step == self.inject_nan
+        return self.head(self.encoder(x))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -60,9 +82,45 @@ class DemoModule(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
+def check_demo_options(steps: int, every: int, inject_nan: Optional[int]) -> None:
+    """Raises ValueError naming the bad value: ``steps`` and ``every`` must be ints >= 1,
+    ``inject_nan`` None or a step of the run (``0 <= inject_nan < steps``)."""
+    for name, value in (("steps", steps), ("every", every)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if inject_nan is not None and (
+        isinstance(inject_nan, bool) or not isinstance(inject_nan, int) or not 0 <= inject_nan < steps
+    ):
+        raise ValueError(
+            f"inject_nan must be a step of the run, an int in 0..{steps - 1} (steps={steps}), got {inject_nan!r}"
+        )
+
+
+def _every_and(every: int, extra: int, step: int) -> bool:
+    return step % every == 0 or step == extra
+
+
 def run_demo(steps: int = 8000, log_dir: str = "runs/layerwatch-demo", every: int = 50,
              inject_nan: Optional[int] = None, batch: int = 128) -> Path:
-    """Train ``DemoModule`` for ``steps`` optimizer steps; returns the run directory."""
+    """Train ``DemoModule`` for ``steps`` optimizer steps; returns the run directory.
+
+    With ``inject_nan``, that step is sampled too: its probes see ``encoder.fault`` turn
+    finite inputs into NaN. (The sentinel's own sample, the step after, comes too late to
+    name it: Adam has spread the NaN into every weight, so the first layer is the first to
+    use one.)
+
+    Raises:
+        ValueError: a bad ``steps``, ``every`` or ``inject_nan`` (see :func:`check_demo_options`),
+            or a ``log_dir`` that cannot be written; before training starts.
+    """
+    check_demo_options(steps, every, inject_nan)
+    writable_dir(log_dir)
+    if inject_nan is None:
+        callback = InspectCallback(every_n_steps=every)
+    else:
+        callback = InspectCallback(
+            schedule=Schedule(partial(_every_and, every, inject_nan), f"every_n_steps({every}) and step {inject_nan}")
+        )
     L.seed_everything(0, verbose=False)
     loader = DataLoader(make_data(20_000), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(0))
     logger = TensorBoardLogger(log_dir, name="demo")
@@ -71,7 +129,7 @@ def run_demo(steps: int = 8000, log_dir: str = "runs/layerwatch-demo", every: in
         accelerator="cpu",
         devices=1,
         logger=logger,
-        callbacks=[InspectCallback(every_n_steps=every)],
+        callbacks=[callback],
         log_every_n_steps=every,
         enable_checkpointing=False,
         enable_model_summary=False,
@@ -81,8 +139,11 @@ def run_demo(steps: int = 8000, log_dir: str = "runs/layerwatch-demo", every: in
     run_dir = Path(logger.log_dir)
     print(f"\nlayerwatch demo: {steps} steps in {time.perf_counter() - started:.0f} s; TensorBoard logs in {run_dir.resolve()}")
     if inject_nan is not None:
-        print(f"a NaN was injected at step {inject_nan}: see layerwatch/first_nonfinite_step, the "
-              "layerwatch/first_offender text, and the nonfinite/ and weights_nonfinite/ cards")
+        found = next((a.message for a in callback.alerts if a.message.startswith("first offender")),
+                     "first offender: none found")
+        print(f"a NaN was injected at step {inject_nan} by layer {FAULT} (its first unit's output); layerwatch's "
+              f"{found}. See the layerwatch/first_offender text, layerwatch/first_nonfinite_step, and the "
+              "grads_nonfinite/ and weights_nonfinite/ cards")
     print(f"view them with:\n  tensorboard --logdir {log_dir}\nor summarize them (alerts, extreme norms) with:\n"
           f"  layerwatch report {log_dir}")
     return run_dir

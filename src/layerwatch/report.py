@@ -2,7 +2,8 @@
 
 Summarizes each run: the alerts, the first non-finite step, the largest and
 fastest-changing weight and gradient norms, and (when the runtime probes wrote them) the
-slowest layers and the largest memory. The JSON form is documented in ``docs/alerts.md``.
+slowest layers and the largest memory. A run without any of layerwatch's tags says so. The
+text form and the JSON form are documented in ``docs/alerts.md``.
 
 Event files are TFRecord files of TensorBoard ``Event`` protos. Each record is parsed with
 TensorBoard's own proto and its length checksum is verified with TensorBoard's own CRC.
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from layerwatch import record as R
+from layerwatch import stats as S
 from layerwatch.alerts import parse_alerts_markdown
 from layerwatch.probes import ROOT
 
@@ -32,6 +34,16 @@ _TIMES = (R.module_prefix("fwd_ms"), R.module_prefix("bwd_ms"))
 _BYTES = (R.module_prefix("activation_bytes"), R.module_prefix("saved_bytes"), R.module_prefix("cuda_alloc_bytes"))
 _SCALAR_PREFIXES = (*_NORMS.values(), *_NONFINITE, *_TIMES, *_BYTES, R.RUN_WIDE)
 _ALERTS_TEXT = R.ALERTS + "/text_summary"  # the tag torch's text builder gives layerwatch/alerts
+# A run holds layerwatch data when any tag has one of these prefixes ("layerwatch/": the run-wide
+# scalars and texts, and the tensors of the TensorBoard plugin named "layerwatch").
+_LAYERWATCH_PREFIXES = (
+    R.RUN_WIDE,
+    *(R.stat_prefix(family, stat) for family in (*R.TENSOR_FAMILIES, "activations") for stat in S.STATS),
+    *(R.module_prefix(name) for name in R.MODULE_SCALARS),
+    R.update_ratio_tag(""),
+)
+OTHER_TAGS_SHOWN = 5
+NAME_WIDTH = 60  # longer layer names lose their middle
 
 
 class ReportError(Exception):
@@ -42,6 +54,8 @@ class ReportError(Exception):
 class _Run:
     scalars: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     alerts_text: Optional[tuple[int, str]] = None  # (step, table) of the latest alerts table
+    layerwatch: bool = False  # some tag is one of layerwatch's
+    other_tags: set[str] = field(default_factory=set)  # the tags seen before the first of layerwatch's
 
 
 def find_runs(logdir: str | os.PathLike) -> dict[str, list[Path]]:
@@ -61,9 +75,22 @@ def find_runs(logdir: str | os.PathLike) -> dict[str, list[Path]]:
     return runs
 
 
+def has_layerwatch_data(report: dict[str, Any]) -> bool:
+    """Whether any run of ``report`` holds a tag that layerwatch writes."""
+    return any(run["layerwatch_data"] for run in report["runs"])
+
+
 def build_report(logdir: str | os.PathLike) -> dict[str, Any]:
-    """The report as plain data: ``{"logdir", "alerts": [...], "runs": [...]}``."""
-    runs = [_summarize(name, _read(files)) for name, files in find_runs(logdir).items()]
+    """The report as plain data: ``{"logdir", "alerts": [...], "runs": [...]}``.
+
+    Raises:
+        ReportError: ``logdir`` is missing, not a directory, holds no event files, or one
+            cannot be read.
+    """
+    try:
+        runs = [_summarize(name, _read(files)) for name, files in find_runs(logdir).items()]
+    except OSError as e:  # unreadable, or removed since it was listed
+        raise ReportError(f"cannot read {e.filename or logdir!r}: {e.strerror or e}") from e
     alerts = [dict(alert, run=run["run"]) for run in runs for alert in run["alerts"]]
     return {"logdir": str(logdir), "alerts": alerts, "runs": runs}
 
@@ -100,6 +127,11 @@ def _read(files: list[Path]) -> _Run:
                 continue
             step = event.step
             for value in event.summary.value:
+                if not run.layerwatch:
+                    if value.tag.startswith(_LAYERWATCH_PREFIXES):
+                        run.layerwatch = True
+                    else:
+                        run.other_tags.add(value.tag)
                 kind = value.WhichOneof("value")
                 if kind == "simple_value":
                     if value.tag.startswith(_SCALAR_PREFIXES):
@@ -117,6 +149,8 @@ def _summarize(name: str, run: _Run) -> dict[str, Any]:
     until = None if nonfinite is None else nonfinite["step"]  # norms of finite values mean little after it
     return {
         "run": name,
+        "layerwatch_data": run.layerwatch,
+        "other_tags": [] if run.layerwatch else sorted(run.other_tags)[:OTHER_TAGS_SHOWN],
         "steps": {"first": steps[0], "last": steps[-1], "samples": len(steps)} if steps else None,
         "alerts": alerts,
         "first_nonfinite": nonfinite,
@@ -190,9 +224,19 @@ def _has_children(name: str, names: dict[str, float]) -> bool:
 
 
 def format_report(report: dict[str, Any]) -> str:
+    """The report as text. Bytes are in binary units (``1.5 MiB``); a change of a norm reads
+    ``×2.5`` (grew 2.5 times) or ``÷40`` (shrank 40 times); a layer name longer than
+    ``NAME_WIDTH`` keeps its start and end around ``…``."""
     runs = report["runs"]
     lines = [f"layerwatch report: {report['logdir']} ({len(runs)} run{'s' if len(runs) != 1 else ''})"]
+    if not has_layerwatch_data(report):
+        lines.append(f"No layerwatch data in {report['logdir']}: its event files hold none of layerwatch's tags "
+                     "(was it written by Inspector or InspectCallback?)")
     for run in runs:
+        if not run["layerwatch_data"]:
+            shown = ", ".join(run["other_tags"]) if run["other_tags"] else "no tags"
+            lines += ["", f"== {run['run']}: no layerwatch data (other writers' tags only: {shown})"]
+            continue
         steps = run["steps"]
         covered = f"steps {steps['first']}..{steps['last']}, {steps['samples']} sampled" if steps else "no samples"
         lines += ["", f"== {run['run']}: {covered}"]
@@ -210,14 +254,13 @@ def format_report(report: dict[str, Any]) -> str:
             norms = run[family]
             if norms["largest"]:
                 lines.append(f"Largest {label} norms (last sample{before}):")
-                lines += [f"  {row['name']:<40} {row['value']:.4g}  (step {row['step']})" for row in norms["largest"]]
+                lines += _table([[row["name"], _number(row["value"]), f"(step {row['step']})"]
+                                 for row in norms["largest"]])
             if norms["fastest_changing"]:
                 lines.append(f"Fastest-changing {label} norms (first to last sample{before}):")
-                lines += [
-                    f"  {row['name']:<40} {row['first']:.4g} -> {row['last']:.4g}  ({row['factor']:.3g}x,"
-                    f" steps {row['from_step']}..{row['to_step']})"
-                    for row in norms["fastest_changing"]
-                ]
+                lines += _table([[row["name"], _number(row["first"]), "->", _number(row["last"]),
+                                  _factor(row["factor"]), f"(steps {row['from_step']}..{row['to_step']})"]
+                                 for row in norms["fastest_changing"]])
         for key, label, unit, tags in (
             ("slowest", "Slowest leaf layers (median fwd + bwd)", "ms", "fwd_ms/, bwd_ms/"),
             ("largest_memory", "Largest memory, leaf layers (median bytes)", "bytes", "activation_bytes/, saved_bytes/"),
@@ -225,7 +268,67 @@ def format_report(report: dict[str, Any]) -> str:
             rows = run[key]
             if rows:
                 lines.append(f"{label}:")
-                lines += [f"  {row['name']:<40} {row[unit]:,.4g} {unit}" for row in rows]
+                show = _ms if unit == "ms" else _bytes
+                lines += _table([[row["name"], show(row[unit]), ""] for row in rows])
             else:
                 lines.append(f"{label}: not in this log (no {tags} tags)")
     return "\n".join(lines)
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    """Rows of cells as aligned lines: the first cell (a layer name, shortened to ``NAME_WIDTH``)
+    left-aligned, numbers right-aligned, the last cell as it is."""
+    rows = [[_fit(row[0]), *row[1:]] for row in rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(
+        cell.ljust(width) if i == 0 else cell if i == len(row) - 1 else cell.rjust(width)
+        for i, (cell, width) in enumerate(zip(row, widths))
+    ).rstrip() for row in rows]
+
+
+def _fit(name: str, width: int = NAME_WIDTH) -> str:
+    """``name``, or its start and its end (the most telling part) around ``…`` in ``width`` characters."""
+    if len(name) <= width:
+        return name
+    tail = (width - 1) * 2 // 3
+    return name[: width - 1 - tail] + "…" + name[-tail:]
+
+
+def _factor(factor: float) -> str:
+    """A ratio of two positive norms: ``×2.5`` grew 2.5 times, ``÷40`` shrank 40 times;
+    ``×312,000`` past 100; ``×1.2e7`` past a million."""
+    sign, size = ("×", factor) if factor >= 1 else ("÷", 1 / factor)
+    if size < 100:
+        text = f"{size:.3g}"
+    elif size < 1e6:
+        text = f"{size:,.0f}"
+    else:
+        text = _short_exponent(f"{size:.1e}")
+    return sign + text
+
+
+def _number(value: float) -> str:
+    """4 significant digits; a power of ten as ``1.9e5`` or ``3.2e-6``."""
+    return _short_exponent(f"{value:.4g}")
+
+
+def _short_exponent(text: str) -> str:
+    if "e" not in text:
+        return text
+    mantissa, exponent = text.split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def _bytes(value: float) -> str:
+    """Binary units: ``512 B``, ``1.5 KiB``, ``12.0 MiB``, ``3.2 GiB``."""
+    if abs(round(value)) < 1024:
+        return f"{value:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if abs(round(value, 1)) < 1024 or unit == "TiB":
+            break
+    return f"{value:.1f} {unit}"
+
+
+def _ms(value: float) -> str:
+    return f"{value:,.3f} ms" if value < 10 else f"{value:,.1f} ms"
