@@ -14,7 +14,6 @@ fails to parse anyway. A record cut short (a run still writing) ends the file.
 
 from __future__ import annotations
 
-import math
 import os
 import struct
 import warnings
@@ -22,17 +21,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+import numpy as np
+
+from layerwatch import rankings
 from layerwatch import record as R
 from layerwatch import stats as S
 from layerwatch.alerts import parse_alerts_markdown
-from layerwatch.probes import ROOT
+from layerwatch.tensorboard_plugin.metadata import LAYOUT, SERIES, Reader
 
-TOP = 5
-_NORMS = {family: R.stat_prefix(family, "norm") for family in R.TENSOR_FAMILIES}
-_NONFINITE = tuple(R.stat_prefix(family, "nonfinite") for family in R.TENSOR_FAMILIES)
-_TIMES = (R.module_prefix("fwd_ms"), R.module_prefix("bwd_ms"))
-_BYTES = (R.module_prefix("activation_bytes"), R.module_prefix("saved_bytes"), R.module_prefix("cuda_alloc_bytes"))
-_SCALAR_PREFIXES = (*_NORMS.values(), *_NONFINITE, *_TIMES, *_BYTES, R.RUN_WIDE)
+_NORMS = {family: f"{family}_norm" for family in R.TENSOR_FAMILIES}  # series keys
+_NONFINITE = tuple(f"{family}_nonfinite" for family in R.TENSOR_FAMILIES)
+_TIMES = ("fwd_ms", "bwd_ms")
+_BYTES = ("activation_bytes", "saved_bytes", "cuda_alloc_bytes")
+_SERIES = (*_NORMS.values(), *_NONFINITE, *_TIMES, *_BYTES)
+_CARD_PREFIXES = (*(key + "/" for key in _SERIES), R.RUN_WIDE)  # a log written before the tab existed has these
 _ALERTS_TEXT = R.ALERTS + "/text_summary"  # the tag torch's text builder gives layerwatch/alerts
 # A run holds layerwatch data when any tag has one of these prefixes ("layerwatch/": the run-wide
 # scalars and texts, and the tensors of the TensorBoard plugin named "layerwatch").
@@ -52,7 +54,8 @@ class ReportError(Exception):
 
 @dataclass
 class _Run:
-    scalars: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    scalars: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # the cards read
+    tab: Reader = field(default_factory=Reader)  # the LAYERWATCH tab's data: every per-layer value
     alerts_text: Optional[tuple[int, str]] = None  # (step, table) of the latest alerts table
     layerwatch: bool = False  # some tag is one of layerwatch's
     other_tags: set[str] = field(default_factory=set)  # the tags seen before the first of layerwatch's
@@ -134,8 +137,10 @@ def _read(files: list[Path]) -> _Run:
                         run.other_tags.add(value.tag)
                 kind = value.WhichOneof("value")
                 if kind == "simple_value":
-                    if value.tag.startswith(_SCALAR_PREFIXES):
+                    if value.tag.startswith(_CARD_PREFIXES):
                         run.scalars.setdefault(value.tag, []).append((step, value.simple_value))
+                elif kind == "tensor" and value.tag.startswith((SERIES, LAYOUT)):
+                    run.tab.add(step, value.tag, value.tensor)
                 elif kind == "tensor" and value.tag == _ALERTS_TEXT and value.tensor.string_val:
                     if run.alerts_text is None or step >= run.alerts_text[0]:
                         run.alerts_text = (step, value.tensor.string_val[0].decode("utf-8", "replace"))
@@ -144,8 +149,9 @@ def _read(files: list[Path]) -> _Run:
 
 def _summarize(name: str, run: _Run) -> dict[str, Any]:
     alerts = [] if run.alerts_text is None else [a.as_dict() for a in parse_alerts_markdown(run.alerts_text[1])]
-    steps = sorted({step for series in run.scalars.values() for step, _ in series})
-    nonfinite = _first_nonfinite(run.scalars)
+    tables = {key: _series_table(run, key) for key in _SERIES}
+    steps = sorted({step for series in run.scalars.values() for step, _ in series} | set(run.tab.steps()))
+    nonfinite = _first_nonfinite([tables[key] for key in _NONFINITE])
     until = None if nonfinite is None else nonfinite["step"]  # norms of finite values mean little after it
     return {
         "run": name,
@@ -155,69 +161,36 @@ def _summarize(name: str, run: _Run) -> dict[str, Any]:
         "alerts": alerts,
         "first_nonfinite": nonfinite,
         "norms_until_step": until,
-        "weights": _norms(run.scalars, _NORMS["weights"], until),
-        "grads": _norms(run.scalars, _NORMS["grads"], until),
-        "slowest": _top_by_median(run.scalars, _TIMES, unit="ms"),
-        "largest_memory": _top_by_median(run.scalars, _BYTES, unit="bytes"),
+        "weights": rankings.norms(tables[_NORMS["weights"]], until),
+        "grads": rankings.norms(tables[_NORMS["grads"]], until),
+        "slowest": rankings.top_by_median([tables[key] for key in _TIMES], unit="ms"),
+        "largest_memory": rankings.top_by_median([tables[key] for key in _BYTES], unit="bytes"),
     }
 
 
-def _first_nonfinite(scalars: dict[str, list[tuple[int, float]]]) -> Optional[dict[str, Any]]:
+def _series_table(run: _Run, key: str) -> rankings.Table:
+    """A series from the tab's data, or (a log written before it) from the cards."""
+    if key in run.tab.keys():
+        return run.tab.table(key)
+    prefix = key + "/"
+    return rankings.Table.from_points({tag[len(prefix) :]: points for tag, points in run.scalars.items()
+                                       if tag.startswith(prefix)})
+
+
+def _first_nonfinite(tables: list[rankings.Table]) -> Optional[dict[str, Any]]:
     """The earliest step with a positive NaN/Inf count, and every tensor counted at it."""
     hits: dict[int, list[str]] = {}
-    for tag, series in scalars.items():
-        if tag.startswith(_NONFINITE):
-            first = next((step for step, value in sorted(series) if value > 0), None)
-            if first is not None:
-                hits.setdefault(first, []).append(tag)
+    for key, table in zip(_NONFINITE, tables):
+        if table.values.size == 0:
+            continue
+        positive = table.values > 0
+        first = positive.argmax(axis=1)
+        for i in np.flatnonzero(positive.any(axis=1)).tolist():
+            hits.setdefault(int(table.steps[first[i]]), []).append(f"{key}/{table.names[i]}")
     if not hits:
         return None
     step = min(hits)
     return {"step": step, "tensors": sorted(hits[step])}
-
-
-def _norms(
-    scalars: dict[str, list[tuple[int, float]]], prefix: str, until: Optional[int]
-) -> dict[str, list[dict[str, Any]]]:
-    """The largest norms at the last sample (before step ``until``, when given), and those
-    that changed most from the first sample to that one."""
-    finals, changes = [], []
-    for tag, series in scalars.items():
-        if not tag.startswith(prefix):
-            continue
-        finite = [(step, v) for step, v in sorted(series) if math.isfinite(v) and (until is None or step < until)]
-        if not finite:
-            continue
-        name = tag[len(prefix) :]
-        (first_step, first), (last_step, last) = finite[0], finite[-1]
-        finals.append({"name": name, "step": last_step, "value": last})
-        if first > 0 and last > 0 and last_step > first_step:
-            changes.append({"name": name, "from_step": first_step, "to_step": last_step, "first": first,
-                            "last": last, "factor": last / first})
-    finals.sort(key=lambda row: -row["value"])
-    changes.sort(key=lambda row: -abs(math.log(row["factor"])))
-    return {"largest": finals[:TOP], "fastest_changing": changes[:TOP]}
-
-
-def _top_by_median(scalars: dict[str, list[tuple[int, float]]], prefixes: tuple[str, ...], unit: str) -> list[dict]:
-    """Per module, the sum over ``prefixes`` of each tag's median; the largest first."""
-    totals: dict[str, float] = {}
-    for tag, series in scalars.items():
-        if tag.startswith(prefixes):
-            values = sorted(v for _, v in series if math.isfinite(v))
-            if values:
-                module = tag.split("/", 1)[1]
-                totals[module] = totals.get(module, 0.0) + values[len(values) // 2]
-    # A parent's time and memory include its children's: rank the leaves, the layers that do the work.
-    leaves = {name: value for name, value in totals.items() if not _has_children(name, totals)}
-    ranked = sorted(leaves.items(), key=lambda item: -item[1])[:TOP]
-    return [{"name": name, unit: value} for name, value in ranked]
-
-
-def _has_children(name: str, names: dict[str, float]) -> bool:
-    if name == ROOT:
-        return len(names) > 1
-    return any(other.startswith(name + ".") for other in names)
 
 
 # ---------------------------------------------------------------------- text

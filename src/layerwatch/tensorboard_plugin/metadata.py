@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from layerwatch.rankings import Table
+
 PLUGIN_NAME = "layerwatch"
 SERIES = "layerwatch/series/"  # the prefix of the series tags
 LAYOUT = "layerwatch/layout"
@@ -106,3 +108,8 @@ class Reader:
                 index = index_of[id(names)] = np.array([rows[name] for name in names], dtype=np.int64)
             matrix[index, column] = values
         return list(rows), steps, matrix
+
+    def table(self, key: str) -> Table:
+        """One series as a :class:`~layerwatch.rankings.Table` (NaN: no finite value)."""
+        names, steps, matrix = self.matrix(key)
+        return Table(names, np.asarray(steps, dtype=np.int64), np.where(np.isfinite(matrix), matrix, np.nan))

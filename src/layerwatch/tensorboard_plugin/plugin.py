@@ -225,7 +225,7 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
     def rankings(self, ctx: Any, experiment: str, args: Any) -> dict[str, Any]:
         run = _arg(args, "run")
         reader = self._reader(ctx, experiment, run, ["fwd_ms", "bwd_ms", "activation_bytes", "saved_bytes", "grads_norm"])
-        tables = {key: _table(reader, key) for key in reader.keys()}
+        tables = {key: reader.table(key) for key in reader.keys()}
         slowest = rankings.top_by_median([tables[k] for k in ("fwd_ms", "bwd_ms") if k in tables], "value", top=10)
         memory = rankings.top_by_median(
             [tables[k] for k in ("activation_bytes", "saved_bytes") if k in tables], "value", top=10
@@ -242,11 +242,6 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
                      [{"name": r["name"], "value": r["factor"]} for r in growth],
                      "no gradient norms over two samples or more"),
         ]}
-
-
-def _table(reader: Reader, key: str) -> rankings.Table:
-    names, steps, matrix = reader.matrix(key)
-    return rankings.Table(names, np.asarray(steps, dtype=np.int64), np.where(np.isfinite(matrix), matrix, np.nan))
 
 
 def _series_keys(listing: dict[str, Any]) -> list[str]:

@@ -1,0 +1,1596 @@
+/**
+ * LAYERWATCH: the TensorBoard tab of layerwatch.
+ *
+ * TensorBoard loads this ES module in an iframe and calls render(). Every route (runs, stats,
+ * heatmap, layer, events, rankings) is fetched relative to the plugin base. The page: a heatmap
+ * of layers x sampled steps for one statistic, rows grouped by the module tree; a layer's
+ * series and histograms when a row is clicked; the run's events and rankings beside it.
+ *
+ * Values: NaN is a non-finite statistic (a finding), -Infinity is "not measured" (the JSON
+ * routes' "NaN" and null are converted to these).
+ */
+
+const ROOT = '(root)';
+const ACCENT = '#f57c00';
+const NAN_CSS = '#ff00ff';
+const NOT_MEASURED_CSS = '#e8eaed';
+const LABEL_WIDTH = 260;
+const LABEL_FONT = '12px Roboto, system-ui, -apple-system, "Segoe UI", Arial, sans-serif';
+const INDENT = 12;
+const ROW_HEIGHT = {min: 14, max: 26};
+const ALL_LABELS_UP_TO = 200; // above this many rows only the rows in view get a label element
+const LABEL_OVERSCAN = 20;
+const SERIES_HEIGHT = 110;
+const HISTOGRAM_BINS = 64;
+const MAX_HISTOGRAM_COLUMNS = 4000;
+const VIRIDIS = ['#440154', '#482878', '#3e4989', '#31688e', '#26828e', '#1f9e89', '#35b779', '#6ece58',
+  '#b5de2b', '#fde725'];
+const COUNT_RAMP = ['#ffffff', '#ffe0b2', '#ffb74d', '#f57c00', '#a84300', '#4e2000'];
+
+// ------------------------------------------------------------------------------ colours
+
+function hexToRgb(hex) {
+  const n = parseInt(hex.slice(1), 16);
+  return [n >> 16, (n >> 8) & 255, n & 255];
+}
+
+// ImageData holds RGBA bytes; read as a Uint32 on a little-endian machine a pixel is 0xAABBGGRR.
+function packRgb([r, g, b]) {
+  return ((255 << 24) | (b << 16) | (g << 8) | r) >>> 0;
+}
+
+function pixelCss(pixel) {
+  return `rgb(${pixel & 255},${(pixel >> 8) & 255},${(pixel >> 16) & 255})`;
+}
+
+function rampLut(stops) {
+  const rgb = stops.map(hexToRgb);
+  const lut = new Uint32Array(256);
+  for (let i = 0; i < 256; i++) {
+    const position = (i / 255) * (rgb.length - 1);
+    const k = Math.min(Math.floor(position), rgb.length - 2);
+    const f = position - k;
+    lut[i] = packRgb([0, 1, 2].map((c) => Math.round(rgb[k][c] + (rgb[k + 1][c] - rgb[k][c]) * f)));
+  }
+  return lut;
+}
+
+const CELL_LUT = rampLut(VIRIDIS);
+const COUNT_LUT = rampLut(COUNT_RAMP);
+const NAN_PIXEL = packRgb(hexToRgb(NAN_CSS));
+
+// ------------------------------------------------------------------------------ routes
+
+async function getJson(route, params = {}) {
+  const query = new URLSearchParams(params).toString();
+  const url = `./${route}${query ? `?${query}` : ''}`;
+  let response;
+  try {
+    response = await fetch(url);
+  } catch (error) {
+    throw new Error(`GET ${url}: ${error.message}`);
+  }
+  if (!response.ok) {
+    const body = (await response.text().catch(() => '')).trim().slice(0, 200);
+    throw new Error(`GET ${url}: HTTP ${response.status} ${response.statusText}${body ? ` (${body})` : ''}`);
+  }
+  try {
+    return await response.json();
+  } catch (error) {
+    throw new Error(`GET ${url}: the reply is not JSON (${error.message})`);
+  }
+}
+
+// The contract's floats are little-endian, as is every platform a browser runs on.
+async function decodeFloat32(base64) {
+  const response = await fetch(`data:application/octet-stream;base64,${base64}`);
+  return new Float32Array(await response.arrayBuffer());
+}
+
+async function fetchHeatmap(run, stat) {
+  const reply = await getJson('heatmap', {run, stat});
+  const values = await decodeFloat32(reply.values);
+  if (values.length !== reply.rows.length * reply.steps.length) {
+    throw new Error(`heatmap of ${stat} in ${run}: ${values.length} values for ` +
+      `${reply.rows.length} rows x ${reply.steps.length} steps`);
+  }
+  return {rows: reply.rows, steps: reply.steps, values};
+}
+
+/** A JSON value of the routes: a number, "NaN" (non-finite) or null (not measured). */
+function jsonValue(value) {
+  if (value === null || value === undefined) return -Infinity;
+  return typeof value === 'number' ? value : NaN;
+}
+
+// ------------------------------------------------------------------------------ numbers
+
+function clamp(value, lo, hi) {
+  return Math.min(hi, Math.max(lo, value));
+}
+
+/** The first index of the sorted `values` whose value is >= `target`. */
+function lowerBound(values, target) {
+  let lo = 0;
+  let hi = values.length;
+  while (lo < hi) {
+    const mid = (lo + hi) >> 1;
+    if (values[mid] < target) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+function formatNumber(value) {
+  if (value === 0) return '0';
+  const magnitude = Math.abs(value);
+  if (magnitude >= 1e5 || magnitude < 1e-3) {
+    const [mantissa, exponent] = value.toExponential(2).split('e');
+    return `${+mantissa}e${+exponent}`;
+  }
+  return String(+value.toPrecision(3));
+}
+
+function formatBytes(value) {
+  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB'];
+  let k = 0;
+  while (Math.abs(value) >= 1024 && k < units.length - 1) {
+    value /= 1024;
+    k += 1;
+  }
+  return `${+value.toPrecision(3)} ${units[k]}`;
+}
+
+function formatValue(value, unit) {
+  if (Number.isNaN(value)) return 'NaN/Inf';
+  if (value === -Infinity) return 'not measured';
+  if (unit === 'bytes') return formatBytes(value);
+  if (unit === 'ms') return `${formatNumber(value)} ms`;
+  if (unit === 'x') return `${formatNumber(value)}×`;
+  return formatNumber(value);
+}
+
+/** Round tick values covering [lo, hi], about `count` intervals. */
+function niceTicks(lo, hi, count) {
+  if (!(hi > lo)) return [lo];
+  const raw = (hi - lo) / count;
+  const magnitude = 10 ** Math.floor(Math.log10(raw));
+  const step = [1, 2, 5, 10].map((m) => m * magnitude).find((s) => s >= raw);
+  const ticks = [];
+  for (let k = Math.floor(lo / step); ; k++) {
+    const tick = +(k * step).toPrecision(12);
+    ticks.push(tick);
+    if (tick >= hi) return ticks;
+  }
+}
+
+/** Powers of ten within [lo, hi], at most `most` of them, or the ends when fewer than two. */
+function decadeTicks(lo, hi, most) {
+  const first = Math.ceil(Math.log10(lo) - 1e-9);
+  const last = Math.floor(Math.log10(hi) + 1e-9);
+  if (last - first < 1) return [lo, hi];
+  const every = Math.ceil((last - first + 1) / most);
+  const ticks = [];
+  for (let e = first; e <= last; e += every) ticks.push(10 ** e);
+  return ticks;
+}
+
+/** Smallest and largest finite values (positive ones only when `positiveOnly`), or null. */
+function finiteExtent(arrays, positiveOnly) {
+  let lo = Infinity;
+  let hi = -Infinity;
+  for (const values of arrays) {
+    for (let i = 0; i < values.length; i++) {
+      const v = values[i];
+      if (v > -Infinity && v < Infinity && (!positiveOnly || v > 0)) {
+        if (v < lo) lo = v;
+        if (v > hi) hi = v;
+      }
+    }
+  }
+  return lo <= hi ? [lo, hi] : null;
+}
+
+// ------------------------------------------------------------------------------ module tree
+
+/** The parent of a dotted module or parameter name; `(root)` parents the top-level names. */
+function parentName(name) {
+  if (name === ROOT) return null;
+  const dot = name.lastIndexOf('.');
+  return dot < 0 ? ROOT : name.slice(0, dot);
+}
+
+/** Nodes for the heatmap's rows and their ancestors; `row` is -1 for an ancestor with no row. */
+function buildTree(rowNames) {
+  const nodes = new Map();
+  const nodeFor = (name) => {
+    let node = nodes.get(name);
+    if (!node) {
+      node = {name, row: -1, depth: 0, parent: null, children: []};
+      nodes.set(name, node);
+      const parent = parentName(name);
+      if (parent !== null) {
+        node.parent = nodeFor(parent);
+        node.parent.children.push(node);
+        node.depth = node.parent.depth + 1;
+      }
+    }
+    return node;
+  };
+  rowNames.forEach((name, row) => {
+    nodeFor(name).row = row;
+  });
+  return {root: nodeFor(ROOT), nodes};
+}
+
+function isGroup(node) {
+  return node.children.length > 0 && node.name !== ROOT;
+}
+
+/** Indentation level: top-level names and `(root)` at 0. */
+function levelOf(node) {
+  return Math.max(0, node.depth - 1);
+}
+
+function groupNamesAtDepth(tree, depth) {
+  return [...tree.nodes.values()].filter((node) => isGroup(node) && node.depth === depth).map((node) => node.name);
+}
+
+function deepestGroup(tree) {
+  let deepest = 0;
+  for (const node of tree.nodes.values()) if (isGroup(node)) deepest = Math.max(deepest, node.depth);
+  return deepest;
+}
+
+function countRows(node) {
+  return (node.row >= 0 ? 1 : 0) + node.children.reduce((sum, child) => sum + countRows(child), 0);
+}
+
+/**
+ * The rows to draw, in model order: each node with a row of its own, and each collapsed group
+ * (whose descendants are then hidden). A row's `groups` are the groups whose triangle sits on
+ * it: those whose first drawn row it is.
+ */
+function layoutRows(tree, collapsed, data, collapseRule) {
+  const rows = [];
+  let groupsWaiting = [];
+  const visit = (node) => {
+    const group = isGroup(node);
+    const folded = group && collapsed.has(node.name);
+    if (group) groupsWaiting.push(node);
+    if (node.row >= 0 || folded) {
+      rows.push({
+        node,
+        level: levelOf(node),
+        collapsed: folded,
+        blockSize: folded ? countRows(node) : 1,
+        groups: groupsWaiting,
+        values: nodeValues(node, data, collapseRule),
+      });
+      groupsWaiting = [];
+    }
+    if (!folded) node.children.forEach(visit);
+  };
+  visit(tree.root);
+  return rows;
+}
+
+/** A node's own row, or for a block without one its children's values combined by the stat's rule. */
+function nodeValues(node, data, collapseRule) {
+  const n = data.steps.length;
+  if (node.row >= 0) return data.values.subarray(node.row * n, (node.row + 1) * n);
+  return combineRows(node.children.map((child) => nodeValues(child, data, collapseRule)), collapseRule, n);
+}
+
+const COMBINE = {
+  rss: {start: 0, add: (acc, v) => acc + v * v, finish: Math.sqrt},
+  sum: {start: 0, add: (acc, v) => acc + v, finish: (acc) => acc},
+  max: {start: -Infinity, add: Math.max, finish: (acc) => acc},
+};
+
+/** Per step: NaN when any part is non-finite, not measured when no part is measured. */
+function combineRows(parts, collapseRule, n) {
+  const rule = COMBINE[collapseRule] ?? COMBINE.max;
+  const out = new Float32Array(n);
+  for (let s = 0; s < n; s++) {
+    let acc = rule.start;
+    let measured = false;
+    let nonFinite = false;
+    for (const part of parts) {
+      const v = part[s];
+      if (v === -Infinity) continue;
+      measured = true;
+      if (Number.isNaN(v)) {
+        nonFinite = true;
+        break;
+      }
+      acc = rule.add(acc, v);
+    }
+    out[s] = nonFinite ? NaN : measured ? rule.finish(acc) : -Infinity;
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------ colour scale
+
+/** The colour scale shared by every heatmap drawn: the finite range of their drawn values. */
+function makeScale(valueArrays, log) {
+  const extent = finiteExtent(valueArrays, log);
+  let [lo, hi] = extent ?? (log ? [1, 10] : [0, 1]);
+  if (!(hi > lo)) [lo, hi] = log ? [lo / 10, hi * 10] : lo === 0 ? [0, 1] : [lo - Math.abs(lo) / 2, hi + Math.abs(hi) / 2];
+  const transform = log ? Math.log10 : (v) => v;
+  const a = transform(lo);
+  const span = transform(hi) - a;
+  const position = (v) => (v <= lo ? 0 : v >= hi ? 1 : (transform(v) - a) / span);
+  const linearTicks = niceTicks(lo, hi, 4).filter((v) => v >= lo && v <= hi);
+  return {
+    lo,
+    hi,
+    log,
+    position,
+    lutIndex: (v) => (position(v) * 255) | 0,
+    ticks: log ? decadeTicks(lo, hi, 5) : linearTicks.length >= 2 ? linearTicks : [lo, hi],
+  };
+}
+
+/** One pixel per cell: columns are steps, rows are the drawn rows. */
+function paintCells(rows, stepCount, scale) {
+  const canvas = document.createElement('canvas');
+  canvas.width = Math.max(1, stepCount);
+  canvas.height = Math.max(1, rows.length);
+  if (!rows.length || !stepCount) return canvas;
+  const image = new ImageData(stepCount, rows.length);
+  const pixels = new Uint32Array(image.data.buffer);
+  rows.forEach(({values}, r) => {
+    const base = r * stepCount;
+    for (let s = 0; s < stepCount; s++) {
+      const v = values[s];
+      if (Number.isNaN(v)) pixels[base + s] = NAN_PIXEL;
+      else if (v !== -Infinity) pixels[base + s] = CELL_LUT[scale.lutIndex(v)];
+    }
+  });
+  canvas.getContext('2d').putImageData(image, 0, 0);
+  return canvas;
+}
+
+// ------------------------------------------------------------------------------ DOM helpers
+
+function el(tag, props = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(props)) {
+    if (value === undefined || value === null || value === false) continue;
+    if (key === 'class') node.className = value;
+    else if (key.startsWith('on')) node.addEventListener(key.slice(2), value);
+    else node.setAttribute(key, value === true ? '' : value);
+  }
+  node.append(...children.filter((child) => child !== null && child !== undefined && child !== false));
+  return node;
+}
+
+/** Sizes a canvas for CSS pixels and returns its context drawing in CSS pixels. */
+function sizeCanvas(canvas, width, height) {
+  const ratio = window.devicePixelRatio || 1;
+  canvas.width = Math.max(1, Math.round(width * ratio));
+  canvas.height = Math.max(1, Math.round(height * ratio));
+  canvas.style.width = `${width}px`;
+  canvas.style.height = `${height}px`;
+  const ctx = canvas.getContext('2d');
+  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  return ctx;
+}
+
+function nextFrame() {
+  return new Promise((resolve) => requestAnimationFrame(() => resolve()));
+}
+
+let tooltipElement = null;
+
+function showTooltip(event, lines) {
+  if (!tooltipElement) {
+    tooltipElement = el('div', {class: 'lw-tooltip', role: 'tooltip'});
+    document.body.append(tooltipElement);
+  }
+  tooltipElement.replaceChildren(...lines.map((line) => el('div', {}, line)));
+  tooltipElement.hidden = false;
+  const {offsetWidth: w, offsetHeight: h} = tooltipElement;
+  const x = event.clientX + 14 + w > window.innerWidth ? event.clientX - 14 - w : event.clientX + 14;
+  const y = event.clientY + 14 + h > window.innerHeight ? event.clientY - 14 - h : event.clientY + 14;
+  tooltipElement.style.left = `${Math.max(0, x)}px`;
+  tooltipElement.style.top = `${Math.max(0, y)}px`;
+}
+
+function hideTooltip() {
+  if (tooltipElement) tooltipElement.hidden = true;
+}
+
+const measureContext = document.createElement('canvas').getContext('2d');
+
+/** Fits "prefix.last" into `width` pixels, cutting the prefix from its start first. */
+function fitName(prefix, last, width, font) {
+  measureContext.font = font;
+  const fits = (text) => measureContext.measureText(text).width <= width;
+  if (fits(prefix + last)) return [prefix, last];
+  for (let cut = 1; cut < prefix.length; cut++) {
+    if (fits(`…${prefix.slice(cut)}${last}`)) return [`…${prefix.slice(cut)}`, last];
+  }
+  for (let cut = 1; cut < last.length; cut++) {
+    if (fits(`…${last.slice(cut)}`)) return ['', `…${last.slice(cut)}`];
+  }
+  return ['', last];
+}
+
+function splitName(name) {
+  const dot = name.lastIndexOf('.');
+  return dot < 0 ? ['', name] : [name.slice(0, dot + 1), name.slice(dot + 1)];
+}
+
+// ------------------------------------------------------------------------------ heatmap view
+
+/** Where the run's events land on a heatmap: rows resolved to the drawn rows. */
+function placeMarks(events, steps, displayedIndex) {
+  const alertsByRow = new Map();
+  for (const alert of events.alerts ?? []) {
+    const row = displayedIndex(alert.layer);
+    if (row < 0 || !steps.length) continue;
+    const col = Math.min(lowerBound(steps, alert.step), steps.length - 1);
+    if (!alertsByRow.has(row)) alertsByRow.set(row, []);
+    alertsByRow.get(row).push({col, alert});
+  }
+  return {
+    alertsByRow,
+    offenderRow: events.first_offender ? displayedIndex(events.first_offender.layer) : -1,
+    nonfiniteStep: events.first_nonfinite_step ?? null,
+  };
+}
+
+/** The x of a step's position on an axis of `steps.length` columns `cellWidth` wide (column centres). */
+function stepToX(steps, step, cellWidth) {
+  const col = lowerBound(steps, step);
+  if (col >= steps.length) return steps.length * cellWidth;
+  if (col === 0 || steps[col] === step) return (col + 0.5) * cellWidth;
+  const previous = steps[col - 1];
+  return (col - 0.5 + (step - previous) / (steps[col] - previous)) * cellWidth;
+}
+
+class HeatmapView {
+  constructor({canvasId, onSelect, onToggleGroup, onScroll}) {
+    this.callbacks = {onSelect, onToggleGroup, onScroll};
+    this.canvas = el('canvas', {id: canvasId, class: 'lw-hm-canvas'});
+    this.labels = el('div', {class: 'lw-hm-labels'});
+    this.cells = el('div', {class: 'lw-hm-cells'}, this.canvas);
+    this.body = el('div', {class: 'lw-hm-body'}, this.labels, this.cells);
+    this.scroller = el('div', {class: 'lw-hm-scroll'}, this.body);
+    this.markStrip = el('div', {class: 'lw-hm-marks'});
+    this.axis = el('div', {class: 'lw-hm-axis'});
+    this.title = el('div', {class: 'lw-hm-title'});
+    this.legendSlot = el('div', {class: 'lw-hm-legend'});
+    this.note = el('div', {class: 'lw-hm-note', hidden: true});
+    this.element = el('section', {class: 'lw-card lw-hm-card'},
+      el('div', {class: 'lw-hm-head'}, this.title, this.legendSlot), this.note, this.markStrip, this.scroller, this.axis);
+    this.model = null;
+    this.drawQueued = false;
+    this.scroller.addEventListener('scroll', () => {
+      this.requestDraw();
+      this.callbacks.onScroll?.(this.scroller.scrollTop);
+    });
+    this.canvas.addEventListener('mousemove', (event) => this.hover(event));
+    this.canvas.addEventListener('mouseleave', hideTooltip);
+    this.canvas.addEventListener('click', (event) => {
+      const cell = this.cellAt(event);
+      if (cell) this.callbacks.onSelect(cell.row.node.name);
+    });
+    this.labels.addEventListener('click', (event) => this.clickLabel(event));
+  }
+
+  /** model: {title, stat, statInfo, steps, rows (from layoutRows), scale, events, selected, maxHeight} */
+  show(model) {
+    this.model = model;
+    this.note.hidden = true;
+    this.scroller.hidden = false;
+    this.axis.hidden = false;
+    this.rowHeight = clamp(Math.floor(model.maxHeight / Math.max(1, model.rows.length)), ROW_HEIGHT.min, ROW_HEIGHT.max);
+    this.image = paintCells(model.rows, model.steps.length, model.scale);
+    this.indexByName = new Map(model.rows.map((row, index) => [row.node.name, index]));
+    this.marks = placeMarks(model.events, model.steps, (name) => this.displayedIndex(name));
+    this.title.replaceChildren(...model.title);
+    this.body.style.height = `${model.rows.length * this.rowHeight}px`;
+    this.scroller.style.maxHeight = `${model.maxHeight}px`;
+    this.describeOnCanvas();
+    this.draw();
+  }
+
+  showMessage(title, text, isError) {
+    this.model = null;
+    this.title.replaceChildren(...title);
+    this.note.replaceChildren(text);
+    this.note.className = isError ? 'lw-hm-note lw-error-text' : 'lw-hm-note';
+    this.note.hidden = false;
+    this.scroller.hidden = true;
+    this.axis.hidden = true;
+    this.markStrip.hidden = true;
+    for (const key of ['rows', 'steps', 'stat', 'firstNonfiniteStep']) delete this.canvas.dataset[key];
+  }
+
+  setSelected(name) {
+    if (!this.model) return;
+    this.model.selected = name;
+    this.draw();
+  }
+
+  /** Scrolls the drawn row of `name` (or of its visible ancestor) into the middle of the view. */
+  reveal(name) {
+    const index = this.model ? this.displayedIndex(name) : -1;
+    if (index < 0) return;
+    const top = index * this.rowHeight;
+    const view = this.scroller.clientHeight;
+    if (top < this.scroller.scrollTop || top + this.rowHeight > this.scroller.scrollTop + view) {
+      this.scroller.scrollTop = top - (view - this.rowHeight) / 2;
+    }
+  }
+
+  /** The drawn row of `name`: its own, else its nearest drawn ancestor's (a collapsed block); -1 if none. */
+  displayedIndex(name) {
+    for (let candidate = name; candidate != null; candidate = parentName(candidate)) {
+      const index = this.indexByName.get(candidate);
+      if (index !== undefined) return index;
+    }
+    return -1;
+  }
+
+  describeOnCanvas() {
+    const {dataset} = this.canvas;
+    dataset.rows = String(this.model.rows.length);
+    dataset.steps = String(this.model.steps.length);
+    dataset.stat = this.model.stat;
+    if (this.marks.nonfiniteStep === null) delete dataset.firstNonfiniteStep;
+    else dataset.firstNonfiniteStep = String(this.marks.nonfiniteStep);
+  }
+
+  requestDraw() {
+    if (this.drawQueued) return;
+    this.drawQueued = true;
+    requestAnimationFrame(() => {
+      this.drawQueued = false;
+      this.draw();
+    });
+  }
+
+  draw() {
+    if (!this.model) return;
+    const width = Math.max(1, this.cells.clientWidth);
+    const height = Math.min(this.scroller.clientHeight, this.model.rows.length * this.rowHeight);
+    this.drawCells(width, height);
+    this.renderLabels();
+    this.renderAxis(width);
+    this.renderMarkStrip(width);
+  }
+
+  drawCells(width, height) {
+    const {rows, steps} = this.model;
+    const ctx = sizeCanvas(this.canvas, width, height);
+    const h = this.rowHeight;
+    const top = this.scroller.scrollTop;
+    const first = Math.floor(top / h);
+    const last = Math.min(rows.length, Math.ceil((top + height) / h));
+    ctx.fillStyle = NOT_MEASURED_CSS;
+    ctx.fillRect(0, 0, width, height);
+    if (last > first && steps.length) {
+      ctx.imageSmoothingEnabled = false;
+      ctx.drawImage(this.image, 0, first, steps.length, last - first, 0, first * h - top, width, (last - first) * h);
+    }
+    this.drawGrid(ctx, {first, last, top, width, height});
+    this.drawMarks(ctx, {first, last, top, width, height});
+  }
+
+  drawGrid(ctx, {first, last, top, width, height}) {
+    const h = this.rowHeight;
+    const cellWidth = width / Math.max(1, this.model.steps.length);
+    ctx.strokeStyle = 'rgba(255,255,255,0.55)';
+    ctx.lineWidth = 1;
+    ctx.beginPath();
+    if (h >= 18) {
+      for (let r = first + 1; r < last; r++) {
+        const y = Math.round(r * h - top) + 0.5;
+        ctx.moveTo(0, y);
+        ctx.lineTo(width, y);
+      }
+    }
+    if (cellWidth >= 8) {
+      for (let c = 1; c < this.model.steps.length; c++) {
+        const x = Math.round(c * cellWidth) + 0.5;
+        ctx.moveTo(x, 0);
+        ctx.lineTo(x, height);
+      }
+    }
+    ctx.stroke();
+  }
+
+  drawMarks(ctx, {first, last, top, width, height}) {
+    const {steps, selected} = this.model;
+    const h = this.rowHeight;
+    const cellWidth = width / Math.max(1, steps.length);
+    const rowBox = (r, inset) => [inset, r * h - top + inset, width - 2 * inset, h - 2 * inset];
+    const {alertsByRow, offenderRow, nonfiniteStep} = this.marks;
+    if (nonfiniteStep !== null && steps.length) {
+      const x = clamp(stepToX(steps, nonfiniteStep, cellWidth) - cellWidth / 2, 1, width - 1);
+      ctx.save();
+      ctx.strokeStyle = '#111';
+      ctx.lineWidth = 2;
+      ctx.setLineDash([5, 3]);
+      ctx.beginPath();
+      ctx.moveTo(x, 0);
+      ctx.lineTo(x, height);
+      ctx.stroke();
+      ctx.restore();
+    }
+    for (const [r, marks] of alertsByRow) {
+      if (r < first || r >= last) continue;
+      for (const {col} of marks) drawAlertMarker(ctx, (col + 0.5) * cellWidth, r * h - top + h / 2, Math.min(h - 2, 10));
+    }
+    if (offenderRow >= first && offenderRow < last) {
+      ctx.strokeStyle = ACCENT;
+      ctx.lineWidth = 2;
+      ctx.strokeRect(...rowBox(offenderRow, 1));
+    }
+    const selectedRow = selected ? this.displayedIndex(selected) : -1;
+    if (selectedRow >= first && selectedRow < last) {
+      ctx.strokeStyle = '#111';
+      ctx.lineWidth = 2;
+      ctx.strokeRect(...rowBox(selectedRow, offenderRow === selectedRow ? 3 : 1));
+    }
+  }
+
+  renderLabels() {
+    const {rows, selected} = this.model;
+    let from = 0;
+    let to = rows.length;
+    if (rows.length > ALL_LABELS_UP_TO) {
+      const top = this.scroller.scrollTop;
+      from = Math.max(0, Math.floor(top / this.rowHeight) - LABEL_OVERSCAN);
+      to = Math.min(rows.length, Math.ceil((top + this.scroller.clientHeight) / this.rowHeight) + LABEL_OVERSCAN);
+    }
+    const selectedRow = selected ? this.displayedIndex(selected) : -1;
+    const labels = [];
+    for (let i = from; i < to; i++) labels.push(this.rowLabel(rows[i], i, i === selectedRow));
+    this.labels.replaceChildren(...labels);
+  }
+
+  rowLabel(row, index, isSelected) {
+    const {node, level} = row;
+    const h = this.rowHeight;
+    const isOffender = index === this.marks.offenderRow;
+    const alertCount = this.marks.alertsByRow.get(index)?.length ?? 0;
+    const badges = [
+      isOffender && el('span', {class: 'lw-badge lw-badge-offender', title: 'first offender'}, 'offender'),
+      alertCount > 0 && el('span', {class: 'lw-badge lw-badge-alert', title: `${alertCount} alert(s)`}, `▼${alertCount}`),
+    ];
+    const block = row.collapsed ? `block of ${row.blockSize} rows` : '';
+    const badgeWidth = (isOffender ? 58 : 0) + (alertCount > 0 ? 30 : 0) + (row.collapsed ? 30 : 0);
+    const [prefix, last] = fitName(...splitName(node.name), LABEL_WIDTH - (level + 1) * INDENT - badgeWidth - 8, LABEL_FONT);
+    const twisties = row.groups.map((group) => {
+      const folded = group === node && row.collapsed;
+      return el('span', {
+        class: 'lw-twisty',
+        'data-group': group.name,
+        title: `${folded ? 'expand' : 'collapse'} ${group.name}`,
+        style: `left:${levelOf(group) * INDENT}px`,
+      }, folded ? '▸' : '▾');
+    });
+    const classes = ['lw-row-label', isSelected && 'lw-selected', isOffender && 'lw-offender', row.collapsed && 'lw-block'];
+    return el('div', {
+      class: classes.filter(Boolean).join(' '),
+      'data-name': node.name,
+      'data-row': String(index),
+      title: [node.name, block].filter(Boolean).join(' · '),
+      style: `top:${index * h}px;height:${h}px;line-height:${h}px;padding-left:${(level + 1) * INDENT}px`,
+    },
+    el('span', {class: 'lw-guides', style: `width:${level * INDENT}px`}),
+    ...twisties,
+    el('span', {class: 'lw-name'}, el('span', {class: 'lw-name-prefix'}, prefix), last),
+    row.collapsed && el('span', {class: 'lw-block-size'}, `×${row.blockSize}`),
+    ...badges);
+  }
+
+  renderAxis(width) {
+    const {steps} = this.model;
+    if (!steps.length) return this.axis.replaceChildren();
+    const cellWidth = width / steps.length;
+    const ticks = niceTicks(steps[0], steps[steps.length - 1], Math.max(2, Math.floor(width / 110)))
+      .filter((step) => step >= steps[0] && step <= steps[steps.length - 1]);
+    this.axis.replaceChildren(
+      ...ticks.map((step) => el('span', {class: 'lw-tick', style: `left:${LABEL_WIDTH + stepToX(steps, step, cellWidth)}px`}, String(step))),
+      el('span', {class: 'lw-axis-title'}, 'step'));
+  }
+
+  renderMarkStrip(width) {
+    const {steps} = this.model;
+    const step = this.marks.nonfiniteStep;
+    this.markStrip.hidden = step === null || !steps.length;
+    if (this.markStrip.hidden) return;
+    const cellWidth = width / steps.length;
+    const x = clamp(stepToX(steps, step, cellWidth) - cellWidth / 2, 1, width - 1);
+    const onLeft = x > width - 170;
+    this.markStrip.replaceChildren(el('span', {
+      class: `lw-nonfinite-label${onLeft ? ' lw-left' : ''}`,
+      style: `left:${LABEL_WIDTH + x}px`,
+    }, `first NaN/Inf @ step ${step}`));
+  }
+
+  cellAt(event) {
+    if (!this.model || !this.model.steps.length) return null;
+    const rect = this.canvas.getBoundingClientRect();
+    const index = Math.floor((event.clientY - rect.top + this.scroller.scrollTop) / this.rowHeight);
+    const col = Math.floor(((event.clientX - rect.left) / rect.width) * this.model.steps.length);
+    if (index < 0 || index >= this.model.rows.length || col < 0 || col >= this.model.steps.length) return null;
+    return {index, col, row: this.model.rows[index]};
+  }
+
+  hover(event) {
+    const cell = this.cellAt(event);
+    if (!cell) return hideTooltip();
+    const {statInfo, steps} = this.model;
+    const {row, col, index} = cell;
+    const value = row.values[col];
+    const alerts = (this.marks.alertsByRow.get(index) ?? []).filter((mark) => mark.col === col);
+    showTooltip(event, [
+      el('b', {}, row.node.name),
+      `step ${steps[col]}`,
+      `${statInfo.label}: ${formatValue(value, statInfo.unit)}${Number.isNaN(value) ? ' (non-finite)' : ''}`,
+      row.collapsed && `block of ${row.blockSize} rows${row.node.row < 0 ? `, ${statInfo.collapse ?? 'max'} of its children` : ', its own row'}`,
+      ...alerts.map(({alert}) => `▼ ${alert.kind} @ ${alert.step}: ${alert.message ?? alert.layer}`),
+    ].filter(Boolean));
+  }
+
+  clickLabel(event) {
+    const twisty = event.target.closest('.lw-twisty');
+    if (twisty) return this.callbacks.onToggleGroup(twisty.dataset.group);
+    const label = event.target.closest('.lw-row-label');
+    if (label) this.callbacks.onSelect(label.dataset.name);
+  }
+}
+
+function drawAlertMarker(ctx, x, y, size) {
+  const half = Math.max(3, size / 2);
+  ctx.beginPath();
+  ctx.moveTo(x - half, y - half * 0.8);
+  ctx.lineTo(x + half, y - half * 0.8);
+  ctx.lineTo(x, y + half * 0.9);
+  ctx.closePath();
+  ctx.fillStyle = '#fff';
+  ctx.fill();
+  ctx.strokeStyle = '#111';
+  ctx.lineWidth = 1.25;
+  ctx.stroke();
+}
+
+// ------------------------------------------------------------------------------ legend
+
+function legendElement(scale, statInfo) {
+  const bar = el('canvas', {class: 'lw-legend-bar'});
+  const ctx = sizeCanvas(bar, 220, 10);
+  for (let x = 0; x < 220; x++) {
+    ctx.fillStyle = pixelCss(CELL_LUT[Math.round((x / 219) * 255)]);
+    ctx.fillRect(x, 0, 1, 10);
+  }
+  const ticks = scale.ticks.map((value) => el('span', {style: `left:${scale.position(value) * 100}%`}, formatValue(value, statInfo.unit)));
+  const swatch = (className, text) => el('span', {class: 'lw-swatch'}, el('i', {class: className}), text);
+  return el('div', {class: 'lw-legend'},
+    el('div', {class: 'lw-legend-scale'},
+      el('div', {class: 'lw-legend-caption'}, `${statInfo.unit || statInfo.label}${scale.log ? ' · log scale' : ''}`),
+      bar,
+      el('div', {class: 'lw-legend-ticks'}, ...ticks)),
+    el('div', {class: 'lw-swatches'},
+      swatch('lw-sw-nan', 'NaN/Inf'),
+      swatch('lw-sw-none', 'not measured'),
+      swatch('lw-sw-alert', 'alert'),
+      swatch('lw-sw-offender', 'first offender'),
+      swatch('lw-sw-nonfinite', 'first NaN/Inf')));
+}
+
+// ------------------------------------------------------------------------------ events and rankings
+
+function renderEvents(container, events, onSelect) {
+  const alerts = [...(events.alerts ?? [])].sort((a, b) => a.step - b.step);
+  const offender = events.first_offender;
+  const layerLink = (layer) => el('a', {class: 'lw-layer-link', href: '#', 'data-layer': layer, onclick: (event) => {
+    event.preventDefault();
+    onSelect(layer);
+  }}, layer);
+  container.replaceChildren(
+    el('h3', {}, 'Events'),
+    events.first_nonfinite_step == null
+      ? el('div', {class: 'lw-event lw-muted'}, 'No NaN/Inf gradients seen.')
+      : el('div', {class: 'lw-event lw-event-nonfinite'}, el('i', {class: 'lw-sw-nan'}),
+        `First NaN/Inf gradients at step ${events.first_nonfinite_step}`),
+    offender && el('div', {class: 'lw-event lw-event-offender'},
+      el('div', {}, 'First offender: ', layerLink(offender.layer), ` @ step ${offender.step}`, offender.phase ? ` (${offender.phase})` : ''),
+      offender.text && el('div', {class: 'lw-muted lw-small'}, offender.text)),
+    el('div', {class: 'lw-subhead'}, `Alerts (${alerts.length})`),
+    el('ul', {id: 'lw-alerts', class: 'lw-alerts'},
+      ...(alerts.length ? alerts.map((alert) => alertItem(alert, onSelect)) : [el('li', {class: 'lw-muted'}, 'No alerts.')])));
+}
+
+function alertItem(alert, onSelect) {
+  return el('li', {
+    class: 'lw-alert',
+    'data-layer': alert.layer,
+    'data-step': String(alert.step),
+    title: alert.message ?? '',
+    onclick: () => onSelect(alert.layer),
+  },
+  el('div', {class: 'lw-alert-head'},
+    el('span', {class: `lw-kind${alert.kind === 'nonfinite' ? ' lw-kind-nonfinite' : ''}`}, alert.kind),
+    el('span', {class: 'lw-alert-layer'}, alert.layer),
+    el('span', {class: 'lw-muted'}, `@ ${alert.step}`)),
+  alert.message && el('div', {class: 'lw-alert-message'}, alert.message));
+}
+
+function renderRankings(container, rankings, onSelect) {
+  container.replaceChildren(el('h3', {}, 'Rankings'),
+    ...(rankings.length ? rankings.map((ranking) => rankingTable(ranking, onSelect)) : [el('div', {class: 'lw-muted'}, 'No rankings.')]));
+}
+
+function rankingTable(ranking, onSelect) {
+  const rows = ranking.rows ?? [];
+  const top = Math.max(...rows.map((row) => Math.abs(row.value)).filter(Number.isFinite), 0);
+  const body = rows.length
+    ? el('table', {class: 'lw-ranking-table'}, ...rows.map((row, i) => el('tr', {
+      class: 'lw-rank-row', 'data-layer': row.layer, onclick: () => onSelect(row.layer),
+    },
+    el('td', {class: 'lw-rank'}, String(i + 1)),
+    el('td', {class: 'lw-rank-layer', title: row.layer}, row.layer),
+    el('td', {class: 'lw-rank-value'},
+      el('span', {class: 'lw-rank-bar', style: `width:${top > 0 ? (Math.abs(jsonValue(row.value)) / top) * 100 || 0 : 0}%`}),
+      el('span', {}, formatValue(jsonValue(row.value), ranking.unit))))))
+    : el('div', {class: 'lw-missing'}, ranking.missing ?? 'No data.');
+  return el('div', {class: 'lw-ranking', 'data-key': ranking.key},
+    el('div', {class: 'lw-ranking-title'}, ranking.title ?? ranking.key),
+    ranking.note && el('div', {class: 'lw-muted lw-small'}, ranking.note),
+    body);
+}
+
+// ------------------------------------------------------------------------------ layer detail
+
+/** A y axis: log when the values are positive and span more than two decades. */
+function valueAxis(values, pixelLo, pixelHi) {
+  const extent = finiteExtent([values], false);
+  if (!extent) return {log: false, ticks: [], map: () => (pixelLo + pixelHi) / 2};
+  let [lo, hi] = extent;
+  const log = lo > 0 && hi / lo > 100;
+  let ticks;
+  if (log) {
+    lo = 10 ** Math.floor(Math.log10(lo));
+    hi = 10 ** Math.ceil(Math.log10(hi));
+    ticks = decadeTicks(lo, hi, 4);
+  } else {
+    if (lo === hi) [lo, hi] = [lo - (Math.abs(lo) || 1) / 2, hi + (Math.abs(hi) || 1) / 2];
+    ticks = niceTicks(lo, hi, 3);
+    [lo, hi] = [ticks[0], ticks[ticks.length - 1]];
+  }
+  const transform = log ? Math.log10 : (v) => v;
+  const a = transform(lo);
+  const span = transform(hi) - a || 1;
+  return {log, ticks, map: (v) => pixelLo + ((transform(v) - a) / span) * (pixelHi - pixelLo)};
+}
+
+function stepAxis(steps, pixelLo, pixelHi) {
+  const first = steps[0] ?? 0;
+  const span = (steps[steps.length - 1] ?? 0) - first || 1;
+  return (step) => pixelLo + ((step - first) / span) * (pixelHi - pixelLo);
+}
+
+function drawAxes(ctx, plot, yTicks, yMap, steps, xMap, unit) {
+  ctx.font = '10px Roboto, system-ui, sans-serif';
+  ctx.fillStyle = '#616161';
+  ctx.strokeStyle = '#eeeeee';
+  ctx.lineWidth = 1;
+  ctx.textAlign = 'right';
+  ctx.textBaseline = 'middle';
+  for (const tick of yTicks) {
+    const y = Math.round(yMap(tick)) + 0.5;
+    ctx.beginPath();
+    ctx.moveTo(plot.left, y);
+    ctx.lineTo(plot.right, y);
+    ctx.stroke();
+    ctx.fillText(formatValue(tick, unit), plot.left - 4, y);
+  }
+  ctx.textAlign = 'center';
+  ctx.textBaseline = 'top';
+  if (!steps.length) return;
+  for (const step of niceTicks(steps[0], steps[steps.length - 1], 3).filter((s) => s >= steps[0] && s <= steps[steps.length - 1])) {
+    ctx.fillText(String(step), xMap(step), plot.bottom + 4);
+  }
+  ctx.strokeStyle = '#bdbdbd';
+  ctx.beginPath();
+  ctx.moveTo(plot.left, plot.bottom + 0.5);
+  ctx.lineTo(plot.right, plot.bottom + 0.5);
+  ctx.stroke();
+}
+
+function drawNonfiniteLine(ctx, plot, x) {
+  ctx.save();
+  ctx.strokeStyle = '#111';
+  ctx.setLineDash([4, 3]);
+  ctx.beginPath();
+  ctx.moveTo(x, plot.top);
+  ctx.lineTo(x, plot.bottom);
+  ctx.stroke();
+  ctx.restore();
+}
+
+/** A line chart of one series; NaN points are magenta triangles on the top edge, gaps are not measured. */
+function drawSeriesChart(canvas, width, steps, values, unit, nonfiniteStep) {
+  const ctx = sizeCanvas(canvas, width, SERIES_HEIGHT);
+  const plot = {left: 52, right: width - 8, top: 10, bottom: SERIES_HEIGHT - 18};
+  const y = valueAxis(values, plot.bottom, plot.top);
+  const x = stepAxis(steps, plot.left, plot.right);
+  drawAxes(ctx, plot, y.ticks, y.map, steps, x, unit);
+  if (nonfiniteStep != null && steps.length && nonfiniteStep >= steps[0] && nonfiniteStep <= steps[steps.length - 1]) {
+    drawNonfiniteLine(ctx, plot, x(nonfiniteStep));
+  }
+  ctx.strokeStyle = ACCENT;
+  ctx.fillStyle = ACCENT;
+  ctx.lineWidth = 1.5;
+  ctx.beginPath();
+  let penDown = false;
+  values.forEach((v, i) => {
+    if (!Number.isFinite(v)) {
+      penDown = false;
+      return;
+    }
+    const [px, py] = [x(steps[i]), y.map(v)];
+    if (penDown) ctx.lineTo(px, py);
+    else ctx.moveTo(px, py);
+    const isolated = !Number.isFinite(values[i - 1]) && !Number.isFinite(values[i + 1]);
+    if (isolated) ctx.fillRect(px - 1.5, py - 1.5, 3, 3);
+    penDown = true;
+  });
+  ctx.stroke();
+  ctx.fillStyle = NAN_CSS;
+  values.forEach((v, i) => {
+    if (!Number.isNaN(v)) return;
+    const px = x(steps[i]);
+    ctx.beginPath();
+    ctx.moveTo(px - 3.5, plot.top - 6);
+    ctx.lineTo(px + 3.5, plot.top - 6);
+    ctx.lineTo(px, plot.top);
+    ctx.closePath();
+    ctx.fill();
+  });
+  return {log: y.log, x};
+}
+
+/** Every histogram's buckets spread onto one value grid (uniform within a bucket), one column per step. */
+function densityGrid(entries, layerSteps) {
+  let lo = Infinity;
+  let hi = -Infinity;
+  for (const entry of entries) {
+    for (const [left, right] of entry.buckets) {
+      lo = Math.min(lo, left);
+      hi = Math.max(hi, right);
+    }
+  }
+  if (!(hi > lo)) [lo, hi] = [lo - 0.5, lo + 0.5];
+  const entrySteps = entries.map((entry) => entry.step).sort((a, b) => a - b);
+  const first = Math.min(entrySteps[0], layerSteps[0] ?? Infinity);
+  const last = Math.max(entrySteps[entrySteps.length - 1], layerSteps[layerSteps.length - 1] ?? -Infinity);
+  let spacing = Infinity;
+  for (let i = 1; i < entrySteps.length; i++) if (entrySteps[i] > entrySteps[i - 1]) spacing = Math.min(spacing, entrySteps[i] - entrySteps[i - 1]);
+  if (!Number.isFinite(spacing) || (last - first) / spacing >= MAX_HISTOGRAM_COLUMNS) spacing = Math.max(1, (last - first) / (MAX_HISTOGRAM_COLUMNS - 1));
+  const columns = Math.round((last - first) / spacing) + 1;
+  const counts = new Float32Array(columns * HISTOGRAM_BINS);
+  const present = new Uint8Array(columns);
+  const binWidth = (hi - lo) / HISTOGRAM_BINS;
+  const binOf = (v) => clamp(Math.floor((v - lo) / binWidth), 0, HISTOGRAM_BINS - 1);
+  for (const {step, buckets} of entries) {
+    const col = Math.round((step - first) / spacing);
+    present[col] = 1;
+    for (const [left, right, count] of buckets) {
+      if (!(right > left)) {
+        counts[col * HISTOGRAM_BINS + binOf(left)] += count;
+        continue;
+      }
+      for (let b = binOf(left); b <= binOf(right); b++) {
+        const overlap = Math.min(right, lo + (b + 1) * binWidth) - Math.max(left, lo + b * binWidth);
+        if (overlap > 0) counts[col * HISTOGRAM_BINS + b] += (count * overlap) / (right - left);
+      }
+    }
+  }
+  return {counts, present, columns, lo, hi, first, last};
+}
+
+/** A histogram over time: x = step, y = value, colour = count (square-root scale; grey = no histogram). */
+function drawHistogramChart(canvas, width, entries, layerSteps) {
+  const ctx = sizeCanvas(canvas, width, SERIES_HEIGHT);
+  const plot = {left: 52, right: width - 8, top: 10, bottom: SERIES_HEIGHT - 18};
+  const grid = densityGrid(entries, layerSteps);
+  let max = 0;
+  for (const count of grid.counts) max = Math.max(max, count);
+  const image = new ImageData(grid.columns, HISTOGRAM_BINS);
+  const pixels = new Uint32Array(image.data.buffer);
+  for (let col = 0; col < grid.columns; col++) {
+    if (!grid.present[col]) continue;
+    for (let b = 0; b < HISTOGRAM_BINS; b++) {
+      const level = max > 0 ? Math.sqrt(grid.counts[col * HISTOGRAM_BINS + b] / max) : 0;
+      pixels[(HISTOGRAM_BINS - 1 - b) * grid.columns + col] = COUNT_LUT[Math.round(level * 255)];
+    }
+  }
+  const source = document.createElement('canvas');
+  source.width = grid.columns;
+  source.height = HISTOGRAM_BINS;
+  source.getContext('2d').putImageData(image, 0, 0);
+  ctx.fillStyle = NOT_MEASURED_CSS;
+  ctx.fillRect(plot.left, plot.top, plot.right - plot.left, plot.bottom - plot.top);
+  ctx.imageSmoothingEnabled = false;
+  ctx.drawImage(source, plot.left, plot.top, plot.right - plot.left, plot.bottom - plot.top);
+  const yMap = (v) => plot.bottom - ((v - grid.lo) / (grid.hi - grid.lo)) * (plot.bottom - plot.top);
+  const yTicks = niceTicks(grid.lo, grid.hi, 3).filter((v) => v >= grid.lo && v <= grid.hi);
+  const xSteps = [grid.first, grid.last];
+  drawAxes(ctx, plot, yTicks, yMap, xSteps, stepAxis(xSteps, plot.left, plot.right), '');
+  return stepAxis(xSteps, plot.left, plot.right);
+}
+
+/** Shows "step s: value" under the pointer, at the step nearest to it. */
+function attachReadout(canvas, readout, steps, valueText) {
+  canvas.addEventListener('mousemove', (event) => {
+    if (!steps.length) return;
+    const x = event.clientX - canvas.getBoundingClientRect().left;
+    const plotWidth = canvas.clientWidth - 60;
+    const step = steps[0] + ((x - 52) / plotWidth) * (steps[steps.length - 1] - steps[0]);
+    let i = clamp(lowerBound(steps, step), 0, steps.length - 1);
+    if (i > 0 && step - steps[i - 1] < steps[i] - step) i -= 1;
+    readout.textContent = `step ${steps[i]}: ${valueText(i)}`;
+  });
+  canvas.addEventListener('mouseleave', () => {
+    readout.textContent = '';
+  });
+}
+
+function chartFigure(title, subtitle) {
+  const canvas = el('canvas');
+  const readout = el('span', {class: 'lw-readout'});
+  const figure = el('figure', {class: 'lw-chart'},
+    el('figcaption', {}, el('span', {class: 'lw-chart-title'}, title), el('span', {class: 'lw-muted'}, subtitle), readout),
+    canvas);
+  return {figure, canvas, readout};
+}
+
+function renderDetailPlaceholder(detail) {
+  delete detail.dataset.layer;
+  detail.replaceChildren(el('h3', {}, 'Layer'),
+    el('p', {class: 'lw-muted'}, 'Click a row of the heatmap (its label or a cell), an alert or a ranking to see that layer’s series and histograms.'));
+}
+
+function renderDetail(detail, layer, statsInfo, nonfiniteStep) {
+  const steps = layer.steps ?? [];
+  const order = [...statsInfo.keys()];
+  const keys = Object.keys(layer.series ?? {}).sort((a, b) => rank(order, a) - rank(order, b));
+  const histograms = Object.entries(layer.histograms ?? {}).filter(([, entries]) => entries.length);
+  const drawings = [];
+  const seriesFigures = keys.map((key) => {
+    const info = statsInfo.get(key) ?? {label: key, unit: ''};
+    const values = Float64Array.from(layer.series[key], jsonValue);
+    const {figure, canvas, readout} = chartFigure(info.label, info.unit);
+    drawings.push(() => {
+      const {log} = drawSeriesChart(canvas, figure.clientWidth, steps, values, info.unit, nonfiniteStep);
+      if (log) figure.querySelector('.lw-muted').textContent = `${info.unit} · log`;
+    });
+    attachReadout(canvas, readout, steps, (i) => formatValue(values[i], info.unit));
+    return figure;
+  });
+  const histogramFigures = histograms.map(([tag, entries]) => {
+    const sorted = [...entries].sort((a, b) => a.step - b.step);
+    const {figure, canvas, readout} = chartFigure(tag, 'colour = count');
+    drawings.push(() => drawHistogramChart(canvas, figure.clientWidth, sorted, steps));
+    const entrySteps = sorted.map((entry) => entry.step);
+    attachReadout(canvas, readout, entrySteps, (i) => histogramSummary(sorted[i].buckets));
+    return figure;
+  });
+  detail.replaceChildren(
+    el('div', {class: 'lw-detail-head'}, el('h3', {}, layer.name), el('span', {class: 'lw-muted'}, `${steps.length} sampled steps`)),
+    el('div', {class: 'lw-subhead'}, 'Series'),
+    seriesFigures.length ? el('div', {class: 'lw-charts'}, ...seriesFigures) : el('div', {class: 'lw-muted'}, `No series recorded for ${layer.name}.`),
+    el('div', {class: 'lw-subhead'}, 'Histograms over time'),
+    histogramFigures.length ? el('div', {class: 'lw-charts'}, ...histogramFigures) : el('div', {class: 'lw-muted'}, `No histograms for ${layer.name}.`));
+  detail.dataset.layer = layer.name;
+  drawings.forEach((draw) => draw());
+}
+
+function rank(order, key) {
+  const index = order.indexOf(key);
+  return index < 0 ? order.length : index;
+}
+
+function histogramSummary(buckets) {
+  const total = buckets.reduce((sum, bucket) => sum + bucket[2], 0);
+  if (!buckets.length) return 'empty';
+  return `${formatNumber(buckets[0][0])} … ${formatNumber(buckets[buckets.length - 1][1])}, ${formatNumber(total)} values`;
+}
+
+// ------------------------------------------------------------------------------ the app
+
+const app = {
+  runs: [],
+  run: null,
+  compareRun: '',
+  stats: [],
+  stat: null,
+  log: false,
+  collapsed: new Set(),
+  selected: null,
+  main: null, // {run, data, tree, events} of the selected run, or {run, error}
+  compare: null, // the same for the compared run, or null
+  cache: {stats: new Map(), events: new Map()},
+  tickets: {run: 0, heatmap: 0, detail: 0},
+  ui: null,
+  views: null,
+};
+
+function statsOf(run) {
+  if (!app.cache.stats.has(run)) app.cache.stats.set(run, getJson('stats', {run}));
+  return app.cache.stats.get(run);
+}
+
+/** The run's events; a failure reads as no events, with the error kept in `error`. */
+function eventsOf(run) {
+  if (!app.cache.events.has(run)) {
+    app.cache.events.set(run, getJson('events', {run})
+      .catch((error) => ({alerts: [], first_nonfinite_step: null, first_offender: null, error})));
+  }
+  return app.cache.events.get(run);
+}
+
+function currentStatInfo() {
+  return app.stats.find((stat) => stat.key === app.stat) ?? {key: app.stat, label: app.stat, unit: '', collapse: 'max'};
+}
+
+function showError(context, error) {
+  console.error(error);
+  const {error: banner} = app.ui;
+  banner.replaceChildren(el('b', {}, `${context}: `), error.message ?? String(error));
+  banner.hidden = false;
+}
+
+function clearError() {
+  app.ui.error.hidden = true;
+}
+
+function showPanelError(panel, title, error) {
+  showError(`Could not load ${title.toLowerCase()}`, error);
+  panel.replaceChildren(el('h3', {}, title), el('div', {class: 'lw-error-text'}, error.message ?? String(error)));
+}
+
+function option(value, text) {
+  return el('option', {value}, text);
+}
+
+function buildShell() {
+  const ui = {
+    run: el('select', {id: 'lw-run', title: 'run'}),
+    compare: el('select', {id: 'lw-compare', title: 'draw a second run below, same colour scale'}),
+    stat: el('select', {id: 'lw-stat', title: 'statistic'}),
+    log: el('input', {id: 'lw-log', type: 'checkbox'}),
+    depth: el('select', {id: 'lw-depth', title: 'collapse the module tree to a depth'}),
+    expand: el('button', {id: 'lw-expand-all', type: 'button'}, 'Expand all'),
+    error: el('div', {id: 'lw-error', class: 'lw-error', role: 'alert', hidden: true}),
+    events: el('section', {id: 'lw-events', class: 'lw-card'}, el('h3', {}, 'Events')),
+    rankings: el('section', {id: 'lw-rankings', class: 'lw-card'}, el('h3', {}, 'Rankings')),
+    detail: el('section', {id: 'lw-detail', class: 'lw-card'}),
+  };
+  const views = {
+    main: new HeatmapView({canvasId: 'lw-heatmap', onSelect: selectLayer, onToggleGroup: toggleGroup, onScroll: (top) => syncScroll('compare', top)}),
+    compare: new HeatmapView({canvasId: 'lw-heatmap-compare', onSelect: selectLayer, onToggleGroup: toggleGroup, onScroll: (top) => syncScroll('main', top)}),
+  };
+  views.compare.element.hidden = true;
+  const field = (text, control) => el('label', {class: 'lw-field'}, el('span', {}, text), control);
+  const toolbar = el('header', {class: 'lw-toolbar'},
+    el('span', {class: 'lw-brand'}, 'LAYERWATCH'),
+    field('Run', ui.run),
+    field('Compare with', ui.compare),
+    field('Statistic', ui.stat),
+    el('label', {class: 'lw-field lw-check'}, ui.log, el('span', {}, 'log colour scale')),
+    field('Rows', ui.depth),
+    ui.expand);
+  renderDetailPlaceholder(ui.detail);
+  const page = el('div', {class: 'lw-app'}, toolbar, ui.error,
+    el('div', {class: 'lw-main'},
+      el('div', {class: 'lw-column'}, views.main.element, views.compare.element, ui.detail),
+      el('aside', {class: 'lw-side'}, ui.events, ui.rankings)));
+  ui.toolbar = toolbar;
+  ui.page = page;
+  ui.run.addEventListener('change', () => task('Could not load the run', () => selectRun(ui.run.value)));
+  ui.compare.addEventListener('change', () => {
+    app.compareRun = ui.compare.value;
+    task('Could not load the heatmaps', loadHeatmaps);
+  });
+  ui.stat.addEventListener('change', () => {
+    app.stat = ui.stat.value;
+    app.log = currentStatInfo().scale === 'log';
+    ui.log.checked = app.log;
+    task('Could not load the heatmaps', loadHeatmaps);
+  });
+  ui.log.addEventListener('change', () => {
+    app.log = ui.log.checked;
+    refreshHeatmaps();
+  });
+  ui.depth.addEventListener('change', () => collapseToDepth(Number(ui.depth.value)));
+  ui.expand.addEventListener('click', expandAll);
+  let resizeQueued = false;
+  window.addEventListener('resize', () => {
+    if (resizeQueued) return;
+    resizeQueued = true;
+    requestAnimationFrame(() => {
+      resizeQueued = false;
+      refreshHeatmaps();
+    });
+  });
+  return {ui, views};
+}
+
+function task(context, run) {
+  run().catch((error) => showError(context, error));
+}
+
+function showEmptyState() {
+  app.ui.toolbar.querySelectorAll('.lw-field, button').forEach((control) => {
+    control.hidden = true;
+  });
+  app.ui.page.querySelector('.lw-main').replaceChildren(el('div', {id: 'lw-empty', class: 'lw-card lw-empty'},
+    el('h2', {}, 'No layerwatch data'),
+    el('p', {}, 'This logdir has no layerwatch data: no run in it was written by layerwatch.'),
+    el('p', {}, 'To get some, train with ', el('code', {}, 'InspectCallback()'), ' (PyTorch Lightning) or ',
+      el('code', {}, 'Inspector(...)'), ' (plain PyTorch), then point ', el('code', {}, 'tensorboard --logdir'),
+      ' at the logs it writes.')));
+}
+
+async function loadRuns() {
+  const reply = await getJson('runs');
+  app.runs = reply.runs ?? [];
+  if (!app.runs.length) return showEmptyState();
+  app.ui.run.replaceChildren(...app.runs.map((run) => option(run.run, `${run.run} (${run.samples} samples)`)));
+  await selectRun(app.runs[0].run);
+}
+
+function fillCompareOptions() {
+  if (app.compareRun === app.run) app.compareRun = '';
+  app.ui.compare.replaceChildren(option('', 'none'),
+    ...app.runs.filter((run) => run.run !== app.run).map((run) => option(run.run, run.run)));
+  app.ui.compare.value = app.compareRun;
+}
+
+async function selectRun(run) {
+  const ticket = ++app.tickets.run;
+  app.run = run;
+  app.ui.run.value = run;
+  app.selected = null;
+  app.cache.stats.clear();
+  app.cache.events.clear();
+  clearError();
+  renderDetailPlaceholder(app.ui.detail);
+  fillCompareOptions();
+  loadSidePanels(run);
+  let reply;
+  try {
+    reply = await statsOf(run);
+  } catch (error) {
+    if (ticket === app.tickets.run) app.views.main.showMessage([run], `Could not load the statistics of ${run}: ${error.message}`, true);
+    throw error;
+  }
+  if (ticket !== app.tickets.run) return;
+  app.stats = reply.stats ?? [];
+  if (!app.stats.length) {
+    app.ui.stat.replaceChildren();
+    app.views.main.showMessage([`${run}`], 'This run has no per-layer statistics yet.', false);
+    return;
+  }
+  if (!app.stats.some((stat) => stat.key === app.stat)) {
+    app.stat = app.stats[0].key;
+    app.log = app.stats[0].scale === 'log';
+  }
+  app.ui.stat.replaceChildren(...app.stats.map((stat) => option(stat.key, stat.unit ? `${stat.label} (${stat.unit})` : stat.label)));
+  app.ui.stat.value = app.stat;
+  app.ui.log.checked = app.log;
+  await loadHeatmaps();
+}
+
+function loadSidePanels(run) {
+  eventsOf(run).then((events) => {
+    if (run !== app.run) return;
+    if (events.error) showPanelError(app.ui.events, 'Events', events.error);
+    else renderEvents(app.ui.events, events, selectLayer);
+  });
+  getJson('rankings', {run}).then((reply) => {
+    if (run === app.run) renderRankings(app.ui.rankings, reply.rankings ?? [], selectLayer);
+  }, (error) => {
+    if (run === app.run) showPanelError(app.ui.rankings, 'Rankings', error);
+  });
+}
+
+/** One run's heatmap of the current stat with its events; a failure is kept as `error`. */
+async function loadRunHeatmap(run, stat) {
+  try {
+    if (run !== app.run) {
+      const {stats = []} = await statsOf(run);
+      if (!stats.some((s) => s.key === stat)) return {run, missing: `${run} has no ${currentStatInfo().label}.`};
+    }
+    const [data, events] = await Promise.all([fetchHeatmap(run, stat), eventsOf(run)]);
+    return {run, data, events, tree: buildTree(data.rows)};
+  } catch (error) {
+    return {run, error};
+  }
+}
+
+/** Fetches the heatmaps and draws them; body[data-heatmap-ms] gets the time from fetch to drawn. */
+async function loadHeatmaps() {
+  const ticket = ++app.tickets.heatmap;
+  const started = performance.now();
+  app.views.main.title.append(el('span', {class: 'lw-muted lw-loading'}, ' loading…'));
+  const [main, compare] = await Promise.all([
+    loadRunHeatmap(app.run, app.stat),
+    app.compareRun ? loadRunHeatmap(app.compareRun, app.stat) : null,
+  ]);
+  if (ticket !== app.tickets.heatmap) return;
+  app.main = main;
+  app.compare = compare;
+  if (main.error) showError('Could not load the heatmap', main.error);
+  if (compare?.error) showError('Could not load the compared heatmap', compare.error);
+  refreshHeatmaps();
+  await nextFrame();
+  if (ticket === app.tickets.heatmap && main.data) {
+    document.body.dataset.heatmapMs = String(Math.round(performance.now() - started));
+  }
+}
+
+function heatmapTitle(loaded, role) {
+  const info = currentStatInfo();
+  const parts = [el('span', {class: 'lw-hm-stat'}, info.label ?? app.stat), el('span', {class: 'lw-hm-run'}, loaded.run)];
+  if (role === 'compare') parts.unshift(el('span', {class: 'lw-hm-role'}, 'compare'));
+  if (loaded.data) {
+    const {steps} = loaded.data;
+    parts.push(el('span', {class: 'lw-muted'}, `${loaded.rows.length} rows × ${steps.length} steps` +
+      (steps.length ? ` (steps ${steps[0]}–${steps[steps.length - 1]})` : '')));
+  }
+  return parts;
+}
+
+/** Lays out, colours and draws the loaded heatmaps (after a load, a collapse, the log toggle or a resize). */
+function refreshHeatmaps() {
+  if (!app.main) return;
+  const info = currentStatInfo();
+  const shown = [app.main, app.compare].filter((loaded) => loaded?.data);
+  for (const loaded of shown) loaded.rows = layoutRows(loaded.tree, app.collapsed, loaded.data, info.collapse);
+  const scale = makeScale(shown.flatMap((loaded) => loaded.rows.map((row) => row.values)), app.log);
+  const maxHeight = Math.max(180, Math.round(window.innerHeight * (app.compare ? 0.36 : 0.5)));
+  const roles = [['main', app.main], ['compare', app.compare]];
+  for (const [role, loaded] of roles) {
+    const view = app.views[role];
+    view.element.hidden = !loaded;
+    if (!loaded) continue;
+    if (!loaded.data) {
+      const text = loaded.error ? `Could not load the heatmap: ${loaded.error.message}` : loaded.missing;
+      view.showMessage(heatmapTitle(loaded, role), text, Boolean(loaded.error));
+      continue;
+    }
+    view.show({
+      title: heatmapTitle(loaded, role),
+      stat: app.stat,
+      statInfo: info,
+      steps: loaded.data.steps,
+      rows: loaded.rows,
+      scale,
+      events: loaded.events,
+      selected: app.selected,
+      maxHeight,
+    });
+  }
+  app.views.main.legendSlot.replaceChildren(shown.length ? legendElement(scale, info) : '');
+  updateDepthOptions();
+}
+
+function updateDepthOptions() {
+  const trees = [app.main, app.compare].filter((loaded) => loaded?.tree).map((loaded) => loaded.tree);
+  const deepest = Math.max(0, ...trees.map(deepestGroup));
+  const current = app.ui.depth.value;
+  const depths = Array.from({length: deepest}, (_, i) => i + 1);
+  app.ui.depth.replaceChildren(option('', 'all layers'),
+    ...depths.map((depth) => option(String(depth), `collapse to depth ${depth}`)));
+  app.ui.depth.value = depths.includes(Number(current)) ? current : '';
+}
+
+function collapseToDepth(depth) {
+  const trees = [app.main, app.compare].filter((loaded) => loaded?.tree).map((loaded) => loaded.tree);
+  app.collapsed = new Set(depth > 0 ? trees.flatMap((tree) => groupNamesAtDepth(tree, depth)) : []);
+  refreshHeatmaps();
+}
+
+function expandAll() {
+  app.collapsed.clear();
+  app.ui.depth.value = '';
+  refreshHeatmaps();
+}
+
+function toggleGroup(name) {
+  if (app.collapsed.has(name)) app.collapsed.delete(name);
+  else app.collapsed.add(name);
+  app.ui.depth.value = '';
+  refreshHeatmaps();
+}
+
+function syncScroll(role, top) {
+  const other = app.views[role];
+  const source = app.views[role === 'main' ? 'compare' : 'main'];
+  if (other.model && source.model && other.model.rows.length === source.model.rows.length && other.scroller.scrollTop !== top) {
+    other.scroller.scrollTop = top;
+  }
+}
+
+function selectLayer(name) {
+  app.selected = name;
+  for (const view of Object.values(app.views)) {
+    view.setSelected(name);
+    view.reveal(name);
+  }
+  task('Could not load the layer', () => loadDetail(name));
+}
+
+async function loadDetail(name) {
+  const ticket = ++app.tickets.detail;
+  const run = app.run;
+  const {detail} = app.ui;
+  detail.replaceChildren(el('h3', {}, name), el('div', {class: 'lw-muted'}, 'loading…'));
+  try {
+    const [layer, stats, events] = await Promise.all([getJson('layer', {run, name}), statsOf(run), eventsOf(run)]);
+    if (ticket !== app.tickets.detail) return;
+    const statsInfo = new Map((stats.stats ?? []).map((stat) => [stat.key, stat]));
+    renderDetail(detail, {...layer, name: layer.name ?? name}, statsInfo, events.first_nonfinite_step);
+  } catch (error) {
+    if (ticket !== app.tickets.detail) return;
+    detail.replaceChildren(el('h3', {}, name), el('div', {class: 'lw-error-text'}, `Could not load ${name}: ${error.message}`));
+    detail.dataset.layer = name;
+    throw error;
+  }
+}
+
+// ------------------------------------------------------------------------------ style
+
+const STYLE = `
+:root { --lw-accent: ${ACCENT}; --lw-border: #e0e0e0; --lw-text: #212121; --lw-muted: #757575; --lw-bg: #f5f5f5; }
+html, body { margin: 0; background: var(--lw-bg); color: var(--lw-text);
+  font: 13px Roboto, system-ui, -apple-system, "Segoe UI", Arial, sans-serif; }
+[hidden] { display: none !important; }
+.lw-app { box-sizing: border-box; padding: 0 16px 24px; min-width: 0; }
+.lw-toolbar { position: sticky; top: 0; z-index: 5; display: flex; flex-wrap: wrap; align-items: center; gap: 8px 18px;
+  padding: 10px 0; margin-bottom: 12px; background: var(--lw-bg); border-bottom: 1px solid var(--lw-border); }
+.lw-brand { font-weight: 500; letter-spacing: .08em; color: var(--lw-accent); margin-right: 6px; }
+.lw-field { display: inline-flex; align-items: center; gap: 6px; color: var(--lw-muted); }
+.lw-field select { font: inherit; color: var(--lw-text); padding: 3px 4px; border: 1px solid #bdbdbd; border-radius: 3px;
+  background: #fff; max-width: 260px; }
+.lw-check { cursor: pointer; color: var(--lw-text); }
+.lw-check input { accent-color: var(--lw-accent); margin: 0; }
+button { font: inherit; padding: 4px 10px; border: 1px solid #bdbdbd; border-radius: 3px; background: #fff; cursor: pointer; }
+button:hover, .lw-field select:hover { border-color: var(--lw-accent); }
+.lw-main { display: grid; grid-template-columns: minmax(0, 1fr) 340px; gap: 16px; align-items: start; }
+.lw-column, .lw-side { display: flex; flex-direction: column; gap: 16px; min-width: 0; }
+.lw-card { background: #fff; border: 1px solid var(--lw-border); border-radius: 4px; padding: 12px 14px;
+  box-shadow: 0 1px 2px rgba(0,0,0,.05); min-width: 0; }
+.lw-card h3 { margin: 0 0 8px; font-size: 14px; font-weight: 500; }
+.lw-muted { color: var(--lw-muted); }
+.lw-small { font-size: 12px; }
+.lw-subhead { margin: 12px 0 6px; font-size: 12px; font-weight: 500; color: var(--lw-muted); text-transform: uppercase; letter-spacing: .04em; }
+.lw-error { margin: 0 0 12px; padding: 10px 14px; border: 1px solid #ef9a9a; border-left: 4px solid #c62828;
+  background: #ffebee; color: #b71c1c; border-radius: 3px; overflow-wrap: anywhere; }
+.lw-error-text { color: #b71c1c; overflow-wrap: anywhere; }
+.lw-empty { max-width: 640px; margin: 60px auto; padding: 24px 28px; }
+.lw-empty h2 { margin: 0 0 10px; font-size: 18px; font-weight: 500; }
+code { font-family: "Roboto Mono", ui-monospace, monospace; font-size: 12px; background: #f1f3f4; padding: 1px 4px; border-radius: 3px; }
+
+.lw-hm-head { display: flex; align-items: flex-start; justify-content: space-between; gap: 16px; margin-bottom: 6px; min-height: 40px; }
+.lw-hm-title { display: flex; flex-wrap: wrap; align-items: baseline; gap: 4px 10px; min-width: 0; }
+.lw-hm-stat { font-size: 15px; font-weight: 500; }
+.lw-hm-run { font-weight: 500; color: var(--lw-accent); overflow-wrap: anywhere; }
+.lw-hm-role { font-size: 11px; text-transform: uppercase; letter-spacing: .05em; color: #fff; background: #757575; padding: 1px 6px; border-radius: 8px; }
+.lw-hm-note { padding: 24px 0; }
+.lw-hm-scroll { overflow-y: auto; overflow-x: hidden; border-top: 1px solid var(--lw-border); border-bottom: 1px solid var(--lw-border); }
+.lw-hm-body { position: relative; display: flex; }
+.lw-hm-labels { position: relative; flex: 0 0 ${LABEL_WIDTH}px; width: ${LABEL_WIDTH}px; }
+.lw-hm-cells { position: relative; flex: 1 1 auto; min-width: 0; }
+.lw-hm-canvas { position: sticky; top: 0; display: block; cursor: crosshair; }
+.lw-row-label { position: absolute; left: 0; right: 0; box-sizing: border-box; padding-right: 6px; white-space: nowrap;
+  overflow: hidden; font: ${LABEL_FONT}; cursor: pointer; display: flex; align-items: center; gap: 4px; }
+.lw-row-label:hover { background: #f1f3f4; }
+.lw-row-label.lw-selected { background: #fff3e0; font-weight: 500; }
+.lw-row-label.lw-offender { box-shadow: inset 3px 0 0 var(--lw-accent); }
+.lw-guides { position: absolute; left: 0; top: 0; bottom: 0;
+  background: repeating-linear-gradient(to right, transparent 0 5px, #e0e0e0 5px 6px, transparent 6px ${INDENT}px); }
+.lw-twisty { position: absolute; top: 0; bottom: 0; width: ${INDENT}px; text-align: center; color: #616161; background: #fff;
+  font-size: 10px; cursor: pointer; user-select: none; }
+.lw-row-label:hover .lw-twisty, .lw-selected .lw-twisty { background: transparent; }
+.lw-twisty:hover { color: var(--lw-accent); }
+.lw-name { overflow: hidden; text-overflow: ellipsis; min-width: 0; }
+.lw-name-prefix { color: #9e9e9e; }
+.lw-block .lw-name { font-style: italic; }
+.lw-block-size { color: var(--lw-muted); font-size: 11px; }
+.lw-badge { font-size: 10px; line-height: 14px; padding: 0 5px; border-radius: 7px; flex: none; }
+.lw-badge-offender { background: var(--lw-accent); color: #fff; }
+.lw-badge-alert { color: #424242; border: 1px solid #9e9e9e; }
+.lw-hm-axis { position: relative; height: 18px; font-size: 11px; color: var(--lw-muted); }
+.lw-tick { position: absolute; top: 3px; transform: translateX(-50%); white-space: nowrap; }
+.lw-tick::before { content: ""; position: absolute; left: 50%; top: -4px; height: 3px; border-left: 1px solid #bdbdbd; }
+.lw-axis-title { position: absolute; left: 0; top: 3px; }
+.lw-hm-marks { position: relative; height: 18px; }
+.lw-nonfinite-label { position: absolute; bottom: 2px; white-space: nowrap; font-size: 11px; font-weight: 500;
+  padding: 0 6px; border-left: 2px dashed #111; color: #111; }
+.lw-nonfinite-label.lw-left { transform: translateX(-100%); border-left: 0; border-right: 2px dashed #111; }
+
+.lw-legend { display: flex; gap: 16px; align-items: flex-start; flex: none; }
+.lw-legend-scale { width: 220px; }
+.lw-legend-caption { font-size: 11px; color: var(--lw-muted); margin-bottom: 2px; }
+.lw-legend-bar { display: block; border-radius: 1px; }
+.lw-legend-ticks { position: relative; height: 14px; font-size: 10px; color: #616161; }
+.lw-legend-ticks span { position: absolute; top: 1px; transform: translateX(-50%); white-space: nowrap; }
+.lw-legend-ticks span:first-child { transform: none; }
+.lw-legend-ticks span:last-child { transform: translateX(-100%); }
+.lw-swatches { display: grid; grid-template-columns: auto auto; gap: 2px 12px; font-size: 11px; color: #424242; }
+.lw-swatch { display: inline-flex; align-items: center; gap: 5px; white-space: nowrap; }
+.lw-swatch i, .lw-event i { display: inline-block; width: 12px; height: 10px; box-sizing: border-box; flex: none; }
+.lw-sw-nan { background: ${NAN_CSS}; }
+.lw-sw-none { background: ${NOT_MEASURED_CSS}; border: 1px solid #cfd2d6; }
+.lw-sw-alert { width: 10px !important; background: #111; clip-path: polygon(0 0, 100% 0, 50% 100%); }
+.lw-sw-offender { border: 2px solid var(--lw-accent); }
+.lw-sw-nonfinite { width: 2px !important; border-left: 2px dashed #111; }
+
+.lw-event { margin: 4px 0 8px; display: flex; flex-direction: column; gap: 2px; }
+.lw-event-nonfinite { flex-direction: row; align-items: center; gap: 6px; font-weight: 500; }
+.lw-layer-link { color: var(--lw-accent); text-decoration: none; font-weight: 500; }
+.lw-layer-link:hover { text-decoration: underline; }
+.lw-alerts { list-style: none; margin: 0; padding: 0; max-height: 260px; overflow-y: auto; }
+.lw-alerts li { padding: 5px 6px; border-top: 1px solid #f0f0f0; }
+.lw-alert { cursor: pointer; }
+.lw-alert:hover { background: #fff3e0; }
+.lw-alert-head { display: flex; gap: 6px; align-items: baseline; min-width: 0; }
+.lw-alert-layer { font-weight: 500; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; min-width: 0; }
+.lw-alert-message { font-size: 12px; color: #616161; margin-top: 1px; }
+.lw-kind { flex: none; font-size: 10px; text-transform: uppercase; letter-spacing: .04em; padding: 0 5px; border-radius: 7px;
+  background: #ffe0b2; color: #8a3b00; }
+.lw-kind-nonfinite { background: ${NAN_CSS}; color: #fff; }
+
+.lw-ranking { margin-top: 10px; }
+.lw-ranking:first-of-type { margin-top: 0; }
+.lw-ranking-title { font-weight: 500; }
+.lw-ranking-table { width: 100%; border-collapse: collapse; margin-top: 4px; table-layout: fixed; font-size: 12px; }
+.lw-rank-row { cursor: pointer; }
+.lw-rank-row:hover { background: #fff3e0; }
+.lw-ranking-table td { padding: 2px 4px; border-top: 1px solid #f0f0f0; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
+.lw-rank { width: 18px; color: var(--lw-muted); text-align: right; }
+.lw-rank-value { width: 92px; text-align: right; position: relative; }
+.lw-rank-value span:last-child { position: relative; }
+.lw-rank-bar { position: absolute; right: 0; top: 3px; bottom: 3px; background: #ffe0b2; }
+.lw-missing { font-style: italic; color: var(--lw-muted); font-size: 12px; margin-top: 4px; }
+
+.lw-detail-head { display: flex; align-items: baseline; gap: 10px; }
+.lw-detail-head h3 { margin: 0; color: var(--lw-accent); overflow-wrap: anywhere; }
+.lw-charts { display: grid; grid-template-columns: repeat(auto-fill, minmax(230px, 1fr)); gap: 10px 14px; }
+.lw-chart { margin: 0; min-width: 0; }
+.lw-chart figcaption { display: flex; gap: 6px; align-items: baseline; font-size: 12px; white-space: nowrap; overflow: hidden; }
+.lw-chart-title { font-weight: 500; overflow: hidden; text-overflow: ellipsis; }
+.lw-readout { margin-left: auto; color: #424242; font-size: 11px; }
+.lw-chart canvas { display: block; }
+.lw-tooltip { position: fixed; z-index: 20; pointer-events: none; max-width: 360px; padding: 6px 8px; border-radius: 3px;
+  background: rgba(33,33,33,.94); color: #fff; font-size: 12px; line-height: 1.45; box-shadow: 0 2px 6px rgba(0,0,0,.25); }
+`;
+
+// ------------------------------------------------------------------------------ entry point
+
+export async function render() {
+  document.head.append(el('style', {}, STYLE));
+  const {ui, views} = buildShell();
+  app.ui = ui;
+  app.views = views;
+  document.body.replaceChildren(ui.page);
+  try {
+    await loadRuns();
+  } catch (error) {
+    showError('Could not load the runs', error);
+    views.main.showMessage(['LAYERWATCH'], `The plugin's routes did not answer: ${error.message}`, true);
+  }
+}
