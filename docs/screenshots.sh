@@ -20,3 +20,4 @@ shot histograms.png "http://127.0.0.1:6124/#histograms&tagFilter=weights%2Fencod
 shot nan-incident.png "http://127.0.0.1:6123/#scalars&tagFilter=weights_nonfinite%2Fencoder.0.weight%7Cgrads_nonfinite%2Fencoder.0.weight%7Clayerwatch%2Fgrad_norm&_smoothingWeight=0" 1500,700
 shot structure.png "http://127.0.0.1:6124/#text&tagFilter=layerwatch%2Fstructure" 1500,800
 shot alerts.png "http://127.0.0.1:6125/#text&tagFilter=layerwatch%2Falerts" 1500,560
+python docs/tab_screenshots.py http://127.0.0.1:6123 docs/img

@@ -20,6 +20,8 @@ const INDENT = 12;
 const ROW_HEIGHT = {min: 14, max: 26};
 const ALL_LABELS_UP_TO = 200; // above this many rows only the rows in view get a label element
 const LABEL_OVERSCAN = 20;
+const LEGEND_WIDTH = 220;
+const LEGEND_FONT = '10px Roboto, system-ui, sans-serif';
 const SERIES_HEIGHT = 110;
 const HISTOGRAM_BINS = 64;
 const MAX_HISTOGRAM_COLUMNS = 4000;
@@ -71,8 +73,8 @@ async function getJson(route, params = {}) {
     throw new Error(`GET ${url}: ${error.message}`);
   }
   if (!response.ok) {
-    const body = (await response.text().catch(() => '')).trim().slice(0, 200);
-    throw new Error(`GET ${url}: HTTP ${response.status} ${response.statusText}${body ? ` (${body})` : ''}`);
+    const detail = errorDetail(await response.text().catch(() => ''));
+    throw new Error(`GET ${url}: HTTP ${response.status} ${response.statusText}${detail ? ` (${detail})` : ''}`);
   }
   try {
     return await response.json();
@@ -81,15 +83,37 @@ async function getJson(route, params = {}) {
   }
 }
 
-// The contract's floats are little-endian, as is every platform a browser runs on.
-async function decodeFloat32(base64) {
-  const response = await fetch(`data:application/octet-stream;base64,${base64}`);
-  return new Float32Array(await response.arrayBuffer());
+/** A failed route's message: the `error` of its JSON body, else the start of its text. */
+function errorDetail(body) {
+  let parsed = null;
+  try {
+    parsed = JSON.parse(body);
+  } catch {
+    parsed = null;
+  }
+  return typeof parsed?.error === 'string' ? parsed.error : body.trim().slice(0, 200);
+}
+
+/**
+ * The heatmap's base64 float32 values. Uint8Array.fromBase64 where the browser has it (about
+ * 10 ms for 8 MB), else atob and a plain loop (about 50 ms); both beat a data: URL fetch
+ * (about 250 ms). The floats are little-endian, as is every platform a browser runs on.
+ */
+function decodeFloat32(base64) {
+  let bytes;
+  if (Uint8Array.fromBase64) {
+    bytes = Uint8Array.fromBase64(base64);
+  } else {
+    const binary = atob(base64);
+    bytes = new Uint8Array(binary.length);
+    for (let i = 0; i < binary.length; i++) bytes[i] = binary.charCodeAt(i);
+  }
+  return new Float32Array(bytes.buffer, 0, bytes.byteLength >> 2);
 }
 
 async function fetchHeatmap(run, stat) {
   const reply = await getJson('heatmap', {run, stat});
-  const values = await decodeFloat32(reply.values);
+  const values = decodeFloat32(reply.values);
   if (values.length !== reply.rows.length * reply.steps.length) {
     throw new Error(`heatmap of ${stat} in ${run}: ${values.length} values for ` +
       `${reply.rows.length} rows x ${reply.steps.length} steps`);
@@ -142,7 +166,7 @@ function formatBytes(value) {
 }
 
 function formatValue(value, unit) {
-  if (Number.isNaN(value)) return 'NaN/Inf';
+  if (Number.isNaN(value) || value === Infinity) return 'NaN/Inf';
   if (value === -Infinity) return 'not measured';
   if (unit === 'bytes') return formatBytes(value);
   if (unit === 'ms') return `${formatNumber(value)} ms`;
@@ -164,11 +188,19 @@ function niceTicks(lo, hi, count) {
   }
 }
 
-/** Powers of ten within [lo, hi], at most `most` of them, or the ends when fewer than two. */
+/** niceTicks in the unit's own steps: for bytes, multiples of a power of 1024. */
+function unitTicks(lo, hi, count, unit) {
+  if (unit !== 'bytes') return niceTicks(lo, hi, count);
+  const largest = Math.max(Math.abs(lo), Math.abs(hi), 1);
+  const scale = 1024 ** Math.floor(Math.log(largest) / Math.log(1024));
+  return niceTicks(lo / scale, hi / scale, count).map((v) => v * scale);
+}
+
+/** Powers of ten within [lo, hi], at most `most` of them. */
 function decadeTicks(lo, hi, most) {
   const first = Math.ceil(Math.log10(lo) - 1e-9);
   const last = Math.floor(Math.log10(hi) + 1e-9);
-  if (last - first < 1) return [lo, hi];
+  if (last < first) return [];
   const every = Math.ceil((last - first + 1) / most);
   const ticks = [];
   for (let e = first; e <= last; e += every) ticks.push(10 ** e);
@@ -220,11 +252,18 @@ function buildTree(rowNames) {
   rowNames.forEach((name, row) => {
     nodeFor(name).row = row;
   });
-  return {root: nodeFor(ROOT), nodes};
+  const root = nodeFor(ROOT);
+  const countRows = (node) => {
+    node.rowCount = (node.row >= 0 ? 1 : 0) + node.children.reduce((sum, child) => sum + countRows(child), 0);
+    return node.rowCount;
+  };
+  countRows(root);
+  return {root, nodes};
 }
 
+/** A collapsible block: a node other than the root whose subtree holds two rows or more. */
 function isGroup(node) {
-  return node.children.length > 0 && node.name !== ROOT;
+  return node.rowCount >= 2 && node.name !== ROOT;
 }
 
 /** Indentation level: top-level names and `(root)` at 0. */
@@ -242,37 +281,37 @@ function deepestGroup(tree) {
   return deepest;
 }
 
-function countRows(node) {
-  return (node.row >= 0 ? 1 : 0) + node.children.reduce((sum, child) => sum + countRows(child), 0);
-}
-
 /**
  * The rows to draw, in model order: each node with a row of its own, and each collapsed group
  * (whose descendants are then hidden). A row's `groups` are the groups whose triangle sits on
- * it: those whose first drawn row it is.
+ * it: those whose first drawn row it is. `spans` holds the drawn rows [from, to) of each
+ * expanded block that has no row of its own (they are contiguous: the order is pre-order).
  */
 function layoutRows(tree, collapsed, data, collapseRule) {
   const rows = [];
+  const spans = new Map();
   let groupsWaiting = [];
   const visit = (node) => {
     const group = isGroup(node);
     const folded = group && collapsed.has(node.name);
+    const from = rows.length;
     if (group) groupsWaiting.push(node);
     if (node.row >= 0 || folded) {
       rows.push({
         node,
         level: levelOf(node),
         collapsed: folded,
-        blockSize: folded ? countRows(node) : 1,
         groups: groupsWaiting,
         values: nodeValues(node, data, collapseRule),
       });
       groupsWaiting = [];
     }
-    if (!folded) node.children.forEach(visit);
+    if (folded) return;
+    node.children.forEach(visit);
+    if (node.row < 0 && node !== tree.root) spans.set(node.name, [from, rows.length]);
   };
   visit(tree.root);
-  return rows;
+  return {rows, spans};
 }
 
 /** A node's own row, or for a block without one its children's values combined by the stat's rule. */
@@ -314,7 +353,7 @@ function combineRows(parts, collapseRule, n) {
 // ------------------------------------------------------------------------------ colour scale
 
 /** The colour scale shared by every heatmap drawn: the finite range of their drawn values. */
-function makeScale(valueArrays, log) {
+function makeScale(valueArrays, log, unit) {
   const extent = finiteExtent(valueArrays, log);
   let [lo, hi] = extent ?? (log ? [1, 10] : [0, 1]);
   if (!(hi > lo)) [lo, hi] = log ? [lo / 10, hi * 10] : lo === 0 ? [0, 1] : [lo - Math.abs(lo) / 2, hi + Math.abs(hi) / 2];
@@ -322,15 +361,10 @@ function makeScale(valueArrays, log) {
   const a = transform(lo);
   const span = transform(hi) - a;
   const position = (v) => (v <= lo ? 0 : v >= hi ? 1 : (transform(v) - a) / span);
-  const linearTicks = niceTicks(lo, hi, 4).filter((v) => v >= lo && v <= hi);
-  return {
-    lo,
-    hi,
-    log,
-    position,
-    lutIndex: (v) => (position(v) * 255) | 0,
-    ticks: log ? decadeTicks(lo, hi, 5) : linearTicks.length >= 2 ? linearTicks : [lo, hi],
-  };
+  const decades = log ? decadeTicks(lo, hi, 5) : [];
+  const linearTicks = unitTicks(lo, hi, 4, unit).filter((v) => v >= lo && v <= hi);
+  const ticks = decades.length >= 2 ? decades : linearTicks.length >= 2 ? linearTicks : [lo, hi];
+  return {lo, hi, log, position, ticks, lutIndex: (v) => (position(v) * 255) | 0};
 }
 
 /** One pixel per cell: columns are steps, rows are the drawn rows. */
@@ -345,7 +379,7 @@ function paintCells(rows, stepCount, scale) {
     const base = r * stepCount;
     for (let s = 0; s < stepCount; s++) {
       const v = values[s];
-      if (Number.isNaN(v)) pixels[base + s] = NAN_PIXEL;
+      if (Number.isNaN(v) || v === Infinity) pixels[base + s] = NAN_PIXEL;
       else if (v !== -Infinity) pixels[base + s] = CELL_LUT[scale.lutIndex(v)];
     }
   });
@@ -370,10 +404,13 @@ function el(tag, props = {}, ...children) {
 /** Sizes a canvas for CSS pixels and returns its context drawing in CSS pixels. */
 function sizeCanvas(canvas, width, height) {
   const ratio = window.devicePixelRatio || 1;
-  canvas.width = Math.max(1, Math.round(width * ratio));
-  canvas.height = Math.max(1, Math.round(height * ratio));
-  canvas.style.width = `${width}px`;
-  canvas.style.height = `${height}px`;
+  const [pixelWidth, pixelHeight] = [Math.max(1, Math.round(width * ratio)), Math.max(1, Math.round(height * ratio))];
+  if (canvas.width !== pixelWidth || canvas.height !== pixelHeight) {
+    canvas.width = pixelWidth;
+    canvas.height = pixelHeight;
+    canvas.style.width = `${width}px`;
+    canvas.style.height = `${height}px`;
+  }
   const ctx = canvas.getContext('2d');
   ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
   return ctx;
@@ -404,8 +441,15 @@ function hideTooltip() {
 }
 
 const measureContext = document.createElement('canvas').getContext('2d');
+const fittedNames = new Map();
 
-/** Fits "prefix.last" into `width` pixels, cutting the prefix from its start first. */
+/** A row label's [prefix, last] fitted into `width` pixels, cutting the prefix from its start first. */
+function fittedName(name, width) {
+  const key = `${width}|${name}`;
+  if (!fittedNames.has(key)) fittedNames.set(key, fitName(...splitName(name), width, LABEL_FONT));
+  return fittedNames.get(key);
+}
+
 function fitName(prefix, last, width, font) {
   measureContext.font = font;
   const fits = (text) => measureContext.measureText(text).width <= width;
@@ -426,21 +470,27 @@ function splitName(name) {
 
 // ------------------------------------------------------------------------------ heatmap view
 
-/** Where the run's events land on a heatmap: rows resolved to the drawn rows. */
-function placeMarks(events, steps, displayedIndex) {
+/** Where the run's events land on a heatmap: layers resolved to ranges of drawn rows by `rangeOf`. */
+function placeMarks(events, steps, rangeOf) {
   const alertsByRow = new Map();
   for (const alert of events.alerts ?? []) {
-    const row = displayedIndex(alert.layer);
-    if (row < 0 || !steps.length) continue;
+    const range = rangeOf(alert.layer);
+    if (!range || !steps.length) continue;
     const col = Math.min(lowerBound(steps, alert.step), steps.length - 1);
-    if (!alertsByRow.has(row)) alertsByRow.set(row, []);
-    alertsByRow.get(row).push({col, alert});
+    for (let row = range[0]; row < range[1]; row++) {
+      if (!alertsByRow.has(row)) alertsByRow.set(row, []);
+      alertsByRow.get(row).push({col, alert});
+    }
   }
   return {
     alertsByRow,
-    offenderRow: events.first_offender ? displayedIndex(events.first_offender.layer) : -1,
+    offender: events.first_offender ? rangeOf(events.first_offender.layer) : null,
     nonfiniteStep: events.first_nonfinite_step ?? null,
   };
+}
+
+function inRange(range, index) {
+  return range !== null && index >= range[0] && index < range[1];
 }
 
 /** The x of a step's position on an axis of `steps.length` columns `cellWidth` wide (column centres). */
@@ -482,7 +532,7 @@ class HeatmapView {
     this.labels.addEventListener('click', (event) => this.clickLabel(event));
   }
 
-  /** model: {title, stat, statInfo, steps, rows (from layoutRows), scale, events, selected, maxHeight} */
+  /** model: {title, stat, statInfo, steps, rows and spans (from layoutRows), scale, events, selected, maxHeight} */
   show(model) {
     this.model = model;
     this.note.hidden = true;
@@ -491,12 +541,19 @@ class HeatmapView {
     this.rowHeight = clamp(Math.floor(model.maxHeight / Math.max(1, model.rows.length)), ROW_HEIGHT.min, ROW_HEIGHT.max);
     this.image = paintCells(model.rows, model.steps.length, model.scale);
     this.indexByName = new Map(model.rows.map((row, index) => [row.node.name, index]));
-    this.marks = placeMarks(model.events, model.steps, (name) => this.displayedIndex(name));
+    this.marks = placeMarks(model.events, model.steps, (name) => this.rangeOf(name));
     this.title.replaceChildren(...model.title);
     this.body.style.height = `${model.rows.length * this.rowHeight}px`;
     this.scroller.style.maxHeight = `${model.maxHeight}px`;
     this.describeOnCanvas();
+    this.invalidate();
     this.draw();
+  }
+
+  /** Labels, axis and marks are rebuilt on the next draw (they depend on the model, not the scroll). */
+  invalidate() {
+    this.labelsKey = null;
+    this.decorWidth = null;
   }
 
   showMessage(title, text, isError) {
@@ -514,27 +571,34 @@ class HeatmapView {
   setSelected(name) {
     if (!this.model) return;
     this.model.selected = name;
+    this.invalidate();
     this.draw();
   }
 
-  /** Scrolls the drawn row of `name` (or of its visible ancestor) into the middle of the view. */
+  /** Scrolls the first drawn row of `name` into the middle of the view. */
   reveal(name) {
-    const index = this.model ? this.displayedIndex(name) : -1;
-    if (index < 0) return;
-    const top = index * this.rowHeight;
+    const range = this.model ? this.rangeOf(name) : null;
+    if (!range) return;
+    const top = range[0] * this.rowHeight;
     const view = this.scroller.clientHeight;
     if (top < this.scroller.scrollTop || top + this.rowHeight > this.scroller.scrollTop + view) {
       this.scroller.scrollTop = top - (view - this.rowHeight) / 2;
     }
   }
 
-  /** The drawn row of `name`: its own, else its nearest drawn ancestor's (a collapsed block); -1 if none. */
-  displayedIndex(name) {
+  /**
+   * The drawn rows [from, to) that stand for `name`: its own row, the rows of its block when it
+   * is an expanded block without a row, else the row of its nearest drawn ancestor (a collapsed
+   * block, or the module of a parameter); null when none.
+   */
+  rangeOf(name) {
+    const span = this.model.spans.get(name);
+    if (span) return span;
     for (let candidate = name; candidate != null; candidate = parentName(candidate)) {
       const index = this.indexByName.get(candidate);
-      if (index !== undefined) return index;
+      if (index !== undefined) return [index, index + 1];
     }
-    return -1;
+    return null;
   }
 
   describeOnCanvas() {
@@ -561,8 +625,11 @@ class HeatmapView {
     const height = Math.min(this.scroller.clientHeight, this.model.rows.length * this.rowHeight);
     this.drawCells(width, height);
     this.renderLabels();
-    this.renderAxis(width);
-    this.renderMarkStrip(width);
+    if (this.decorWidth !== width) {
+      this.decorWidth = width;
+      this.renderAxis(width);
+      this.renderMarkStrip(width);
+    }
   }
 
   drawCells(width, height) {
@@ -609,8 +676,9 @@ class HeatmapView {
     const {steps, selected} = this.model;
     const h = this.rowHeight;
     const cellWidth = width / Math.max(1, steps.length);
-    const rowBox = (r, inset) => [inset, r * h - top + inset, width - 2 * inset, h - 2 * inset];
-    const {alertsByRow, offenderRow, nonfiniteStep} = this.marks;
+    const rangeBox = ([from, to], inset) => [inset, from * h - top + inset, width - 2 * inset, (to - from) * h - 2 * inset];
+    const visible = (range) => range !== null && range[1] > first && range[0] < last;
+    const {alertsByRow, offender, nonfiniteStep} = this.marks;
     if (nonfiniteStep !== null && steps.length) {
       const x = clamp(stepToX(steps, nonfiniteStep, cellWidth) - cellWidth / 2, 1, width - 1);
       ctx.save();
@@ -627,16 +695,16 @@ class HeatmapView {
       if (r < first || r >= last) continue;
       for (const {col} of marks) drawAlertMarker(ctx, (col + 0.5) * cellWidth, r * h - top + h / 2, Math.min(h - 2, 10));
     }
-    if (offenderRow >= first && offenderRow < last) {
+    if (visible(offender)) {
       ctx.strokeStyle = ACCENT;
       ctx.lineWidth = 2;
-      ctx.strokeRect(...rowBox(offenderRow, 1));
+      ctx.strokeRect(...rangeBox(offender, 1));
     }
-    const selectedRow = selected ? this.displayedIndex(selected) : -1;
-    if (selectedRow >= first && selectedRow < last) {
+    const selectedRange = selected ? this.rangeOf(selected) : null;
+    if (visible(selectedRange)) {
       ctx.strokeStyle = '#111';
       ctx.lineWidth = 2;
-      ctx.strokeRect(...rowBox(selectedRow, offenderRow === selectedRow ? 3 : 1));
+      ctx.strokeRect(...rangeBox(selectedRange, offender && selectedRange[0] === offender[0] ? 3 : 1));
     }
   }
 
@@ -649,24 +717,27 @@ class HeatmapView {
       from = Math.max(0, Math.floor(top / this.rowHeight) - LABEL_OVERSCAN);
       to = Math.min(rows.length, Math.ceil((top + this.scroller.clientHeight) / this.rowHeight) + LABEL_OVERSCAN);
     }
-    const selectedRow = selected ? this.displayedIndex(selected) : -1;
+    if (this.labelsKey === `${from}:${to}`) return;
+    this.labelsKey = `${from}:${to}`;
+    const selectedRange = selected ? this.rangeOf(selected) : null;
     const labels = [];
-    for (let i = from; i < to; i++) labels.push(this.rowLabel(rows[i], i, i === selectedRow));
+    for (let i = from; i < to; i++) labels.push(this.rowLabel(rows[i], i, inRange(selectedRange, i)));
     this.labels.replaceChildren(...labels);
   }
 
   rowLabel(row, index, isSelected) {
     const {node, level} = row;
     const h = this.rowHeight;
-    const isOffender = index === this.marks.offenderRow;
+    const isOffender = inRange(this.marks.offender, index);
+    const hasOffenderBadge = isOffender && index === this.marks.offender[0];
     const alertCount = this.marks.alertsByRow.get(index)?.length ?? 0;
     const badges = [
-      isOffender && el('span', {class: 'lw-badge lw-badge-offender', title: 'first offender'}, 'offender'),
+      hasOffenderBadge && el('span', {class: 'lw-badge lw-badge-offender', title: 'first offender'}, 'offender'),
       alertCount > 0 && el('span', {class: 'lw-badge lw-badge-alert', title: `${alertCount} alert(s)`}, `▼${alertCount}`),
     ];
-    const block = row.collapsed ? `block of ${row.blockSize} rows` : '';
-    const badgeWidth = (isOffender ? 58 : 0) + (alertCount > 0 ? 30 : 0) + (row.collapsed ? 30 : 0);
-    const [prefix, last] = fitName(...splitName(node.name), LABEL_WIDTH - (level + 1) * INDENT - badgeWidth - 8, LABEL_FONT);
+    const block = row.collapsed ? `block of ${node.rowCount} rows` : '';
+    const badgeWidth = (hasOffenderBadge ? 58 : 0) + (alertCount > 0 ? 30 : 0) + (row.collapsed ? 30 : 0);
+    const [prefix, last] = fittedName(node.name, LABEL_WIDTH - (level + 1) * INDENT - badgeWidth - 8);
     const twisties = row.groups.map((group) => {
       const folded = group === node && row.collapsed;
       return el('span', {
@@ -687,7 +758,7 @@ class HeatmapView {
     el('span', {class: 'lw-guides', style: `width:${level * INDENT}px`}),
     ...twisties,
     el('span', {class: 'lw-name'}, el('span', {class: 'lw-name-prefix'}, prefix), last),
-    row.collapsed && el('span', {class: 'lw-block-size'}, `×${row.blockSize}`),
+    row.collapsed && el('span', {class: 'lw-block-size'}, `×${node.rowCount}`),
     ...badges);
   }
 
@@ -698,7 +769,10 @@ class HeatmapView {
     const ticks = niceTicks(steps[0], steps[steps.length - 1], Math.max(2, Math.floor(width / 110)))
       .filter((step) => step >= steps[0] && step <= steps[steps.length - 1]);
     this.axis.replaceChildren(
-      ...ticks.map((step) => el('span', {class: 'lw-tick', style: `left:${LABEL_WIDTH + stepToX(steps, step, cellWidth)}px`}, String(step))),
+      ...ticks.map((step) => el('span', {
+        class: 'lw-tick',
+        style: `left:${LABEL_WIDTH + stepToX(steps, step, cellWidth)}px`,
+      }, String(step))),
       el('span', {class: 'lw-axis-title'}, 'step'));
   }
 
@@ -736,7 +810,7 @@ class HeatmapView {
       el('b', {}, row.node.name),
       `step ${steps[col]}`,
       `${statInfo.label}: ${formatValue(value, statInfo.unit)}${Number.isNaN(value) ? ' (non-finite)' : ''}`,
-      row.collapsed && `block of ${row.blockSize} rows${row.node.row < 0 ? `, ${statInfo.collapse ?? 'max'} of its children` : ', its own row'}`,
+      row.collapsed && blockDescription(row.node, statInfo),
       ...alerts.map(({alert}) => `▼ ${alert.kind} @ ${alert.step}: ${alert.message ?? alert.layer}`),
     ].filter(Boolean));
   }
@@ -747,6 +821,11 @@ class HeatmapView {
     const label = event.target.closest('.lw-row-label');
     if (label) this.callbacks.onSelect(label.dataset.name);
   }
+}
+
+function blockDescription(node, statInfo) {
+  const how = node.row < 0 ? `${statInfo.collapse ?? 'max'} of its children` : 'its own row';
+  return `block of ${node.rowCount} rows, ${how}`;
 }
 
 function drawAlertMarker(ctx, x, y, size) {
@@ -765,14 +844,32 @@ function drawAlertMarker(ctx, x, y, size) {
 
 // ------------------------------------------------------------------------------ legend
 
+/** The legend's tick labels, left to right, leaving out any that would overlap the one before. */
+function legendTicks(scale, unit) {
+  measureContext.font = LEGEND_FONT;
+  const labels = [];
+  let freeFrom = -Infinity;
+  for (const value of scale.ticks) {
+    const at = scale.position(value);
+    const text = formatValue(value, unit);
+    const width = measureContext.measureText(text).width;
+    const shift = at < 0.1 ? 0 : at > 0.9 ? -1 : -0.5; // labels at the ends stay inside the bar
+    const left = at * LEGEND_WIDTH + shift * width;
+    if (left < freeFrom) continue;
+    freeFrom = left + width + 6;
+    labels.push(el('span', {style: `left:${at * 100}%;transform:translateX(${shift * 100}%)`}, text));
+  }
+  return labels;
+}
+
 function legendElement(scale, statInfo) {
   const bar = el('canvas', {class: 'lw-legend-bar'});
-  const ctx = sizeCanvas(bar, 220, 10);
-  for (let x = 0; x < 220; x++) {
-    ctx.fillStyle = pixelCss(CELL_LUT[Math.round((x / 219) * 255)]);
+  const ctx = sizeCanvas(bar, LEGEND_WIDTH, 10);
+  for (let x = 0; x < LEGEND_WIDTH; x++) {
+    ctx.fillStyle = pixelCss(CELL_LUT[Math.round((x / (LEGEND_WIDTH - 1)) * 255)]);
     ctx.fillRect(x, 0, 1, 10);
   }
-  const ticks = scale.ticks.map((value) => el('span', {style: `left:${scale.position(value) * 100}%`}, formatValue(value, statInfo.unit)));
+  const ticks = legendTicks(scale, statInfo.unit);
   const swatch = (className, text) => el('span', {class: 'lw-swatch'}, el('i', {class: className}), text);
   return el('div', {class: 'lw-legend'},
     el('div', {class: 'lw-legend-scale'},
@@ -803,7 +900,8 @@ function renderEvents(container, events, onSelect) {
       : el('div', {class: 'lw-event lw-event-nonfinite'}, el('i', {class: 'lw-sw-nan'}),
         `First NaN/Inf gradients at step ${events.first_nonfinite_step}`),
     offender && el('div', {class: 'lw-event lw-event-offender'},
-      el('div', {}, 'First offender: ', layerLink(offender.layer), ` @ step ${offender.step}`, offender.phase ? ` (${offender.phase})` : ''),
+      el('div', {}, 'First offender: ', layerLink(offender.layer), ` @ step ${offender.step}`,
+        offender.phase ? ` (${offender.phase})` : ''),
       offender.text && el('div', {class: 'lw-muted lw-small'}, offender.text)),
     el('div', {class: 'lw-subhead'}, `Alerts (${alerts.length})`),
     el('ul', {id: 'lw-alerts', class: 'lw-alerts'},
@@ -820,19 +918,24 @@ function alertItem(alert, onSelect) {
   },
   el('div', {class: 'lw-alert-head'},
     el('span', {class: `lw-kind${alert.kind === 'nonfinite' ? ' lw-kind-nonfinite' : ''}`}, alert.kind),
-    el('span', {class: 'lw-alert-layer'}, alert.layer),
-    el('span', {class: 'lw-muted'}, `@ ${alert.step}`)),
+    el('span', {class: 'lw-alert-layer', title: alert.layer}, alert.layer),
+    el('span', {class: 'lw-alert-step'}, `@ ${alert.step}`)),
   alert.message && el('div', {class: 'lw-alert-message'}, alert.message));
 }
 
 function renderRankings(container, rankings, onSelect) {
   container.replaceChildren(el('h3', {}, 'Rankings'),
-    ...(rankings.length ? rankings.map((ranking) => rankingTable(ranking, onSelect)) : [el('div', {class: 'lw-muted'}, 'No rankings.')]));
+    ...(rankings.length
+      ? rankings.map((ranking) => rankingTable(ranking, onSelect))
+      : [el('div', {class: 'lw-muted'}, 'No rankings.')]));
 }
 
 function rankingTable(ranking, onSelect) {
-  const rows = ranking.rows ?? [];
-  const top = Math.max(...rows.map((row) => Math.abs(row.value)).filter(Number.isFinite), 0);
+  const rows = (ranking.rows ?? []).map((row) => ({layer: row.layer, value: jsonValue(row.value)}));
+  // a factor ("x") ranks growth either way: its bar is the size of the change, |log(factor)|
+  const size = (value) => (ranking.unit === 'x' ? Math.abs(Math.log(value)) : Math.abs(value));
+  const top = Math.max(0, ...rows.map((row) => size(row.value)).filter(Number.isFinite));
+  const barWidth = (value) => (top > 0 && Number.isFinite(size(value)) ? (size(value) / top) * 100 : 0);
   const body = rows.length
     ? el('table', {class: 'lw-ranking-table'}, ...rows.map((row, i) => el('tr', {
       class: 'lw-rank-row', 'data-layer': row.layer, onclick: () => onSelect(row.layer),
@@ -840,8 +943,8 @@ function rankingTable(ranking, onSelect) {
     el('td', {class: 'lw-rank'}, String(i + 1)),
     el('td', {class: 'lw-rank-layer', title: row.layer}, row.layer),
     el('td', {class: 'lw-rank-value'},
-      el('span', {class: 'lw-rank-bar', style: `width:${top > 0 ? (Math.abs(jsonValue(row.value)) / top) * 100 || 0 : 0}%`}),
-      el('span', {}, formatValue(jsonValue(row.value), ranking.unit))))))
+      el('span', {class: 'lw-rank-bar', style: `width:${barWidth(row.value)}%`}),
+      el('span', {}, formatValue(row.value, ranking.unit))))))
     : el('div', {class: 'lw-missing'}, ranking.missing ?? 'No data.');
   return el('div', {class: 'lw-ranking', 'data-key': ranking.key},
     el('div', {class: 'lw-ranking-title'}, ranking.title ?? ranking.key),
@@ -851,12 +954,27 @@ function rankingTable(ranking, onSelect) {
 
 // ------------------------------------------------------------------------------ layer detail
 
-/** A y axis: log when the values are positive and span more than two decades. */
-function valueAxis(values, pixelLo, pixelHi) {
+const PLOT_MARGIN = {left: 52, right: 8, top: 10, bottom: 18};
+
+function plotBox(width) {
+  return {
+    left: PLOT_MARGIN.left,
+    right: width - PLOT_MARGIN.right,
+    top: PLOT_MARGIN.top,
+    bottom: SERIES_HEIGHT - PLOT_MARGIN.bottom,
+  };
+}
+
+/** A series gets a log y axis when its values are positive and span more than two decades. */
+function wantsLogAxis(values) {
   const extent = finiteExtent([values], false);
-  if (!extent) return {log: false, ticks: [], map: () => (pixelLo + pixelHi) / 2};
+  return extent !== null && extent[0] > 0 && extent[1] / extent[0] > 100;
+}
+
+function valueAxis(values, log, unit, pixelLo, pixelHi) {
+  const extent = finiteExtent([values], false);
+  if (!extent) return {ticks: [], map: () => (pixelLo + pixelHi) / 2};
   let [lo, hi] = extent;
-  const log = lo > 0 && hi / lo > 100;
   let ticks;
   if (log) {
     lo = 10 ** Math.floor(Math.log10(lo));
@@ -864,22 +982,28 @@ function valueAxis(values, pixelLo, pixelHi) {
     ticks = decadeTicks(lo, hi, 4);
   } else {
     if (lo === hi) [lo, hi] = [lo - (Math.abs(lo) || 1) / 2, hi + (Math.abs(hi) || 1) / 2];
-    ticks = niceTicks(lo, hi, 3);
+    ticks = unitTicks(lo, hi, 3, unit);
     [lo, hi] = [ticks[0], ticks[ticks.length - 1]];
   }
   const transform = log ? Math.log10 : (v) => v;
   const a = transform(lo);
   const span = transform(hi) - a || 1;
-  return {log, ticks, map: (v) => pixelLo + ((transform(v) - a) / span) * (pixelHi - pixelLo)};
+  return {ticks, map: (v) => pixelLo + ((transform(v) - a) / span) * (pixelHi - pixelLo)};
 }
 
-function stepAxis(steps, pixelLo, pixelHi) {
-  const first = steps[0] ?? 0;
-  const span = (steps[steps.length - 1] ?? 0) - first || 1;
+/** The first and last step over sorted step lists (the empty ones ignored). */
+function stepSpan(...lists) {
+  const filled = lists.filter((list) => list.length);
+  if (!filled.length) return [0, 0];
+  return [Math.min(...filled.map((list) => list[0])), Math.max(...filled.map((list) => list[list.length - 1]))];
+}
+
+function stepAxis([first, last], pixelLo, pixelHi) {
+  const span = last - first || 1;
   return (step) => pixelLo + ((step - first) / span) * (pixelHi - pixelLo);
 }
 
-function drawAxes(ctx, plot, yTicks, yMap, steps, xMap, unit) {
+function drawAxes(ctx, plot, yTicks, yMap, span, xMap, unit) {
   ctx.font = '10px Roboto, system-ui, sans-serif';
   ctx.fillStyle = '#616161';
   ctx.strokeStyle = '#eeeeee';
@@ -896,8 +1020,7 @@ function drawAxes(ctx, plot, yTicks, yMap, steps, xMap, unit) {
   }
   ctx.textAlign = 'center';
   ctx.textBaseline = 'top';
-  if (!steps.length) return;
-  for (const step of niceTicks(steps[0], steps[steps.length - 1], 3).filter((s) => s >= steps[0] && s <= steps[steps.length - 1])) {
+  for (const step of niceTicks(span[0], span[1], 3).filter((s) => s >= span[0] && s <= span[1])) {
     ctx.fillText(String(step), xMap(step), plot.bottom + 4);
   }
   ctx.strokeStyle = '#bdbdbd';
@@ -919,13 +1042,14 @@ function drawNonfiniteLine(ctx, plot, x) {
 }
 
 /** A line chart of one series; NaN points are magenta triangles on the top edge, gaps are not measured. */
-function drawSeriesChart(canvas, width, steps, values, unit, nonfiniteStep) {
+function drawSeriesChart(canvas, width, {steps, values, log, unit, nonfiniteStep}) {
   const ctx = sizeCanvas(canvas, width, SERIES_HEIGHT);
-  const plot = {left: 52, right: width - 8, top: 10, bottom: SERIES_HEIGHT - 18};
-  const y = valueAxis(values, plot.bottom, plot.top);
-  const x = stepAxis(steps, plot.left, plot.right);
-  drawAxes(ctx, plot, y.ticks, y.map, steps, x, unit);
-  if (nonfiniteStep != null && steps.length && nonfiniteStep >= steps[0] && nonfiniteStep <= steps[steps.length - 1]) {
+  const plot = plotBox(width);
+  const span = stepSpan(steps);
+  const y = valueAxis(values, log, unit, plot.bottom, plot.top);
+  const x = stepAxis(span, plot.left, plot.right);
+  drawAxes(ctx, plot, y.ticks, y.map, span, x, unit);
+  if (nonfiniteStep != null && nonfiniteStep >= span[0] && nonfiniteStep <= span[1]) {
     drawNonfiniteLine(ctx, plot, x(nonfiniteStep));
   }
   ctx.strokeStyle = ACCENT;
@@ -948,7 +1072,7 @@ function drawSeriesChart(canvas, width, steps, values, unit, nonfiniteStep) {
   ctx.stroke();
   ctx.fillStyle = NAN_CSS;
   values.forEach((v, i) => {
-    if (!Number.isNaN(v)) return;
+    if (!Number.isNaN(v) && v !== Infinity) return;
     const px = x(steps[i]);
     ctx.beginPath();
     ctx.moveTo(px - 3.5, plot.top - 6);
@@ -957,11 +1081,13 @@ function drawSeriesChart(canvas, width, steps, values, unit, nonfiniteStep) {
     ctx.closePath();
     ctx.fill();
   });
-  return {log: y.log, x};
 }
 
-/** Every histogram's buckets spread onto one value grid (uniform within a bucket), one column per step. */
-function densityGrid(entries, layerSteps) {
+/**
+ * Every histogram's buckets spread onto one value grid (a bucket's count spread evenly over its
+ * width), one column per step over `span` at the histograms' own step spacing.
+ */
+function densityGrid(entries, span) {
   let lo = Infinity;
   let hi = -Infinity;
   for (const entry of entries) {
@@ -971,12 +1097,15 @@ function densityGrid(entries, layerSteps) {
     }
   }
   if (!(hi > lo)) [lo, hi] = [lo - 0.5, lo + 0.5];
-  const entrySteps = entries.map((entry) => entry.step).sort((a, b) => a - b);
-  const first = Math.min(entrySteps[0], layerSteps[0] ?? Infinity);
-  const last = Math.max(entrySteps[entrySteps.length - 1], layerSteps[layerSteps.length - 1] ?? -Infinity);
+  const [first, last] = span;
   let spacing = Infinity;
-  for (let i = 1; i < entrySteps.length; i++) if (entrySteps[i] > entrySteps[i - 1]) spacing = Math.min(spacing, entrySteps[i] - entrySteps[i - 1]);
-  if (!Number.isFinite(spacing) || (last - first) / spacing >= MAX_HISTOGRAM_COLUMNS) spacing = Math.max(1, (last - first) / (MAX_HISTOGRAM_COLUMNS - 1));
+  for (let i = 1; i < entries.length; i++) {
+    const gap = entries[i].step - entries[i - 1].step;
+    if (gap > 0) spacing = Math.min(spacing, gap);
+  }
+  if (!Number.isFinite(spacing) || (last - first) / spacing >= MAX_HISTOGRAM_COLUMNS) {
+    spacing = Math.max(1, (last - first) / (MAX_HISTOGRAM_COLUMNS - 1));
+  }
   const columns = Math.round((last - first) / spacing) + 1;
   const counts = new Float32Array(columns * HISTOGRAM_BINS);
   const present = new Uint8Array(columns);
@@ -996,14 +1125,14 @@ function densityGrid(entries, layerSteps) {
       }
     }
   }
-  return {counts, present, columns, lo, hi, first, last};
+  return {counts, present, columns, lo, hi};
 }
 
 /** A histogram over time: x = step, y = value, colour = count (square-root scale; grey = no histogram). */
-function drawHistogramChart(canvas, width, entries, layerSteps) {
+function drawHistogramChart(canvas, width, entries, span) {
   const ctx = sizeCanvas(canvas, width, SERIES_HEIGHT);
-  const plot = {left: 52, right: width - 8, top: 10, bottom: SERIES_HEIGHT - 18};
-  const grid = densityGrid(entries, layerSteps);
+  const plot = plotBox(width);
+  const grid = densityGrid(entries, span);
   let max = 0;
   for (const count of grid.counts) max = Math.max(max, count);
   const image = new ImageData(grid.columns, HISTOGRAM_BINS);
@@ -1025,21 +1154,19 @@ function drawHistogramChart(canvas, width, entries, layerSteps) {
   ctx.drawImage(source, plot.left, plot.top, plot.right - plot.left, plot.bottom - plot.top);
   const yMap = (v) => plot.bottom - ((v - grid.lo) / (grid.hi - grid.lo)) * (plot.bottom - plot.top);
   const yTicks = niceTicks(grid.lo, grid.hi, 3).filter((v) => v >= grid.lo && v <= grid.hi);
-  const xSteps = [grid.first, grid.last];
-  drawAxes(ctx, plot, yTicks, yMap, xSteps, stepAxis(xSteps, plot.left, plot.right), '');
-  return stepAxis(xSteps, plot.left, plot.right);
+  drawAxes(ctx, plot, yTicks, yMap, span, stepAxis(span, plot.left, plot.right), '');
 }
 
-/** Shows "step s: value" under the pointer, at the step nearest to it. */
-function attachReadout(canvas, readout, steps, valueText) {
+/** Shows "step s: value" for the point of `pointSteps` nearest the pointer (x axis over `span`). */
+function attachReadout(canvas, readout, span, pointSteps, valueText) {
   canvas.addEventListener('mousemove', (event) => {
-    if (!steps.length) return;
+    if (!pointSteps.length) return;
     const x = event.clientX - canvas.getBoundingClientRect().left;
-    const plotWidth = canvas.clientWidth - 60;
-    const step = steps[0] + ((x - 52) / plotWidth) * (steps[steps.length - 1] - steps[0]);
-    let i = clamp(lowerBound(steps, step), 0, steps.length - 1);
-    if (i > 0 && step - steps[i - 1] < steps[i] - step) i -= 1;
-    readout.textContent = `step ${steps[i]}: ${valueText(i)}`;
+    const plotWidth = canvas.clientWidth - PLOT_MARGIN.left - PLOT_MARGIN.right;
+    const step = span[0] + ((x - PLOT_MARGIN.left) / plotWidth) * (span[1] - span[0]);
+    let i = clamp(lowerBound(pointSteps, step), 0, pointSteps.length - 1);
+    if (i > 0 && step - pointSteps[i - 1] < pointSteps[i] - step) i -= 1;
+    readout.textContent = `step ${pointSteps[i]}: ${valueText(i)}`;
   });
   canvas.addEventListener('mouseleave', () => {
     readout.textContent = '';
@@ -1050,7 +1177,10 @@ function chartFigure(title, subtitle) {
   const canvas = el('canvas');
   const readout = el('span', {class: 'lw-readout'});
   const figure = el('figure', {class: 'lw-chart'},
-    el('figcaption', {}, el('span', {class: 'lw-chart-title'}, title), el('span', {class: 'lw-muted'}, subtitle), readout),
+    el('figcaption', {},
+      el('span', {class: 'lw-chart-title'}, title),
+      subtitle && el('span', {class: 'lw-muted'}, subtitle),
+      readout),
     canvas);
   return {figure, canvas, readout};
 }
@@ -1058,52 +1188,56 @@ function chartFigure(title, subtitle) {
 function renderDetailPlaceholder(detail) {
   delete detail.dataset.layer;
   detail.replaceChildren(el('h3', {}, 'Layer'),
-    el('p', {class: 'lw-muted'}, 'Click a row of the heatmap (its label or a cell), an alert or a ranking to see that layer’s series and histograms.'));
+    el('p', {class: 'lw-muted'},
+      'Click a row of the heatmap (its label or a cell), an alert or a ranking to see that layer’s series and histograms.'));
 }
 
+/** Charts are drawn after they are in the page, at the width their grid cell got. */
 function renderDetail(detail, layer, statsInfo, nonfiniteStep) {
   const steps = layer.steps ?? [];
   const order = [...statsInfo.keys()];
-  const keys = Object.keys(layer.series ?? {}).sort((a, b) => rank(order, a) - rank(order, b));
-  const histograms = Object.entries(layer.histograms ?? {}).filter(([, entries]) => entries.length);
+  const position = (key) => (order.includes(key) ? order.indexOf(key) : order.length);
+  const keys = Object.keys(layer.series ?? {}).sort((a, b) => position(a) - position(b));
   const drawings = [];
   const seriesFigures = keys.map((key) => {
     const info = statsInfo.get(key) ?? {label: key, unit: ''};
     const values = Float64Array.from(layer.series[key], jsonValue);
-    const {figure, canvas, readout} = chartFigure(info.label, info.unit);
-    drawings.push(() => {
-      const {log} = drawSeriesChart(canvas, figure.clientWidth, steps, values, info.unit, nonfiniteStep);
-      if (log) figure.querySelector('.lw-muted').textContent = `${info.unit} · log`;
-    });
-    attachReadout(canvas, readout, steps, (i) => formatValue(values[i], info.unit));
+    const log = wantsLogAxis(values);
+    const {figure, canvas, readout} = chartFigure(info.label, [info.unit, log && 'log'].filter(Boolean).join(' · '));
+    drawings.push(() => drawSeriesChart(canvas, figure.clientWidth, {steps, values, log, unit: info.unit, nonfiniteStep}));
+    attachReadout(canvas, readout, stepSpan(steps), steps, (i) => formatValue(values[i], info.unit));
     return figure;
   });
+  const histograms = Object.entries(layer.histograms ?? {}).filter(([, entries]) => entries.length);
   const histogramFigures = histograms.map(([tag, entries]) => {
     const sorted = [...entries].sort((a, b) => a.step - b.step);
-    const {figure, canvas, readout} = chartFigure(tag, 'colour = count');
-    drawings.push(() => drawHistogramChart(canvas, figure.clientWidth, sorted, steps));
     const entrySteps = sorted.map((entry) => entry.step);
-    attachReadout(canvas, readout, entrySteps, (i) => histogramSummary(sorted[i].buckets));
+    const span = stepSpan(entrySteps, steps);
+    const {figure, canvas, readout} = chartFigure(tag, '');
+    drawings.push(() => drawHistogramChart(canvas, figure.clientWidth, sorted, span));
+    attachReadout(canvas, readout, span, entrySteps, (i) => histogramSummary(sorted[i].buckets));
     return figure;
   });
   detail.replaceChildren(
-    el('div', {class: 'lw-detail-head'}, el('h3', {}, layer.name), el('span', {class: 'lw-muted'}, `${steps.length} sampled steps`)),
+    el('div', {class: 'lw-detail-head'},
+      el('h3', {}, layer.name),
+      el('span', {class: 'lw-muted'}, `${steps.length} sampled steps`)),
     el('div', {class: 'lw-subhead'}, 'Series'),
-    seriesFigures.length ? el('div', {class: 'lw-charts'}, ...seriesFigures) : el('div', {class: 'lw-muted'}, `No series recorded for ${layer.name}.`),
-    el('div', {class: 'lw-subhead'}, 'Histograms over time'),
-    histogramFigures.length ? el('div', {class: 'lw-charts'}, ...histogramFigures) : el('div', {class: 'lw-muted'}, `No histograms for ${layer.name}.`));
+    chartGrid(seriesFigures, `No series recorded for ${layer.name}.`),
+    el('div', {class: 'lw-subhead'}, 'Histograms over time',
+      el('span', {class: 'lw-subhead-note'}, 'x: step · y: value · colour: count per bin (√ scale) · grey: no histogram')),
+    chartGrid(histogramFigures, `No histograms for ${layer.name}.`));
   detail.dataset.layer = layer.name;
   drawings.forEach((draw) => draw());
 }
 
-function rank(order, key) {
-  const index = order.indexOf(key);
-  return index < 0 ? order.length : index;
+function chartGrid(figures, emptyText) {
+  return figures.length ? el('div', {class: 'lw-charts'}, ...figures) : el('div', {class: 'lw-muted'}, emptyText);
 }
 
 function histogramSummary(buckets) {
-  const total = buckets.reduce((sum, bucket) => sum + bucket[2], 0);
   if (!buckets.length) return 'empty';
+  const total = buckets.reduce((sum, bucket) => sum + bucket[2], 0);
   return `${formatNumber(buckets[0][0])} … ${formatNumber(buckets[buckets.length - 1][1])}, ${formatNumber(total)} values`;
 }
 
@@ -1118,8 +1252,8 @@ const app = {
   log: false,
   collapsed: new Set(),
   selected: null,
-  main: null, // {run, data, tree, events} of the selected run, or {run, error}
-  compare: null, // the same for the compared run, or null
+  main: null, // {run, stat, data, tree, events, layout} of the selected run; {run, stat, error} if it failed
+  compare: null, // the same for the compared run ({run, stat, missing} if it lacks the stat), or null
   cache: {stats: new Map(), events: new Map()},
   tickets: {run: 0, heatmap: 0, detail: 0},
   ui: null,
@@ -1140,8 +1274,8 @@ function eventsOf(run) {
   return app.cache.events.get(run);
 }
 
-function currentStatInfo() {
-  return app.stats.find((stat) => stat.key === app.stat) ?? {key: app.stat, label: app.stat, unit: '', collapse: 'max'};
+function statInfo(key) {
+  return app.stats.find((stat) => stat.key === key) ?? {key, label: key, unit: '', collapse: 'max'};
 }
 
 function showError(context, error) {
@@ -1177,10 +1311,9 @@ function buildShell() {
     rankings: el('section', {id: 'lw-rankings', class: 'lw-card'}, el('h3', {}, 'Rankings')),
     detail: el('section', {id: 'lw-detail', class: 'lw-card'}),
   };
-  const views = {
-    main: new HeatmapView({canvasId: 'lw-heatmap', onSelect: selectLayer, onToggleGroup: toggleGroup, onScroll: (top) => syncScroll('compare', top)}),
-    compare: new HeatmapView({canvasId: 'lw-heatmap-compare', onSelect: selectLayer, onToggleGroup: toggleGroup, onScroll: (top) => syncScroll('main', top)}),
-  };
+  const view = (canvasId, other) =>
+    new HeatmapView({canvasId, onSelect: selectLayer, onToggleGroup: toggleGroup, onScroll: (top) => syncScroll(other, top)});
+  const views = {main: view('lw-heatmap', 'compare'), compare: view('lw-heatmap-compare', 'main')};
   views.compare.element.hidden = true;
   const field = (text, control) => el('label', {class: 'lw-field'}, el('span', {}, text), control);
   const toolbar = el('header', {class: 'lw-toolbar'},
@@ -1205,7 +1338,7 @@ function buildShell() {
   });
   ui.stat.addEventListener('change', () => {
     app.stat = ui.stat.value;
-    app.log = currentStatInfo().scale === 'log';
+    app.log = statInfo(app.stat).scale === 'log';
     ui.log.checked = app.log;
     task('Could not load the heatmaps', loadHeatmaps);
   });
@@ -1247,7 +1380,7 @@ async function loadRuns() {
   const reply = await getJson('runs');
   app.runs = reply.runs ?? [];
   if (!app.runs.length) return showEmptyState();
-  app.ui.run.replaceChildren(...app.runs.map((run) => option(run.run, `${run.run} (${run.samples} samples)`)));
+  app.ui.run.replaceChildren(...app.runs.map((run) => option(run.run, run.run)));
   await selectRun(app.runs[0].run);
 }
 
@@ -1273,7 +1406,9 @@ async function selectRun(run) {
   try {
     reply = await statsOf(run);
   } catch (error) {
-    if (ticket === app.tickets.run) app.views.main.showMessage([run], `Could not load the statistics of ${run}: ${error.message}`, true);
+    if (ticket === app.tickets.run) {
+      app.views.main.showMessage([run], `Could not load the statistics of ${run}: ${error.message}`, true);
+    }
     throw error;
   }
   if (ticket !== app.tickets.run) return;
@@ -1287,7 +1422,8 @@ async function selectRun(run) {
     app.stat = app.stats[0].key;
     app.log = app.stats[0].scale === 'log';
   }
-  app.ui.stat.replaceChildren(...app.stats.map((stat) => option(stat.key, stat.unit ? `${stat.label} (${stat.unit})` : stat.label)));
+  app.ui.stat.replaceChildren(
+    ...app.stats.map((stat) => option(stat.key, stat.unit ? `${stat.label} (${stat.unit})` : stat.label)));
   app.ui.stat.value = app.stat;
   app.ui.log.checked = app.log;
   await loadHeatmaps();
@@ -1311,12 +1447,12 @@ async function loadRunHeatmap(run, stat) {
   try {
     if (run !== app.run) {
       const {stats = []} = await statsOf(run);
-      if (!stats.some((s) => s.key === stat)) return {run, missing: `${run} has no ${currentStatInfo().label}.`};
+      if (!stats.some((s) => s.key === stat)) return {run, stat, missing: `${run} has no ${statInfo(stat).label}.`};
     }
     const [data, events] = await Promise.all([fetchHeatmap(run, stat), eventsOf(run)]);
-    return {run, data, events, tree: buildTree(data.rows)};
+    return {run, stat, data, events, tree: buildTree(data.rows)};
   } catch (error) {
-    return {run, error};
+    return {run, stat, error};
   }
 }
 
@@ -1342,12 +1478,11 @@ async function loadHeatmaps() {
 }
 
 function heatmapTitle(loaded, role) {
-  const info = currentStatInfo();
-  const parts = [el('span', {class: 'lw-hm-stat'}, info.label ?? app.stat), el('span', {class: 'lw-hm-run'}, loaded.run)];
+  const parts = [el('span', {class: 'lw-hm-stat'}, statInfo(loaded.stat).label), el('span', {class: 'lw-hm-run'}, loaded.run)];
   if (role === 'compare') parts.unshift(el('span', {class: 'lw-hm-role'}, 'compare'));
   if (loaded.data) {
     const {steps} = loaded.data;
-    parts.push(el('span', {class: 'lw-muted'}, `${loaded.rows.length} rows × ${steps.length} steps` +
+    parts.push(el('span', {class: 'lw-muted'}, `${loaded.layout.rows.length} rows × ${steps.length} steps` +
       (steps.length ? ` (steps ${steps[0]}–${steps[steps.length - 1]})` : '')));
   }
   return parts;
@@ -1356,10 +1491,10 @@ function heatmapTitle(loaded, role) {
 /** Lays out, colours and draws the loaded heatmaps (after a load, a collapse, the log toggle or a resize). */
 function refreshHeatmaps() {
   if (!app.main) return;
-  const info = currentStatInfo();
+  const info = statInfo(app.main.stat);
   const shown = [app.main, app.compare].filter((loaded) => loaded?.data);
-  for (const loaded of shown) loaded.rows = layoutRows(loaded.tree, app.collapsed, loaded.data, info.collapse);
-  const scale = makeScale(shown.flatMap((loaded) => loaded.rows.map((row) => row.values)), app.log);
+  for (const loaded of shown) loaded.layout = layoutRows(loaded.tree, app.collapsed, loaded.data, info.collapse);
+  const scale = makeScale(shown.flatMap((loaded) => loaded.layout.rows.map((row) => row.values)), app.log, info.unit);
   const maxHeight = Math.max(180, Math.round(window.innerHeight * (app.compare ? 0.36 : 0.5)));
   const roles = [['main', app.main], ['compare', app.compare]];
   for (const [role, loaded] of roles) {
@@ -1373,10 +1508,11 @@ function refreshHeatmaps() {
     }
     view.show({
       title: heatmapTitle(loaded, role),
-      stat: app.stat,
+      stat: info.key,
       statInfo: info,
       steps: loaded.data.steps,
-      rows: loaded.rows,
+      rows: loaded.layout.rows,
+      spans: loaded.layout.spans,
       scale,
       events: loaded.events,
       selected: app.selected,
@@ -1384,6 +1520,7 @@ function refreshHeatmaps() {
     });
   }
   app.views.main.legendSlot.replaceChildren(shown.length ? legendElement(scale, info) : '');
+  app.views.compare.legendSlot.replaceChildren(el('span', {class: 'lw-muted lw-small'}, 'same colour scale as above'));
   updateDepthOptions();
 }
 
@@ -1459,12 +1596,12 @@ html, body { margin: 0; background: var(--lw-bg); color: var(--lw-text);
   font: 13px Roboto, system-ui, -apple-system, "Segoe UI", Arial, sans-serif; }
 [hidden] { display: none !important; }
 .lw-app { box-sizing: border-box; padding: 0 16px 24px; min-width: 0; }
-.lw-toolbar { position: sticky; top: 0; z-index: 5; display: flex; flex-wrap: wrap; align-items: center; gap: 8px 18px;
+.lw-toolbar { position: sticky; top: 0; z-index: 5; display: flex; flex-wrap: wrap; align-items: center; gap: 8px 16px;
   padding: 10px 0; margin-bottom: 12px; background: var(--lw-bg); border-bottom: 1px solid var(--lw-border); }
 .lw-brand { font-weight: 500; letter-spacing: .08em; color: var(--lw-accent); margin-right: 6px; }
 .lw-field { display: inline-flex; align-items: center; gap: 6px; color: var(--lw-muted); }
 .lw-field select { font: inherit; color: var(--lw-text); padding: 3px 4px; border: 1px solid #bdbdbd; border-radius: 3px;
-  background: #fff; max-width: 260px; }
+  background: #fff; max-width: 200px; }
 .lw-check { cursor: pointer; color: var(--lw-text); }
 .lw-check input { accent-color: var(--lw-accent); margin: 0; }
 button { font: inherit; padding: 4px 10px; border: 1px solid #bdbdbd; border-radius: 3px; background: #fff; cursor: pointer; }
@@ -1476,6 +1613,7 @@ button:hover, .lw-field select:hover { border-color: var(--lw-accent); }
 .lw-card h3 { margin: 0 0 8px; font-size: 14px; font-weight: 500; }
 .lw-muted { color: var(--lw-muted); }
 .lw-small { font-size: 12px; }
+.lw-subhead-note { margin-left: 10px; text-transform: none; letter-spacing: 0; font-weight: 400; }
 .lw-subhead { margin: 12px 0 6px; font-size: 12px; font-weight: 500; color: var(--lw-muted); text-transform: uppercase; letter-spacing: .04em; }
 .lw-error { margin: 0 0 12px; padding: 10px 14px; border: 1px solid #ef9a9a; border-left: 4px solid #c62828;
   background: #ffebee; color: #b71c1c; border-radius: 3px; overflow-wrap: anywhere; }
@@ -1523,13 +1661,11 @@ code { font-family: "Roboto Mono", ui-monospace, monospace; font-size: 12px; bac
 .lw-nonfinite-label.lw-left { transform: translateX(-100%); border-left: 0; border-right: 2px dashed #111; }
 
 .lw-legend { display: flex; gap: 16px; align-items: flex-start; flex: none; }
-.lw-legend-scale { width: 220px; }
+.lw-legend-scale { width: ${LEGEND_WIDTH}px; }
 .lw-legend-caption { font-size: 11px; color: var(--lw-muted); margin-bottom: 2px; }
 .lw-legend-bar { display: block; border-radius: 1px; }
-.lw-legend-ticks { position: relative; height: 14px; font-size: 10px; color: #616161; }
-.lw-legend-ticks span { position: absolute; top: 1px; transform: translateX(-50%); white-space: nowrap; }
-.lw-legend-ticks span:first-child { transform: none; }
-.lw-legend-ticks span:last-child { transform: translateX(-100%); }
+.lw-legend-ticks { position: relative; height: 14px; font: ${LEGEND_FONT}; color: #616161; }
+.lw-legend-ticks span { position: absolute; top: 1px; white-space: nowrap; }
 .lw-swatches { display: grid; grid-template-columns: auto auto; gap: 2px 12px; font-size: 11px; color: #424242; }
 .lw-swatch { display: inline-flex; align-items: center; gap: 5px; white-space: nowrap; }
 .lw-swatch i, .lw-event i { display: inline-block; width: 12px; height: 10px; box-sizing: border-box; flex: none; }
@@ -1549,6 +1685,7 @@ code { font-family: "Roboto Mono", ui-monospace, monospace; font-size: 12px; bac
 .lw-alert:hover { background: #fff3e0; }
 .lw-alert-head { display: flex; gap: 6px; align-items: baseline; min-width: 0; }
 .lw-alert-layer { font-weight: 500; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; min-width: 0; }
+.lw-alert-step { flex: none; margin-left: auto; color: var(--lw-muted); white-space: nowrap; }
 .lw-alert-message { font-size: 12px; color: #616161; margin-top: 1px; }
 .lw-kind { flex: none; font-size: 10px; text-transform: uppercase; letter-spacing: .04em; padding: 0 5px; border-radius: 7px;
   background: #ffe0b2; color: #8a3b00; }
@@ -1564,7 +1701,7 @@ code { font-family: "Roboto Mono", ui-monospace, monospace; font-size: 12px; bac
 .lw-rank { width: 18px; color: var(--lw-muted); text-align: right; }
 .lw-rank-value { width: 92px; text-align: right; position: relative; }
 .lw-rank-value span:last-child { position: relative; }
-.lw-rank-bar { position: absolute; right: 0; top: 3px; bottom: 3px; background: #ffe0b2; }
+.lw-rank-bar { position: absolute; left: 0; top: 2px; bottom: 2px; background: #ffe9cc; border-radius: 1px; }
 .lw-missing { font-style: italic; color: var(--lw-muted); font-size: 12px; margin-top: 4px; }
 
 .lw-detail-head { display: flex; align-items: baseline; gap: 10px; }
@@ -1591,6 +1728,7 @@ export async function render() {
     await loadRuns();
   } catch (error) {
     showError('Could not load the runs', error);
-    views.main.showMessage(['LAYERWATCH'], `The plugin's routes did not answer: ${error.message}`, true);
+    views.main.showMessage(['No runs'],
+      'The list of runs could not be loaded (see the error above); reload the page to try again.', true);
   }
 }

@@ -1,0 +1,52 @@
+"""The LAYERWATCH tab's pictures in docs/img, from a TensorBoard serving the demo's two runs
+(version_0 healthy, version_1 with --inject-nan). Called by docs/screenshots.sh:
+
+    python docs/tab_screenshots.py http://127.0.0.1:6123 docs/img
+"""
+
+import shutil
+import sys
+
+from playwright.sync_api import sync_playwright
+
+url, out = sys.argv[1], sys.argv[2]
+
+
+def open_tab(browser):
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.goto(f"{url}/#layerwatch")
+    page.wait_for_function("() => [...document.querySelectorAll('iframe')].some(f => f.src.includes('name=layerwatch'))")
+    frame = next(f for f in page.frames if "name=layerwatch" in f.url)
+    frame.wait_for_selector("#lw-heatmap[data-rows]")
+    return page, frame
+
+
+def show(frame, run, stat="grads_norm", compare=""):
+    frame.evaluate("() => delete document.body.dataset.heatmapMs")
+    frame.select_option("#lw-run", run)
+    frame.wait_for_function("() => document.body.dataset.heatmapMs !== undefined")
+    if stat != "grads_norm":
+        frame.select_option("#lw-stat", stat)
+        frame.wait_for_selector(f'#lw-heatmap[data-stat="{stat}"]')
+    if compare:
+        frame.select_option("#lw-compare", compare)
+        frame.wait_for_selector("#lw-heatmap-compare[data-rows]")
+    frame.wait_for_timeout(300)
+
+
+with sync_playwright() as p:
+    browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
+    page, frame = open_tab(browser)
+    show(frame, "demo/version_1")
+    page.screenshot(path=f"{out}/layer-view.png")
+    frame.locator('.lw-row-label[data-name="encoder.2.weight"]').first.click()
+    frame.wait_for_selector('#lw-detail[data-layer="encoder.2.weight"]')
+    frame.wait_for_timeout(300)
+    frame.locator("#lw-detail").scroll_into_view_if_needed()
+    page.screenshot(path=f"{out}/layer-view-detail.png")
+    page.close()
+    page, frame = open_tab(browser)
+    show(frame, "demo/version_0", stat="fwd_ms")
+    page.screenshot(path=f"{out}/layer-view-latency.png")
+    page.close()
+    browser.close()
