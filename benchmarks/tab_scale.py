@@ -56,7 +56,7 @@ def write_run(logdir: Path, layers: int, samples: int) -> None:
 def measure(logdir: Path, samples: int, load_fast: bool, rounds: int) -> list[tuple[float, float]]:
     from playwright.sync_api import sync_playwright
 
-    from tb_server import serve
+    from tb_server import open_tab, serve
 
     def loaded(server):
         runs = server.get_json("/data/plugin/layerwatch/runs")["runs"]
@@ -66,14 +66,8 @@ def measure(logdir: Path, samples: int, load_fast: bool, rounds: int) -> list[tu
     with serve(logdir, load_fast=load_fast, ready=loaded, timeout=600) as server, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
         for _ in range(rounds):
-            page = browser.new_page(viewport={"width": 1400, "height": 900})
             started = time.perf_counter()
-            page.goto(f"{server.url}/#layerwatch")
-            frame = None
-            while frame is None:
-                frame = next((f for f in page.frames if "name=layerwatch" in f.url), None)
-                page.wait_for_timeout(20)
-            frame.wait_for_function("() => document.body.dataset.heatmapMs !== undefined", timeout=120_000)
+            page, frame = open_tab(browser, server.url, timeout_ms=120_000, ready="body[data-heatmap-ms]")
             opened = time.perf_counter() - started
             heatmap_ms = float(frame.evaluate("() => document.body.dataset.heatmapMs"))
             out.append((heatmap_ms / 1e3, opened))

@@ -6,19 +6,14 @@
 
 import shutil
 import sys
+from pathlib import Path
 
 from playwright.sync_api import sync_playwright
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from tb_server import open_tab  # noqa: E402
+
 url, out = sys.argv[1], sys.argv[2]
-
-
-def open_tab(browser):
-    page = browser.new_page(viewport={"width": 1400, "height": 900})
-    page.goto(f"{url}/#layerwatch")
-    page.wait_for_function("() => [...document.querySelectorAll('iframe')].some(f => f.src.includes('name=layerwatch'))")
-    frame = next(f for f in page.frames if "name=layerwatch" in f.url)
-    frame.wait_for_selector("#lw-heatmap[data-rows]")
-    return page, frame
 
 
 def show(frame, run, stat="grads_norm", compare=""):
@@ -36,7 +31,7 @@ def show(frame, run, stat="grads_norm", compare=""):
 
 with sync_playwright() as p:
     browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
-    page, frame = open_tab(browser)
+    page, frame = open_tab(browser, url)
     show(frame, "demo/version_1")
     page.screenshot(path=f"{out}/layer-view.png")
     frame.locator('.lw-row-label[data-name="encoder.2.weight"]').first.click()
@@ -45,7 +40,7 @@ with sync_playwright() as p:
     frame.locator("#lw-detail").scroll_into_view_if_needed()
     page.screenshot(path=f"{out}/layer-view-detail.png")
     page.close()
-    page, frame = open_tab(browser)
+    page, frame = open_tab(browser, url)
     show(frame, "demo/version_0", stat="fwd_ms")
     page.screenshot(path=f"{out}/layer-view-latency.png")
     page.close()

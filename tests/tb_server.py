@@ -69,3 +69,20 @@ def serve(logdir: Any, *, load_fast: bool = False, ready: Callable[[Server], boo
             process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+def open_tab(browser: Any, url: str, *, timeout_ms: float = 60_000, ready: str = "#lw-heatmap[data-rows]") -> tuple[Any, Any]:
+    """A Playwright page on TensorBoard's LAYERWATCH tab, and the tab's frame once ``ready``
+    (a selector) is in it. TensorBoard loads the tab in an iframe of ``plugin_entry.html``."""
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.goto(f"{url}/#layerwatch")
+    deadline = time.monotonic() + timeout_ms / 1e3
+    frame = None
+    while frame is None:
+        frame = next((f for f in page.frames if "name=layerwatch" in f.url), None)
+        if frame is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("TensorBoard did not open the LAYERWATCH tab's frame")
+            page.wait_for_timeout(50)
+    frame.wait_for_selector(ready, timeout=timeout_ms)
+    return page, frame

@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-from tb_server import serve
+from tb_server import open_tab, serve
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
@@ -45,18 +45,6 @@ def browser():
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         yield browser
         browser.close()
-
-
-def open_tab(browser, url):
-    page = browser.new_page(viewport={"width": 1400, "height": 900})
-    page.goto(f"{url}/#layerwatch")
-    page.wait_for_function(
-        "() => [...document.querySelectorAll('iframe')].some(f => f.src.includes('name=layerwatch'))",
-        timeout=60_000,
-    )
-    frame = next(f for f in page.frames if "name=layerwatch" in f.url)
-    frame.wait_for_selector("#lw-heatmap[data-rows]", timeout=60_000)
-    return page, frame
 
 
 def test_the_tab_is_listed_and_its_heatmap_has_a_row_per_layer(browser, server, tmp_path):
@@ -107,14 +95,8 @@ def test_a_logdir_without_layerwatch_data_shows_the_empty_state(browser, tmp_pat
     writer.add_scalar("loss", 1.0, 0)
     writer.close()
     with serve(tmp_path, ready=lambda s: "plain" in s.get_json("/data/plugin/scalars/tags")) as server:
-        page = browser.new_page(viewport={"width": 1400, "height": 900})
-        page.goto(f"{server.url}/#layerwatch")
-        page.wait_for_function(
-            "() => [...document.querySelectorAll('iframe')].some(f => f.src.includes('name=layerwatch'))",
-            timeout=60_000,
-        )
-        frame = next(f for f in page.frames if "name=layerwatch" in f.url)
-        empty = frame.wait_for_selector("#lw-empty", timeout=30_000)
+        page, frame = open_tab(browser, server.url, ready="#lw-empty")
+        empty = frame.locator("#lw-empty")
         assert "InspectCallback" in empty.inner_text()
         page.goto(f"{server.url}/#timeseries")  # the other tabs still work
         page.wait_for_selector("text=loss", timeout=60_000)

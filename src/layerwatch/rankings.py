@@ -61,32 +61,53 @@ def top_by_median(tables: Sequence[Table], unit: str, top: int = TOP) -> list[di
 def norms(table: Table, until: Optional[int] = None, top: int = TOP) -> dict[str, list[dict[str, Any]]]:
     """The largest norms at the last sample (before step ``until``, when given), and those
     that changed most from the first sample to that one (by the factor's size either way)."""
+    ends = _ends(table, until)
+    if ends is None:
+        return {"largest": [], "fastest_changing": []}
+    names, first, last, first_at, last_at = ends
+    finals = [
+        {"name": names[i], "step": int(table.steps[last_at[i]]), "value": float(last[i])}
+        for i in np.argsort(-last, kind="stable")[:top].tolist()
+    ]
+    changing = np.flatnonzero((first > 0) & (last > 0) & (last_at > first_at))
+    size = np.abs(np.log(last[changing] / first[changing]))
+    return {"largest": finals, "fastest_changing": _changes(table, ends, changing[np.argsort(-size, kind="stable")[:top]])}
+
+
+def growth(table: Table, top: int = TOP) -> list[dict[str, Any]]:
+    """The norms that grew most from the first sample to the last (the factor, largest first)."""
+    ends = _ends(table, None)
+    if ends is None:
+        return []
+    _, first, last, first_at, last_at = ends
+    changing = np.flatnonzero((first > 0) & (last > 0) & (last_at > first_at))
+    factor = last[changing] / first[changing]
+    return _changes(table, ends, changing[np.argsort(-factor, kind="stable")[:top]])
+
+
+def _ends(table: Table, until: Optional[int]) -> Optional[tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Per layer with a finite value (before ``until``): its name, first and last finite
+    values, and their columns."""
     usable = np.isfinite(table.values)
     if until is not None:
         usable &= table.steps[None, :] < until
     rows = np.flatnonzero(usable.any(axis=1))
     if rows.size == 0:
-        return {"largest": [], "fastest_changing": []}
+        return None
     usable = usable[rows]
     first_at = usable.argmax(axis=1)
     last_at = usable.shape[1] - 1 - usable[:, ::-1].argmax(axis=1)
-    first = table.values[rows, first_at]
-    last = table.values[rows, last_at]
     names = [table.names[i] for i in rows.tolist()]
-    steps = table.steps
-    finals = [
-        {"name": names[i], "step": int(steps[last_at[i]]), "value": float(last[i])}
-        for i in np.argsort(-last, kind="stable")[:top].tolist()
-    ]
-    changing = np.flatnonzero((first > 0) & (last > 0) & (last_at > first_at))
-    with np.errstate(divide="ignore"):
-        size = np.abs(np.log(last[changing] / first[changing]))
-    changes = [
-        {"name": names[i], "from_step": int(steps[first_at[i]]), "to_step": int(steps[last_at[i]]),
+    return names, table.values[rows, first_at], table.values[rows, last_at], first_at, last_at
+
+
+def _changes(table: Table, ends: tuple, order: np.ndarray) -> list[dict[str, Any]]:
+    names, first, last, first_at, last_at = ends
+    return [
+        {"name": names[i], "from_step": int(table.steps[first_at[i]]), "to_step": int(table.steps[last_at[i]]),
          "first": float(first[i]), "last": float(last[i]), "factor": float(last[i] / first[i])}
-        for i in changing[np.argsort(-size, kind="stable")[:top]].tolist()
+        for i in order.tolist()
     ]
-    return {"largest": finals, "fastest_changing": changes}
 
 
 def _parents(names: dict[str, float]) -> set[str]:

@@ -230,7 +230,7 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
         memory = rankings.top_by_median(
             [tables[k] for k in ("activation_bytes", "saved_bytes") if k in tables], "value", top=10
         )
-        growth = [] if "grads_norm" not in tables else rankings.norms(tables["grads_norm"], top=10)["fastest_changing"]
+        growth = [] if "grads_norm" not in tables else rankings.growth(tables["grads_norm"], top=10)
         return {"rankings": [
             _ranking("slowest", "Slowest layers", "ms", "leaf layers, median forward + backward ms over the samples",
                      slowest, "no fwd_ms/bwd_ms: the latency probes were off"),
@@ -238,7 +238,7 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
                      "leaf layers, median activation + saved-for-backward bytes", memory,
                      "no activation_bytes/saved_bytes: the memory probes were off"),
             _ranking("grad_growth", "Largest gradient growth", "x",
-                     "gradient norm, last sample / first (the largest change either way)",
+                     "gradient norm, last sample / first: ×N grew N times, ÷N shrank",
                      [{"name": r["name"], "value": r["factor"]} for r in growth],
                      "no gradient norms over two samples or more"),
         ]}

@@ -170,7 +170,8 @@ function formatValue(value, unit) {
   if (value === -Infinity) return 'not measured';
   if (unit === 'bytes') return formatBytes(value);
   if (unit === 'ms') return `${formatNumber(value)} ms`;
-  if (unit === 'x') return `${formatNumber(value)}×`;
+  // a factor reads as the report writes it: ×2.5 grew 2.5 times, ÷40 shrank 40 times
+  if (unit === 'x') return value >= 1 ? `×${formatNumber(value)}` : `÷${formatNumber(1 / value)}`;
   return formatNumber(value);
 }
 
@@ -899,10 +900,10 @@ function renderEvents(container, events, onSelect) {
       ? el('div', {class: 'lw-event lw-muted'}, 'No NaN/Inf gradients seen.')
       : el('div', {class: 'lw-event lw-event-nonfinite'}, el('i', {class: 'lw-sw-nan'}),
         `First NaN/Inf gradients at step ${events.first_nonfinite_step}`),
-    offender && el('div', {class: 'lw-event lw-event-offender'},
+    ...(offender ? [el('div', {class: 'lw-event lw-event-offender'},
       el('div', {}, 'First offender: ', layerLink(offender.layer), ` @ step ${offender.step}`,
         offender.phase ? ` (${offender.phase})` : ''),
-      offender.text && el('div', {class: 'lw-muted lw-small'}, offender.text)),
+      offender.text && el('div', {class: 'lw-muted lw-small'}, offender.text))] : []),
     el('div', {class: 'lw-subhead'}, `Alerts (${alerts.length})`),
     el('ul', {id: 'lw-alerts', class: 'lw-alerts'},
       ...(alerts.length ? alerts.map((alert) => alertItem(alert, onSelect)) : [el('li', {class: 'lw-muted'}, 'No alerts.')])));
