@@ -369,19 +369,34 @@ function makeScale(valueArrays, log, unit) {
 }
 
 /** One pixel per cell: columns are steps, rows are the drawn rows. */
-function paintCells(rows, stepCount, scale) {
+/**
+ * One pixel per row and column. With more steps than `columns` (the plot's device pixels), a
+ * column covers several steps: it shows NaN/Inf if any of them is (a one-step incident never
+ * drops out of the overview), else their largest value, else "not measured".
+ */
+function paintCells(rows, stepCount, scale, columns = stepCount) {
+  const width = Math.max(1, Math.min(stepCount, columns));
   const canvas = document.createElement('canvas');
-  canvas.width = Math.max(1, stepCount);
+  canvas.width = width;
   canvas.height = Math.max(1, rows.length);
   if (!rows.length || !stepCount) return canvas;
-  const image = new ImageData(stepCount, rows.length);
+  const image = new ImageData(width, rows.length);
   const pixels = new Uint32Array(image.data.buffer);
+  const starts = Int32Array.from({length: width + 1}, (_, c) => Math.floor((c * stepCount) / width));
   rows.forEach(({values}, r) => {
-    const base = r * stepCount;
-    for (let s = 0; s < stepCount; s++) {
-      const v = values[s];
-      if (Number.isNaN(v) || v === Infinity) pixels[base + s] = NAN_PIXEL;
-      else if (v !== -Infinity) pixels[base + s] = CELL_LUT[scale.lutIndex(v)];
+    const base = r * width;
+    for (let c = 0; c < width; c++) {
+      let v = -Infinity;
+      for (let s = starts[c]; s < starts[c + 1]; s++) {
+        const x = values[s];
+        if (Number.isNaN(x) || x === Infinity) {
+          v = NaN;
+          break;
+        }
+        if (x > v) v = x;
+      }
+      if (Number.isNaN(v)) pixels[base + c] = NAN_PIXEL;
+      else if (v !== -Infinity) pixels[base + c] = CELL_LUT[scale.lutIndex(v)];
     }
   });
   canvas.getContext('2d').putImageData(image, 0, 0);
@@ -540,7 +555,7 @@ class HeatmapView {
     this.scroller.hidden = false;
     this.axis.hidden = false;
     this.rowHeight = clamp(Math.floor(model.maxHeight / Math.max(1, model.rows.length)), ROW_HEIGHT.min, ROW_HEIGHT.max);
-    this.image = paintCells(model.rows, model.steps.length, model.scale);
+    this.image = null; // painted at the next draw, for the plot's width
     this.indexByName = new Map(model.rows.map((row, index) => [row.node.name, index]));
     this.marks = placeMarks(model.events, model.steps, (name) => this.rangeOf(name));
     this.title.replaceChildren(...model.title);
@@ -642,9 +657,14 @@ class HeatmapView {
     const last = Math.min(rows.length, Math.ceil((top + height) / h));
     ctx.fillStyle = NOT_MEASURED_CSS;
     ctx.fillRect(0, 0, width, height);
+    const columns = Math.round(width * (window.devicePixelRatio || 1));
+    if (!this.image || this.imageColumns !== columns) {
+      this.image = paintCells(rows, steps.length, this.model.scale, columns);
+      this.imageColumns = columns;
+    }
     if (last > first && steps.length) {
       ctx.imageSmoothingEnabled = false;
-      ctx.drawImage(this.image, 0, first, steps.length, last - first, 0, first * h - top, width, (last - first) * h);
+      ctx.drawImage(this.image, 0, first, this.image.width, last - first, 0, first * h - top, width, (last - first) * h);
     }
     this.drawGrid(ctx, {first, last, top, width, height});
     this.drawMarks(ctx, {first, last, top, width, height});
