@@ -13,8 +13,9 @@ Not every scalar becomes a card (:class:`~layerwatch.record.CardFilter`); all of
 the step's alerts, go into the same event as the LAYERWATCH tab's compact data
 (:mod:`layerwatch.sinks.plugin_data`).
 
-Any other writer with the ``SummaryWriter`` interface (e.g. tensorboardX) gets the same cards
-value by value through its public methods (texts only if it has ``add_text``), and no tab data.
+Any other writer with the ``SummaryWriter`` interface (e.g. tensorboardX) gets every scalar as
+a card, value by value through its public methods (texts only if it has ``add_text``): it
+cannot carry the tab's data, so nothing is held back from its cards.
 """
 
 from __future__ import annotations
@@ -46,15 +47,14 @@ class TensorBoardSink:
         self._plugin = PluginData()
 
     def write(self, record: StepRecord) -> None:
-        scalars = self._cards(record.scalars)
         if self._batched:
-            summary = encode_summary(record, self._tag_fields, scalars) + self._plugin.encode(record)
+            summary = encode_summary(record, self._tag_fields, self._cards(record.scalars)) + self._plugin.encode(record)
             if events.append(self.writer, [events.event(time.time(), record.step, summary)]):
                 return
             event = Event.FromString(events.field(5, summary))  # Event.summary
             self.writer._get_file_writer().add_event(event, record.step)
         else:
-            for tag, v in scalars.items():
+            for tag, v in record.scalars.items():
                 self.writer.add_scalar(tag, v, record.step)
             for tag, h in record.histograms.items():
                 self.writer.add_histogram_raw(
