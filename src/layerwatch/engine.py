@@ -188,11 +188,12 @@ class Engine:
             if self.options.sentinel:
                 self._sentinel = NonfiniteSentinel()
         self._state = "running"
-        names = [name for name, _ in parameters(self._model())]
+        model = self._model()
+        names = [name for name, _ in parameters(model)]
         if not names:
             self.failures.warn_once("no-params", "layerwatch: the model has no parameters; there is nothing to log")
-        if self._sink is not None:
-            modules = [probe_name(name) for name, _ in select_modules(self._model(), self.options.modules)]
+        if self._sink is not None and model is not None:
+            modules = [probe_name(name) for name, _ in select_modules(model, self.options.modules)]
             layout = R.custom_scalars_layout(names, modules, self.options.families, self.options.stats)
             if layout:
                 self._write_with(lambda sink: sink.write_layout(layout), "write the chart layout")
