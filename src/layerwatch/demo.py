@@ -142,8 +142,8 @@ def run_demo(steps: int = 8000, log_dir: str = "runs/layerwatch-demo", every: in
         found = next((a.message for a in callback.alerts if a.message.startswith("first offender")),
                      "first offender: none found")
         print(f"a NaN was injected at step {inject_nan} by layer {FAULT} (its first unit's output); layerwatch's "
-              f"{found}. See the layerwatch/first_offender text, layerwatch/first_nonfinite_step, and the "
-              "grads_nonfinite/ and weights_nonfinite/ cards")
-    print(f"view them with:\n  tensorboard --logdir {log_dir}\nor summarize them (alerts, extreme norms) with:\n"
-          f"  layerwatch report {log_dir}")
+              f"{found}. See the LAYERWATCH tab, the layerwatch/first_offender text, "
+              "layerwatch/first_nonfinite_step, and the grads_nonfinite/ and weights_nonfinite/ cards")
+    print(f"view them with:\n  tensorboard --logdir {log_dir}\n(the LAYERWATCH tab shows every layer at every "
+          f"sampled step)\nor summarize them (alerts, extreme norms) with:\n  layerwatch report {log_dir}")
     return run_dir
