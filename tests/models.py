@@ -214,12 +214,13 @@ def tab_values(acc) -> dict[str, dict[int, float]]:
     for tag in acc.Tags()["tensors"]:
         if tag.startswith("layerwatch/") and not tag.endswith("/text_summary"):
             for event in acc.Tensors(tag):
-                reader.add(event.step, tag, event.tensor_proto)
+                reader.add_tensor(event.step, event.wall_time, tag, event.tensor_proto)
     out: dict[str, dict[int, float]] = {}
     for key in reader.keys():
         for step, (names, values) in reader.series(key).items():
             for name, value in zip(names, values.tolist()):
-                out.setdefault(f"{key}/{name}", {})[step] = value
+                if value != float("-inf"):  # -inf: not measured at that step
+                    out.setdefault(f"{key}/{name}", {})[step] = value
     return out
 
 

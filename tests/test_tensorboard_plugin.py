@@ -118,20 +118,73 @@ def test_the_heatmap_holds_every_sampled_value_and_marks_the_nan(server, inciden
     assert (fwd_values > 0).all()
 
 
-def test_a_layer_missing_at_a_step_reads_minus_inf_and_a_new_layout_applies_from_its_step():
+def tab_reader(records, wall_times=None):
+    """A Reader over the tab's values of ``records`` as one PluginData wrote them, and the
+    number of layouts written."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    from layerwatch.sinks.plugin_data import PluginData
+    from layerwatch.tensorboard_plugin.metadata import LAYOUT, Reader
+
+    plugin, reader, layouts = PluginData(), Reader(), 0
+    for i, record in enumerate(records):
+        wall = float(i) if wall_times is None else wall_times[i]
+        for value in Summary.FromString(plugin.encode(record)).value:
+            reader.add_tensor(record.step, wall, value.tag, value.tensor)
+            layouts += value.tag == LAYOUT
+    return reader, layouts
+
+
+def test_a_layer_that_comes_and_goes_reads_minus_inf_and_writes_the_layout_once_more():
+    from layerwatch.record import StepRecord
+
+    steps = [{"fwd_ms/l.0": 1.0, "fwd_ms/m": 2.0}, {"fwd_ms/l.0": 3.0, "fwd_ms/l.1": 5.0, "fwd_ms/m": 6.0},
+             {"fwd_ms/l.0": 4.0, "fwd_ms/m": float("nan")}, {"fwd_ms/l.0": 7.0, "fwd_ms/l.1": 8.0, "fwd_ms/m": 9.0}]
+    reader, layouts = tab_reader([StepRecord(k, scalars=s) for k, s in enumerate(steps)])
+    assert layouts == 2  # the first step, and when l.1 first came; not each time it comes or goes
+    rows, at, matrix = reader.matrix("fwd_ms")
+    assert rows == ["l.0", "l.1", "m"] and at == [0, 1, 2, 3]  # l.1 beside its sibling, not appended
+    assert matrix[0].tolist() == [1.0, 3.0, 4.0, 7.0]
+    assert np.isneginf(matrix[1, [0, 2]]).all() and matrix[1, [1, 3]].tolist() == [5.0, 8.0]
+    assert matrix[2, 0] == 2.0 and np.isnan(matrix[2, 2])
+
+
+def test_a_run_resumed_into_the_same_directory_reads_each_step_with_its_own_layout():
     from layerwatch.record import StepRecord
     from layerwatch.sinks.plugin_data import PluginData
     from layerwatch.tensorboard_plugin.metadata import Reader
     from tensorboard.compat.proto.summary_pb2 import Summary
 
-    plugin, reader = PluginData(), Reader()
-    for step, scalars in enumerate([{"fwd_ms/a": 1.0, "fwd_ms/b": 2.0}, {"fwd_ms/a": 3.0}, {"fwd_ms/a": 4.0, "fwd_ms/b": float("nan")}]):
-        for value in Summary.FromString(plugin.encode(StepRecord(step, scalars=scalars))).value:
-            reader.add(step, value.tag, value.tensor)
-    rows, steps, matrix = reader.matrix("fwd_ms")
-    assert rows == ["a", "b"] and steps == [0, 1, 2]
-    assert matrix[0].tolist() == [1.0, 3.0, 4.0]
-    assert matrix[1, 0] == 2.0 and np.isneginf(matrix[1, 1]) and np.isnan(matrix[1, 2])
+    first = [StepRecord(0, scalars={"g/a": 1.0, "g/b": 2.0}), StepRecord(30, scalars={"g/a": 3.0, "g/c": 4.0, "g/b": 5.0})]
+    resumed = [StepRecord(20, scalars={"g/a": 10.0, "g/b": 20.0}), StepRecord(30, scalars={"g/a": 30.0, "g/b": 230.0})]
+    reader = Reader()
+    for wall, (plugin, records) in enumerate([(PluginData(), first), (PluginData(), resumed)]):
+        for k, record in enumerate(records):
+            for value in Summary.FromString(plugin.encode(record)).value:
+                reader.add_tensor(record.step, 10.0 * wall + k, value.tag, value.tensor)
+    series = reader.series("g")
+    assert series[30][0] == ["a", "b"] and series[30][1].tolist() == [30.0, 230.0]  # the resumed write, its layout
+    assert series[0][1].tolist() == [1.0, 2.0] and series[20][1].tolist() == [10.0, 20.0]
+
+
+def test_the_run_wide_nonfinite_count_adds_every_piece():
+    from layerwatch.record import StepRecord, nonfinite_total_tag
+    from layerwatch import stats as S
+
+    record = StepRecord(0)
+    for name, count in (("a", 0.0), ("b", 3.0)):  # two optimizers' reads of one step
+        row = np.zeros((1, S.HIST + 2))
+        row[0, S.COUNT], row[0, S.NONFINITE] = 4.0, count
+        record.add_tensor_family("grads", [name], row, ("nonfinite",), 0)
+    assert record.scalars[nonfinite_total_tag("grads")] == 3.0
+
+
+def test_a_growth_beyond_float32_is_a_finite_factor():
+    from layerwatch.record import StepRecord
+    from layerwatch import rankings
+
+    reader, _ = tab_reader([StepRecord(0, scalars={"grads_norm/a": 1e-20}), StepRecord(1, scalars={"grads_norm/a": 1e20})])
+    assert rankings.growth(reader.table("grads_norm"))[0]["factor"] == pytest.approx(1e40, rel=1e-6)
 
 
 def test_events_name_the_first_nonfinite_step_and_the_offender(server):

@@ -27,7 +27,10 @@ _HOMES = {
     "windowed": "layerwatch.schedule",
     "dense_then_every": "layerwatch.schedule",
 }
-__all__ = list(_HOMES)
+__all__ = [
+    "Inspector", "InspectCallback", "summarize", "Summary", "AlertRules", "Alert",
+    "Schedule", "every_n_steps", "at_steps", "windowed", "dense_then_every",
+]  # spelled out (not list(_HOMES)) so that tools see what the package exports
 __version__ = "0.1.0"
 
 
@@ -41,4 +44,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+    return sorted(set(globals()) | set(__all__))

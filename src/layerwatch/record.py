@@ -112,8 +112,9 @@ class StepRecord:
         for stat, values in S.scalar_stats(rows, stats).items():
             for name, value in zip(names, values.tolist()):
                 self.scalars[stat_tag(family, stat, name)] = value
-            if stat == "nonfinite":
-                self.scalars[nonfinite_total_tag(family)] = float(values.sum())
+            if stat == "nonfinite":  # a family may come in several pieces (optimizers, devices)
+                total = nonfinite_total_tag(family)
+                self.scalars[total] = self.scalars.get(total, 0.0) + float(values.sum())
         if bins:
             for name, hist in zip(names, S.histograms(rows, bins)):
                 if hist is not None:

@@ -140,7 +140,7 @@ def _read(files: list[Path]) -> _Run:
                     if value.tag.startswith(_CARD_PREFIXES):
                         run.scalars.setdefault(value.tag, []).append((step, value.simple_value))
                 elif kind == "tensor" and value.tag.startswith((SERIES, LAYOUT)):
-                    run.tab.add(step, value.tag, value.tensor)
+                    run.tab.add_tensor(step, event.wall_time, value.tag, value.tensor)
                 elif kind == "tensor" and value.tag == _ALERTS_TEXT and value.tensor.string_val:
                     if run.alerts_text is None or step >= run.alerts_text[0]:
                         run.alerts_text = (step, value.tensor.string_val[0].decode("utf-8", "replace"))

@@ -13,7 +13,7 @@ Every value of the step is here, including the ones that do not become TensorBoa
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 from tensorboard.compat.proto import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
@@ -43,23 +43,64 @@ def per_layer_series(scalars: dict[str, float]) -> dict[str, tuple[list[str], li
 
 
 class PluginData:
-    """Encodes records for the tab; remembers the last layout written so it is written again
-    only when it changes."""
+    """Encodes records for the tab. Each series' layer names only grow: a layer seen for the
+    first time is placed beside its relatives and the layout is written again; a layer absent
+    from a step reads -inf there."""
 
     def __init__(self) -> None:
-        self._layout: Optional[dict[str, list[str]]] = None
+        self._names: dict[str, list[str]] = {}
+        self._positions: dict[str, dict[str, int]] = {}
 
     def encode(self, record: R.StepRecord) -> bytes:
         """Serialized ``Summary.Value`` entries (they concatenate into the step's ``Summary``)."""
         series = per_layer_series(record.scalars)
-        layout = {key: names for key, (names, _) in series.items()}
         values = []
-        if layout and layout != self._layout:
-            self._layout = layout
-            values.append(_string(LAYOUT, json.dumps({"series": layout})))
-        values += [_floats(SERIES + key, vals) for key, (_, vals) in series.items()]
+        grown = [self._grow(key, names) for key, (names, _) in series.items()]
+        if any(grown):
+            values.append(_string(LAYOUT, json.dumps({"series": self._names})))
+        for key, (names, vals) in series.items():
+            if names == self._names[key]:
+                row = np.asarray(vals, dtype="<f4")
+            else:
+                row = np.full(len(self._names[key]), -np.inf, dtype="<f4")
+                positions = self._positions[key]
+                row[[positions[name] for name in names]] = vals
+            values.append(_floats(SERIES + key, row))
         values += [_string(EVENTS + key, json.dumps(event)) for key, event in record_events(record).items()]
         return summary_pb2.Summary(value=values).SerializeToString()
+
+    def _grow(self, key: str, names: list[str]) -> bool:
+        """Add the names ``key`` has not seen; True when there were any."""
+        known = self._names.setdefault(key, [])
+        positions = self._positions.setdefault(key, {})
+        new = [name for name in names if name not in positions]
+        if not new:
+            return False
+        if not known:
+            known.extend(names)
+        else:
+            for name in new:
+                known.insert(_place(known, name), name)
+        positions.clear()
+        positions.update((name, i) for i, name in enumerate(known))
+        return True
+
+
+def _place(names: list[str], new: str) -> int:
+    """Where ``new`` goes in ``names``: after the last name that shares the most leading
+    dotted parts with it (``experts.3`` after ``experts.2.w``), so the module tree stays grouped."""
+    parts = new.split(".")
+
+    def shared(name: str) -> int:
+        n = 0
+        for a, b in zip(name.split("."), parts):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    best = max(range(len(names)), key=lambda i: (shared(names[i]), i))
+    return best + 1 if shared(names[best]) > 0 else len(names)
 
 
 def record_events(record: R.StepRecord) -> dict[str, Any]:
@@ -79,8 +120,7 @@ def record_events(record: R.StepRecord) -> dict[str, Any]:
     return events
 
 
-def _floats(tag: str, values: list[float]) -> summary_pb2.Summary.Value:
-    array = np.asarray(values, dtype="<f4")
+def _floats(tag: str, array: np.ndarray) -> summary_pb2.Summary.Value:
     tensor = tensor_pb2.TensorProto(
         dtype=types_pb2.DT_FLOAT,
         tensor_shape=tensor_shape_pb2.TensorShapeProto(dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=array.size)]),

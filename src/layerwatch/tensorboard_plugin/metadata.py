@@ -3,11 +3,13 @@
 Written by :mod:`layerwatch.sinks.plugin_data`; each sampled step has, as tensors owned by
 the ``layerwatch`` plugin:
 
-- ``layerwatch/series/<series>``: float32 ``[n]``, one value per layer, for each per-layer
-  series of the step (``grads_norm``, ``fwd_ms``, ``activation_bytes``, ...: the scalar tag's
-  prefix before its ``/``), in the order of the series' names in the layout;
-- ``layerwatch/layout``: a JSON string ``{"series": {series: [layer names]}}``, written at the
-  first step and again at any step whose names differ from the last layout written;
+- ``layerwatch/series/<series>``: float32 ``[n]``, one value per layer of the series' names
+  in the layout, for each per-layer series of the step (``grads_norm``, ``fwd_ms``,
+  ``activation_bytes``, ...: the scalar tag's prefix before its ``/``); -inf for a layer not
+  measured at that step (a module not called, a parameter without a gradient);
+- ``layerwatch/layout``: a JSON string ``{"series": {series: [layer names]}}``, in the same
+  event as the first step's series, and again when a series meets a layer it had not seen (the
+  lists only grow, so a layer that comes and goes does not rewrite them);
 - ``layerwatch/events/<kind>``: a JSON string at the step where it appears, for the kinds
   ``alerts`` (the new alerts, a list), ``first_offender`` and ``first_nonfinite_step``: one
   tag each, as a step may have several and a time series keeps one value per step.
@@ -15,6 +17,7 @@ the ``layerwatch`` plugin:
 
 from __future__ import annotations
 
+import bisect
 import json
 from typing import Any
 
@@ -47,22 +50,39 @@ def decode_floats(value: Any) -> np.ndarray:
     return np.asarray(value, dtype=np.float32).reshape(-1)
 
 
+def decode(tag: str, value: Any) -> Any:
+    """One of the tab's tensors as the Reader takes it: JSON for layouts and events, a float32
+    array for series."""
+    return decode_floats(value) if tag.startswith(SERIES) else decode_text(value)
+
+
 class Reader:
-    """Reassembles steps from the tab's tensors: feed it ``(step, tag, value)`` in any order
-    with :meth:`add`, then read :meth:`series` (layouts apply to their own step and after)."""
+    """Reassembles steps from the tab's tensors: feed it ``(step, wall_time, tag, value)`` in
+    any order with :meth:`add` (values decoded by :func:`decode`), then read :meth:`series`.
+
+    A step's values are read with the last layout written before them (by wall time, so a run
+    resumed into the same directory, writing steps again, reads each step with its own
+    layout). A step written twice keeps its later values.
+    """
 
     def __init__(self) -> None:
-        self._layouts: list[tuple[int, dict[str, list[str]]]] = []
-        self._values: dict[str, dict[int, np.ndarray]] = {}
+        self._layouts: list[tuple[float, dict[str, list[str]]]] = []
+        self._values: dict[str, dict[int, tuple[float, np.ndarray]]] = {}
         self.events: list[tuple[int, dict[str, Any]]] = []
 
-    def add(self, step: int, tag: str, value: Any) -> None:
+    def add(self, step: int, wall_time: float, tag: str, value: Any) -> None:
         if tag == LAYOUT:
-            self._layouts.append((step, decode_text(value)["series"]))
+            self._layouts.append((wall_time, value["series"]))
         elif tag.startswith(EVENTS):
-            self.events.append((step, {tag[len(EVENTS) :]: decode_text(value)}))
+            self.events.append((step, {tag[len(EVENTS) :]: value}))
         elif tag.startswith(SERIES):
-            self._values.setdefault(tag[len(SERIES) :], {})[step] = decode_floats(value)
+            by_step = self._values.setdefault(tag[len(SERIES) :], {})
+            if step not in by_step or by_step[step][0] <= wall_time:
+                by_step[step] = (wall_time, value)
+
+    def add_tensor(self, step: int, wall_time: float, tag: str, tensor: Any) -> None:
+        """:meth:`add` of a tensor as written (a ``TensorProto`` or NumPy array)."""
+        self.add(step, wall_time, tag, decode(tag, tensor))
 
     def layout_sizes(self) -> dict[str, int]:
         """Each series' number of layers in the latest layout."""
@@ -79,12 +99,13 @@ class Reader:
 
     def series(self, key: str) -> dict[int, tuple[list[str], np.ndarray]]:
         """``{step: (names, values)}`` of one series; a step whose layout is missing (a
-        damaged or down-sampled log) or does not match its values is left out."""
+        damaged or down-sampled log) or does not match its values is left out. A value of
+        -inf: that layer was not measured at that step."""
         layouts = sorted(self._layouts, key=lambda item: item[0])
-        layout_steps = [step for step, _ in layouts]
+        walls = [wall for wall, _ in layouts]
         out = {}
-        for step, values in sorted(self._values.get(key, {}).items()):
-            at = int(np.searchsorted(layout_steps, step, side="right")) - 1
+        for step, (wall, values) in sorted(self._values.get(key, {}).items()):
+            at = bisect.bisect_right(walls, wall) - 1
             names = layouts[at][1].get(key) if at >= 0 else None
             if names is not None and len(names) == values.size:
                 out[step] = (names, values)
@@ -92,11 +113,12 @@ class Reader:
 
     def matrix(self, key: str) -> tuple[list[str], list[int], np.ndarray]:
         """One series as layers x steps (float32; -inf where a layer has no value at a step,
-        NaN where its statistic was NaN), layers in order of first appearance."""
+        NaN where its statistic was NaN), layers in the order of the latest layout."""
         series = self.series(key)
         steps = sorted(series)
         rows: dict[str, int] = {}
-        for names, _ in series.values():
+        latest = max(self._layouts, key=lambda item: item[0])[1].get(key, []) if self._layouts else []
+        for names in [latest, *(names for names, _ in series.values())]:
             for name in names:
                 rows.setdefault(name, len(rows))
         matrix = np.full((len(rows), len(steps)), -np.inf, dtype="<f4")
@@ -112,4 +134,5 @@ class Reader:
     def table(self, key: str) -> Table:
         """One series as a :class:`~layerwatch.rankings.Table` (NaN: no finite value)."""
         names, steps, matrix = self.matrix(key)
-        return Table(names, np.asarray(steps, dtype=np.int64), np.where(np.isfinite(matrix), matrix, np.nan))
+        values = matrix.astype(np.float64)  # a factor of two float32 norms can pass float32's range
+        return Table(names, np.asarray(steps, dtype=np.int64), np.where(np.isfinite(values), values, np.nan))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import math
 import threading
 from pathlib import Path
@@ -24,8 +25,9 @@ from tensorboard.plugins import base_plugin
 from werkzeug import exceptions, wrappers
 
 from layerwatch import rankings
-from layerwatch.tensorboard_plugin.metadata import EVENTS, LAYOUT, PLUGIN_NAME, SERIES, Reader
+from layerwatch.tensorboard_plugin.metadata import EVENTS, LAYOUT, PLUGIN_NAME, SERIES, Reader, decode
 
+logger = logging.getLogger("layerwatch")
 STATIC = Path(__file__).parent / "static"
 _ALL = 10**9  # downsample to this many: all (the loader asks TensorBoard to keep every sample)
 
@@ -72,7 +74,7 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
 
     def __init__(self, context: base_plugin.TBContext) -> None:
         self._provider = context.data_provider
-        self._cache: dict[tuple[str, str, str], tuple[Any, list[tuple[int, Any]]]] = {}
+        self._cache: dict[tuple[str, str, str], tuple[Any, list[tuple[int, float, Any]]]] = {}
         self._lock = threading.Lock()
 
     def is_active(self) -> bool:
@@ -105,6 +107,9 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
                 body, status = handler(ctx, experiment, request.args), 200
             except exceptions.HTTPException as e:  # the page shows the message
                 body, status = {"error": e.description}, e.code
+            except Exception as e:  # a damaged log must not take the page down with an HTML error
+                logger.exception("layerwatch tab: %s failed", request.path)
+                body, status = {"error": f"{type(e).__name__}: {e}"}, 500
             return werkzeug.Response(json.dumps(body, allow_nan=False), status=status, content_type="application/json")
 
         return app
@@ -126,11 +131,12 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
         ]
         reader = Reader()
         for tag in wanted:
-            for step, value in self._read(ctx, experiment, run, tag, listing[tag]):
-                    reader.add(step, tag, value)
+            for step, wall_time, value in self._read(ctx, experiment, run, tag, listing[tag]):
+                reader.add(step, wall_time, tag, value)
         return reader
 
-    def _read(self, ctx: Any, experiment: str, run: str, tag: str, meta: Any) -> list[tuple[int, Any]]:
+    def _read(self, ctx: Any, experiment: str, run: str, tag: str, meta: Any) -> list[tuple[int, float, Any]]:
+        """A tag's points, decoded, as kept since the tag last changed."""
         version = (meta.max_step, meta.max_wall_time)
         key = (experiment, run, tag)
         with self._lock:
@@ -141,7 +147,7 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
             ctx, experiment_id=experiment, plugin_name=PLUGIN_NAME, downsample=_ALL,
             run_tag_filter=provider.RunTagFilter(runs=[run], tags=[tag]),
         )
-        points = [(datum.step, datum.numpy) for datum in data.get(run, {}).get(tag, [])]
+        points = [(datum.step, datum.wall_time, decode(tag, datum.numpy)) for datum in data.get(run, {}).get(tag, [])]
         with self._lock:
             self._cache[key] = (version, points)
         return points
@@ -193,11 +199,16 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
     def _histograms(self, ctx: Any, experiment: str, run: str, name: str) -> dict[str, list[dict[str, Any]]]:
         """The histograms of ``name`` itself, and, for a module, of its own parameters."""
         listing = self._provider.list_tensors(ctx, experiment_id=experiment, plugin_name="histograms").get(run, {})
-        tags = [
-            tag for tag in listing
-            if tag.partition("/")[2] == name or (tag.partition("/")[2].startswith(name + ".")
-                                                and "." not in tag.partition("/")[2][len(name) + 1 :])
-        ]
+        own = name + "." if name != rankings.ROOT else ""
+
+        def mine(tag: str) -> bool:
+            family, _, of = tag.partition("/")
+            if of == name:
+                return True
+            is_own_param = of.startswith(own) and "." not in of[len(own) :]
+            return family != "activations" and is_own_param
+
+        tags = [tag for tag in listing if mine(tag)]
         if not tags:
             return {}
         data = self._provider.read_tensors(
@@ -264,6 +275,7 @@ def _arg(args: Any, name: str) -> str:
 
 
 def _json_value(value: Optional[float]) -> Any:
-    if value is None:
+    """A number, "NaN" (a non-finite statistic: a finding), or None (not measured)."""
+    if value is None or value == -math.inf:
         return None
     return value if math.isfinite(value) else "NaN"

@@ -1414,6 +1414,7 @@ function fillCompareOptions() {
 
 async function selectRun(run) {
   const ticket = ++app.tickets.run;
+  app.tickets.detail += 1; // a layer's reply still on its way belongs to the previous run
   app.run = run;
   app.ui.run.value = run;
   app.selected = null;
