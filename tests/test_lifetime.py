@@ -88,3 +88,28 @@ def test_nothing_is_left_at_interpreter_exit(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "hooks at exit: 0" in out.stdout and "hooks while running: 0" not in out.stdout, out.stdout
+
+
+def test_the_collector_clock_is_there_during_a_sampled_step_only(tmp_path):
+    before = list(gc.callbacks)
+    model = MLP()
+    seen = []
+    with Inspector(model, log_dir=tmp_path, every_n_steps=2) as inspector:
+        for step in range(4):
+            train(model, 1)
+            seen.append(len(gc.callbacks) - len(before))
+            inspector.step()  # closes this step, opens the next
+    # steps 0 and 2 are sampled: the clock is attached from their start to their end
+    assert seen == [1, 0, 1, 0]
+    assert gc.callbacks == before  # finish() took step 4's off
+
+
+def test_a_step_abandoned_by_an_exception_leaves_no_collector_clock(tmp_path):
+    before = list(gc.callbacks)
+    model = MLP()
+    inspector = Inspector(model, log_dir=tmp_path, every_n_steps=1).start()
+    train(model, 1)  # step 0 is open and sampled; the loop dies here
+    assert len(gc.callbacks) == len(before) + 1
+    del inspector
+    gc.collect()
+    assert gc.callbacks == before

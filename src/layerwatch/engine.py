@@ -40,7 +40,7 @@ from layerwatch import stats as S
 from layerwatch.alerts import Alert, HealthCheck
 from layerwatch.distributed import is_writer_rank, local
 from layerwatch.failures import FailurePolicy
-from layerwatch.hooks import Attachments, claim
+from layerwatch.hooks import Attachments, CollectorClock, claim
 from layerwatch.options import Options, writable_dir
 from layerwatch.params import ParameterFamilies, Piece, Snapshot, parameters
 from layerwatch.probes import ProbeResult, StepProbes, probe_name, select_modules
@@ -122,7 +122,8 @@ class Engine:
         self._counter = StepCounter()
         # What is attached to the user's objects lives apart from the engine and goes with it.
         self._attached = Attachments()
-        self._attached.removables += [self._probes, self._counter]
+        self._collector = CollectorClock()
+        self._attached.removables += [self._probes, self._counter, self._collector]
         self._release = weakref.finalize(self, self._attached.release)
         self._sentinel: Optional[NonfiniteSentinel] = None
         self._force_sample = False
@@ -251,6 +252,7 @@ class Engine:
         self._param_cache = sample.params
         if model is not None and is_writer_rank():
             self._probes.arm(model, [p for _, p in sample.params], step)
+            self._collector.attach()
         sample.overhead_s += time.perf_counter() - started
         return True
 
@@ -312,6 +314,7 @@ class Engine:
         self._read_weights(sample, sample.unread(sample.weights_read, None))
         if is_writer_rank():
             self.failures.run("write the sampled step", lambda: self._write(sample, started, structure, probes), sample.step)
+        self._collector.remove()
         return sample.step
 
     def _scheduled(self, step: int) -> bool:
@@ -343,6 +346,7 @@ class Engine:
 
     def _drop_sample(self) -> None:
         self._probes.disarm()
+        self._collector.remove()
         self._sample = None
 
     def _read_grads(self, sample: _Sample, params: list[tuple[str, nn.Parameter]]) -> None:
@@ -414,15 +418,18 @@ class Engine:
         """What sampling added to this step: the time measured in our own code, plus the step's
         excess over the median recent unsampled step beyond that (what no timer of ours sees:
         torch's slower path for hooked modules, the collector, page faults), taken up to
-        ``EXCESS_LIMIT`` times the measured time: a step slowed by more than that was slowed by
-        something else (a validation loop, a checkpoint) and is not put down to sampling. The
-        write is counted at the previous sample's duration: it comes after this figure."""
+        ``EXCESS_LIMIT`` times the measured time, plus the garbage collector's time during the
+        step (collections our allocations bring on, in the user's code as well as ours): a step
+        slowed by more than that was slowed by something else (a validation loop, a
+        checkpoint) and is not put down to sampling. The write is counted at the previous
+        sample's duration: it comes after this figure."""
         now = time.perf_counter()
         measured = sample.overhead_s + now - started + self._last_write_s
+        collected = self._collector.seconds
         if len(self._off_steps) < 3:
             return measured
         excess = now - self._opened_at + self._last_write_s - statistics.median(self._off_steps)
-        return min(max(measured, excess), (1 + EXCESS_LIMIT) * measured)
+        return min(max(measured, excess), (1 + EXCESS_LIMIT) * measured + collected)
 
     def _stepped(self, sample: _Sample) -> Optional[bool]:
         """Whether the optimizer stepped during the sample: counted when the optimizers are

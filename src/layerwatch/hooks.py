@@ -15,8 +15,10 @@
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import sys
+import time
 import weakref
 from typing import Any, Callable, Optional
 
@@ -28,7 +30,7 @@ try:
 except ImportError:  # torch < 2.3
     from torch._dynamo import is_compiling  # type: ignore[no-redef]
 
-__all__ = ["Attachments", "claim", "is_compiling"]
+__all__ = ["Attachments", "CollectorClock", "claim", "is_compiling"]
 
 
 class Attachments:
@@ -59,6 +61,30 @@ class Attachments:
                     sink.close()
                 except Exception:  # a closed or broken writer: nothing left to save
                     pass
+
+
+class CollectorClock:
+    """The seconds the garbage collector runs while it is attached (a ``gc.callbacks`` entry,
+    there only during a sampled step: off-steps pay nothing). It holds no engine."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+
+    def attach(self) -> None:
+        self.seconds = 0.0
+        if self not in gc.callbacks:
+            gc.callbacks.append(self)
+
+    def remove(self) -> None:
+        if self in gc.callbacks:
+            gc.callbacks.remove(self)
 
 
 _owners: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
