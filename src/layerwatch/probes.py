@@ -39,9 +39,9 @@ from torch import nn
 from layerwatch import stats as S
 from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import FailedForwardGuard, detached, entered_by_its_own_hook, is_compiling
+from layerwatch.rankings import ROOT  # the model itself: named_modules() names it ""
 from layerwatch.structure import StructureProbe, Summary, _tensors
 
-ROOT = "(root)"  # the model itself: named_modules() names it ""
 PROBE_FAMILIES = ("latency", "memory", "activations", "nonfinite")
 # An output of up to this many values is copied in its hook and measured after the step with
 # all the others (one batched reduction); a larger one gets its statistics from a few

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-ROOT = "(root)"  # the name layerwatch gives the model itself
+ROOT = "(root)"  # the name layerwatch gives the model itself (here: no torch, for the tab)
 TOP = 5
 
 

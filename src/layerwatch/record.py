@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from layerwatch import stats as S
-from layerwatch.probes import PROBE_FAMILIES, Offender, ProbeResult
+from layerwatch.probes import PROBE_FAMILIES, ROOT, Offender, ProbeResult
 from layerwatch.stats import Histogram
 from layerwatch.structure import Summary
 
@@ -198,7 +198,7 @@ def custom_scalars_layout(
         charts = layout.setdefault(f"layerwatch: {prefix[:-1]}", {})
         for block, exact in chart_blocks(names):
             end = "$" if exact else (r"(\.|$)" if block else "")
-            charts[block or "(root)"] = ["Multiline", [f"^{re.escape(prefix + block)}{end}"]]
+            charts[block or ROOT] = ["Multiline", [f"^{re.escape(prefix + block)}{end}"]]
     return {category: charts for category, charts in layout.items() if charts}
 
 

@@ -31,8 +31,6 @@ LAYOUT = "layerwatch/layout"
 EVENTS = "layerwatch/events/"  # the prefix of the event tags
 
 
-
-
 def decode_text(value: Any) -> Any:
     """A ``layout`` or ``events`` tensor (a NumPy array from the data provider, or a
     ``TensorProto``) as the JSON it holds."""
@@ -86,10 +84,10 @@ class Reader:
 
     def layout_sizes(self) -> dict[str, int]:
         """Each series' number of layers in the latest layout."""
-        if not self._layouts:
-            return {}
-        latest = max(self._layouts, key=lambda item: item[0])[1]
-        return {key: len(names) for key, names in latest.items()}
+        return {key: len(names) for key, names in self._latest_layout().items()}
+
+    def _latest_layout(self) -> dict[str, list[str]]:
+        return max(self._layouts, key=lambda item: item[0])[1] if self._layouts else {}
 
     def keys(self) -> list[str]:
         return list(self._values)
@@ -117,8 +115,7 @@ class Reader:
         series = self.series(key)
         steps = sorted(series)
         rows: dict[str, int] = {}
-        latest = max(self._layouts, key=lambda item: item[0])[1].get(key, []) if self._layouts else []
-        for names in [latest, *(names for names, _ in series.values())]:
+        for names in [self._latest_layout().get(key, []), *(names for names, _ in series.values())]:
             for name in names:
                 rows.setdefault(name, len(rows))
         matrix = np.full((len(rows), len(steps)), -np.inf, dtype="<f4")
