@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 try:
     from torch.compiler import is_compiling
@@ -61,6 +62,33 @@ class Attachments:
                     sink.close()
                 except Exception:  # a closed or broken writer: nothing left to save
                     pass
+
+
+class ForwardHooks:
+    """One forward pre-hook and one always-called forward hook on many modules, under one key;
+    :meth:`remove` is safe twice.
+
+    This is what ``register_forward_pre_hook`` and ``register_forward_hook(always_call=True)``
+    do, without their ``RemovableHandle`` objects: nine objects per module, which the garbage
+    collector walks on each of its collections while the hooks are in place. The key is taken
+    from torch's own handle counter, so no handle anywhere shares it. Only the modules' hook
+    dicts are held (they hold the hooks, which must not hold a module).
+    """
+
+    def __init__(self, modules: list[nn.Module], pre_hook: Callable[..., Any], post_hook: Callable[..., Any]) -> None:
+        self._key = RemovableHandle.next_id
+        RemovableHandle.next_id += 1
+        self._dicts: list[dict] = []
+        for module in modules:
+            module._forward_pre_hooks[self._key] = pre_hook
+            module._forward_hooks[self._key] = post_hook
+            module._forward_hooks_always_called[self._key] = True
+            self._dicts += (module._forward_pre_hooks, module._forward_hooks, module._forward_hooks_always_called)
+
+    def remove(self) -> None:
+        dicts, self._dicts = self._dicts, []
+        for hooks in dicts:
+            hooks.pop(self._key, None)
 
 
 class CollectorClock:

@@ -25,6 +25,7 @@ from ``time.perf_counter_ns`` on the CPU and from CUDA events on a GPU.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import time
 from time import perf_counter_ns
@@ -38,7 +39,7 @@ from torch import nn
 
 from layerwatch import stats as S
 from layerwatch.failures import FailurePolicy
-from layerwatch.hooks import FailedForwardGuard, detached, entered_by_its_own_hook, is_compiling
+from layerwatch.hooks import FailedForwardGuard, ForwardHooks, detached, entered_by_its_own_hook, is_compiling
 from layerwatch.rankings import ROOT  # the model itself: named_modules() names it ""
 from layerwatch.structure import StructureProbe, Summary, _tensors
 
@@ -130,20 +131,6 @@ class ProbeResult:
     offender: Optional[Offender]
 
 
-class _Call:
-    """One forward call of a module, until its backward is done."""
-
-    __slots__ = ("index", "start", "inputs", "alloc_before", "bwd_start", "grad_outputs")
-
-    def __init__(self, index: int, start: int, inputs: list[int]) -> None:
-        self.index = index  # the module's index
-        self.start = start  # hook interval after which the forward starts
-        self.inputs = inputs  # flag entries
-        self.alloc_before = 0
-        self.bwd_start: Optional[int] = None
-        self.grad_outputs: list[int] = []
-
-
 class _HostClock:
     def mark(self) -> int:
         return time.perf_counter_ns()
@@ -168,44 +155,103 @@ class _CudaClock:
         return np.array([0.0] + [base.elapsed_time(m) for m in marks[1:]])
 
 
+class _FlagSlots:
+    """The NaN/Inf evidence of the tensors the hooks flag, one device value each, written into
+    buffers kept from step to step: a tensor's sum (not finite exactly when the tensor holds
+    a NaN or Inf, see :func:`_nonfinite_sum`) or a count of its non-finite values. A tensor
+    object kept per flag would leave thousands of objects for the garbage collector to walk
+    on every collection of the step."""
+
+    SIZE = 1024
+
+    def __init__(self, workspace: S.Workspace) -> None:
+        self._workspace = workspace
+        self._devices: list[torch.device] = []
+        self._buffers: list[list[torch.Tensor]] = []  # per device
+        self._used: list[int] = []  # per device
+        self._device_of: list[int] = []  # per slot
+        self._local: list[int] = []  # per slot: its position in its device's buffers
+        self._is_count: list[bool] = []
+
+    def add(self, value: torch.Tensor, is_count: bool) -> int:
+        """A new slot holding the 0-d ``value`` (copied on its device, no host sync)."""
+        device = value.device
+        if device in self._devices:
+            d = self._devices.index(device)
+        else:
+            d = len(self._devices)
+            self._devices.append(device)
+            self._buffers.append([])
+            self._used.append(0)
+        buffers, local = self._buffers[d], self._used[d]
+        self._used[d] += 1
+        if local == len(buffers) * self.SIZE:
+            buffers.append(self._workspace.get(device, torch.float64, self.SIZE, f"flags{len(buffers)}", exact=True))
+        buffers[local // self.SIZE][local % self.SIZE] = value
+        self._device_of.append(d)
+        self._local.append(local)
+        self._is_count.append(is_count)
+        return len(self._is_count) - 1
+
+    def pieces(self) -> list[torch.Tensor]:
+        """The used values of each device, to bring to the host with other pieces."""
+        return [torch.cat(buffers)[:n] for buffers, n in zip(self._buffers, self._used)]
+
+    def flagged(self, host_pieces: Sequence[np.ndarray]) -> np.ndarray:
+        """Per slot, from the host copies of :meth:`pieces`: whether its tensor held a NaN or Inf."""
+        if not self._is_count:
+            return np.zeros(0, dtype=bool)
+        values = np.array([host_pieces[d][local] for d, local in zip(self._device_of, self._local)])
+        return np.where(self._is_count, values > 0, ~np.isfinite(values))
+
+
 class _Outputs:
     """The statistics rows of the measured outputs of one step, all made after it.
 
     A hook does the least it can: an output of up to ``HISTOGRAM_VALUES`` values is copied
-    (one op); a larger one gets its count of finite values, min, max, sum and norm from a few
-    whole-tensor ops, and a strided sample (with those extremes) for its histogram. After
-    the step one batched :func:`~layerwatch.stats.reduce` measures the copies and the
-    samples together.
+    (one op) into a stash kept from step to step; a larger one gets its count of finite
+    values, min, max, sum and norm from a few whole-tensor ops, and a strided sample (with
+    those extremes) for its histogram. After the step one batched
+    :func:`~layerwatch.stats.reduce` measures the copies and the samples together.
     """
 
     def __init__(self, bins: int, zeros: bool, centered: bool, workspace: S.Workspace) -> None:
         self.bins, self.zeros, self.centered, self.workspace = bins, zeros, centered, workspace
-        self.values: list[torch.Tensor] = []  # copies, or samples
+        # Per row: where its values are in the stash, or -1 and the tensor in ``kept``
+        # (ints, not one view per row: fewer objects alive for the garbage collector).
+        self._offset: list[int] = []
+        self._length: list[int] = []
+        self.kept: dict[int, torch.Tensor] = {}  # row -> a clone or a sample
         self.exact: dict[int, tuple[torch.Tensor, int]] = {}  # row -> (statistics from the hook, values)
         self._stash: Optional[torch.Tensor] = None  # where copies go: a buffer kept from step to step
         self._used = 0
 
-    def _copy(self, flat: torch.Tensor) -> torch.Tensor:
-        """A copy of ``flat`` in the stash (freeing hundreds of small copies after every sample
-        made the next step fault their pages back in), or a clone when it is full."""
-        n = flat.numel()
-        if self._stash is None:
-            self._stash = self.workspace.get(flat.device, torch.float32, STASH_VALUES, "outputs")
-            self._used = 0
-        if self._stash.device != flat.device or self._used + n > self._stash.numel():
-            return flat.clone()
-        copy = self._stash[self._used : self._used + n]
-        copy.copy_(flat)
-        self._used += n
-        return copy
+    def __len__(self) -> int:
+        return len(self._offset)
 
-    def add(self, t: torch.Tensor) -> tuple[int, Union[torch.Tensor, int]]:
-        """Record ``t``; its row, and its NaN/Inf flag: a device scalar, or the row to read it from."""
+    def _keep(self, flat: torch.Tensor, copy: bool) -> int:
+        """A new row for ``flat``: copied into the stash (freeing hundreds of small copies after
+        every sample made the next step fault their pages back in), or kept (cloned when
+        ``copy``) when it is full or on another device."""
+        row, n = len(self._offset), flat.numel()
+        if copy and self._stash is None:
+            self._stash = self.workspace.get(flat.device, torch.float32, STASH_VALUES, "outputs")
+        if copy and self._stash.device == flat.device and self._used + n <= self._stash.numel():
+            self._stash[self._used : self._used + n].copy_(flat)
+            self._offset.append(self._used)
+            self._used += n
+        else:
+            self.kept[row] = flat.clone() if copy else flat
+            self._offset.append(-1)
+        self._length.append(n)
+        return row
+
+    def add(self, t: torch.Tensor) -> tuple[int, Optional[torch.Tensor]]:
+        """Record ``t``; its row, and a device count of its NaN/Inf values (None: its row's)."""
         flat = S.as_real_values(t)
-        row, n = len(self.values), flat.numel()
+        n = flat.numel()
         if n <= HISTOGRAM_VALUES:
-            self.values.append(self._copy(flat))
-            return row, row  # its flag is read from its row after the step
+            return self._keep(flat, copy=True), None
         values = self._statistics(flat)
         if flat.device.type == "cpu":  # reading a value is no device sync here; isfinite() is slow
             finite = n if math.isfinite(float(values[2] + values[3])) else int(torch.isfinite(flat).sum())
@@ -220,8 +266,8 @@ class _Outputs:
             values[0] = torch.where(finite_mask, flat, math.inf).amin().to(torch.float64)
             values[1] = torch.where(finite_mask, flat, -math.inf).amax().to(torch.float64)
         stats = torch.cat([count, values])
+        row = self._keep(torch.cat([flat[:: S.prime_stride(n, HISTOGRAM_VALUES)], stats[1:3].to(flat.dtype)]), copy=False)
         self.exact[row] = (stats, n)
-        self.values.append(torch.cat([flat[:: S.prime_stride(n, HISTOGRAM_VALUES)], stats[1:3].to(flat.dtype)]))
         return row, n - stats[0]
 
     def _statistics(self, flat: torch.Tensor) -> torch.Tensor:
@@ -235,24 +281,27 @@ class _Outputs:
             parts.append(torch.var(flat, correction=0))
         return torch.stack(parts).to(torch.float64)
 
-    def rows(self, flags: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """``flags`` and every row, on the host (one transfer per device)."""
-        if not self.values:
-            return S.to_host([flags])[0], np.empty((0, S.row_width(self.bins)))
-        device_rows = S.reduce(self.values, self.bins, zeros=self.zeros, centered=self.centered, workspace=self.workspace)
+    def rows(self, extra: list[torch.Tensor]) -> tuple[list[np.ndarray], np.ndarray]:
+        """The ``extra`` pieces and every row, on the host (one transfer per device)."""
+        if not self._offset:
+            return S.to_host(extra), np.empty((0, S.row_width(self.bins)))
+        values = [self.kept[row] if offset < 0 else self._stash[offset : offset + n]
+                  for row, (offset, n) in enumerate(zip(self._offset, self._length))]
+        device_rows = S.reduce(values, self.bins, zeros=self.zeros, centered=self.centered, workspace=self.workspace)
         exact = [stats for stats, _ in self.exact.values()]
-        flags_host, rows, *exact_host = S.to_host([flags, device_rows] + exact)
-        rows = rows.reshape(len(self.values), -1)
+        host = S.to_host(extra + [device_rows] + exact)
+        extra_host, rows, exact_host = host[: len(extra)], host[len(extra)], host[len(extra) + 1 :]
+        rows = rows.reshape(len(values), -1)
         for (row, (_, n)), stats in zip(self.exact.items(), exact_host):
             finite = stats[0]
             rows[row, S.HIST :] *= finite / max(rows[row, S.COUNT], 1.0)  # the sample stands for every value
             rows[row, S.COUNT], rows[row, S.NONFINITE] = finite, n - finite
             rows[row, [S.MIN, S.MAX, S.SUM]] = stats[1:4]
             rows[row, S.SUMSQ] = stats[4] ** 2
-            extra = list(stats[5:])
-            rows[row, S.ZEROS] = finite - extra.pop(0) if self.zeros else np.nan
-            rows[row, S.CENTERED_SUMSQ] = extra.pop(0) * finite if self.centered else np.nan
-        return flags_host, rows
+            extra_stats = list(stats[5:])
+            rows[row, S.ZEROS] = finite - extra_stats.pop(0) if self.zeros else np.nan
+            rows[row, S.CENTERED_SUMSQ] = extra_stats.pop(0) * finite if self.centered else np.nan
+        return extra_host, rows
 
 
 class RuntimeProbe:
@@ -261,6 +310,12 @@ class RuntimeProbe:
     A hook that fails records the error and the probe goes quiet; it never raises into
     the training step. Forwards with autograd off (validation) and recomputes inside
     backward (activation checkpointing) are not recorded.
+
+    What a hook keeps is mostly ints in flat lists: a call is a number, its fields are
+    entries of per-call lists, and the spans, events and flags are runs of ints. A tuple,
+    list or closure per module call would stay alive to the end of the step, and the
+    garbage collector walks every such object on each of its collections (on a model of
+    600 modules, that cost more than the hooks themselves).
     """
 
     def __init__(
@@ -287,35 +342,47 @@ class RuntimeProbe:
         device = next((p.device for p in parameters), torch.device("cpu"))
         self._cuda = device.type == "cuda"
         self._clock: Any = _CudaClock() if self._cuda else _HostClock()
-        self._traces = [ModuleTrace(probe_name(name)) for name, _ in modules]
-        for trace in self._traces:
-            if self._memory:
-                trace.activation_bytes, trace.saved_bytes = 0, 0
-                trace.cuda_alloc_bytes = 0 if self._cuda else None
-            if self._nonfinite:
-                trace.nonfinite = False
+        self._names = [probe_name(name) for name, _ in modules]
+        self._index = {id(module): index for index, (_, module) in enumerate(modules)}
+        count = len(modules)
+        self._calls = [0] * count  # per module
+        self._activation_bytes = [0] * count
+        self._saved_bytes = [0] * count
+        self._cuda_alloc_bytes = [0] * count
         self._param_storages = {_storage_key(p) for p in parameters} if self._memory else set()
         self._saved_storages: set[int] = set()
         self._saved_context: Any = None
-        self._stack: list[_Call] = []
+        # Per forward call (a call is its position in these lists): its module, the hook
+        # interval after which it starts, its input flags (a run of ``_runs``), the memory
+        # allocated before it, the interval its backward starts at (-1: not yet) and the
+        # flag of the gradient of its outputs (a run of ``_runs``).
+        self._call_module: list[int] = []
+        self._call_start: list[int] = []
+        self._call_inputs: list[int] = []
+        self._call_alloc: list[int] = []
+        self._call_bwd_start: list[int] = []
+        self._call_grad_outputs: list[int] = []
+        self._stack: list[int] = []  # the calls whose forward is running
         self._ignored_depth = 0
         # Hook intervals: marks at entry and exit of every hook, in firing order.
         self._entered: list[Any] = []
         self._left: list[Any] = []
-        self._fwd_spans: list[tuple[int, int, int]] = []  # (module, start interval, end interval)
-        self._bwd_spans: list[tuple[int, int, int]] = []
-        # Non-finite flags: device scalars, one per distinct tensor seen; events name them.
-        self._flags: list[torch.Tensor] = []
-        self._outputs = _Outputs(bins, zeros, centered, workspace if workspace is not None else S.Workspace())
+        self._fwd_spans: list[int] = []  # (module, start interval, end interval) after each other
+        self._bwd_spans: list[int] = []
+        # Flags: an entry per distinct tensor seen, >= 0 a slot of ``_slots``, < 0 the row
+        # ``-1 - entry`` (whose NONFINITE column says it). Runs of entries: a length, then them.
+        self._slots = _FlagSlots(workspace if workspace is not None else S.Workspace())
+        self._flags: list[int] = []
+        self._runs: list[int] = []
+        self._fwd_events: list[int] = []  # (module, inputs run, outputs run) after each other
+        self._bwd_events: list[int] = []
+        self._outputs = _Outputs(bins, zeros, centered, self._slots._workspace)
         self._row_of: dict[int, int] = {}  # module -> row
-        self._seen: dict[int, tuple[Any, int, int, Optional[int]]] = {}  # id -> (ref, version, flag, row)
-        self._fwd_events: list[tuple[int, list[int], list[int]]] = []
-        self._bwd_events: list[tuple[int, list[int], list[int]]] = []
+        # id(tensor) -> a weak reference, and its version, flag and row packed in one int
+        self._seen_ref: dict[int, Any] = {}
+        self._seen_key: dict[int, int] = {}
         self._grad_handles: list[Any] = []
-        self._handles: list[Any] = []
-        for index, (_, module) in enumerate(modules):
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(index)))
-            self._handles.append(module.register_forward_hook(self._post_hook(index), always_call=True))
+        self._handles: list[Any] = [ForwardHooks([module for _, module in modules], self._pre_hook, self._post_hook)]
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -325,61 +392,62 @@ class RuntimeProbe:
         self._handles, self._grad_handles = [], []
         self._exit_saved_context()
         self._stack = []
-        self._seen = {}
+        self._seen_ref, self._seen_key = {}, {}
 
     def result(self) -> ProbeResult:
         """The step's measurements: one host transfer for every flag and stats row."""
         self.remove()
-        device_flags = [f.to(torch.float64) for f in self._flags if not isinstance(f, int)]
-        flags_host, rows_host = self._outputs.rows(torch.stack(device_flags) if device_flags else torch.empty(0))
-        from_device = iter((flags_host > 0).tolist())
-        nonfinite = [rows_host[f, S.NONFINITE] > 0 if isinstance(f, int) else next(from_device) for f in self._flags]
+        slot_pieces, rows_host = self._outputs.rows(self._slots.pieces())
+        flagged = self._slots.flagged(slot_pieces)
+        nonfinite = [bool(rows_host[-1 - f, S.NONFINITE] > 0) if f < 0 else bool(flagged[f]) for f in self._flags]
         marks = self._clock.resolve([m for pair in zip(self._entered, self._left) for m in pair])
         entered, left = marks[0::2], marks[1::2]
         # nested[k]: time spent in hooks 0..k-1; a span subtracts the hooks inside it.
         nested = np.concatenate([[0.0], np.cumsum(left - entered)])
+        traces = [ModuleTrace(name) for name in self._names]
+        for index, trace in enumerate(traces):
+            trace.calls = self._calls[index]
+            if self._memory:
+                trace.activation_bytes, trace.saved_bytes = self._activation_bytes[index], self._saved_bytes[index]
+                trace.cuda_alloc_bytes = self._cuda_alloc_bytes[index] if self._cuda else None
+            if self._nonfinite:
+                trace.nonfinite = False
         for spans, attribute in ((self._fwd_spans, "fwd_ms"), (self._bwd_spans, "bwd_ms")) if self._latency else ():
-            for index, start, end in spans:
-                trace = self._traces[index]
+            for index, start, end in zip(spans[0::3], spans[1::3], spans[2::3]):
+                trace = traces[index]
                 ms = max(entered[end] - left[start] - (nested[end] - nested[start + 1]), 0.0)
                 setattr(trace, attribute, (getattr(trace, attribute) or 0.0) + ms)
         for index, row in self._row_of.items():
-            self._traces[index].activation_row = rows_host[row]
+            traces[index].activation_row = rows_host[row]
         offender = None
         if self._nonfinite:
             for events, phase in ((self._fwd_events, "forward"), (self._bwd_events, "backward")):
-                for index, inputs, outputs in events:
-                    bad_out = any(nonfinite[i] for i in outputs)
-                    trace = self._traces[index]
+                for index, inputs, outputs in zip(events[0::3], events[1::3], events[2::3]):
+                    bad_out = any(nonfinite[f] for f in self._run(outputs))
+                    trace = traces[index]
                     trace.nonfinite = trace.nonfinite or bad_out
-                    if offender is None and bad_out and not any(nonfinite[i] for i in inputs):
+                    if offender is None and bad_out and not any(nonfinite[f] for f in self._run(inputs)):
                         offender = Offender(trace.name, phase)
-        return ProbeResult([t for t in self._traces if t.calls], offender)
+        return ProbeResult([t for t in traces if t.calls], offender)
 
     # ------------------------------------------------------------------ hooks
     # Hooks hold the probe (names and indices), never a module or the inspector.
 
-    def _pre_hook(self, index: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple) -> None:
-            if is_compiling():  # traced: note it (a store Dynamo replays), nothing else
-                self.compiled = True
-            elif self.error is None and not self.inert:
-                self._guarded(self._enter, index, args, module)
+    def _pre_hook(self, module: nn.Module, args: tuple) -> None:
+        if is_compiling():  # traced: note it (a store Dynamo replays), nothing else
+            self.compiled = True
+        elif self.error is None and not self.inert:
+            self._guarded(self._enter, self._index[id(module)], args, module)
 
-        return hook
-
-    def _post_hook(self, index: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if is_compiling() or self.inert:
-                return
-            if self._ignored_depth:
-                self._ignored_depth -= 1
-            elif self.error is None:
-                self._guarded(self._leave, index, output)
-            if not self._stack:
-                self._exit_saved_context()
-
-        return hook
+    def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if is_compiling() or self.inert:
+            return
+        if self._ignored_depth:
+            self._ignored_depth -= 1
+        elif self.error is None:
+            self._guarded(self._leave, self._index[id(module)], output)
+        if not self._stack:
+            self._exit_saved_context()
 
     def _guarded(self, action: Callable[..., None], *args: Any) -> None:
         entered = perf_counter_ns()
@@ -411,78 +479,86 @@ class RuntimeProbe:
         if not self._stack and self._memory:
             self._enter_saved_context()
         tensors = list(args) if len(args) == 1 and type(args[0]) is torch.Tensor else list(_tensors(args))
-        call = _Call(index, len(self._entered), [self._flag(t) for t in tensors if _is_float(t)] if self._nonfinite else [])
-        if self._memory and self._cuda:
-            call.alloc_before = torch.cuda.memory_allocated()
+        call = len(self._call_module)
+        self._call_module.append(index)
+        self._call_start.append(len(self._entered))
+        self._call_inputs.append(self._add_run([self._flag(t) for t in tensors if _is_float(t)]) if self._nonfinite else -1)
+        self._call_alloc.append(torch.cuda.memory_allocated() if self._memory and self._cuda else 0)
+        self._call_bwd_start.append(-1)
+        self._call_grad_outputs.append(-1)
         if self._backward and torch.is_grad_enabled():
             watched = [t for t in tensors if t.requires_grad] or [p for p in module.parameters() if p.requires_grad]
             if watched:
-                self._grad_handles.append(_on_gradients(watched, self._backward_done(call), mode="all"))
+                self._grad_handles.append(_on_gradients(watched, functools.partial(self._backward_done, call), mode="all"))
         self._stack.append(call)
 
     def _leave(self, index: int, output: Any) -> None:
         if torch._C._current_graph_task_id() != -1:
             return
-        if not entered_by_its_own_hook(self._stack[-1].index if self._stack else None, index):
+        if not entered_by_its_own_hook(self._call_module[self._stack[-1]] if self._stack else None, index):
             return
         call = self._stack.pop()
-        if call.index != index:
-            raise RuntimeError(f"module calls out of order: left {self._traces[index].name!r} while in "
-                               f"{self._traces[call.index].name!r}")
-        end = len(self._entered)
-        trace = self._traces[index]
-        first_call = trace.calls == 0
-        trace.calls += 1
-        self._fwd_spans.append((index, call.start, end))
+        if self._call_module[call] != index:
+            raise RuntimeError(f"module calls out of order: left {self._names[index]!r} while in "
+                               f"{self._names[self._call_module[call]]!r}")
+        first_call = self._calls[index] == 0
+        self._calls[index] += 1
+        self._fwd_spans += (index, self._call_start[call], len(self._entered))
         tensors = [output] if type(output) is torch.Tensor else list({id(t): t for t in _tensors(output)}.values())
         if self._memory:
-            trace.activation_bytes += sum(t.numel() * t.element_size() for t in tensors)
+            self._activation_bytes[index] += sum(t.numel() * t.element_size() for t in tensors)
             if self._cuda:
-                trace.cuda_alloc_bytes += torch.cuda.memory_allocated() - call.alloc_before
+                self._cuda_alloc_bytes[index] += torch.cuda.memory_allocated() - self._call_alloc[call]
         measured = [t for t in tensors if _is_float(t)]
         if self._activations and first_call and measured:
             self._row_of[index] = self._row(measured)
         if self._nonfinite:
-            self._fwd_events.append((index, call.inputs, [self._flag(t) for t in measured]))
+            self._fwd_events += (index, self._call_inputs[call], self._add_run([self._flag(t) for t in measured]))
         if self._backward:
             needing = [t for t in measured if t.requires_grad]
             if needing:
-                self._grad_handles.append(_on_gradients(needing, self._backward_starts(call), mode="any"))
+                self._grad_handles.append(_on_gradients(needing, functools.partial(self._backward_starts, call), mode="any"))
 
-    def _backward_starts(self, call: _Call) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
-            if not is_compiling() and self.error is None and call.bwd_start is None:
-                self._guarded(self._start_backward, call, grad)
+    def _backward_starts(self, call: int, grad: torch.Tensor) -> None:
+        if not is_compiling() and self.error is None and self._call_bwd_start[call] < 0:
+            self._guarded(self._start_backward, call, grad)
 
-        return hook
-
-    def _start_backward(self, call: _Call, grad: torch.Tensor) -> None:
-        call.bwd_start = len(self._entered)
+    def _start_backward(self, call: int, grad: torch.Tensor) -> None:
+        self._call_bwd_start[call] = len(self._entered)
         if self._nonfinite and grad is not None:
-            call.grad_outputs = [self._flag(grad)]
+            self._call_grad_outputs[call] = self._add_run([self._flag(grad)])
 
-    def _backward_done(self, call: _Call) -> Callable[[Sequence[Optional[torch.Tensor]]], None]:
-        def hook(grads: Sequence[Optional[torch.Tensor]]) -> None:
-            if not is_compiling() and self.error is None and call.bwd_start is not None:
-                self._guarded(self._finish_backward, call, grads)
+    def _backward_done(self, call: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        if not is_compiling() and self.error is None and self._call_bwd_start[call] >= 0:
+            self._guarded(self._finish_backward, call, grads)
 
-        return hook
-
-    def _finish_backward(self, call: _Call, grads: Sequence[Optional[torch.Tensor]]) -> None:
-        self._bwd_spans.append((call.index, call.bwd_start, len(self._entered)))
-        call.bwd_start = None
+    def _finish_backward(self, call: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        index = self._call_module[call]
+        self._bwd_spans += (index, self._call_bwd_start[call], len(self._entered))
+        self._call_bwd_start[call] = -1
         if self._nonfinite:
             flags = [self._flag(g) for g in grads if g is not None and _is_float(g)]
-            self._bwd_events.append((call.index, call.grad_outputs, flags))
+            self._bwd_events += (index, self._call_grad_outputs[call], self._add_run(flags))
 
     # ------------------------------------------------------------------ tensors
 
+    def _add_run(self, flags: list[int]) -> int:
+        """Where a run of flag entries starts in ``_runs``."""
+        start = len(self._runs)
+        self._runs.append(len(flags))
+        self._runs += flags
+        return start
+
+    def _run(self, start: int) -> list[int]:
+        """The flag entries of the run at ``start`` (none for -1)."""
+        return [] if start < 0 else self._runs[start + 1 : start + 1 + self._runs[start]]
+
     def _flag(self, t: torch.Tensor) -> int:
-        """The entry of a device flag that holds whether ``t`` has a NaN or Inf."""
-        seen = self._seen.get(id(t))
-        if seen is not None and seen[0]() is t and seen[1] == t._version:
-            return seen[2]
-        self._flags.append(_nonfinite(t.detach()))
+        """The entry of the flag that holds whether ``t`` has a NaN or Inf."""
+        seen = self._seen(t)
+        if seen is not None:
+            return seen[0]
+        self._flags.append(self._slots.add(_nonfinite_sum(t.detach()), is_count=False))
         self._remember(t, len(self._flags) - 1, None)
         return len(self._flags) - 1
 
@@ -490,21 +566,30 @@ class RuntimeProbe:
         """A stats row of the values of ``tensors`` together, shared with an identical earlier
         row (a container returning its last child's output)."""
         t = tensors[0]
-        seen = self._seen.get(id(t))
-        if len(tensors) == 1 and seen is not None and seen[0]() is t and seen[1] == t._version and seen[3] is not None:
-            return seen[3]
+        seen = self._seen(t) if len(tensors) == 1 else None
+        if seen is not None and seen[1] is not None:
+            return seen[1]
         values = t if len(tensors) == 1 else torch.cat([S.as_real_values(x) for x in tensors])
-        row, flag = self._outputs.add(values)
+        row, count = self._outputs.add(values)
         if len(tensors) == 1:
-            self._flags.append(flag)
+            self._flags.append(-1 - row if count is None else self._slots.add(count, is_count=True))
             self._remember(t, len(self._flags) - 1, row)
         return row
 
+    def _seen(self, t: torch.Tensor) -> Optional[tuple[int, Optional[int]]]:
+        """(flag entry, row or None) of ``t`` when this very tensor, unchanged since, was seen."""
+        key = self._seen_key.get(id(t))
+        if key is None or self._seen_ref[id(t)]() is not t or key >> 64 != t._version:
+            return None
+        row = key & 0xFFFFFFFF
+        return (key >> 32) & 0xFFFFFFFF, (row - 1 if row else None)
+
     def _remember(self, t: torch.Tensor, flag: int, row: Optional[int]) -> None:
         try:
-            self._seen[id(t)] = (weakref.ref(t), t._version, flag, row)
+            self._seen_ref[id(t)] = weakref.ref(t)
         except TypeError:  # a tensor type without weak references: not shared
-            pass
+            return
+        self._seen_key[id(t)] = (t._version << 64) | (flag << 32) | (0 if row is None else row + 1)
 
     # ------------------------------------------------------------------ saved tensors
 
@@ -525,8 +610,8 @@ class RuntimeProbe:
                 if key not in self._param_storages and key not in self._saved_storages:
                     self._saved_storages.add(key)
                     nbytes = t.untyped_storage().nbytes()
-                    for index in dict.fromkeys(call.index for call in self._stack):
-                        self._traces[index].saved_bytes += nbytes
+                    for index in dict.fromkeys(self._call_module[call] for call in self._stack):
+                        self._saved_bytes[index] += nbytes
             except Exception:  # a tensor without a storage (a subclass, meta): not counted
                 pass
         # Returning ``t`` itself would make a reference cycle through its grad_fn that keeps
@@ -543,7 +628,11 @@ def _on_gradients(tensors: list[torch.Tensor], hook: Callable[..., None], mode: 
         return torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode=mode)
     if mode == "any":
         return tensors[0].register_hook(hook)
-    return tensors[0].register_hook(lambda grad: hook((grad,)))
+    return tensors[0].register_hook(functools.partial(_as_all, hook))
+
+
+def _as_all(hook: Callable[..., None], grad: torch.Tensor) -> None:
+    hook((grad,))
 
 
 def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
@@ -560,12 +649,13 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _nonfinite(t: torch.Tensor) -> torch.Tensor:
-    """Whether ``t`` holds a NaN or Inf, as a device scalar: its sum is not finite. One read
-    pass, several times cheaper than ``isfinite(t).all()``; exact except that finite values
-    whose float32 sum overflows (beyond ~3e38) read as non-finite."""
-    total = t.sum(dtype=torch.float32) if t.is_floating_point() and t.element_size() < 4 else t.sum()
-    return torch.isfinite(total).logical_not()
+def _nonfinite_sum(t: torch.Tensor) -> torch.Tensor:
+    """The sum of ``t``'s values, a device scalar: not finite exactly when ``t`` holds a NaN or
+    Inf. One read pass, several times cheaper than ``isfinite(t).all()``; finite values whose
+    float32 sum overflows (beyond ~3e38) read as non-finite."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum()
 
 
 def _is_float(t: torch.Tensor) -> bool:
