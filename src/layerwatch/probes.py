@@ -41,6 +41,7 @@ from layerwatch import stats as S
 from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import FailedForwardGuard, ForwardHooks, detached, entered_by_its_own_hook, is_compiling
 from layerwatch.rankings import ROOT  # the model itself: named_modules() names it ""
+from layerwatch.sentinel import fused_norms
 from layerwatch.structure import StructureProbe, Summary, _tensors
 
 PROBE_FAMILIES = ("latency", "memory", "activations", "nonfinite")
@@ -363,6 +364,7 @@ class RuntimeProbe:
         self._call_bwd_start: list[int] = []
         self._call_grad_outputs: list[int] = []
         self._stack: list[int] = []  # the calls whose forward is running
+        self._ends_with_pass: dict[int, nn.Module] = {}  # outermost calls whose inputs need no gradient
         self._ignored_depth = 0
         # Hook intervals: marks at entry and exit of every hook, in firing order.
         self._entered: list[Any] = []
@@ -393,6 +395,7 @@ class RuntimeProbe:
         self._exit_saved_context()
         self._stack = []
         self._seen_ref, self._seen_key = {}, {}
+        self._ends_with_pass = {}
 
     def result(self) -> ProbeResult:
         """The step's measurements: one host transfer for every flag and stats row."""
@@ -487,9 +490,15 @@ class RuntimeProbe:
         self._call_bwd_start.append(-1)
         self._call_grad_outputs.append(-1)
         if self._backward and torch.is_grad_enabled():
-            watched = [t for t in tensors if t.requires_grad] or [p for p in module.parameters() if p.requires_grad]
+            watched = [t for t in tensors if t.requires_grad]
             if watched:
                 self._grad_handles.append(_on_gradients(watched, functools.partial(self._backward_done, call), mode="all"))
+            elif not self._stack:  # the model itself: its backward ends with the pass (a hook per parameter would not)
+                self._ends_with_pass[call] = module
+            else:
+                watched = [p for p in module.parameters() if p.requires_grad]
+                if watched:
+                    self._grad_handles.append(_on_gradients(watched, functools.partial(self._backward_done, call), mode="all"))
         self._stack.append(call)
 
     def _leave(self, index: int, output: Any) -> None:
@@ -527,17 +536,28 @@ class RuntimeProbe:
         self._call_bwd_start[call] = len(self._entered)
         if self._nonfinite and grad is not None:
             self._call_grad_outputs[call] = self._add_run([self._flag(grad)])
+        module = self._ends_with_pass.pop(call, None)
+        if module is not None:
+            parameters = [p for p in module.parameters() if p.requires_grad]
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._pass_done, call, parameters))
+
+    def _pass_done(self, call: int, parameters: list[nn.Parameter]) -> None:
+        """The end of the backward pass of the model's own call: its gradients are those of
+        its parameters, flagged together (one fused norm per device)."""
+        if not is_compiling() and self.error is None and self._call_bwd_start[call] >= 0:
+            self._guarded(self._finish_backward, call, [p.grad for p in parameters], True)
 
     def _backward_done(self, call: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
         if not is_compiling() and self.error is None and self._call_bwd_start[call] >= 0:
             self._guarded(self._finish_backward, call, grads)
 
-    def _finish_backward(self, call: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
+    def _finish_backward(self, call: int, grads: Sequence[Optional[torch.Tensor]], fused: bool = False) -> None:
         index = self._call_module[call]
         self._bwd_spans += (index, self._call_bwd_start[call], len(self._entered))
         self._call_bwd_start[call] = -1
         if self._nonfinite:
-            flags = [self._flag(g) for g in grads if g is not None and _is_float(g)]
+            grads = [g for g in grads if g is not None and _is_float(g)]
+            flags = self._flag_together(grads) if fused else [self._flag(g) for g in grads]
             self._bwd_events += (index, self._call_grad_outputs[call], self._add_run(flags))
 
     # ------------------------------------------------------------------ tensors
@@ -561,6 +581,14 @@ class RuntimeProbe:
         self._flags.append(self._slots.add(_nonfinite_sum(t.detach()), is_count=False))
         self._remember(t, len(self._flags) - 1, None)
         return len(self._flags) - 1
+
+    def _flag_together(self, tensors: list[torch.Tensor]) -> list[int]:
+        """Flag entries, one per device and dtype, that say whether any of ``tensors`` has a NaN
+        or Inf: the sum of their fused L2 norms (see :func:`~layerwatch.sentinel.fused_norms`)."""
+        first = len(self._flags)
+        for _, norms in fused_norms(tensors):
+            self._flags.append(self._slots.add(norms.sum(), is_count=False))
+        return list(range(first, len(self._flags)))
 
     def _row(self, tensors: list[torch.Tensor]) -> int:
         """A stats row of the values of ``tensors`` together, shared with an identical earlier

@@ -83,19 +83,14 @@ class NonfiniteSentinel:
         """Enqueue the check of ``step``'s gradients."""
         if not named_grads:
             return
-        groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[torch.Tensor]]] = {}
-        for i, (_, grad) in enumerate(named_grads):
-            indices, grads = groups.setdefault((grad.device, grad.dtype), ([], []))
-            indices.append(i)
-            grads.append(grad)
-        order = [i for indices, _ in groups.values() for i in indices]
+        groups = fused_norms([grad for _, grad in named_grads])
+        order = [i for indices, _ in groups for i in indices]
         names = [named_grads[i][0] for i in order]  # in the order the peaks come back
         copies: list[tuple[torch.Tensor, Any]] = []
         clean = True  # nothing to look at later: every check ran on the CPU and found no NaN/Inf
         with torch.no_grad():
-            for (device, _), (_, grads) in groups.items():
-                dtype = None if grads[0].element_size() >= 4 or grads[0].is_complex() else torch.float32
-                peaks = torch.stack(torch._foreach_norm(grads, 2, dtype=dtype)).float()
+            for _, peaks in groups:
+                device = peaks.device
                 if device.type == "cuda":
                     clean = False
                     host = torch.empty(peaks.shape, dtype=peaks.dtype, pin_memory=True)
@@ -176,3 +171,20 @@ class StepCounter:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def fused_norms(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+    """The L2 norms of ``tensors``, one ``torch._foreach_norm`` per device and dtype, accumulated
+    in float32 at least: per group, the indices of its tensors and their norms (float32, on
+    its device). A norm is NaN or Inf when a value is (see the module's docstring)."""
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[torch.Tensor]]] = {}
+    for i, t in enumerate(tensors):
+        indices, members = groups.setdefault((t.device, t.dtype), ([], []))
+        indices.append(i)
+        members.append(t)
+    out = []
+    with torch.no_grad():
+        for indices, members in groups.values():
+            dtype = None if members[0].element_size() >= 4 or members[0].is_complex() else torch.float32
+            out.append((indices, torch.stack(torch._foreach_norm(members, 2, dtype=dtype)).float()))
+    return out
