@@ -6,6 +6,7 @@ by it, then the qualified name as ``model.named_parameters()`` spells it.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -135,6 +136,42 @@ class StepRecord:
             self.scalars[update_ratio_tag(name)] = ratio
 
 
+class ScalarTags:
+    """How a step's scalar tags split, worked out once per set of tags (the same tags come back
+    at every sampled step; see :func:`scalar_tags`): the per-layer series, for the LAYERWATCH
+    tab, and which tags can be TensorBoard cards."""
+
+    def __init__(self, tags: tuple[str, ...]) -> None:
+        self.tags = tags
+        series: dict[str, tuple[list[str], list[int]]] = {}
+        cards, quiet, quiet_layers = [], [], []
+        for i, tag in enumerate(tags):
+            head, _, name = tag.partition("/")
+            if name and not tag.startswith(RUN_WIDE) and head != "calls":  # calls/ is written only above 1
+                names, indices = series.setdefault(head, ([], []))
+                names.append(name)
+                indices.append(i)
+            if head in NONFINITE_SERIES:
+                quiet.append(i)
+                quiet_layers.append(name)
+            elif head not in BYTE_SERIES:
+                cards.append(i)
+        self.series = {key: (names, np.asarray(indices, dtype=np.intp)) for key, (names, indices) in series.items()}
+        self.cards = np.asarray(cards, dtype=np.intp)
+        self.quiet = np.asarray(quiet, dtype=np.intp)
+        self.quiet_layers = quiet_layers
+
+
+@functools.lru_cache(maxsize=8)
+def scalar_tags(tags: tuple[str, ...]) -> ScalarTags:
+    return ScalarTags(tags)
+
+
+def scalar_values(scalars: dict[str, float]) -> tuple[ScalarTags, np.ndarray]:
+    """The split of ``scalars``' tags, and their values in the same order (float64)."""
+    return scalar_tags(tuple(scalars)), np.fromiter(scalars.values(), dtype=np.float64, count=len(scalars))
+
+
 class CardFilter:
     """Which of a step's scalars become TensorBoard cards (every one still reaches the
     LAYERWATCH tab's data).
@@ -150,20 +187,15 @@ class CardFilter:
         self._nonfinite_layers: set[str] = set()
 
     def __call__(self, scalars: dict[str, float]) -> dict[str, float]:
-        out = {}
-        quiet: dict[str, float] = {}
-        for tag, value in scalars.items():
-            series, _, name = tag.partition("/")
-            if series in BYTE_SERIES:
-                continue
-            if series in NONFINITE_SERIES:
-                quiet[tag] = value
-                if value:
-                    self._nonfinite_layers.add(name)
-                continue
-            out[tag] = value
-        out.update((tag, v) for tag, v in quiet.items() if tag.partition("/")[2] in self._nonfinite_layers)
-        return out
+        split, values = scalar_values(scalars)
+        quiet_values = values[split.quiet]
+        self._nonfinite_layers.update(split.quiet_layers[i] for i in np.flatnonzero(quiet_values != 0))
+        chosen = split.cards
+        if self._nonfinite_layers:
+            shown = [i for i, layer in zip(split.quiet, split.quiet_layers) if layer in self._nonfinite_layers]
+            chosen = np.concatenate([chosen, np.asarray(shown, dtype=np.intp)])
+        tags = split.tags
+        return dict(zip([tags[i] for i in chosen.tolist()], values[chosen].tolist()))
 
 
 def owner(param_name: str) -> str:

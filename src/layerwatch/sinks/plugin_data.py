@@ -28,18 +28,11 @@ _METADATA = summary_pb2.SummaryMetadata(
 )
 
 
-def per_layer_series(scalars: dict[str, float]) -> dict[str, tuple[list[str], list[float]]]:
+def per_layer_series(scalars: dict[str, float]) -> dict[str, tuple[list[str], np.ndarray]]:
     """The step's per-layer scalars by series: ``{"grads_norm": (names, values)}``, in the
     record's (model) order. Run-wide tags and ``calls/`` (written only above 1) are left out."""
-    out: dict[str, tuple[list[str], list[float]]] = {}
-    for tag, value in scalars.items():
-        series, _, name = tag.partition("/")
-        if not name or tag.startswith(R.RUN_WIDE) or series == "calls":
-            continue
-        names, values = out.setdefault(series, ([], []))
-        names.append(name)
-        values.append(value)
-    return out
+    split, values = R.scalar_values(scalars)
+    return {key: (names, values[indices]) for key, (names, indices) in split.series.items()}
 
 
 class PluginData:
@@ -60,7 +53,7 @@ class PluginData:
             values.append(_string(LAYOUT, json.dumps({"series": self._names})))
         for key, (names, vals) in series.items():
             if names == self._names[key]:
-                row = np.asarray(vals, dtype="<f4")
+                row = vals.astype("<f4")
             else:
                 row = np.full(len(self._names[key]), -np.inf, dtype="<f4")
                 positions = self._positions[key]

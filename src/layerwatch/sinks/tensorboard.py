@@ -20,6 +20,7 @@ cannot carry the tab's data, so nothing is held back from its cards.
 
 from __future__ import annotations
 
+import functools
 import struct
 import time
 from typing import Any
@@ -101,11 +102,34 @@ def encode_summary(
     """
     cache = {} if tag_fields is None else tag_fields
     scalars = record.scalars if scalars is None else scalars
-    floats = np.asarray(list(scalars.values()), dtype="<f4").tobytes()
-    values = [_value(cache, tag, b"\x15" + floats[4 * i : 4 * i + 4]) for i, tag in enumerate(scalars)]
+    values = [_scalar_block(tuple(scalars)).encode(np.fromiter(scalars.values(), dtype="<f4", count=len(scalars)))]
     values += [_value(cache, tag, events.field(5, _encode_histogram(h))) for tag, h in record.histograms.items()]
     values += [builders.text(tag, text).SerializeToString() for tag, text in record.texts.items()]
     return b"".join(values)
+
+
+class _ScalarBlock:
+    """The ``Summary.value`` entries of a fixed list of scalar tags, encoded once as a template:
+    the floats of a step go into their places in one vectorized assignment."""
+
+    def __init__(self, tags: tuple[str, ...]) -> None:
+        entries = []
+        for tag in tags:
+            head = events.field(1, tag.encode()) + b"\x15"  # then simple_value, a little-endian float32
+            entries.append(b"\x0a" + events.varint(len(head) + 4) + head + bytes(4))
+        self._template = b"".join(entries)
+        ends = np.cumsum([len(entry) for entry in entries], dtype=np.intp)
+        self._places = (ends - 4)[:, None] + np.arange(4)
+
+    def encode(self, floats: np.ndarray) -> bytes:
+        out = np.frombuffer(self._template, dtype=np.uint8).copy()
+        out[self._places] = floats.view(np.uint8).reshape(-1, 4)
+        return out.tobytes()
+
+
+@functools.lru_cache(maxsize=8)
+def _scalar_block(tags: tuple[str, ...]) -> _ScalarBlock:
+    return _ScalarBlock(tags)
 
 
 def _value(cache: dict[str, bytes], tag: str, rest: bytes) -> bytes:
