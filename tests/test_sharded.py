@@ -31,11 +31,14 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        torch.manual_seed(0)
-        model = MLP(d_in=8, hidden=10, d_out=3)  # 10 rows: uneven shards are fine
-        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with Inspector(model, log_dir=f"{out}/run", every_n_steps=1, optimizer=opt, stats=STATS) as inspector:
+        mesh = init_device_mesh("cpu", (world,))
+        plain = []
+        for inspected in (False, True):
+            torch.manual_seed(0)
+            model = MLP(d_in=8, hidden=10, d_out=3)  # 10 rows: uneven shards are fine
+            fully_shard(model, mesh=mesh)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            inspector = Inspector(model, log_dir=f"{out}/run", every_n_steps=1, optimizer=opt, stats=STATS).start() if inspected else None
             for step in range(3):
                 torch.manual_seed(100 + 10 * step + rank)  # each rank its own data
                 loss = model(torch.randn(4, 8)).pow(2).mean()
@@ -45,9 +48,15 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
                 reference |= {f"before/{n}": p.full_tensor().detach().numpy().copy() for n, p in model.named_parameters()}
                 opt.step()
                 reference |= {f"weights/{n}": p.full_tensor().detach().numpy() for n, p in model.named_parameters()}
+                if inspector is None:
+                    plain.append(loss.item())
+                    continue
                 inspector.step()
+                assert loss.item() == plain[step]  # the per-module probes on FSDP2's modules change nothing
                 if rank == 0:
                     np.savez(f"{out}/step{step}.npz", **reference)
+            if inspector is not None:
+                inspector.finish()
     finally:
         dist.destroy_process_group()
     Path(out, f"done{rank}").touch()
@@ -58,7 +67,9 @@ def test_fully_shard_statistics_are_exact_for_whole_tensors(tmp_path, events):
         mp.spawn(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     acc = events(tmp_path / "run")
     names = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
-    assert sorted(acc.Tags()["histograms"]) == sorted(f"{f}/{n}" for f in ("weights", "grads") for n in names)
+    activations = [f"activations/{m}" for m in ("(root)", "fc1", "act", "fc2")]  # rank 0's own batch, as under DDP
+    assert sorted(acc.Tags()["histograms"]) == sorted([f"{f}/{n}" for f in ("weights", "grads") for n in names] + activations)
+    assert all(acc.Scalars(f"fwd_ms/{m}")[-1].value > 0 for m in ("fc1", "fc2"))
     for step in range(3):
         reference = np.load(tmp_path / f"step{step}.npz")
         for family in ("weights", "grads"):

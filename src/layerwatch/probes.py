@@ -353,6 +353,7 @@ class RuntimeProbe:
         self._param_storages = {_storage_key(p) for p in parameters} if self._memory else set()
         self._saved_storages: set[int] = set()
         self._saved_context: Any = None
+        self._saved_versions = _SavedVersions()
         # Per forward call (a call is its position in these lists): its module, the hook
         # interval after which it starts, its input flags (a run of ``_runs``), the memory
         # allocated before it, the interval its backward starts at (-1: not yet) and the
@@ -492,13 +493,13 @@ class RuntimeProbe:
         if self._backward and torch.is_grad_enabled():
             watched = [t for t in tensors if t.requires_grad]
             if watched:
-                self._grad_handles.append(_on_gradients(watched, functools.partial(self._backward_done, call), mode="all"))
+                self._grad_handles.append(_on_gradients(watched, self, call, done=True))
             elif not self._stack:  # the model itself: its backward ends with the pass (a hook per parameter would not)
                 self._ends_with_pass[call] = module
             else:
                 watched = [p for p in module.parameters() if p.requires_grad]
                 if watched:
-                    self._grad_handles.append(_on_gradients(watched, functools.partial(self._backward_done, call), mode="all"))
+                    self._grad_handles.append(_on_gradients(watched, self, call, done=True))
         self._stack.append(call)
 
     def _leave(self, index: int, output: Any) -> None:
@@ -526,7 +527,7 @@ class RuntimeProbe:
         if self._backward:
             needing = [t for t in measured if t.requires_grad]
             if needing:
-                self._grad_handles.append(_on_gradients(needing, functools.partial(self._backward_starts, call), mode="any"))
+                self._grad_handles.append(_on_gradients(needing, self, call, done=False))
 
     def _backward_starts(self, call: int, grad: torch.Tensor) -> None:
         if not is_compiling() and self.error is None and self._call_bwd_start[call] < 0:
@@ -584,9 +585,10 @@ class RuntimeProbe:
 
     def _flag_together(self, tensors: list[torch.Tensor]) -> list[int]:
         """Flag entries, one per device and dtype, that say whether any of ``tensors`` has a NaN
-        or Inf: the sum of their fused L2 norms (see :func:`~layerwatch.sentinel.fused_norms`)."""
+        or Inf: the sum of their fused L1 norms (:func:`~layerwatch.sentinel.fused_norms`; an L2
+        norm would overflow at the large finite gradients of a GradScaler's first steps)."""
         first = len(self._flags)
-        for _, norms in fused_norms(tensors):
+        for _, norms in fused_norms(tensors, ord=1):
             self._flags.append(self._slots.add(norms.sum(), is_count=False))
         return list(range(first, len(self._flags)))
 
@@ -622,7 +624,7 @@ class RuntimeProbe:
     # ------------------------------------------------------------------ saved tensors
 
     def _enter_saved_context(self) -> None:
-        context = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._saved_versions.unpack)
         context.__enter__()
         self._saved_context = context
 
@@ -631,7 +633,7 @@ class RuntimeProbe:
         if context is not None:
             context.__exit__(None, None, None)
 
-    def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if self._stack and self.error is None:
             try:
                 key = _storage_key(t)
@@ -645,36 +647,62 @@ class RuntimeProbe:
         # Returning ``t`` itself would make a reference cycle through its grad_fn that keeps
         # activations alive; a detached alias shares its storage and version counter, and
         # the version keeps autograd's check against in-place changes of saved tensors.
-        return t.detach(), t._version
+        alias = t.detach()
+        self._saved_versions.versions[id(alias)] = t._version
+        return alias
 
 
-def _on_gradients(tensors: list[torch.Tensor], hook: Callable[..., None], mode: str) -> Any:
-    """``register_multi_grad_hook``; for one tensor (most modules) its plain tensor hook, which
-    fires at the same moment and allocates a tenth of the objects. ``hook`` is called with the
-    gradient in mode "any", with the tuple of gradients in mode "all"."""
+class _GradientHook:
+    """A tensor hook for one call: its backward starts (``done`` False: called with the gradient
+    of one of its outputs) or is done (called with the gradients of its inputs, or with one
+    of them). One object holding the probe and the call's number: a ``functools.partial``
+    of a bound method is three, for the garbage collector to walk."""
+
+    __slots__ = ("probe", "call", "done")
+
+    def __init__(self, probe: "RuntimeProbe", call: int, done: bool) -> None:
+        self.probe, self.call, self.done = probe, call, done
+
+    def __call__(self, grad: Any) -> None:
+        if not self.done:
+            self.probe._backward_starts(self.call, grad)
+        else:
+            self.probe._backward_done(self.call, (grad,) if grad is None or isinstance(grad, torch.Tensor) else grad)
+
+
+def _on_gradients(tensors: list[torch.Tensor], probe: "RuntimeProbe", call: int, done: bool) -> Any:
+    """A :class:`_GradientHook` on ``tensors``: a multi-grad hook (any of them for a start, all
+    of them for a done); for one tensor (most modules) its plain tensor hook, which fires at
+    the same moment and allocates a tenth of the objects."""
+    hook = _GradientHook(probe, call, done)
     if len(tensors) > 1:
-        return torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode=mode)
-    if mode == "any":
-        return tensors[0].register_hook(hook)
-    return tensors[0].register_hook(functools.partial(_as_all, hook))
+        return torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="all" if done else "any")
+    return tensors[0].register_hook(hook)
 
 
-def _as_all(hook: Callable[..., None], grad: torch.Tensor) -> None:
-    hook((grad,))
+class _SavedVersions:
+    """The version each tensor saved for backward had when it was saved, by the id of the alias
+    kept in its place (an int in a dict, not a tuple per saved tensor), for autograd's check
+    against in-place changes. The graph holds this, not the probe."""
 
+    __slots__ = ("versions",)
 
-def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
-    t, version = packed
-    if t._version != version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"a {tuple(t.shape)} {t.dtype} tensor is at version {t._version}; expected version {version}"
-        )
-    return t
+    def __init__(self) -> None:
+        self.versions: dict[int, int] = {}
+
+    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+        version = self.versions.get(id(t))
+        if version is not None and t._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"a {tuple(t.shape)} {t.dtype} tensor is at version {t._version}; expected version {version}"
+            )
+        return t
 
 
 def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    """Where ``t``'s storage starts (without making the storage's Python object, which stays)."""
+    return t.data_ptr() - t.storage_offset() * t.element_size()
 
 
 def _nonfinite_sum(t: torch.Tensor) -> torch.Tensor:

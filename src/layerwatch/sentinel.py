@@ -173,10 +173,11 @@ class StepCounter:
         self._handles = []
 
 
-def fused_norms(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
-    """The L2 norms of ``tensors``, one ``torch._foreach_norm`` per device and dtype, accumulated
-    in float32 at least: per group, the indices of its tensors and their norms (float32, on
-    its device). A norm is NaN or Inf when a value is (see the module's docstring)."""
+def fused_norms(tensors: Sequence[torch.Tensor], ord: int = 2) -> list[tuple[list[int], torch.Tensor]]:
+    """The ``ord``-norms of ``tensors``, one ``torch._foreach_norm`` per device and dtype,
+    accumulated in float32 at least: per group, the indices of its tensors and their norms
+    (float32, on its device). A norm is NaN or Inf when a value is, and when finite values
+    overflow float32: past ~1.8e19 for ``ord=2``, past ~3.4e38 (their sum) for ``ord=1``."""
     groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[torch.Tensor]]] = {}
     for i, t in enumerate(tensors):
         indices, members = groups.setdefault((t.device, t.dtype), ([], []))
@@ -186,5 +187,5 @@ def fused_norms(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.
     with torch.no_grad():
         for indices, members in groups.values():
             dtype = None if members[0].element_size() >= 4 or members[0].is_complex() else torch.float32
-            out.append((indices, torch.stack(torch._foreach_norm(members, 2, dtype=dtype)).float()))
+            out.append((indices, torch.stack(torch._foreach_norm(members, ord, dtype=dtype)).float()))
     return out
