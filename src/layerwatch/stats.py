@@ -14,8 +14,8 @@ batched path folds the ``0.5`` into ``zero_point`` and truncates (values are cla
 non-negative first), one op fewer than round-half-even per value.
 
 The work does not grow with the number of tensors: they are packed into chunks, each a
-``(rows, width)`` matrix of whole tensors padded to whole rows (a large tensor alone is
-viewed in rows, uncopied), through buffers a :class:`Workspace` keeps. Per chunk, a handful
+``(rows, width)`` matrix of whole tensors padded to whole rows (a large tensor is reduced
+alone, whole and uncopied), through buffers a :class:`Workspace` keeps. Per chunk, a handful
 of ops: row minima, maxima, sums and norms; each tensor's range and grid; one bucket count
 (``bincount`` with a per-tensor offset) over the chunk. The rows are combined per tensor
 once for the whole call. On an accelerator every op is masked (correct for any value) and
@@ -323,27 +323,38 @@ class _Batch:
         self.counts = torch.zeros(n * (bins + 3), dtype=torch.int64, device=device) if bins else None
         partials, owners, lasts, sampled_pads = [], [], [], []
         for first, last, width, single in self._chunks():
-            x, chunk_pads = self._rows_of(first, last, width, single)
-            rows_per = [-(-self.sizes[i] // width) for i in range(first, last)]
-            owner = _to_device(torch.repeat_interleave(torch.arange(first, last), torch.tensor(rows_per)), torch.int64, device)
-            last_rows = _to_device(list(itertools.accumulate(rows_per, initial=-1))[1:], torch.int64, device)
             masked = device.type != "cpu"
-            last_values = x[last_rows, -1]
-            pads = _to_device(chunk_pads, torch.float64, device)
-            row = _row_partials(x, last_rows, last_values, pads, self.zeros, self.centered, masked)
-            if not masked and not math.isfinite(float(row[1].sum())):  # a NaN or Inf: the CPU reads it freely
-                masked = True
+            stride = self.strides[first]
+            if single:  # one large tensor: a handful of whole-tensor ops, one partial row
+                t = self.flat[first]
+                owner = _to_device([first], torch.int64, device)
+                last_values = t[-1:]
+                row = _whole_partials(t, self.zeros, self.centered, masked)
+                if not masked and not math.isfinite(float(row[1])):  # a NaN or Inf: the CPU reads it freely
+                    masked = True
+                    row = _whole_partials(t, self.zeros, self.centered, masked)
+                sample = t[::stride].view(1, -1)
+                sampled_pads.append(0)
+            else:
+                x, chunk_pads = self._rows_of(first, last, width)
+                rows_per = [-(-self.sizes[i] // width) for i in range(first, last)]
+                owner = _to_device(torch.repeat_interleave(torch.arange(first, last), torch.tensor(rows_per)), torch.int64, device)
+                last_rows = _to_device(list(itertools.accumulate(rows_per, initial=-1))[1:], torch.int64, device)
+                last_values = x[last_rows, -1]
+                pads = _to_device(chunk_pads, torch.float64, device)
                 row = _row_partials(x, last_rows, last_values, pads, self.zeros, self.centered, masked)
+                if not masked and not math.isfinite(float(row[1].sum())):  # a NaN or Inf: the CPU reads it freely
+                    masked = True
+                    row = _row_partials(x, last_rows, last_values, pads, self.zeros, self.centered, masked)
+                sample = x[:, ::stride]
+                sampled_pads += [(width - 1) // stride - (width - p - 1) // stride for p in chunk_pads]
             self.mn.scatter_reduce_(0, owner, row[2], "amin")
             self.mx.scatter_reduce_(0, owner, row[3], "amax")
-            stride = self.strides[first]
             if bins:
-                sample, sample_owner = (x[:, ::stride], owner) if not single else (self.flat[first][::stride].view(1, -1), owner[:1])
-                self._count(first, last, sample, sample_owner, masked)
+                self._count(first, last, sample, owner, masked)
             partials.append(torch.stack([r.to(f64) for r in row], dim=1))
             owners.append(owner)
             lasts.append(last_values)
-            sampled_pads += [0 if single else (width - 1) // stride - (width - p - 1) // stride for p in chunk_pads]
         rows = self._finish(torch.cat(partials), torch.cat(owners), torch.cat(lasts), sampled_pads)
         inverse = [0] * n
         for position, i in enumerate(self.order):
@@ -352,18 +363,16 @@ class _Batch:
 
     def _chunks(self):
         """``(first, last, width, single)`` per chunk: tensors ``first..last-1`` of one stride
-        in rows of ``width``; ``single``: one tensor alone, viewed in rows that divide it."""
+        in rows of ``width``; ``single``: one large tensor alone, reduced whole, uncopied."""
         budget = chunk_values(self.device)
         first = 0
         while first < len(self.flat):
             stride = self.strides[first]
             width = ROW * stride
             if self.flat[first].is_contiguous() and self.sizes[first] >= budget // 2:
-                divisor = _row_divisor(self.sizes[first])
-                if divisor:
-                    yield first, first + 1, divisor, True
-                    first += 1
-                    continue
+                yield first, first + 1, 0, True
+                first += 1
+                continue
             last, size = first, 0
             while last < len(self.flat) and self.strides[last] == stride:
                 n = -(-self.sizes[last] // width) * width
@@ -374,9 +383,7 @@ class _Batch:
             yield first, last, width, False
             first = last
 
-    def _rows_of(self, first: int, last: int, width: int, single: bool) -> tuple[torch.Tensor, list[int]]:
-        if single:
-            return self.flat[first].view(-1, width), [0]
+    def _rows_of(self, first: int, last: int, width: int) -> tuple[torch.Tensor, list[int]]:
         pieces, pads = [], []
         for t in self.flat[first:last]:
             pad = -t.numel() % width
@@ -447,15 +454,6 @@ class _Batch:
 ROW = 256  # values per row of a chunk, times the histogram stride: each row samples ROW values
 
 
-@functools.lru_cache(maxsize=1024)
-def _row_divisor(n: int) -> int:
-    """The largest row width in [ROW, 16 ROW] that divides ``n`` (0 if none)."""
-    for width in range(min(16 * ROW, n), ROW - 1, -1):
-        if n % width == 0:
-            return width
-    return 0
-
-
 def _row_partials(
     x: torch.Tensor, last_rows: torch.Tensor, last: torch.Tensor, pads: torch.Tensor, zeros: bool, centered: bool, masked: bool
 ) -> list[torch.Tensor]:
@@ -502,6 +500,30 @@ def _row_partials(
         tail_dev = torch.where(real, shifted - tail_mean.to(x.dtype)[:, None], 0.0)
         m2[last_rows] = torch.linalg.vector_norm(tail_dev, dim=1).to(f64) ** 2
     return [count, total, mn, mx, sumsq, n_zeros, m2]
+
+
+def _whole_partials(t: torch.Tensor, zeros: bool, centered: bool, masked: bool) -> list[torch.Tensor]:
+    """The partials of :func:`_row_partials` for the whole of one tensor, as one row."""
+    f64 = torch.float64
+    if masked:
+        finite = torch.isfinite(t)
+        values = torch.where(finite, t, 0.0)
+        count = finite.sum().to(f64)
+        mn, mx = torch.where(finite, t, math.inf).amin(), torch.where(finite, t, -math.inf).amax()
+    else:
+        finite, values = None, t
+        count = torch.full((), float(t.numel()), dtype=f64, device=t.device)
+        mn, mx = t.amin(), t.amax()
+    total = values.sum().to(f64)
+    sumsq = torch.linalg.vector_norm(values).to(f64) ** 2
+    n_zeros = t.numel() - torch.count_nonzero(t).to(f64) if zeros else count
+    m2 = count
+    if centered and not masked:
+        m2 = torch.var(t, correction=0).to(f64) * count  # one pass, no temporary of the tensor's size
+    elif centered:
+        dev = torch.where(finite, t - (total / count.clamp(min=1)).to(t.dtype), 0.0)
+        m2 = torch.linalg.vector_norm(dev).to(f64) ** 2
+    return [v.reshape(1) for v in (count, total, mn, mx, sumsq, n_zeros, m2)]
 
 
 def _sums(x: torch.Tensor, masked: bool) -> tuple[torch.Tensor, ...]:
