@@ -11,6 +11,7 @@ writes. Without either package, :data:`AVAILABLE` is False and callers use the w
 
 from __future__ import annotations
 
+import functools
 import struct
 from typing import Any, Callable, Optional, Sequence
 
@@ -52,6 +53,7 @@ def field(number: int, payload: bytes) -> bytes:
     return varint(number << 3 | 2) + varint(len(payload)) + payload
 
 
+@functools.lru_cache(maxsize=1 << 14)  # the same lengths come back for every tag and histogram
 def varint(n: int) -> bytes:
     if n < 0x80:
         return bytes((n,))
