@@ -411,3 +411,20 @@ def test_a_probed_module_leaves_few_objects_for_the_garbage_collector():
     # Per module: its two gradient hooks and their handles, the tensors' hook dicts, its saved
     # tensor's alias and its storage (about 35 objects before).
     assert in_forward - armed < 9 * 301, in_forward - armed
+
+
+def test_a_model_deep_copied_during_a_sampled_step_trains_and_is_passed_over(tmp_path):
+    """An EMA or SWA copy made while the step's hooks are on: the copy carries them, runs, and
+    is not measured (nor is the probe copied with it)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(4, 8)
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, sentinel=False, alerts=False) as inspector:
+        model(x).sum().backward()
+        twin = copy.deepcopy(model)
+        twin(x).sum().backward()
+        inspector.step()
+    assert torch.equal(twin(x), model(x))
+    assert hook_count(model) == 0

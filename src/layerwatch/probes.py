@@ -437,21 +437,32 @@ class RuntimeProbe:
     # ------------------------------------------------------------------ hooks
     # Hooks hold the probe (names and indices), never a module or the inspector.
 
+    # A module this probe does not know (a deep copy of a probed one, made mid-step, carries
+    # its hooks) is passed over.
+
     def _pre_hook(self, module: nn.Module, args: tuple) -> None:
         if is_compiling():  # traced: note it (a store Dynamo replays), nothing else
             self.compiled = True
-        elif self.error is None and not self.inert:
-            self._guarded(self._enter, self._index[id(module)], args, module)
+            return
+        index = self._index.get(id(module))
+        if index is not None and self.error is None and not self.inert:
+            self._guarded(self._enter, index, args, module)
 
     def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
         if is_compiling() or self.inert:
             return
+        index = self._index.get(id(module))
+        if index is None:
+            return
         if self._ignored_depth:
             self._ignored_depth -= 1
         elif self.error is None:
-            self._guarded(self._leave, self._index[id(module)], output)
+            self._guarded(self._leave, index, output)
         if not self._stack:
             self._exit_saved_context()
+
+    def __deepcopy__(self, memo: dict) -> "RuntimeProbe":
+        return self  # a module copied mid-step keeps calling this probe, which passes it over
 
     def _guarded(self, action: Callable[..., None], *args: Any) -> None:
         entered = perf_counter_ns()
