@@ -397,20 +397,23 @@ def test_a_probed_module_leaves_few_objects_for_the_garbage_collector():
     probe = arm()  # a first step makes what torch keeps (the parameters' storage objects)
     model(x).sum().backward()
     probe.result()
-    gc.collect()
-    before = len(gc.get_objects())
-    probe = arm()
-    armed = len(gc.get_objects())
-    out = model(x).sum()
-    gc.collect()
-    in_forward = len(gc.get_objects())
-    out.backward()
-    result = probe.result()
-    assert len(result.modules) == 301 and all(t.bwd_ms is not None for t in result.modules)
-    assert armed - before < 50, armed - before  # one hook pair for every module: no handle per module
+    arming, forward = [], []
+    for _ in range(3):  # the least of three: another thread of the test process may allocate meanwhile
+        gc.collect()
+        before = len(gc.get_objects())
+        probe = arm()
+        armed = len(gc.get_objects())
+        out = model(x).sum()
+        gc.collect()
+        arming.append(armed - before)
+        forward.append(len(gc.get_objects()) - armed)
+        out.backward()
+        result = probe.result()
+        assert len(result.modules) == 301 and all(t.bwd_ms is not None for t in result.modules)
+    assert min(arming) < 50, arming  # one hook pair for every module: no handle per module
     # Per module: its two gradient hooks and their handles, the tensors' hook dicts, its saved
     # tensor's alias and its storage (about 35 objects before).
-    assert in_forward - armed < 9 * 301, in_forward - armed
+    assert min(forward) < 9 * 301, forward
 
 
 def test_a_model_deep_copied_during_a_sampled_step_trains_and_is_passed_over(tmp_path):
