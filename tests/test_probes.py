@@ -2,6 +2,7 @@
 
 import gc
 import math
+import time
 import warnings
 
 import numpy as np
@@ -431,3 +432,35 @@ def test_a_model_deep_copied_during_a_sampled_step_trains_and_is_passed_over(tmp
         inspector.step()
     assert torch.equal(twin(x), model(x))
     assert hook_count(model) == 0
+
+
+def test_the_gpu_clock_reuses_its_events_from_one_sampled_step_to_the_next():
+    """On a GPU a hook records an event kept from earlier steps (a fake event here: this
+    machine has no GPU; tests/test_gpu.py runs the real one)."""
+    from layerwatch.probes import _CudaClock
+
+    class FakeEvent:
+        made = 0
+
+        def __init__(self) -> None:
+            FakeEvent.made += 1
+            self.at = None
+
+        def record(self) -> None:
+            self.at = time.perf_counter()
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, later: "FakeEvent") -> float:
+            return 1e3 * (later.at - self.at)
+
+    events: list = []
+    clock = _CudaClock(events, make=FakeEvent)
+    marks = [clock.mark() for _ in range(4)]
+    assert marks == [0, 1, 2, 3] and FakeEvent.made == 4
+    times = clock.resolve(marks)
+    assert times[0] == 0 and list(times) == sorted(times)
+    clock = _CudaClock(events, make=FakeEvent)  # the next sampled step
+    assert clock.resolve([clock.mark() for _ in range(6)]).shape == (6,)
+    assert FakeEvent.made == 6  # four reused, two new

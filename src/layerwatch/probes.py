@@ -141,19 +141,30 @@ class _HostClock:
 
 
 class _CudaClock:
-    """CUDA events recorded in hooks; read once, after the step."""
+    """CUDA events recorded in hooks; read once, after the step. The events are kept from one
+    sampled step to the next (``events``): a hook records the next one and keeps its number,
+    where a new event per mark cost a driver call and an object for the garbage collector."""
 
-    def mark(self) -> Any:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+    def __init__(self, events: list[Any], make: Optional[Callable[[], Any]] = None) -> None:
+        self._events = events
+        self._make = make or functools.partial(torch.cuda.Event, enable_timing=True)
+        self._used = 0
 
-    def resolve(self, marks: list[Any]) -> np.ndarray:
+    def mark(self) -> int:
+        index = self._used
+        if index == len(self._events):
+            self._events.append(self._make())
+        self._events[index].record()
+        self._used += 1
+        return index
+
+    def resolve(self, marks: list[int]) -> np.ndarray:
         if not marks:
             return np.zeros(0)
-        marks[-1].synchronize()
-        base = marks[0]
-        return np.array([0.0] + [base.elapsed_time(m) for m in marks[1:]])
+        events = self._events
+        events[marks[-1]].synchronize()
+        base = events[marks[0]]
+        return np.array([0.0] + [base.elapsed_time(events[m]) for m in marks[1:]])
 
 
 class _FlagSlots:
@@ -329,6 +340,7 @@ class RuntimeProbe:
         centered: bool,
         parameters: Sequence[nn.Parameter],
         workspace: Optional[S.Workspace] = None,
+        cuda_events: Optional[list[Any]] = None,
     ) -> None:
         self.error: Optional[BaseException] = None
         self.compiled = False  # a hook was traced by Dynamo: the model runs inside compiled code
@@ -342,7 +354,7 @@ class RuntimeProbe:
         self._bins, self._zeros, self._centered = bins, zeros, centered
         device = next((p.device for p in parameters), torch.device("cpu"))
         self._cuda = device.type == "cuda"
-        self._clock: Any = _CudaClock() if self._cuda else _HostClock()
+        self._clock: Any = _CudaClock([] if cuda_events is None else cuda_events) if self._cuda else _HostClock()
         self._names = [probe_name(name) for name, _ in modules]
         self._index = {id(module): index for index, (_, module) in enumerate(modules)}
         count = len(modules)
@@ -751,6 +763,7 @@ class StepProbes:
         self._forward_guard: Optional[FailedForwardGuard] = None
         self._inert: list[Any] = []
         self.workspace = S.Workspace()  # kept from one sampled step to the next
+        self._cuda_events: list[Any] = []  # the runtime probes' clock marks on a GPU, idem
 
     def arm(self, model: nn.Module, parameters: Sequence[nn.Parameter], step: int) -> None:
         if not (self.structure_pending or self.runtime_on):
@@ -795,7 +808,7 @@ class StepProbes:
             families = tuple(f for f in families if f != "latency")
         self._runtime = RuntimeProbe(
             modules, families=families, bins=self.bins, zeros=self.zeros, centered=self.centered, parameters=parameters,
-            workspace=self.workspace,
+            workspace=self.workspace, cuda_events=self._cuda_events,
         )
 
     @property
