@@ -608,11 +608,18 @@ class RuntimeProbe:
 
     def _flag_together(self, tensors: list[torch.Tensor]) -> list[int]:
         """Flag entries, one per device and dtype, that say whether any of ``tensors`` has a NaN
-        or Inf: the sum of their fused L1 norms (:func:`~layerwatch.sentinel.fused_norms`; an L2
-        norm would overflow at the large finite gradients of a GradScaler's first steps)."""
+        or Inf: the sum of their fused norms (:func:`~layerwatch.sentinel.fused_norms`). An L2
+        norm overflows float32 from ~1.8e19 (a GradScaler's first steps reach that), an L1 norm
+        only from ~3.4e38 but is twice as slow on the CPU: there the L2 norm goes first, and a
+        group whose L2 norm is not finite is measured again in L1 (reading it is no sync)."""
         first = len(self._flags)
-        for _, norms in fused_norms(tensors, ord=1):
-            self._flags.append(self._slots.add(norms.sum(), is_count=False))
+        on_cpu = all(t.device.type == "cpu" for t in tensors)
+        for indices, norms in fused_norms(tensors, ord=2 if on_cpu else 1):
+            total = norms.sum()
+            if on_cpu and not math.isfinite(float(total)):
+                ((_, norms),) = fused_norms([tensors[i] for i in indices], ord=1)
+                total = norms.sum()
+            self._flags.append(self._slots.add(total, is_count=False))
         return list(range(first, len(self._flags)))
 
     def _row(self, tensors: list[torch.Tensor]) -> int:
