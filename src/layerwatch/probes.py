@@ -377,7 +377,8 @@ class RuntimeProbe:
         self._call_bwd_start: list[int] = []
         self._call_grad_outputs: list[int] = []
         self._stack: list[int] = []  # the calls whose forward is running
-        self._ends_with_pass: dict[int, nn.Module] = {}  # outermost calls whose inputs need no gradient
+        # Outermost calls whose inputs need no gradient, and the parameters they train
+        self._ends_with_pass: dict[int, list[nn.Parameter]] = {}
         self._ignored_depth = 0
         # Hook intervals: marks at entry and exit of every hook, in firing order.
         self._entered: list[Any] = []
@@ -386,12 +387,13 @@ class RuntimeProbe:
         self._bwd_spans: list[int] = []
         # Flags: an entry per distinct tensor seen, >= 0 a slot of ``_slots``, < 0 the row
         # ``-1 - entry`` (whose NONFINITE column says it). Runs of entries: a length, then them.
-        self._slots = _FlagSlots(workspace if workspace is not None else S.Workspace())
+        workspace = workspace if workspace is not None else S.Workspace()
+        self._slots = _FlagSlots(workspace)
         self._flags: list[int] = []
         self._runs: list[int] = []
         self._fwd_events: list[int] = []  # (module, inputs run, outputs run) after each other
         self._bwd_events: list[int] = []
-        self._outputs = _Outputs(bins, zeros, centered, self._slots._workspace)
+        self._outputs = _Outputs(bins, zeros, centered, workspace)
         self._row_of: dict[int, int] = {}  # module -> row
         # id(tensor) -> a weak reference, and its version, flag and row packed in one int
         self._seen_ref: dict[int, Any] = {}
@@ -518,7 +520,7 @@ class RuntimeProbe:
             if watched:
                 self._grad_handles.append(_on_gradients(watched, self, call, done=True))
             elif not self._stack:  # the model itself: its backward ends with the pass (a hook per parameter would not)
-                self._ends_with_pass[call] = module
+                self._ends_with_pass[call] = [p for p in module.parameters() if p.requires_grad]
             else:
                 watched = [p for p in module.parameters() if p.requires_grad]
                 if watched:
@@ -560,9 +562,8 @@ class RuntimeProbe:
         self._call_bwd_start[call] = len(self._entered)
         if self._nonfinite and grad is not None:
             self._call_grad_outputs[call] = self._add_run([self._flag(grad)])
-        module = self._ends_with_pass.pop(call, None)
-        if module is not None:
-            parameters = [p for p in module.parameters() if p.requires_grad]
+        parameters = self._ends_with_pass.pop(call, None)
+        if parameters is not None:
             torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._pass_done, call, parameters))
 
     def _pass_done(self, call: int, parameters: list[nn.Parameter]) -> None:
