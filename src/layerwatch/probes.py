@@ -238,9 +238,6 @@ class _Outputs:
         self._stash: Optional[torch.Tensor] = None  # where copies go: a buffer kept from step to step
         self._used = 0
 
-    def __len__(self) -> int:
-        return len(self._offset)
-
     def _keep(self, flat: torch.Tensor, copy: bool) -> int:
         """A new row for ``flat``: copied into the stash (freeing hundreds of small copies after
         every sample made the next step fault their pages back in), or kept (cloned when
@@ -570,7 +567,7 @@ class RuntimeProbe:
         """The end of the backward pass of the model's own call: its gradients are those of
         its parameters, flagged together (one fused norm per device)."""
         if not is_compiling() and self.error is None and self._call_bwd_start[call] >= 0:
-            self._guarded(self._finish_backward, call, [p.grad for p in parameters], True)
+            self._guarded(self._finish_backward, call, [p.grad for p in parameters], True)  # fused
 
     def _backward_done(self, call: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
         if not is_compiling() and self.error is None and self._call_bwd_start[call] >= 0:

@@ -88,19 +88,17 @@ class NonfiniteSentinel:
         names = [named_grads[i][0] for i in order]  # in the order the peaks come back
         copies: list[tuple[torch.Tensor, Any]] = []
         clean = True  # nothing to look at later: every check ran on the CPU and found no NaN/Inf
-        with torch.no_grad():
-            for _, peaks in groups:
-                device = peaks.device
-                if device.type == "cuda":
-                    clean = False
-                    host = torch.empty(peaks.shape, dtype=peaks.dtype, pin_memory=True)
-                    host.copy_(peaks, non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record()
-                    copies.append((host, event))
-                else:
-                    copies.append((peaks, None))
-                    clean = clean and math.isfinite(float(peaks.sum()))  # the CPU: read at once, no sync
+        for _, peaks in groups:
+            if peaks.device.type == "cuda":
+                clean = False
+                host = torch.empty(peaks.shape, dtype=peaks.dtype, pin_memory=True)
+                host.copy_(peaks, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                copies.append((host, event))
+            else:
+                copies.append((peaks, None))
+                clean = clean and math.isfinite(float(peaks.sum()))  # the CPU: read at once, no sync
         if not clean:
             self._pending.append((step, names, copies, stepped))
 

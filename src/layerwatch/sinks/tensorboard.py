@@ -113,10 +113,7 @@ class _ScalarBlock:
     the floats of a step go into their places in one vectorized assignment."""
 
     def __init__(self, tags: tuple[str, ...]) -> None:
-        entries = []
-        for tag in tags:
-            head = events.field(1, tag.encode()) + b"\x15"  # then simple_value, a little-endian float32
-            entries.append(b"\x0a" + events.varint(len(head) + 4) + head + bytes(4))
+        entries = [_value({}, tag, b"\x15" + bytes(4)) for tag in tags]  # simple_value: a float32, zero here
         self._template = b"".join(entries)
         ends = np.cumsum([len(entry) for entry in entries], dtype=np.intp)
         self._places = (ends - 4)[:, None] + np.arange(4)
