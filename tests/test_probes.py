@@ -464,3 +464,34 @@ def test_the_gpu_clock_reuses_its_events_from_one_sampled_step_to_the_next():
     clock = _CudaClock(events, make=FakeEvent)  # the next sampled step
     assert clock.resolve([clock.mark() for _ in range(6)]).shape == (6,)
     assert FakeEvent.made == 6  # four reused, two new
+
+
+def test_the_users_saved_tensor_hooks_still_pack_what_autograd_saves(tmp_path, events):
+    """An offload (``save_on_cpu``) or any saved-tensor hooks a user wraps the forward in keep
+    packing every saved tensor on a sampled step: the probes count the bytes and pass them on."""
+    packed = []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t.clone()  # what an offload does: autograd keeps the packed copy, not t
+
+    def forward_and_backward(model):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(torch.randn(32, 8)).pow(2).mean()
+        loss.backward()
+        return loss.item()
+
+    torch.manual_seed(0)
+    plain = MLP(d_in=8, hidden=16, d_out=4)
+    inspected = MLP(d_in=8, hidden=16, d_out=4)
+    inspected.load_state_dict(plain.state_dict())
+    torch.manual_seed(1)
+    expected = forward_and_backward(plain)
+    unprobed = len(packed)
+    packed.clear()
+    with Inspector(inspected, log_dir=tmp_path, every_n_steps=1) as inspector:
+        torch.manual_seed(1)
+        assert forward_and_backward(inspected) == expected
+        inspector.step()
+    assert len(packed) == unprobed > 0
+    assert scalar(events(tmp_path), "saved_bytes/(root)", 0) == 32 * 8 * 4 + 32 * 16 * 4

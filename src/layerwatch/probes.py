@@ -652,7 +652,12 @@ class RuntimeProbe:
     # ------------------------------------------------------------------ saved tensors
 
     def _enter_saved_context(self) -> None:
-        context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._saved_versions.unpack)
+        outer = _enclosing_saved_tensors_hooks()
+        if outer is None:
+            context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._saved_versions.unpack)
+        else:  # the user's hooks (an offload, say) still pack every saved tensor; the probe only counts
+            outer_pack, outer_unpack = outer
+            context = torch.autograd.graph.saved_tensors_hooks(lambda t: outer_pack(self._count_saved(t)), outer_unpack)
         context.__enter__()
         self._saved_context = context
 
@@ -662,6 +667,16 @@ class RuntimeProbe:
             context.__exit__(None, None, None)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self._count_saved(t)
+        # Returning ``t`` itself would make a reference cycle through its grad_fn that keeps
+        # activations alive; a detached alias shares its storage and version counter, and
+        # the version keeps autograd's check against in-place changes of saved tensors.
+        alias = t.detach()
+        self._saved_versions.versions[id(alias)] = t._version
+        return alias
+
+    def _count_saved(self, t: torch.Tensor) -> torch.Tensor:
+        """Adds the storage of ``t``, saved for backward, to the modules running (once per storage)."""
         if self._stack and self.error is None:
             try:
                 key = _storage_key(t)
@@ -672,12 +687,7 @@ class RuntimeProbe:
                         self._saved_bytes[index] += nbytes
             except Exception:  # a tensor without a storage (a subclass, meta): not counted
                 pass
-        # Returning ``t`` itself would make a reference cycle through its grad_fn that keeps
-        # activations alive; a detached alias shares its storage and version counter, and
-        # the version keeps autograd's check against in-place changes of saved tensors.
-        alias = t.detach()
-        self._saved_versions.versions[id(alias)] = t._version
-        return alias
+        return t
 
 
 class _GradientHook:
@@ -726,6 +736,16 @@ class _SavedVersions:
                 f"a {tuple(t.shape)} {t.dtype} tensor is at version {t._version}; expected version {version}"
             )
         return t
+
+
+def _enclosing_saved_tensors_hooks() -> Optional[tuple[Callable, Callable]]:
+    """The (pack, unpack) hooks of the innermost ``saved_tensors_hooks`` context the forward runs
+    in (``save_on_cpu``, say), or None. Torch has no public reader of them; without its private
+    one the probe's own hooks stand in for the user's during a sampled forward, as before."""
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, TypeError, RuntimeError):
+        return None
 
 
 def _storage_key(t: torch.Tensor) -> int:
