@@ -92,9 +92,9 @@ class NonfiniteSentinel:
             if peaks.device.type == "cuda":
                 clean = False
                 host = torch.empty(peaks.shape, dtype=peaks.dtype, pin_memory=True)
-                host.copy_(peaks, non_blocking=True)
+                host.copy_(peaks, non_blocking=True)  # on the current stream of the peaks' device
                 event = torch.cuda.Event()
-                event.record()
+                event.record(torch.cuda.current_stream(peaks.device))  # that stream, even off the current device
                 copies.append((host, event))
             else:
                 copies.append((peaks, None))
