@@ -276,3 +276,32 @@ def test_a_12_layer_transformer_keeps_under_1200_cards_at_the_defaults(tmp_path)
     assert {"weights_norm", "grads_norm", "update_ratio", "fwd_ms", "bwd_ms", "activations_norm"} <= families
     assert not families & {"activation_bytes", "saved_bytes", "nonfinite", "grads_nonfinite", "weights_nonfinite"}
     assert {t.split("/")[0] for t in tags["histograms"]} == {"weights", "grads", "activations"}
+
+
+def test_the_tab_forgets_the_points_of_a_run_deleted_from_the_log_directory():
+    from types import SimpleNamespace
+
+    from layerwatch.tensorboard_plugin.metadata import SERIES
+    from layerwatch.tensorboard_plugin.plugin import LayerwatchPlugin
+
+    tag, meta = SERIES + "norm", SimpleNamespace(max_step=4, max_wall_time=1.0)
+    listing = {"a": {tag: meta}, "b": {tag: meta}}
+
+    class Provider:
+        reads = 0
+
+        def list_tensors(self, ctx, experiment_id, plugin_name):
+            return listing
+
+        def read_tensors(self, ctx, experiment_id, plugin_name, downsample, run_tag_filter):
+            Provider.reads += 1
+            (run,) = run_tag_filter.runs
+            return {run: {tag: [SimpleNamespace(step=4, wall_time=1.0, numpy=np.ones(3, np.float32))]}}
+
+    plugin = LayerwatchPlugin(SimpleNamespace(data_provider=Provider()))
+    for run in ("a", "b", "a"):
+        assert len(plugin._read(None, "exp", run, tag, meta)[0][2]) == 3
+    assert Provider.reads == 2  # the second read of run a came from the cache
+    del listing["b"]
+    plugin._tags(None, "exp")
+    assert list(plugin._cache) == [("exp", "a", tag)]

@@ -117,7 +117,13 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
     # ------------------------------------------------------------------ reading
 
     def _tags(self, ctx: Any, experiment: str) -> dict[str, dict[str, Any]]:
-        return self._provider.list_tensors(ctx, experiment_id=experiment, plugin_name=PLUGIN_NAME)
+        """The run's tags; the decoded points of a run or tag no longer listed (deleted from
+        the log directory) are dropped, so a long-lived server keeps only what it can show."""
+        listing = self._provider.list_tensors(ctx, experiment_id=experiment, plugin_name=PLUGIN_NAME)
+        with self._lock:
+            for key in [k for k in self._cache if k[0] == experiment and k[2] not in listing.get(k[1], ())]:
+                del self._cache[key]
+        return listing
 
     def _reader(self, ctx: Any, experiment: str, run: str, series: Optional[list[str]] = None) -> Reader:
         """The run's layout and events, and the ``series`` asked for (all when None)."""
