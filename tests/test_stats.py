@@ -1,4 +1,5 @@
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -209,3 +210,55 @@ def test_an_empty_tensor_has_an_empty_row_and_leaves_its_neighbours_alone():
         rows = S.reduce([torch.empty(0), neighbour, torch.empty(0, 3)], bins).numpy()
         assert rows[0, S.COUNT] == 0 and rows[2, S.COUNT] == 0 and rows[0, S.NONFINITE] == 0
         assert rows[1, S.COUNT] == 600 and rows[1, S.SUM] == pytest.approx(neighbour.double().sum().item(), abs=1e-4)
+
+
+def test_a_kept_workspace_gives_the_rows_of_a_fresh_one_call_after_call():
+    """Plans and their views into the chunk buffer are kept by shapes: new values in the same
+    shapes, a call on other shapes in between (which may grow the buffer) and mixed dtypes and
+    layouts read exactly as a fresh workspace reads them."""
+    torch.manual_seed(0)
+    workspace = S.Workspace()
+    shapes = [(300, 7), (5,), (64, 64), (3, 1000), (1,)]
+    for k in range(3):
+        tensors = [torch.randn(shape) * (k + 1) for shape in shapes]
+        tensors[2] = tensors[2].t()  # not contiguous
+        tensors[3] = tensors[3].to(torch.bfloat16)
+        kept = S.reduce(tensors, 32, centered=True, histogram_values=500, workspace=workspace)
+        fresh = S.reduce(tensors, 32, centered=True, histogram_values=500)
+        np.testing.assert_array_equal(kept.numpy(), fresh.numpy())
+        S.reduce([torch.randn(3_000_000)], 32, workspace=workspace)  # another plan in between
+    for k in range(S.Workspace.PLANS + 4):
+        S.reduce([torch.randn(k + 1)], 8, workspace=workspace)
+    assert len(workspace._plans) == S.Workspace.PLANS
+
+
+def test_the_parameter_families_make_no_python_call_per_tensor():
+    """A sampled step's reductions of weights, gradients and updates run the same Python
+    functions for 10 layers as for 40 (once each plan is made): per-tensor work is in torch."""
+    from layerwatch.failures import FailurePolicy
+    from layerwatch.options import validate_options
+    from layerwatch.params import ParameterFamilies, parameters
+
+    def python_calls(layers: int) -> int:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(layers)])
+        model(torch.randn(4, 16)).sum().backward()
+        params = parameters(model)
+        families = ParameterFamilies(validate_options(), FailurePolicy())
+
+        def sample() -> None:
+            snapshot = families.snapshot(params)
+            families.gradients(params, 0)
+            families.weights(params)
+            families.updates(snapshot, params, weight_norms=False)
+
+        sample()
+        calls = []
+        sys.setprofile(lambda frame, event, arg: calls.append(frame.f_code) if event == "call" else None)
+        try:
+            sample()
+        finally:
+            sys.setprofile(None)
+        return len(calls)
+
+    assert python_calls(40) == python_calls(10)

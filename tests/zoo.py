@@ -102,7 +102,7 @@ class ComplexWeights(nn.Module):
 class Exotic(torch.Tensor):
     """A tensor subclass whose reductions fail: the statistics cannot handle it."""
 
-    BLOCKED = {"aminmax", "isfinite", "amin", "amax", "sum", "linalg_vector_norm", "norm", "_foreach_norm", "cat"}
+    BLOCKED = {"aminmax", "isfinite", "amin", "amax", "sum", "linalg_vector_norm", "norm", "_foreach_norm", "cat", "_foreach_copy_"}
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

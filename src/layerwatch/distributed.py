@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import functools
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -17,16 +18,28 @@ def is_writer_rank() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def is_dtensor(tensor: torch.Tensor) -> bool:
+@functools.cache
+def _dtensor_type() -> Optional[type]:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch without distributed
-        return False
-    return isinstance(tensor, DTensor)
+        return None
+    return DTensor
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`local` of each tensor, without a Python call per tensor."""
+    dtensor = _dtensor_type() or ()  # isinstance(x, ()) is False
+    return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
 
 
 def this_ranks_groups(pairs: NamedTensors, warn_once: Callable[[str, str], None]) -> list[Group]:
@@ -39,8 +52,9 @@ def this_ranks_groups(pairs: NamedTensors, warn_once: Callable[[str, str], None]
     plain: dict[torch.device, tuple[list[str], list[torch.Tensor]]] = {}
     sharded: dict[Any, tuple[list[str], list[torch.Tensor]]] = {}
     writer = is_writer_rank()
+    dtensor = _dtensor_type() or ()  # isinstance(x, ()) is False
     for name, tensor in pairs:
-        if is_dtensor(tensor):
+        if isinstance(tensor, dtensor):
             shard_dims = [i for i, placement in enumerate(tensor.placements) if placement.is_shard()]
             if len(shard_dims) > 1:
                 warn_once(f"shard:{name}", f"layerwatch: {name!r} is sharded along several mesh dimensions; not measured")

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from layerwatch import stats as S
-from layerwatch.distributed import NamedTensors, local, norms, this_ranks_groups
+from layerwatch.distributed import NamedTensors, local_tensors, norms, this_ranks_groups
 from layerwatch.failures import FailurePolicy
 from layerwatch.options import Options
 
@@ -77,7 +77,7 @@ class ParameterFamilies:
         CPU (a fresh copy of a large weight costs a page fault per 4 KiB there); per-tensor
         clones when their dtypes differ."""
         dtype = tensors[0].dtype
-        if any(t.dtype != dtype for t in tensors):
+        if any([t.dtype != dtype for t in tensors]):
             return [t.detach().clone() for t in tensors]
         sizes = [t.numel() for t in tensors]
         flat = self.workspace.get(tensors[0].device, dtype, sum(sizes), slot, exact=True)
@@ -96,7 +96,7 @@ class ParameterFamilies:
         pieces = []
         with torch.no_grad():
             for group, names, before in snapshot.groups:
-                after = [local(current[name]).detach() for name in names]
+                after = local_tensors([current[name].detach() for name in names])
                 torch._foreach_sub_(before, after)
                 deltas = norms(before, group)
                 after_norms = norms(after, group) if weight_norms else torch.full_like(deltas, float("nan"))

@@ -121,17 +121,19 @@ def reduce(
         raise ValueError(f"histogram_values must be None or a positive count, got {histogram_values!r}")
     if not tensors:
         return torch.empty(0, row_width(bins), dtype=torch.float64)
-    flat = [as_real_values(t) for t in tensors]
     with torch.no_grad():
         if not fast:
+            flat = [as_real_values(t) for t in tensors]
             return torch.stack([_reduce_generic(t, bins, zeros, centered, histogram_values=histogram_values) for t in flat])
-        present = [i for i, t in enumerate(flat) if t.numel()]
-        if len(present) == len(flat):
-            return _Batch(flat, bins, zeros, centered, histogram_values, workspace or Workspace()).rows()
-        rows = torch.zeros(len(flat), row_width(bins), dtype=torch.float64, device=flat[0].device)
+        if any([t.is_complex() for t in tensors]):  # a list: no Python frame per tensor
+            tensors = [torch.view_as_real(t) if t.is_complex() else t for t in tensors]
+        present = [i for i, t in enumerate(tensors) if t.numel()]
+        if len(present) == len(tensors):
+            return _Batch(tensors, bins, zeros, centered, histogram_values, workspace or Workspace()).rows()
+        rows = torch.zeros(len(tensors), row_width(bins), dtype=torch.float64, device=tensors[0].device)
         rows[:, MIN], rows[:, MAX] = math.inf, -math.inf  # an empty tensor: no value, no histogram
         if present:
-            batch = _Batch([flat[i] for i in present], bins, zeros, centered, histogram_values, workspace or Workspace())
+            batch = _Batch([tensors[i] for i in present], bins, zeros, centered, histogram_values, workspace or Workspace())
             rows[present] = batch.rows()
         return rows
 
@@ -262,8 +264,22 @@ class Workspace:
     chunk buffers are allocated once; they hold at most ``chunk_values`` values each.
     """
 
+    PLANS = 16  # the plans of the calls with different shapes seen last (gradients, weights, outputs...)
+
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.device, torch.dtype, str], torch.Tensor] = {}
+        self._plans: dict[tuple, _Plan] = {}  # oldest first
+
+    def plan(self, shapes: tuple[torch.Size, ...], device: torch.device, bins: int, limit: Optional[int]) -> "_Plan":
+        """The :class:`_Plan` of a call on tensors of these shapes, made the first time."""
+        key = (shapes, device, bool(bins), limit)
+        plan = self._plans.pop(key, None)
+        if plan is None:
+            plan = _Plan(shapes, device, bins, limit)
+            if len(self._plans) >= self.PLANS:
+                del self._plans[next(iter(self._plans))]
+        self._plans[key] = plan
+        return plan
 
     def get(self, device: torch.device, dtype: torch.dtype, n: int, slot: str, exact: bool = False) -> torch.Tensor:
         """``n`` values of ``slot``; a new buffer holds at least a chunk on the CPU, unless ``exact``."""
@@ -283,12 +299,121 @@ class Workspace:
 
     def clear(self) -> None:
         self._buffers.clear()
+        self._plans.clear()
 
 
 def chunk_values(device: torch.device) -> int:
     """Values reduced by one set of ops: a chunk that stays in the CPU's last-level cache, more
     on an accelerator (fewer launches)."""
     return 1 << 20 if device.type == "cpu" else 1 << 22
+
+
+class _Chunk(NamedTuple):
+    """One chunk of a :class:`_Plan`: tensors ``first..last-1`` (one stride) in rows of
+    ``width``, or (``single``) one large tensor reduced whole, uncopied. The index tensors are on
+    the device; ``fill_to``/``fill_from`` copy each tensor's last value into its padding."""
+
+    first: int
+    last: int
+    width: int
+    single: bool
+    values: int  # padded values in the chunk
+    offsets: list[int]  # where each tensor starts in the chunk
+    owner: torch.Tensor  # per row, the tensor it belongs to
+    last_rows: Optional[torch.Tensor]
+    pads: Optional[torch.Tensor]
+    fill_to: Optional[torch.Tensor]
+    fill_from: Optional[torch.Tensor]
+    sampled_pads: list[int]
+
+
+class _Plan:
+    """Everything of a batched call that depends only on its tensors' shapes, kept in the
+    :class:`Workspace` for the next call with the same shapes: the order by histogram stride,
+    the chunks with their index tensors, and the views into the chunk buffer that each tensor is
+    copied into (one ``_foreach_copy_`` per chunk). So a sampled step does no Python work per
+    tensor beyond listing them."""
+
+    def __init__(self, shapes: tuple[torch.Size, ...], device: torch.device, bins: int, limit: Optional[int]) -> None:
+        by_stride: dict[int, list[int]] = {}
+        for i, shape in enumerate(shapes):
+            stride = 1 if not bins or limit is None else prime_stride(math.prod(shape), limit)
+            by_stride.setdefault(stride, []).append(i)
+        self.order = [i for indices in by_stride.values() for i in indices]  # grouped by stride
+        self.shapes = [shapes[i] for i in self.order]
+        self.sizes = [math.prod(shape) for shape in self.shapes]
+        self.strides = [s for s, indices in by_stride.items() for _ in indices]
+        self.device = device
+        inverse = [0] * len(shapes)
+        for position, i in enumerate(self.order):
+            inverse[i] = position
+        self.inverse = None if inverse == list(range(len(shapes))) else _to_device(inverse, torch.int64, device)
+        self.chunks = [self._chunk(*bounds) for bounds in self._bounds()]
+        self.sizes_f64 = _to_device(self.sizes, torch.float64, device)
+        self.sampled_pads = _to_device([p for chunk in self.chunks for p in chunk.sampled_pads], torch.float64, device)
+        strided = [s > 1 for s in self.strides]
+        self.strided = _to_device(strided, torch.bool, device) if any(strided) else None  # sampled histograms
+        self._views: dict[int, tuple[int, list[torch.Tensor]]] = {}  # chunk -> (buffer address, views)
+
+    def _bounds(self):
+        budget = chunk_values(self.device)
+        first = 0
+        while first < len(self.sizes):
+            stride = self.strides[first]
+            width = ROW * stride
+            if self.sizes[first] >= budget // 2:
+                yield first, first + 1, 0, True
+                first += 1
+                continue
+            last, size = first, 0
+            while last < len(self.sizes) and self.strides[last] == stride:
+                n = -(-self.sizes[last] // width) * width
+                if last > first and size + n > budget:
+                    break
+                size += n
+                last += 1
+            yield first, last, width, False
+            first = last
+
+    def _chunk(self, first: int, last: int, width: int, single: bool) -> _Chunk:
+        device = self.device
+        if single:
+            return _Chunk(first, last, 0, True, self.sizes[first], [0], _to_device([first], torch.int64, device),
+                          None, None, None, None, [0])
+        sizes = self.sizes[first:last]
+        pads = [-n % width for n in sizes]
+        rows_per = [(n + pad) // width for n, pad in zip(sizes, pads)]
+        offsets = list(itertools.accumulate((n + pad for n, pad in zip(sizes, pads)), initial=0))
+        fill_to = [i for start, n, pad in zip(offsets, sizes, pads) for i in range(start + n, start + n + pad)]
+        fill_from = [start + n - 1 for start, n, pad in zip(offsets, sizes, pads) for _ in range(pad)]
+        owner = torch.repeat_interleave(torch.arange(first, last), torch.tensor(rows_per))
+        stride = self.strides[first]
+        return _Chunk(
+            first, last, width, False, offsets[-1], offsets[:-1],
+            _to_device(owner, torch.int64, device),
+            _to_device(list(itertools.accumulate(rows_per, initial=-1))[1:], torch.int64, device),
+            _to_device(pads, torch.float64, device),
+            _to_device(fill_to, torch.int64, device) if fill_to else None,
+            _to_device(fill_from, torch.int64, device) if fill_from else None,
+            [(width - 1) // stride - (width - p - 1) // stride for p in pads],
+        )
+
+    def fill(self, index: int, tensors: Sequence[torch.Tensor], workspace: "Workspace") -> torch.Tensor:
+        """Chunk ``index`` of ``tensors`` (in the plan's order) copied into the workspace's chunk
+        buffer, padded: a ``(rows, width)`` matrix."""
+        chunk = self.chunks[index]
+        # A buffer of a whole chunk's budget at once: no chunk outgrows it, so the views stay valid
+        buffer = workspace.get(self.device, torch.float32, chunk_values(self.device), "chunk")[: chunk.values]
+        address = buffer.data_ptr()
+        cached = self._views.get(index)
+        if cached is None or cached[0] != address:
+            shapes = self.shapes[chunk.first : chunk.last]
+            views = [buffer[start : start + math.prod(shape)].view(shape) for start, shape in zip(chunk.offsets, shapes)]
+            cached = self._views[index] = (address, views)
+        torch._foreach_copy_(cached[1], tensors[chunk.first : chunk.last])
+        if chunk.fill_to is not None:
+            buffer.index_copy_(0, chunk.fill_to, buffer.index_select(0, chunk.fill_from))
+        return buffer.view(-1, chunk.width)
 
 
 class _Batch:
@@ -301,53 +426,43 @@ class _Batch:
     """
 
     def __init__(
-        self, flat: list[torch.Tensor], bins: int, zeros: bool, centered: bool, limit: Optional[int], workspace: Workspace
+        self, tensors: Sequence[torch.Tensor], bins: int, zeros: bool, centered: bool, limit: Optional[int], workspace: Workspace
     ) -> None:
         self.bins, self.zeros, self.centered, self.workspace = bins, zeros, centered, workspace
-        self.device = flat[0].device
-        by_stride: dict[int, list[int]] = {}
-        for i, t in enumerate(flat):
-            n = t.numel()
-            stride = 1 if not bins or limit is None else prime_stride(n, limit)
-            by_stride.setdefault(stride, []).append(i)
-        self.order = [i for indices in by_stride.values() for i in indices]
-        self.flat = [flat[i] for i in self.order]  # grouped by stride; rows() restores the order
-        self.strides = [s for s, indices in by_stride.items() for _ in indices]
-        self.sizes = [t.numel() for t in self.flat]
+        self.device = tensors[0].device
+        self.plan = workspace.plan(tuple([t.shape for t in tensors]), self.device, bins, limit)
+        order = self.plan.order
+        self.tensors = tensors if self.plan.inverse is None else [tensors[i] for i in order]
+        self.strides, self.sizes = self.plan.strides, self.plan.sizes
 
     def rows(self) -> torch.Tensor:
-        n, bins, device, f64 = len(self.flat), self.bins, self.device, torch.float64
+        n, bins, device, f64 = len(self.tensors), self.bins, self.device, torch.float64
         self.mn = torch.full((n,), math.inf, device=device)
         self.mx = torch.full((n,), -math.inf, device=device)
         self.grid = [torch.ones(n, device=device), torch.zeros(n, device=device), torch.zeros(n, device=device)]
         self.counts = torch.zeros(n * (bins + 3), dtype=torch.int64, device=device) if bins else None
-        partials, owners, lasts, sampled_pads = [], [], [], []
-        for first, last, width, single in self._chunks():
+        partials, owners, lasts = [], [], []
+        for index, chunk in enumerate(self.plan.chunks):
             masked = device.type != "cpu"
+            first, last, owner = chunk.first, chunk.last, chunk.owner
             stride = self.strides[first]
-            if single:  # one large tensor: a handful of whole-tensor ops, one partial row
-                t = self.flat[first]
-                owner = _to_device([first], torch.int64, device)
+            if chunk.single:  # one large tensor: a handful of whole-tensor ops, one partial row
+                t = self.tensors[first].reshape(-1)
+                t = t if t.dtype == torch.float32 else t.float()
                 last_values = t[-1:]
                 row = _whole_partials(t, self.zeros, self.centered, masked)
                 if not masked and not math.isfinite(float(row[1])):  # a NaN or Inf: the CPU reads it freely
                     masked = True
                     row = _whole_partials(t, self.zeros, self.centered, masked)
                 sample = t[::stride].view(1, -1)
-                sampled_pads.append(0)
             else:
-                x, chunk_pads = self._rows_of(first, last, width)
-                rows_per = [-(-self.sizes[i] // width) for i in range(first, last)]
-                owner = _to_device(torch.repeat_interleave(torch.arange(first, last), torch.tensor(rows_per)), torch.int64, device)
-                last_rows = _to_device(list(itertools.accumulate(rows_per, initial=-1))[1:], torch.int64, device)
-                last_values = x[last_rows, -1]
-                pads = _to_device(chunk_pads, torch.float64, device)
-                row = _row_partials(x, last_rows, last_values, pads, self.zeros, self.centered, masked)
+                x = self.plan.fill(index, self.tensors, self.workspace)
+                last_values = x[chunk.last_rows, -1]
+                row = _row_partials(x, chunk.last_rows, last_values, chunk.pads, self.zeros, self.centered, masked)
                 if not masked and not math.isfinite(float(row[1].sum())):  # a NaN or Inf: the CPU reads it freely
                     masked = True
-                    row = _row_partials(x, last_rows, last_values, pads, self.zeros, self.centered, masked)
+                    row = _row_partials(x, chunk.last_rows, last_values, chunk.pads, self.zeros, self.centered, masked)
                 sample = x[:, ::stride]
-                sampled_pads += [(width - 1) // stride - (width - p - 1) // stride for p in chunk_pads]
             self.mn.scatter_reduce_(0, owner, row[2], "amin")
             self.mx.scatter_reduce_(0, owner, row[3], "amax")
             if bins:
@@ -355,45 +470,8 @@ class _Batch:
             partials.append(torch.stack([r.to(f64) for r in row], dim=1))
             owners.append(owner)
             lasts.append(last_values)
-        rows = self._finish(torch.cat(partials), torch.cat(owners), torch.cat(lasts), sampled_pads)
-        inverse = [0] * n
-        for position, i in enumerate(self.order):
-            inverse[i] = position
-        return rows if inverse == list(range(n)) else rows.index_select(0, _to_device(inverse, torch.int64, device))
-
-    def _chunks(self):
-        """``(first, last, width, single)`` per chunk: tensors ``first..last-1`` of one stride
-        in rows of ``width``; ``single``: one large tensor alone, reduced whole, uncopied."""
-        budget = chunk_values(self.device)
-        first = 0
-        while first < len(self.flat):
-            stride = self.strides[first]
-            width = ROW * stride
-            if self.flat[first].is_contiguous() and self.sizes[first] >= budget // 2:
-                yield first, first + 1, 0, True
-                first += 1
-                continue
-            last, size = first, 0
-            while last < len(self.flat) and self.strides[last] == stride:
-                n = -(-self.sizes[last] // width) * width
-                if last > first and size + n > budget:
-                    break
-                size += n
-                last += 1
-            yield first, last, width, False
-            first = last
-
-    def _rows_of(self, first: int, last: int, width: int) -> tuple[torch.Tensor, list[int]]:
-        pieces, pads = [], []
-        for t in self.flat[first:last]:
-            pad = -t.numel() % width
-            pieces.append(t)
-            if pad:
-                pieces.append(t[-1:].expand(pad))
-            pads.append(pad)
-        out = self.workspace.get(self.device, torch.float32, sum(p.numel() for p in pieces), "chunk")
-        torch.cat(pieces, out=out)
-        return out.view(-1, width), pads
+        rows = self._finish(torch.cat(partials), torch.cat(owners), torch.cat(lasts))
+        return rows if self.plan.inverse is None else rows.index_select(0, self.plan.inverse)
 
     def _count(self, first: int, last: int, sample: torch.Tensor, owner: torch.Tensor, masked: bool) -> None:
         """Bucket counts of one chunk's sample, on the grid of each tensor's range."""
@@ -414,11 +492,11 @@ class _Batch:
         index.add_((owner * (bins + 3)).to(index_dtype)[:, None])
         self.counts += _bincount(index.view(-1), self.counts.numel())
 
-    def _finish(self, partials: torch.Tensor, owner: torch.Tensor, last: torch.Tensor, sampled_pads: list[int]) -> torch.Tensor:
+    def _finish(self, partials: torch.Tensor, owner: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """Per-tensor rows from the row partials (each exact over its row's own values): sums
         combined, the sums of squared deviations by Chan et al.'s rule; the padding taken
         back out of the bucket counts."""
-        n, device, f64, bins = len(self.flat), self.device, torch.float64, self.bins
+        n, device, f64, bins = len(self.tensors), self.device, torch.float64, self.bins
         sums = torch.zeros(n, partials.shape[1], dtype=f64, device=device).index_add_(0, owner, partials)
         count, total = sums[:, 0], sums[:, 1]
         nan = torch.full((n,), math.nan, dtype=f64, device=device)
@@ -428,8 +506,7 @@ class _Batch:
             mean = total / count.clamp(min=1)
             spread = torch.zeros(n, dtype=f64, device=device).index_add_(0, owner, row_count * (row_mean - mean[owner]) ** 2)
             csumsq = (sums[:, 6] + spread).clamp(min=0)
-        sizes = _to_device(self.sizes, f64, device)
-        head = [count, sizes - count, self.mn.to(f64), self.mx.to(f64), total, sums[:, 4], sums[:, 5] if self.zeros else nan, csumsq]
+        head = [count, self.plan.sizes_f64 - count, self.mn.to(f64), self.mx.to(f64), total, sums[:, 4], sums[:, 5] if self.zeros else nan, csumsq]
         if not bins:
             return torch.stack(head + [nan] * (HIST - len(head)), dim=1)
         scale, anchor, zero_point = self.grid
@@ -438,10 +515,10 @@ class _Batch:
         def bucket(values: torch.Tensor) -> torch.Tensor:
             return _bucket_of(values, scale, anchor, zero_point, bins)[:, None]
 
-        counts.scatter_add_(1, bucket(last), -_to_device(sampled_pads, f64, device)[:, None])
+        counts.scatter_add_(1, bucket(last), -self.plan.sampled_pads[:, None])
         counts = counts[:, : bins + 2]
-        if any(s > 1 for s in self.strides):  # a sample, with the exact extremes, stands for every finite value
-            strided = _to_device([s > 1 for s in self.strides], torch.bool, device)
+        strided = self.plan.strided
+        if strided is not None:  # a sample, with the exact extremes, stands for every finite value
             found = ((count > 0) & strided).to(f64)[:, None]
             for extreme in (self.mn, self.mx):
                 counts.scatter_add_(1, bucket(extreme).clamp(max=bins + 1), found)
