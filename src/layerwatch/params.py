@@ -82,7 +82,7 @@ class ParameterFamilies:
         sizes = [t.numel() for t in tensors]
         flat = self.workspace.get(tensors[0].device, dtype, sum(sizes), slot, exact=True)
         copies = [piece.view(t.shape) for piece, t in zip(flat.split(sizes), tensors)]
-        torch._foreach_copy_(copies, [t.detach() for t in tensors])
+        torch._foreach_copy_(copies, tensors)  # under no_grad: nothing recorded, no detach needed
         return copies
 
     def _release_snapshots(self) -> None:
@@ -96,7 +96,7 @@ class ParameterFamilies:
         pieces = []
         with torch.no_grad():
             for group, names, before in snapshot.groups:
-                after = local_tensors([current[name].detach() for name in names])
+                after = local_tensors([current[name] for name in names])
                 torch._foreach_sub_(before, after)
                 deltas = norms(before, group)
                 after_norms = norms(after, group) if weight_norms else torch.full_like(deltas, float("nan"))
