@@ -35,7 +35,6 @@ Tensors of another floating dtype are measured in float32.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -318,7 +317,7 @@ class _Chunk(NamedTuple):
     width: int
     single: bool
     values: int  # padded values in the chunk
-    offsets: list[int]  # where each tensor starts in the chunk
+    pieces: list[int]  # each tensor's values, then its padding: how the chunk is split
     owner: torch.Tensor  # per row, the tensor it belongs to
     last_rows: Optional[torch.Tensor]
     pads: Optional[torch.Tensor]
@@ -378,24 +377,30 @@ class _Plan:
     def _chunk(self, first: int, last: int, width: int, single: bool) -> _Chunk:
         device = self.device
         if single:
-            return _Chunk(first, last, 0, True, self.sizes[first], [0], _to_device([first], torch.int64, device),
+            return _Chunk(first, last, 0, True, self.sizes[first], [self.sizes[first], 0], _to_device([first], torch.int64, device),
                           None, None, None, None, [0])
-        sizes = self.sizes[first:last]
-        pads = [-n % width for n in sizes]
-        rows_per = [(n + pad) // width for n, pad in zip(sizes, pads)]
-        offsets = list(itertools.accumulate((n + pad for n, pad in zip(sizes, pads)), initial=0))
-        fill_to = [i for start, n, pad in zip(offsets, sizes, pads) for i in range(start + n, start + n + pad)]
-        fill_from = [start + n - 1 for start, n, pad in zip(offsets, sizes, pads) for _ in range(pad)]
-        owner = torch.repeat_interleave(torch.arange(first, last), torch.tensor(rows_per))
+        sizes = torch.tensor(self.sizes[first:last])
+        pads = -sizes % width
+        rows_per = (sizes + pads) // width
+        ends = torch.cumsum(sizes + pads, 0)
+        starts = ends - sizes - pads
+        owner = torch.repeat_interleave(torch.arange(first, last), rows_per)
+        fill_to = fill_from = None
+        if pads.any():  # padding position k of a tensor: its end + k; it copies the tensor's last value
+            last_values = starts + sizes - 1
+            within = torch.arange(int(pads.sum())) - torch.repeat_interleave(torch.cumsum(pads, 0) - pads, pads)
+            fill_from = torch.repeat_interleave(last_values, pads)
+            fill_to = _to_device(fill_from + 1 + within, torch.int64, device)
+            fill_from = _to_device(fill_from, torch.int64, device)
         stride = self.strides[first]
         return _Chunk(
-            first, last, width, False, offsets[-1], offsets[:-1],
+            first, last, width, False, int(ends[-1]), torch.stack([sizes, pads], 1).flatten().tolist(),
             _to_device(owner, torch.int64, device),
-            _to_device(list(itertools.accumulate(rows_per, initial=-1))[1:], torch.int64, device),
+            _to_device(torch.cumsum(rows_per, 0) - 1, torch.int64, device),
             _to_device(pads, torch.float64, device),
-            _to_device(fill_to, torch.int64, device) if fill_to else None,
-            _to_device(fill_from, torch.int64, device) if fill_from else None,
-            [(width - 1) // stride - (width - p - 1) // stride for p in pads],
+            fill_to,
+            fill_from,
+            ((width - 1) // stride - (width - pads - 1) // stride).tolist(),
         )
 
     def fill(self, index: int, tensors: Sequence[torch.Tensor], workspace: "Workspace") -> torch.Tensor:
@@ -407,8 +412,8 @@ class _Plan:
         address = buffer.data_ptr()
         cached = self._views.get(index)
         if cached is None or cached[0] != address:
-            shapes = self.shapes[chunk.first : chunk.last]
-            views = [buffer[start : start + math.prod(shape)].view(shape) for start, shape in zip(chunk.offsets, shapes)]
+            views = [piece if len(shape) == 1 else piece.view(shape)
+                     for piece, shape in zip(buffer.split_with_sizes(chunk.pieces)[::2], self.shapes[chunk.first : chunk.last])]
             cached = self._views[index] = (address, views)
         torch._foreach_copy_(cached[1], tensors[chunk.first : chunk.last])
         if chunk.fill_to is not None:
