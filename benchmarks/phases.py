@@ -12,16 +12,15 @@ inside a training step.
 
 from __future__ import annotations
 
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable
 
 from torch.utils.tensorboard import SummaryWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import median_ms  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 from layerwatch import record as R  # noqa: E402
@@ -33,13 +32,7 @@ from layerwatch.sinks.tensorboard import TensorBoardSink  # noqa: E402
 
 
 def timed(name: str, action: Callable[[], object], calls: int = 7) -> None:
-    action()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        action()
-        times.append(time.perf_counter() - start)
-    print(f"{name:<24} {1e3 * statistics.median(times):8.2f} ms")
+    print(f"{name:<24} {median_ms(action, calls):8.2f} ms")
 
 
 def main() -> None:

@@ -14,10 +14,8 @@ counted, not only the tensors.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from typing import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -27,15 +25,8 @@ from layerwatch.failures import FailurePolicy
 from layerwatch.options import validate_options
 from layerwatch.params import ParameterFamilies, parameters
 
-
-def median_ms(action: Callable[[], object], calls: int = 15) -> float:
-    action()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        action()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import median_ms  # noqa: E402
 
 
 def python_calls(count: int, size: int) -> int:

@@ -1,5 +1,6 @@
 import math
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -234,31 +235,8 @@ def test_a_kept_workspace_gives_the_rows_of_a_fresh_one_call_after_call():
 
 def test_the_parameter_families_make_no_python_call_per_tensor():
     """A sampled step's reductions of weights, gradients and updates run the same Python
-    functions for 10 layers as for 40 (once each plan is made): per-tensor work is in torch."""
-    from layerwatch.failures import FailurePolicy
-    from layerwatch.options import validate_options
-    from layerwatch.params import ParameterFamilies, parameters
+    functions for 10 tensors as for 400 (once each plan is made): per-tensor work is in torch."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from tensor_count import python_calls
 
-    def python_calls(layers: int) -> int:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(layers)])
-        model(torch.randn(4, 16)).sum().backward()
-        params = parameters(model)
-        families = ParameterFamilies(validate_options(), FailurePolicy())
-
-        def sample() -> None:
-            snapshot = families.snapshot(params)
-            families.gradients(params, 0)
-            families.weights(params)
-            families.updates(snapshot, params, weight_norms=False)
-
-        sample()
-        calls = []
-        sys.setprofile(lambda frame, event, arg: calls.append(frame.f_code) if event == "call" else None)
-        try:
-            sample()
-        finally:
-            sys.setprofile(None)
-        return len(calls)
-
-    assert python_calls(40) == python_calls(10)
+    assert python_calls(400, 64) == python_calls(10, 64)
