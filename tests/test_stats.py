@@ -1,5 +1,4 @@
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -233,10 +232,22 @@ def test_a_kept_workspace_gives_the_rows_of_a_fresh_one_call_after_call():
     assert len(workspace._plans) == S.Workspace.PLANS
 
 
-def test_the_parameter_families_make_no_python_call_per_tensor():
+def test_the_parameter_families_make_no_python_call_per_tensor(monkeypatch):
     """A sampled step's reductions of weights, gradients and updates run the same Python
     functions for 10 tensors as for 400 (once each plan is made): per-tensor work is in torch."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from tensor_count import python_calls
 
     assert python_calls(400, 64) == python_calls(10, 64)
+
+
+@pytest.mark.parametrize("limit", [100, 3000, None])
+def test_padding_to_a_wide_sample_stride_and_conjugate_views_read_as_the_reference(limit):
+    """A small ``histogram_values`` makes rows wider than a chunk's budget; a conjugate view
+    counts the values it shows."""
+    torch.manual_seed(0)
+    tensors = [torch.randn(500_000), torch.randn(7, 3), torch.randn(1000, dtype=torch.complex64).conj(), torch.randn(())]
+    fast = S.reduce(tensors, 32, centered=True, histogram_values=limit)
+    generic = S.reduce(tensors, 32, centered=True, fast=False, histogram_values=limit)
+    np.testing.assert_allclose(fast[:, : S.HIST].numpy(), generic[:, : S.HIST].numpy(), rtol=1e-4, atol=1e-4)  # float32 sums
+    assert fast[2, S.SUM].item() == pytest.approx(torch.view_as_real(tensors[2].resolve_conj()).sum().item(), rel=1e-4, abs=1e-3)

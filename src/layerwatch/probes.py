@@ -740,12 +740,16 @@ class _SavedVersions:
 
 def _enclosing_saved_tensors_hooks() -> Optional[tuple[Callable, Callable]]:
     """The (pack, unpack) hooks of the innermost ``saved_tensors_hooks`` context the forward runs
-    in (``save_on_cpu``, say), or None. Torch has no public reader of them; without its private
-    one the probe's own hooks stand in for the user's during a sampled forward, as before."""
-    try:
-        return torch._C._autograd._top_saved_tensors_default_hooks(False)
-    except (AttributeError, TypeError, RuntimeError):
+    in (``save_on_cpu``, say), or None. Torch has no public reader of them, and its private one
+    came with torch 2.8 (taking no argument in some builds); without it the probe's own hooks
+    stand in for the user's during a sampled forward."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
         return None
+    try:
+        return top(False)
+    except TypeError:
+        return top()
 
 
 def _storage_key(t: torch.Tensor) -> int:

@@ -15,7 +15,7 @@ non-negative first), one op fewer than round-half-even per value.
 
 The work does not grow with the number of tensors: they are packed into chunks, each a
 ``(rows, width)`` matrix of whole tensors padded to whole rows (a large tensor is reduced
-alone, whole and uncopied), through buffers a :class:`Workspace` keeps. Per chunk, a handful
+alone, whole, uncopied when it is contiguous float32), through buffers a :class:`Workspace` keeps. Per chunk, a handful
 of ops: row minima, maxima, sums and norms; each tensor's range and grid; one bucket count
 (``bincount`` with a per-tensor offset) over the chunk. The rows are combined per tensor
 once for the whole call. On an accelerator every op is masked (correct for any value) and
@@ -125,7 +125,7 @@ def reduce(
             flat = [as_real_values(t) for t in tensors]
             return torch.stack([_reduce_generic(t, bins, zeros, centered, histogram_values=histogram_values) for t in flat])
         if any([t.is_complex() for t in tensors]):  # a list: no Python frame per tensor
-            tensors = [torch.view_as_real(t) if t.is_complex() else t for t in tensors]
+            tensors = [torch.view_as_real(t.resolve_conj()) if t.is_complex() else t for t in tensors]
         present = [i for i, t in enumerate(tensors) if t.numel()]
         if len(present) == len(tensors):
             return _Batch(tensors, bins, zeros, centered, histogram_values, workspace or Workspace()).rows()
@@ -142,7 +142,7 @@ def as_real_values(t: torch.Tensor) -> torch.Tensor:
     imaginary parts as values, so its norm is the norm of the complex tensor."""
     t = t.detach()
     if t.is_complex():
-        t = torch.view_as_real(t)
+        t = torch.view_as_real(t.resolve_conj())
     flat = t.reshape(-1)
     return flat if flat.dtype == torch.float32 else flat.float()
 
@@ -260,7 +260,8 @@ class Workspace:
     """Scratch buffers kept from one call of :func:`reduce` to the next.
 
     Fresh memory costs a page fault per 4 KiB on the CPU (about 1 ms per MiB here), so the
-    chunk buffers are allocated once; they hold at most ``chunk_values`` values each.
+    chunk buffers are allocated once; they hold a chunk's budget of values (``chunk_values``),
+    more when one chunk needs more (a tensor padded to whole rows of a wide sample stride).
     """
 
     PLANS = 16  # the plans of the calls with different shapes seen last (gradients, weights, outputs...)
@@ -271,7 +272,7 @@ class Workspace:
 
     def plan(self, shapes: tuple[torch.Size, ...], device: torch.device, bins: int, limit: Optional[int]) -> "_Plan":
         """The :class:`_Plan` of a call on tensors of these shapes, made the first time."""
-        key = (shapes, device, bool(bins), limit)
+        key = (shapes, device, bool(bins), limit if bins else None)
         plan = self._plans.pop(key, None)
         if plan is None:
             plan = _Plan(shapes, device, bins, limit)
@@ -309,20 +310,21 @@ def chunk_values(device: torch.device) -> int:
 
 class _Chunk(NamedTuple):
     """One chunk of a :class:`_Plan`: tensors ``first..last-1`` (one stride) in rows of
-    ``width``, or (``single``) one large tensor reduced whole, uncopied. The index tensors are on
-    the device; ``fill_to``/``fill_from`` copy each tensor's last value into its padding."""
+    ``width``, or (``single``) one large tensor reduced whole (uncopied when it is contiguous
+    float32). The index tensors are on the device; ``real``: the values of each tensor's
+    last row that are its own (the rest is padding), None when no tensor is padded."""
 
     first: int
     last: int
     width: int
     single: bool
     values: int  # padded values in the chunk
-    pieces: list[int]  # each tensor's values, then its padding: how the chunk is split
+    pieces: list[int]  # each tensor's values, then its padding: how the chunk is split (unused when single)
     owner: torch.Tensor  # per row, the tensor it belongs to
     last_rows: Optional[torch.Tensor]
     pads: Optional[torch.Tensor]
-    fill_to: Optional[torch.Tensor]
-    fill_from: Optional[torch.Tensor]
+    real: Optional[torch.Tensor]
+    columns: Optional[torch.Tensor]  # 0..width-1
     sampled_pads: list[int]
 
 
@@ -346,6 +348,7 @@ class _Plan:
         inverse = [0] * len(shapes)
         for position, i in enumerate(self.order):
             inverse[i] = position
+        # where each caller's tensor sits in the plan's order; None: the same order
         self.inverse = None if inverse == list(range(len(shapes))) else _to_device(inverse, torch.int64, device)
         self.chunks = [self._chunk(*bounds) for bounds in self._bounds()]
         self.sizes_f64 = _to_device(self.sizes, torch.float64, device)
@@ -382,24 +385,16 @@ class _Plan:
         sizes = torch.tensor(self.sizes[first:last])
         pads = -sizes % width
         rows_per = (sizes + pads) // width
-        ends = torch.cumsum(sizes + pads, 0)
-        starts = ends - sizes - pads
         owner = torch.repeat_interleave(torch.arange(first, last), rows_per)
-        fill_to = fill_from = None
-        if pads.any():  # padding position k of a tensor: its end + k; it copies the tensor's last value
-            last_values = starts + sizes - 1
-            within = torch.arange(int(pads.sum())) - torch.repeat_interleave(torch.cumsum(pads, 0) - pads, pads)
-            fill_from = torch.repeat_interleave(last_values, pads)
-            fill_to = _to_device(fill_from + 1 + within, torch.int64, device)
-            fill_from = _to_device(fill_from, torch.int64, device)
+        padded = bool(pads.any())
         stride = self.strides[first]
         return _Chunk(
-            first, last, width, False, int(ends[-1]), torch.stack([sizes, pads], 1).flatten().tolist(),
+            first, last, width, False, int((sizes + pads).sum()), torch.stack([sizes, pads], 1).flatten().tolist(),
             _to_device(owner, torch.int64, device),
             _to_device(torch.cumsum(rows_per, 0) - 1, torch.int64, device),
             _to_device(pads, torch.float64, device),
-            fill_to,
-            fill_from,
+            _to_device(width - pads, torch.int64, device) if padded else None,
+            torch.arange(width, device=device) if padded else None,
             ((width - 1) // stride - (width - pads - 1) // stride).tolist(),
         )
 
@@ -407,8 +402,9 @@ class _Plan:
         """Chunk ``index`` of ``tensors`` (in the plan's order) copied into the workspace's chunk
         buffer, padded: a ``(rows, width)`` matrix."""
         chunk = self.chunks[index]
-        # A buffer of a whole chunk's budget at once: no chunk outgrows it, so the views stay valid
-        buffer = workspace.get(self.device, torch.float32, chunk_values(self.device), "chunk")[: chunk.values]
+        # At least a chunk's budget at once, so that the buffer (and the views into it) rarely changes
+        buffer = workspace.get(self.device, torch.float32, max(chunk.values, chunk_values(self.device)), "chunk")
+        buffer = buffer[: chunk.values]
         address = buffer.data_ptr()
         cached = self._views.get(index)
         if cached is None or cached[0] != address:
@@ -416,9 +412,12 @@ class _Plan:
                      for piece, shape in zip(buffer.split_with_sizes(chunk.pieces)[::2], self.shapes[chunk.first : chunk.last])]
             cached = self._views[index] = (address, views)
         torch._foreach_copy_(cached[1], tensors[chunk.first : chunk.last])
-        if chunk.fill_to is not None:
-            buffer.index_copy_(0, chunk.fill_to, buffer.index_select(0, chunk.fill_from))
-        return buffer.view(-1, chunk.width)
+        x = buffer.view(-1, chunk.width)
+        if chunk.real is not None:  # each tensor's padding takes its last value (a few ops on the last rows)
+            tail = x[chunk.last_rows]
+            last = tail.gather(1, (chunk.real - 1)[:, None])
+            x[chunk.last_rows] = torch.where(chunk.columns < chunk.real[:, None], tail, last)
+        return x
 
 
 class _Batch:
