@@ -15,9 +15,10 @@ non-negative first), one op fewer than round-half-even per value.
 
 The work does not grow with the number of tensors: they are packed into chunks, each a
 ``(rows, width)`` matrix of whole tensors padded to whole rows (a large tensor is reduced
-alone, whole, uncopied when it is contiguous float32), through buffers a :class:`Workspace` keeps. Per chunk, a handful
-of ops: row minima, maxima, sums and norms; each tensor's range and grid; one bucket count
-(``bincount`` with a per-tensor offset) over the chunk. The rows are combined per tensor
+alone and whole, uncopied when it is contiguous float32), through buffers a
+:class:`Workspace` keeps with a plan per set of shapes (:class:`_Plan`: one copy op fills a
+chunk). Per chunk, a handful of ops: row minima, maxima, sums and norms; each tensor's range
+and grid; one bucket count (``bincount`` with a per-tensor offset) over the chunk. The rows are combined per tensor
 once for the whole call. On an accelerator every op is masked (correct for any value) and
 nothing is read on the host, so a sampled step makes no host sync until its single packed
 transfer; on the CPU the unmasked ops run first and a chunk whose sum is not finite is done
@@ -437,7 +438,7 @@ class _Batch:
         self.plan = workspace.plan(tuple([t.shape for t in tensors]), self.device, bins, limit)
         order = self.plan.order
         self.tensors = tensors if self.plan.inverse is None else [tensors[i] for i in order]
-        self.strides, self.sizes = self.plan.strides, self.plan.sizes
+        self.strides = self.plan.strides
 
     def rows(self) -> torch.Tensor:
         n, bins, device, f64 = len(self.tensors), self.bins, self.device, torch.float64
