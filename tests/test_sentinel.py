@@ -15,14 +15,22 @@ def params(sizes):
     return [(f"p{i}", nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
 
 
-def test_shares_cover_every_gradient_and_hold_at_most_their_budget(monkeypatch):
+def test_shares_cover_every_gradient_value_once_and_hold_at_most_their_budget(monkeypatch):
     monkeypatch.setattr(sentinel_module, "CPU_MIN_BYTES", 1)
-    named = params([100, 100, 100, 100, 800, 50])  # bytes: 400 x4, 3200, 200; total 5,200; budget 325 a share
+    monkeypatch.setattr(sentinel_module, "CPU_ROTATION", 16)
+    named = params([100, 100, 100, 100, 800, 50])  # bytes: 400 x4, 3200, 200; total 5,000; budget 313 a share
     sentinel = NonfiniteSentinel()
     sentinel.watch(named, lambda t: t)
-    shares = [[name for name, _ in share] for share in sentinel._shares]
-    assert [n for share in shares for n in share] == [n for n, _ in named]
-    assert sentinel.rotation == len(shares) == 6  # each alone: every one is over a sixteenth
+    covered = {name: torch.zeros(p.numel()) for name, p in named}
+    for share in sentinel._shares:
+        size = 0
+        for name, p, values in share:
+            covered[name][values if values is not None else slice(None)] += 1
+            size += covered[name][values if values is not None else slice(None)].numel() * 4
+        assert size <= 313
+    assert all(bool((c == 1).all()) for c in covered.values())  # every value once
+    # slices of 78 values: p0..p3 two shares each, p4 eleven, its last slice shared with p5
+    assert sentinel.rotation == len(sentinel._shares) == 4 * 2 + 11
 
 
 def test_small_models_are_checked_whole_on_every_step():
@@ -33,8 +41,9 @@ def test_small_models_are_checked_whole_on_every_step():
 
 def test_a_nan_that_stays_is_found_within_one_rotation(tmp_path, events, monkeypatch):
     monkeypatch.setattr(sentinel_module, "CPU_MIN_BYTES", 1)
+    monkeypatch.setattr(sentinel_module, "CPU_ROTATION", 8)  # 1,152 bytes of gradients: 144 a share
     torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))  # 8 tensors: 8 shares
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))  # each weight in two slices, a bias with the second: 8 shares
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     found = []
     with pytest.warns(RuntimeWarning, match="the sentinel, each gradient at least every 8 steps") as seen:
