@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence, Union
 
 import torch
 
@@ -19,26 +19,22 @@ def is_writer_rank() -> bool:
 
 
 @functools.cache
-def _dtensor_type() -> Optional[type]:
+def _dtensor_type() -> Union[type, tuple[()]]:
+    """DTensor's class, or ``()`` on a torch without distributed (``isinstance(x, ())`` is False)."""
     try:
         from torch.distributed.tensor import DTensor
-    except ImportError:  # torch without distributed
-        return None
+    except ImportError:
+        return ()
     return DTensor
 
 
-def is_dtensor(tensor: torch.Tensor) -> bool:
-    dtensor = _dtensor_type()
-    return dtensor is not None and isinstance(tensor, dtensor)
-
-
 def local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if is_dtensor(tensor) else tensor
+    return tensor.to_local() if isinstance(tensor, _dtensor_type()) else tensor
 
 
 def local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """:func:`local` of each tensor, without a Python call per tensor."""
-    dtensor = _dtensor_type() or ()  # isinstance(x, ()) is False
+    dtensor = _dtensor_type()
     return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
 
 
@@ -52,7 +48,7 @@ def this_ranks_groups(pairs: NamedTensors, warn_once: Callable[[str, str], None]
     plain: dict[torch.device, tuple[list[str], list[torch.Tensor]]] = {}
     sharded: dict[Any, tuple[list[str], list[torch.Tensor]]] = {}
     writer = is_writer_rank()
-    dtensor = _dtensor_type() or ()  # isinstance(x, ()) is False
+    dtensor = _dtensor_type()
     for name, tensor in pairs:
         if isinstance(tensor, dtensor):
             shard_dims = [i for i, placement in enumerate(tensor.placements) if placement.is_shard()]

@@ -117,7 +117,7 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
     # ------------------------------------------------------------------ reading
 
     def _tags(self, ctx: Any, experiment: str) -> dict[str, dict[str, Any]]:
-        """The run's tags; the decoded points of a run or tag no longer listed (deleted from
+        """Every run's tags; the decoded points of a run or tag no longer listed (deleted from
         the log directory) are dropped, so a long-lived server keeps only what it can show."""
         listing = self._provider.list_tensors(ctx, experiment_id=experiment, plugin_name=PLUGIN_NAME)
         with self._lock:
