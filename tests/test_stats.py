@@ -251,3 +251,14 @@ def test_padding_to_a_wide_sample_stride_and_conjugate_views_read_as_the_referen
     generic = S.reduce(tensors, 32, centered=True, fast=False, histogram_values=limit)
     np.testing.assert_allclose(fast[:, : S.HIST].numpy(), generic[:, : S.HIST].numpy(), rtol=1e-4, atol=1e-4)  # float32 sums
     assert fast[2, S.SUM].item() == pytest.approx(torch.view_as_real(tensors[2].resolve_conj()).sum().item(), rel=1e-4, abs=1e-3)
+
+
+def test_a_padding_value_on_a_bucket_edge_is_taken_out_of_the_bucket_it_was_counted_in():
+    """A small tensor is padded to a whole row with copies of its last value, counted and then
+    taken back out of the bucket counts: both by the same float32 ops, or a last value on a
+    bucket's edge (here -0.3) leaves one bucket at -251 and the next at 253."""
+    t = torch.tensor([2.5, 0.8, 0.0, -1.7, -0.3])
+    counts = np.asarray(S.histogram(S.reduce([t], 8)[0].numpy(), 8).bucket_counts)
+    reference = np.asarray(S.histogram(S.reduce([t], 8, fast=False)[0].numpy(), 8).bucket_counts)
+    assert counts.min() >= 0 and counts.sum() == 5
+    np.testing.assert_allclose(counts, reference, atol=1)

@@ -17,9 +17,11 @@ The work does not grow with the number of tensors: they are packed into chunks, 
 ``(rows, width)`` matrix of whole tensors padded to whole rows (a large tensor is reduced
 alone and whole, uncopied when it is contiguous float32), through buffers a
 :class:`Workspace` keeps with a plan per set of shapes (:class:`_Plan`: one copy op fills a
-chunk). Per chunk, a handful of ops: row minima, maxima, sums and norms; each tensor's range
-and grid; one bucket count (``bincount`` with a per-tensor offset) over the chunk. The rows are combined per tensor
-once for the whole call. On an accelerator every op is masked (correct for any value) and
+chunk). Per chunk, a handful of ops write its rows' minima, maxima, sums and norms into
+buffers of the whole call and copy its histogram sample aside. Per wave of chunks whose samples
+fill a chunk's budget: each tensor's range and grid, and one bucket count (``bincount`` with a
+per-tensor offset) over the samples. The rows are combined per tensor once for the whole call.
+On an accelerator every op is masked (correct for any value) and
 nothing is read on the host, so a sampled step makes no host sync until its single packed
 transfer; on the CPU the unmasked ops run first and a chunk whose sum is not finite is done
 again masked. ``fast=False`` reduces one tensor at a time with the masked ops: the
@@ -303,6 +305,9 @@ class Workspace:
         self._plans.clear()
 
 
+ROW = 256  # values per row of a chunk, times the histogram stride: each row samples ROW values
+
+
 def chunk_values(device: torch.device) -> int:
     """Values reduced by one set of ops: a chunk that stays in the CPU's last-level cache, more
     on an accelerator (fewer launches)."""
@@ -311,30 +316,40 @@ def chunk_values(device: torch.device) -> int:
 
 class _Chunk(NamedTuple):
     """One chunk of a :class:`_Plan`: tensors ``first..last-1`` (one stride) in rows of
-    ``width``, or (``single``) one large tensor reduced whole (uncopied when it is contiguous
-    float32). The index tensors are on the device; ``real``: the values of each tensor's
-    last row that are its own (the rest is padding), None when no tensor is padded."""
+    ``width``, or (``single``) one large tensor reduced whole as one row (uncopied when it is
+    contiguous float32). Where its results go: ``rows`` among the batch's rows, ``tails`` among
+    its padded tensors (those of chunks), ``samples`` in its wave's sample buffer. The index
+    tensors are on the device."""
 
     first: int
     last: int
     width: int
     single: bool
-    values: int  # padded values in the chunk
-    pieces: list[int]  # each tensor's values, then its padding: how the chunk is split (unused when single)
-    owner: torch.Tensor  # per row, the tensor it belongs to
-    last_rows: Optional[torch.Tensor]
-    pads: Optional[torch.Tensor]
-    real: Optional[torch.Tensor]
-    columns: Optional[torch.Tensor]  # 0..width-1
-    sampled_pads: list[int]
+    values: int  # values in the chunk, padding included
+    pieces: list[int]  # each tensor's values, then its padding: how the chunk buffer is split
+    rows: slice
+    tails: slice
+    samples: slice
+    last_rows: Optional[torch.Tensor]  # per tensor, its last row in the chunk
+    padding: Optional[tuple[torch.Tensor, torch.Tensor]]  # (mask of own values in the last rows, index of the last own one); None: none padded
+
+
+class _Wave(NamedTuple):
+    """Consecutive chunks whose histogram samples are counted together, once their rows are reduced."""
+
+    chunks: range
+    rows: slice
+    samples: int  # values of the sample buffer used, whole ROW-wide rows
+    owner: torch.Tensor  # per sample row, its tensor
+    offsets: torch.Tensor  # per sample row, where its tensor's bucket counts start: (rows, 1)
 
 
 class _Plan:
     """Everything of a batched call that depends only on its tensors' shapes, kept in the
     :class:`Workspace` for the next call with the same shapes: the order by histogram stride,
-    the chunks with their index tensors, and the views into the chunk buffer that each tensor is
-    copied into (one ``_foreach_copy_`` per chunk). So a sampled step does no Python work per
-    tensor beyond listing them."""
+    the chunks and waves with their index tensors, and the views into the chunk buffer that
+    each tensor is copied into (one ``_foreach_copy_`` per chunk). So a sampled step does no
+    Python work per tensor beyond listing them."""
 
     def __init__(self, shapes: tuple[torch.Size, ...], device: torch.device, bins: int, limit: Optional[int]) -> None:
         by_stride: dict[int, list[int]] = {}
@@ -351,9 +366,8 @@ class _Plan:
             inverse[i] = position
         # where each caller's tensor sits in the plan's order; None: the same order
         self.inverse = None if inverse == list(range(len(shapes))) else _to_device(inverse, torch.int64, device)
-        self.chunks = [self._chunk(*bounds) for bounds in self._bounds()]
+        self._lay_out(bins)
         self.sizes_f64 = _to_device(self.sizes, torch.float64, device)
-        self.sampled_pads = _to_device([p for chunk in self.chunks for p in chunk.sampled_pads], torch.float64, device)
         strided = [s > 1 for s in self.strides]
         self.strided = _to_device(strided, torch.bool, device) if any(strided) else None  # sampled histograms
         self._views: dict[int, tuple[int, list[torch.Tensor]]] = {}  # chunk -> (buffer address, views)
@@ -378,30 +392,78 @@ class _Plan:
             yield first, last, width, False
             first = last
 
-    def _chunk(self, first: int, last: int, width: int, single: bool) -> _Chunk:
-        device = self.device
-        if single:
-            return _Chunk(first, last, 0, True, self.sizes[first], [self.sizes[first], 0], _to_device([first], torch.int64, device),
-                          None, None, None, None, [0])
-        sizes = torch.tensor(self.sizes[first:last])
-        pads = -sizes % width
-        rows_per = (sizes + pads) // width
-        owner = torch.repeat_interleave(torch.arange(first, last), rows_per)
-        padded = bool(pads.any())
-        stride = self.strides[first]
-        return _Chunk(
-            first, last, width, False, int((sizes + pads).sum()), torch.stack([sizes, pads], 1).flatten().tolist(),
-            _to_device(owner, torch.int64, device),
-            _to_device(torch.cumsum(rows_per, 0) - 1, torch.int64, device),
-            _to_device(pads, torch.float64, device),
-            _to_device(width - pads, torch.int64, device) if padded else None,
-            torch.arange(width, device=device) if padded else None,
-            ((width - 1) // stride - (width - pads - 1) // stride).tolist(),
-        )
+    def _lay_out(self, bins: int) -> None:
+        """The chunks, the rows (each one tensor's) and their owners, each tensor's padding and
+        its sampled padding, and the waves."""
+        device, sizes = self.device, self.sizes
+        chunks, row_owner, row_counts, sample_rows = [], [], [], []
+        tail_rows, tail_pads = [], []
+        self.sampled_pad_counts = [0] * len(sizes)
+        for first, last, width, single in self._bounds():
+            row, tail = len(row_owner), len(tail_rows)
+            if single:
+                sample = -(-sizes[first] // self.strides[first]) if bins else 0
+                self.sampled_pad_counts[first] = -sample % ROW
+                row_owner.append(first)
+                row_counts.append(sizes[first])
+                chunks.append(_Chunk(first, last, 0, True, sizes[first], [], slice(row, row + 1), slice(tail, tail),
+                                     slice(0, sample + self.sampled_pad_counts[first]), None, None))
+                sample_rows.append([first] * (-(-sample // ROW)))
+                continue
+            stride = self.strides[first]
+            pads = [-n % width for n in sizes[first:last]]
+            pieces, last_rows = [], []
+            for i, pad in zip(range(first, last), pads):
+                rows = (sizes[i] + pad) // width
+                row_owner += [i] * rows
+                row_counts += [width] * (rows - 1) + [width - pad]
+                last_rows.append(len(row_owner) - 1 - row)
+                tail_rows.append(len(row_owner) - 1)
+                self.sampled_pad_counts[i] = (width - 1) // stride - (width - pad - 1) // stride
+                pieces += [sizes[i], pad]
+            chunk_rows = len(row_owner) - row
+            padding = None
+            if any(pads):
+                real = torch.tensor([width - pad for pad in pads])
+                padding = (_to_device(torch.arange(width) < real[:, None], torch.bool, device),
+                           _to_device((real - 1)[:, None], torch.int64, device))
+            tail_pads += pads
+            chunks.append(_Chunk(first, last, width, False, chunk_rows * width, pieces, slice(row, len(row_owner)),
+                                 slice(tail, len(tail_rows)), slice(0, chunk_rows * ROW if bins else 0),
+                                 _to_device(last_rows, torch.int64, device), padding))
+            sample_rows.append(row_owner[row:] if bins else [])
+        self.rows = len(row_owner)
+        self.row_owner = _to_device(row_owner, torch.int64, device)
+        self.row_counts = _to_device(row_counts, torch.float64, device)
+        self.tail_rows = _to_device(tail_rows, torch.int64, device)
+        self.tail_pads = _to_device(tail_pads, torch.float64, device)
+        self.tail_tensors = self.row_owner[self.tail_rows]
+        self.sampled_pads = _to_device(self.sampled_pad_counts, torch.float64, device)
+        self.chunks, self.waves = self._waves(chunks, sample_rows, bins)
 
-    def fill(self, index: int, tensors: Sequence[torch.Tensor], workspace: "Workspace") -> torch.Tensor:
+    def _waves(self, chunks: list[_Chunk], sample_rows: list[list[int]], bins: int) -> tuple[list[_Chunk], list[_Wave]]:
+        """Consecutive chunks grouped while their samples fit a chunk's budget (one chunk per wave
+        at least); each chunk's sample placed in its wave's buffer."""
+        budget, placed, waves, start = chunk_values(self.device), [], [], 0
+        while start < len(chunks):
+            end, used = start, 0
+            while end < len(chunks) and (end == start or used + chunks[end].samples.stop <= budget):
+                size = chunks[end].samples.stop
+                placed.append(chunks[end]._replace(samples=slice(used, used + size)))
+                used += size
+                end += 1
+            owner = [i for rows in sample_rows[start:end] for i in rows]
+            owner_device = _to_device(owner, torch.int64, self.device)
+            index_dtype = torch.int32 if self.device.type == "cpu" else torch.int64
+            waves.append(_Wave(range(start, end), slice(chunks[start].rows.start, chunks[end - 1].rows.stop), used,
+                               owner_device, (owner_device * (bins + 3)).to(index_dtype)[:, None]))
+            start = end
+        return placed, waves
+
+    def fill(self, index: int, tensors: Sequence[torch.Tensor], workspace: "Workspace") -> tuple[torch.Tensor, torch.Tensor]:
         """Chunk ``index`` of ``tensors`` (in the plan's order) copied into the workspace's chunk
-        buffer, padded: a ``(rows, width)`` matrix."""
+        buffer, padded with each tensor's last value: a ``(rows, width)`` matrix, and its
+        tensors' last rows."""
         chunk = self.chunks[index]
         # At least a chunk's budget at once, so that the buffer (and the views into it) rarely changes
         buffer = workspace.get(self.device, torch.float32, max(chunk.values, chunk_values(self.device)), "chunk")
@@ -414,20 +476,149 @@ class _Plan:
             cached = self._views[index] = (address, views)
         torch._foreach_copy_(cached[1], tensors[chunk.first : chunk.last])
         x = buffer.view(-1, chunk.width)
-        if chunk.real is not None:  # each tensor's padding takes its last value (a few ops on the last rows)
-            tail = x[chunk.last_rows]
-            last = tail.gather(1, (chunk.real - 1)[:, None])
-            x[chunk.last_rows] = torch.where(chunk.columns < chunk.real[:, None], tail, last)
-        return x
+        tails = x[chunk.last_rows]
+        if chunk.padding is not None:
+            own, last = chunk.padding
+            tails = torch.where(own, tails, tails.gather(1, last))
+            x[chunk.last_rows] = tails
+        return x, tails
+
+
+class _Rows:
+    """Per row of a batch, what its chunk's ops give: min, max, and the float32 sum and norm
+    with the padding counted; per padded tensor, the sum and norm of its last row less its
+    last value (the padding is then exactly 0); each tensor's last value. The counts of
+    finite values are the plan's until a chunk is masked."""
+
+    def __init__(self, plan: _Plan, zeros: bool, centered: bool) -> None:
+        rows, tails, device = plan.rows, len(plan.tail_pads), plan.device
+        self.plan = plan
+        self.mn, self.mx, self.sum, self.norm = (torch.empty(rows, device=device) for _ in range(4))
+        self.tail_sum, self.tail_norm = torch.empty(tails, device=device), torch.empty(tails, device=device)
+        self.last = torch.empty(len(plan.sizes), device=device)
+        self.count: Optional[torch.Tensor] = None  # None: every row's values are all finite
+        self.zeros = torch.empty(rows, dtype=torch.float64, device=device) if zeros else None
+        self.m2 = torch.empty(rows, dtype=torch.float64, device=device) if centered else None
+
+    def finite_counts(self) -> torch.Tensor:
+        """The counts to write a masked chunk's finite counts into."""
+        if self.count is None:
+            self.count = self.plan.row_counts.clone()
+        return self.count
+
+    def chunk(self, c: _Chunk, x: torch.Tensor, tails: torch.Tensor, masked: bool) -> None:
+        """The rows of a chunk of tensors padded to whole rows."""
+        rows, t = c.rows, c.tails
+        last = tails[:, -1]
+        self.last[c.first : c.last] = last
+        if masked:
+            finite = torch.isfinite(x)
+            values = torch.where(finite, x, 0.0)
+            torch.amin(torch.where(finite, x, math.inf), 1, out=self.mn[rows])
+            torch.amax(torch.where(finite, x, -math.inf), 1, out=self.mx[rows])
+            counts = finite.sum(1).to(torch.float64)
+            counts[c.last_rows] -= self.plan.tail_pads[t] * torch.isfinite(last)
+            self.finite_counts()[rows] = counts
+            last_finite = torch.isfinite(last)
+            shifted = torch.where(torch.isfinite(tails), tails - torch.where(last_finite, last, 0.0)[:, None], 0.0)
+        else:
+            values = x
+            torch.amin(x, 1, out=self.mn[rows])
+            torch.amax(x, 1, out=self.mx[rows])
+            shifted = tails - last[:, None]
+        torch.sum(values, 1, out=self.sum[rows])
+        torch.linalg.vector_norm(values, dim=1, out=self.norm[rows])
+        torch.sum(shifted, 1, out=self.tail_sum[t])
+        torch.linalg.vector_norm(shifted, dim=1, out=self.tail_norm[t])
+        if self.zeros is not None:
+            self.zeros[rows] = x.shape[1] - torch.count_nonzero(x, dim=1)
+        if self.m2 is not None:
+            self._centered(c, x, tails, shifted, masked)
+
+    def _centered(self, c: _Chunk, x: torch.Tensor, tails: torch.Tensor, shifted: torch.Tensor, masked: bool) -> None:
+        """Per row, the sum of squared deviations of its own values from their mean."""
+        f64, rows, t = torch.float64, c.rows, c.tails
+        count = (self.plan.row_counts if self.count is None else self.count)[rows]
+        tail_count = count[c.last_rows]
+        total = _own_sums(self.sum[rows], self.tail_sum[t], tail_count, _finite_or_zero(self.last[c.first : c.last]), c.last_rows)
+        dev = x - (total / count.clamp(min=1)).to(x.dtype)[:, None]
+        if masked:
+            dev = torch.where(torch.isfinite(x), dev, 0.0)
+        m2 = torch.linalg.vector_norm(dev, dim=1).to(f64) ** 2
+        tail_dev = shifted - (self.tail_sum[t].to(f64) / tail_count.clamp(min=1)).to(x.dtype)[:, None]
+        own = None if c.padding is None else c.padding[0]
+        if masked:
+            own = torch.isfinite(tails) if own is None else own & torch.isfinite(tails)
+        if own is not None:  # the padding is not a value
+            tail_dev = torch.where(own, tail_dev, 0.0)
+        m2[c.last_rows] = torch.linalg.vector_norm(tail_dev, dim=1).to(f64) ** 2
+        self.m2[rows] = m2
+
+    def single(self, c: _Chunk, t: torch.Tensor, masked: bool) -> None:
+        """The one row of a large tensor, reduced whole."""
+        r = c.rows.start
+        self.last[c.first] = t[-1]
+        if masked:
+            finite = torch.isfinite(t)
+            values = torch.where(finite, t, 0.0)
+            torch.amin(torch.where(finite, t, math.inf), 0, out=self.mn[r])
+            torch.amax(torch.where(finite, t, -math.inf), 0, out=self.mx[r])
+            self.finite_counts()[r] = finite.sum()
+        else:
+            values = t
+            torch.amin(t, 0, out=self.mn[r])
+            torch.amax(t, 0, out=self.mx[r])
+        torch.sum(values, 0, out=self.sum[r])
+        torch.linalg.vector_norm(values, out=self.norm[r])
+        if self.zeros is not None:
+            self.zeros[r] = t.numel() - torch.count_nonzero(t)
+        if self.m2 is not None:
+            if masked:
+                dev = torch.where(finite, t - (self.sum[r] / self.count[r].clamp(min=1)).to(t.dtype), 0.0)
+                self.m2[r] = torch.linalg.vector_norm(dev).to(torch.float64) ** 2
+            else:  # one pass, no temporary of the tensor's size
+                self.m2[r] = torch.var(t, correction=0).to(torch.float64) * t.numel()
+
+    def totals(self) -> tuple[torch.Tensor, ...]:
+        """Per row, over its own values (float64): count, sum, sum of squares, zeros (the count
+        when not asked for), sum of squared deviations (the count when not asked for)."""
+        plan, f64 = self.plan, torch.float64
+        count = plan.row_counts if self.count is None else self.count
+        v, tail_count = _finite_or_zero(self.last[plan.tail_tensors]), count[plan.tail_rows]
+        total = _own_sums(self.sum, self.tail_sum, tail_count, v, plan.tail_rows)
+        sumsq = self.norm.to(f64) ** 2
+        sumsq[plan.tail_rows] = self.tail_norm.to(f64) ** 2 + 2 * v * self.tail_sum.to(f64) + tail_count * v * v
+        zeros = count
+        if self.zeros is not None:
+            zeros = self.zeros.clone()
+            zeros[plan.tail_rows] -= plan.tail_pads * (self.last[plan.tail_tensors] == 0)
+        return count, total, sumsq, zeros, count if self.m2 is None else self.m2
+
+
+def _finite_or_zero(last: torch.Tensor) -> torch.Tensor:
+    """Last values as the padding's sums take them out (float64): 0 for a NaN or Inf, whose
+    padding was never counted."""
+    return torch.where(torch.isfinite(last), last, 0.0).to(torch.float64)
+
+
+def _own_sums(sums: torch.Tensor, tail_sums: torch.Tensor, tail_counts: torch.Tensor, last: torch.Tensor,
+              tail_rows: torch.Tensor) -> torch.Tensor:
+    """Row sums (float64) over each row's own values: a tensor's last row is summed as its
+    sum less its last value, plus that value times its own count (summing the padding in
+    float32 and taking it out in float64 would cancel away a small tensor's digits)."""
+    total = sums.to(torch.float64)
+    total[tail_rows] = tail_sums.to(torch.float64) + tail_counts * last
+    return total
 
 
 class _Batch:
     """All tensors of one call, reduced chunk by chunk (see the module's docstring).
 
     A chunk is a ``(rows, width)`` matrix of whole tensors, each padded to whole rows with
-    copies of its own last value. Per chunk: row partial results, each tensor's range and
-    grid, and one bucket count over the chunk's (strided) sample. Once for the batch: the
-    rows combined per tensor, and the padding taken back out.
+    copies of its own last value, or one large tensor. Per chunk, a few ops write its rows'
+    partial results (:class:`_Rows`) and copy its histogram sample into its wave's buffer.
+    Per wave: each tensor's range and grid, and one bucket count of the samples. Once for the
+    batch: the rows combined per tensor, and the padding taken back out.
     """
 
     def __init__(
@@ -436,82 +627,85 @@ class _Batch:
         self.bins, self.zeros, self.centered, self.workspace = bins, zeros, centered, workspace
         self.device = tensors[0].device
         self.plan = workspace.plan(tuple([t.shape for t in tensors]), self.device, bins, limit)
-        order = self.plan.order
-        self.tensors = tensors if self.plan.inverse is None else [tensors[i] for i in order]
-        self.strides = self.plan.strides
+        self.tensors = tensors if self.plan.inverse is None else [tensors[i] for i in self.plan.order]
 
     def rows(self) -> torch.Tensor:
-        n, bins, device, f64 = len(self.tensors), self.bins, self.device, torch.float64
+        n, bins, device, plan = len(self.tensors), self.bins, self.device, self.plan
         self.mn = torch.full((n,), math.inf, device=device)
         self.mx = torch.full((n,), -math.inf, device=device)
-        self.grid = [torch.ones(n, device=device), torch.zeros(n, device=device), torch.zeros(n, device=device)]
         self.counts = torch.zeros(n * (bins + 3), dtype=torch.int64, device=device) if bins else None
-        partials, owners, lasts = [], [], []
-        for index, chunk in enumerate(self.plan.chunks):
-            masked = device.type != "cpu"
-            first, last, owner = chunk.first, chunk.last, chunk.owner
-            stride = self.strides[first]
-            if chunk.single:  # one large tensor: a handful of whole-tensor ops, one partial row
-                t = self.tensors[first].reshape(-1)
-                t = t if t.dtype == torch.float32 else t.float()
-                last_values = t[-1:]
-                row = _whole_partials(t, self.zeros, self.centered, masked)
-                if not masked and not math.isfinite(float(row[1])):  # a NaN or Inf: the CPU reads it freely
-                    masked = True
-                    row = _whole_partials(t, self.zeros, self.centered, masked)
-                sample = t[::stride].view(1, -1)
-            else:
-                x = self.plan.fill(index, self.tensors, self.workspace)
-                last_values = x[chunk.last_rows, -1]
-                row = _row_partials(x, chunk.last_rows, last_values, chunk.pads, self.zeros, self.centered, masked)
-                if not masked and not math.isfinite(float(row[1].sum())):  # a NaN or Inf: the CPU reads it freely
-                    masked = True
-                    row = _row_partials(x, chunk.last_rows, last_values, chunk.pads, self.zeros, self.centered, masked)
-                sample = x[:, ::stride]
-            self.mn.scatter_reduce_(0, owner, row[2], "amin")
-            self.mx.scatter_reduce_(0, owner, row[3], "amax")
+        rows = _Rows(plan, self.zeros, self.centered)
+        for wave in plan.waves:
+            sample = self.workspace.get(device, torch.float32, wave.samples, "sample") if bins else None
+            wave_masked = False
+            for index in wave.chunks:
+                wave_masked |= self._chunk(index, rows, sample)
+            self.mn.scatter_reduce_(0, plan.row_owner[wave.rows], rows.mn[wave.rows], "amin")
+            self.mx.scatter_reduce_(0, plan.row_owner[wave.rows], rows.mx[wave.rows], "amax")
             if bins:
-                self._count(first, last, sample, owner, masked)
-            partials.append(torch.stack([r.to(f64) for r in row], dim=1))
-            owners.append(owner)
-            lasts.append(last_values)
-        rows = self._finish(torch.cat(partials), torch.cat(owners), torch.cat(lasts))
-        return rows if self.plan.inverse is None else rows.index_select(0, self.plan.inverse)
+                self._count(wave, sample, wave_masked)
+        rows = self._finish(rows)
+        return rows if plan.inverse is None else rows.index_select(0, plan.inverse)
 
-    def _count(self, first: int, last: int, sample: torch.Tensor, owner: torch.Tensor, masked: bool) -> None:
-        """Bucket counts of one chunk's sample, on the grid of each tensor's range."""
+    def _chunk(self, index: int, rows: _Rows, sample: Optional[torch.Tensor]) -> bool:
+        """Reduce chunk ``index`` into ``rows``, and copy its sample; whether it was masked.
+        On the CPU the unmasked ops run first, and a chunk whose sum is not finite is done
+        again masked (the CPU reads the sum freely); an accelerator masks every chunk."""
+        c = self.plan.chunks[index]
+        masked = self.device.type != "cpu"
+        stride = self.plan.strides[c.first]
+        if c.single:
+            t = self.tensors[c.first].reshape(-1)
+            t = t if t.dtype == torch.float32 else t.float()
+            rows.single(c, t, masked)
+            if not masked and not math.isfinite(float(rows.sum[c.rows.start])):
+                masked = True
+                rows.single(c, t, masked)
+            if sample is not None:
+                region, taken = sample[c.samples], t[::stride]
+                region[: taken.numel()] = taken
+                region[taken.numel() :] = t[-1]
+            return masked
+        x, tails = self.plan.fill(index, self.tensors, self.workspace)
+        rows.chunk(c, x, tails, masked)
+        if not masked and not math.isfinite(float(rows.sum[c.rows].sum())):
+            masked = True
+            rows.chunk(c, x, tails, masked)
+        if sample is not None:
+            sample[c.samples].view(-1, ROW).copy_(x[:, ::stride])
+        return masked
+
+    def _count(self, wave: _Wave, sample: torch.Tensor, masked: bool) -> None:
+        """Bucket counts of one wave's samples, on the grid of each tensor's range."""
         bins = self.bins
-        grid_ = grid(self.mn[first:last], self.mx[first:last], bins)
-        for whole, part in zip(self.grid, grid_):
-            whole[first:last] = part
-        scale, anchor, zero_point = (g[owner, None] for g in self.grid)
-        q = self.workspace.get(self.device, torch.float32, sample.numel(), "bucket").view(sample.shape)
+        self.grid = grid(self.mn, self.mx, bins)
+        scale, anchor, zero_point = (g[wave.owner, None] for g in self.grid)
+        sample = sample.view(-1, ROW)
+        q = self.workspace.get(self.device, torch.float32, wave.samples, "bucket").view(sample.shape)
         torch.sub(sample, anchor, out=q)
         q.div_(scale).add_(zero_point + 0.5).clamp_(0, bins + 1)  # truncated below: rounded half up
         if masked:
             q = torch.where(torch.isfinite(sample), q, torch.full((), bins + 2.0, device=q.device))
-        # bincount reads int32 twice as fast on the CPU; scatter_add_ (an accelerator's) takes int64 only
-        index_dtype = torch.int32 if self.device.type == "cpu" else torch.int64
-        index = self.workspace.get(self.device, index_dtype, sample.numel(), "index").view(sample.shape)
+        index = self.workspace.get(self.device, wave.offsets.dtype, wave.samples, "index").view(sample.shape)
         index.copy_(q)
-        index.add_((owner * (bins + 3)).to(index_dtype)[:, None])
+        index.add_(wave.offsets)
         self.counts += _bincount(index.view(-1), self.counts.numel())
 
-    def _finish(self, partials: torch.Tensor, owner: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        """Per-tensor rows from the row partials (each exact over its row's own values): sums
-        combined, the sums of squared deviations by Chan et al.'s rule; the padding taken
-        back out of the bucket counts."""
-        n, device, f64, bins = len(self.tensors), self.device, torch.float64, self.bins
-        sums = torch.zeros(n, partials.shape[1], dtype=f64, device=device).index_add_(0, owner, partials)
+    def _finish(self, rows: _Rows) -> torch.Tensor:
+        """Per-tensor rows from the rows' own sums: sums combined, the sums of squared deviations
+        by Chan et al.'s rule; the padding taken back out of the bucket counts."""
+        n, device, f64, bins, plan = len(self.tensors), self.device, torch.float64, self.bins, self.plan
+        per_row = rows.totals()
+        sums = torch.zeros(n, len(per_row), dtype=f64, device=device).index_add_(0, plan.row_owner, torch.stack(per_row, 1))
         count, total = sums[:, 0], sums[:, 1]
         nan = torch.full((n,), math.nan, dtype=f64, device=device)
         csumsq = nan
         if self.centered:
-            row_count, row_mean = partials[:, 0], partials[:, 1] / partials[:, 0].clamp(min=1)
+            row_count, row_mean = per_row[0], per_row[1] / per_row[0].clamp(min=1)
             mean = total / count.clamp(min=1)
-            spread = torch.zeros(n, dtype=f64, device=device).index_add_(0, owner, row_count * (row_mean - mean[owner]) ** 2)
-            csumsq = (sums[:, 6] + spread).clamp(min=0)
-        head = [count, self.plan.sizes_f64 - count, self.mn.to(f64), self.mx.to(f64), total, sums[:, 4], sums[:, 5] if self.zeros else nan, csumsq]
+            spread = torch.zeros(n, dtype=f64, device=device).index_add_(0, plan.row_owner, row_count * (row_mean - mean[plan.row_owner]) ** 2)
+            csumsq = (sums[:, 4] + spread).clamp(min=0)
+        head = [count, plan.sizes_f64 - count, self.mn.to(f64), self.mx.to(f64), total, sums[:, 2], sums[:, 3] if self.zeros else nan, csumsq]
         if not bins:
             return torch.stack(head + [nan] * (HIST - len(head)), dim=1)
         scale, anchor, zero_point = self.grid
@@ -520,9 +714,9 @@ class _Batch:
         def bucket(values: torch.Tensor) -> torch.Tensor:
             return _bucket_of(values, scale, anchor, zero_point, bins)[:, None]
 
-        counts.scatter_add_(1, bucket(last), -self.plan.sampled_pads[:, None])
+        counts.scatter_add_(1, bucket(rows.last), -plan.sampled_pads[:, None])
         counts = counts[:, : bins + 2]
-        strided = self.plan.strided
+        strided = plan.strided
         if strided is not None:  # a sample, with the exact extremes, stands for every finite value
             found = ((count > 0) & strided).to(f64)[:, None]
             for extreme in (self.mn, self.mx):
@@ -533,107 +727,10 @@ class _Batch:
         return torch.cat([torch.stack(head, dim=1), counts], dim=1)
 
 
-ROW = 256  # values per row of a chunk, times the histogram stride: each row samples ROW values
-
-
-def _row_partials(
-    x: torch.Tensor, last_rows: torch.Tensor, last: torch.Tensor, pads: torch.Tensor, zeros: bool, centered: bool, masked: bool
-) -> list[torch.Tensor]:
-    """Per row, over its own values: count, sum, min, max, sum of squares, zeros, sum of squared
-    deviations from the row's mean; finite values only when ``masked``, else every value is
-    taken as finite. The last row of each tensor ends in ``pads`` copies of its last value
-    ``last``, left out: the sums of those rows are taken again of ``x - last``, in which the
-    padding is exactly 0 (summing it in float32 and taking it out in float64 would cancel
-    away a small tensor's digits).
-    """
-    f64 = torch.float64
-    count, total, sumsq, mn, mx, finite = _sums(x, masked)
-    width = x.shape[1]
-    count = count - pads_per_row(pads, last_rows, x.shape[0], masked, last)
-    tail = x[last_rows]
-    last_is_zero = last == 0
-    if masked:
-        last_finite = torch.isfinite(last)
-        last = torch.where(last_finite, last, 0.0)
-    shifted = tail - last[:, None]
-    if masked:
-        shifted = torch.where(finite[last_rows], shifted, 0.0)
-    tail_sum = shifted.sum(1).to(f64)
-    tail_sumsq = torch.linalg.vector_norm(shifted, dim=1).to(f64) ** 2
-    tail_count = count[last_rows]
-    v = last.to(f64)
-    total[last_rows] = tail_sum + tail_count * v
-    sumsq[last_rows] = tail_sumsq + 2 * v * tail_sum + tail_count * v * v
-    n_zeros = count
-    if zeros:
-        n_zeros = width - torch.count_nonzero(x, dim=1).to(f64)
-        n_zeros[last_rows] -= pads * last_is_zero
-    m2 = count
-    if centered:
-        mean = total / count.clamp(min=1)
-        dev = x - mean.to(x.dtype)[:, None]
-        if masked:
-            dev = torch.where(finite, dev, 0.0)
-        m2 = torch.linalg.vector_norm(dev, dim=1).to(f64) ** 2
-        tail_mean = tail_sum / tail_count.clamp(min=1)
-        real = torch.arange(width, device=x.device) < (width - pads)[:, None]  # the padding is not a value
-        if masked:
-            real = real & finite[last_rows]
-        tail_dev = torch.where(real, shifted - tail_mean.to(x.dtype)[:, None], 0.0)
-        m2[last_rows] = torch.linalg.vector_norm(tail_dev, dim=1).to(f64) ** 2
-    return [count, total, mn, mx, sumsq, n_zeros, m2]
-
-
-def _whole_partials(t: torch.Tensor, zeros: bool, centered: bool, masked: bool) -> list[torch.Tensor]:
-    """The partials of :func:`_row_partials` for the whole of one tensor, as one row."""
-    f64 = torch.float64
-    if masked:
-        finite = torch.isfinite(t)
-        values = torch.where(finite, t, 0.0)
-        count = finite.sum().to(f64)
-        mn, mx = torch.where(finite, t, math.inf).amin(), torch.where(finite, t, -math.inf).amax()
-    else:
-        finite, values = None, t
-        count = torch.full((), float(t.numel()), dtype=f64, device=t.device)
-        mn, mx = t.amin(), t.amax()
-    total = values.sum().to(f64)
-    sumsq = torch.linalg.vector_norm(values).to(f64) ** 2
-    n_zeros = t.numel() - torch.count_nonzero(t).to(f64) if zeros else count
-    m2 = count
-    if centered and not masked:
-        m2 = torch.var(t, correction=0).to(f64) * count  # one pass, no temporary of the tensor's size
-    elif centered:
-        dev = torch.where(finite, t - (total / count.clamp(min=1)).to(t.dtype), 0.0)
-        m2 = torch.linalg.vector_norm(dev).to(f64) ** 2
-    return [v.reshape(1) for v in (count, total, mn, mx, sumsq, n_zeros, m2)]
-
-
-def _sums(x: torch.Tensor, masked: bool) -> tuple[torch.Tensor, ...]:
-    """Row count, sum, sum of squares (float64), min and max, and the finite mask when ``masked``."""
-    f64 = torch.float64
-    if masked:
-        finite = torch.isfinite(x)
-        values = torch.where(finite, x, 0.0)
-        count = finite.sum(1).to(f64)
-        mn, mx = torch.where(finite, x, math.inf).amin(1), torch.where(finite, x, -math.inf).amax(1)
-    else:
-        finite, values = None, x
-        count = torch.full((x.shape[0],), float(x.shape[1]), dtype=f64, device=x.device)
-        mn, mx = x.amin(1), x.amax(1)
-    total = values.sum(1).to(f64)
-    sumsq = torch.linalg.vector_norm(values, dim=1).to(f64) ** 2
-    return count, total, sumsq, mn, mx, finite
-
-
-def pads_per_row(pads: torch.Tensor, last_rows: torch.Tensor, rows: int, masked: bool, last: torch.Tensor) -> torch.Tensor:
-    """The padded values counted as values in each row (only finite ones when ``masked``)."""
-    counted = pads * torch.isfinite(last) if masked else pads
-    return torch.zeros(rows, dtype=torch.float64, device=pads.device).index_put_((last_rows,), counted)
-
-
 def _bucket_of(v: torch.Tensor, scale: torch.Tensor, anchor: torch.Tensor, zero_point: torch.Tensor, bins: int) -> torch.Tensor:
-    """The bucket each tensor's value ``v`` falls in on its grid (``bins + 2``: not finite)."""
-    q = (torch.floor((v - anchor) / scale + 0.5) + zero_point).clamp(0, bins + 1)
+    """The bucket each tensor's value ``v`` falls in on its grid (``bins + 2``: not finite), by
+    the same float32 ops as a sample's bucket count, so a value lands where it was counted."""
+    q = ((v - anchor) / scale + (zero_point + 0.5)).clamp(0, bins + 1).floor()
     return torch.where(torch.isfinite(v), q, torch.full_like(q, bins + 2)).long()
 
 
