@@ -342,6 +342,7 @@ class _Wave(NamedTuple):
     samples: int  # values of the sample buffer used, whole ROW-wide rows
     owner: torch.Tensor  # per sample row, its tensor
     offsets: torch.Tensor  # per sample row, where its tensor's bucket counts start: (rows, 1)
+    direct: bool  # one chunk of tensors read whole (stride 1): its matrix is its sample, not copied
 
 
 class _Plan:
@@ -455,8 +456,9 @@ class _Plan:
             owner = [i for rows in sample_rows[start:end] for i in rows]
             owner_device = _to_device(owner, torch.int64, self.device)
             index_dtype = torch.int32 if self.device.type == "cpu" else torch.int64
+            direct = end == start + 1 and not chunks[start].single and self.strides[chunks[start].first] == 1
             waves.append(_Wave(range(start, end), slice(chunks[start].rows.start, chunks[end - 1].rows.stop), used,
-                               owner_device, (owner_device * (bins + 3)).to(index_dtype)[:, None]))
+                               owner_device, (owner_device * (bins + 3)).to(index_dtype)[:, None], direct))
             start = end
         return placed, waves
 
@@ -636,19 +638,23 @@ class _Batch:
         self.counts = torch.zeros(n * (bins + 3), dtype=torch.int64, device=device) if bins else None
         rows = _Rows(plan, self.zeros, self.centered)
         for wave in plan.waves:
-            sample = self.workspace.get(device, torch.float32, wave.samples, "sample") if bins else None
+            copied = bins and not wave.direct
+            sample = self.workspace.get(device, torch.float32, wave.samples, "sample") if copied else None
             wave_masked = False
             for index in wave.chunks:
-                wave_masked |= self._chunk(index, rows, sample)
+                masked, x = self._chunk(index, rows, sample)
+                wave_masked |= masked
             self.mn.scatter_reduce_(0, plan.row_owner[wave.rows], rows.mn[wave.rows], "amin")
             self.mx.scatter_reduce_(0, plan.row_owner[wave.rows], rows.mx[wave.rows], "amax")
             if bins:
-                self._count(wave, sample, wave_masked)
+                self._count(wave, sample if copied else x, wave_masked)
         rows = self._finish(rows)
         return rows if plan.inverse is None else rows.index_select(0, plan.inverse)
 
-    def _chunk(self, index: int, rows: _Rows, sample: Optional[torch.Tensor]) -> bool:
-        """Reduce chunk ``index`` into ``rows``, and copy its sample; whether it was masked.
+    def _chunk(self, index: int, rows: _Rows, sample: Optional[torch.Tensor]) -> tuple[bool, Optional[torch.Tensor]]:
+        """Reduce chunk ``index`` into ``rows``, and copy its sample into ``sample`` (unless None);
+        whether it was masked, and its matrix (None for a single tensor).
+
         On the CPU the unmasked ops run first, and a chunk whose sum is not finite is done
         again masked (the CPU reads the sum freely); an accelerator masks every chunk."""
         c = self.plan.chunks[index]
@@ -665,7 +671,7 @@ class _Batch:
                 region, taken = sample[c.samples], t[::stride]
                 region[: taken.numel()] = taken
                 region[taken.numel() :] = t[-1]
-            return masked
+            return masked, None
         x, tails = self.plan.fill(index, self.tensors, self.workspace)
         rows.chunk(c, x, tails, masked)
         if not masked and not math.isfinite(float(rows.sum[c.rows].sum())):
@@ -673,7 +679,7 @@ class _Batch:
             rows.chunk(c, x, tails, masked)
         if sample is not None:
             sample[c.samples].view(-1, ROW).copy_(x[:, ::stride])
-        return masked
+        return masked, x
 
     def _count(self, wave: _Wave, sample: torch.Tensor, masked: bool) -> None:
         """Bucket counts of one wave's samples, on the grid of each tensor's range."""
