@@ -571,7 +571,7 @@ class _Rows:
             torch.amin(t, 0, out=self.mn[r])
             torch.amax(t, 0, out=self.mx[r])
         torch.sum(values, 0, out=self.sum[r])
-        torch.linalg.vector_norm(values, out=self.norm[r])
+        torch.sqrt(torch.dot(values, values), out=self.norm[r])  # dot: faster than vector_norm on the CPU, and closer
         if self.zeros is not None:
             self.zeros[r] = t.numel() - torch.count_nonzero(t)
         if self.m2 is not None:
