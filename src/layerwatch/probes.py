@@ -169,8 +169,8 @@ class _CudaClock:
 
 class _FlagSlots:
     """The NaN/Inf evidence of the tensors the hooks flag, one device value each, written into
-    buffers kept from step to step: a tensor's sum (not finite exactly when the tensor holds
-    a NaN or Inf, see :func:`_nonfinite_sum`) or a count of its non-finite values. A tensor
+    buffers kept from step to step: a tensor's sum, not finite exactly when the tensor holds
+    a NaN or Inf (see :func:`_nonfinite_sum`). A tensor
     object kept per flag would leave thousands of objects for the garbage collector to walk
     on every collection of the step."""
 
@@ -183,9 +183,8 @@ class _FlagSlots:
         self._used: list[int] = []  # per device
         self._device_of: list[int] = []  # per slot
         self._local: list[int] = []  # per slot: its position in its device's buffers
-        self._is_count: list[bool] = []
 
-    def add(self, value: torch.Tensor, is_count: bool) -> int:
+    def add(self, value: torch.Tensor) -> int:
         """A new slot holding the 0-d ``value`` (copied on its device, no host sync)."""
         device = value.device
         if device in self._devices:
@@ -202,8 +201,7 @@ class _FlagSlots:
         buffers[local // self.SIZE][local % self.SIZE] = value
         self._device_of.append(d)
         self._local.append(local)
-        self._is_count.append(is_count)
-        return len(self._is_count) - 1
+        return len(self._local) - 1
 
     def pieces(self) -> list[torch.Tensor]:
         """The used values of each device, to bring to the host with other pieces."""
@@ -211,10 +209,8 @@ class _FlagSlots:
 
     def flagged(self, host_pieces: Sequence[np.ndarray]) -> np.ndarray:
         """Per slot, from the host copies of :meth:`pieces`: whether its tensor held a NaN or Inf."""
-        if not self._is_count:
-            return np.zeros(0, dtype=bool)
-        values = np.array([host_pieces[d][local] for d, local in zip(self._device_of, self._local)])
-        return np.where(self._is_count, values > 0, ~np.isfinite(values))
+        values = np.array([host_pieces[d][local] for d, local in zip(self._device_of, self._local)], dtype=np.float64)
+        return ~np.isfinite(values)
 
 
 class _Outputs:
@@ -222,8 +218,9 @@ class _Outputs:
 
     A hook does the least it can: an output of up to ``HISTOGRAM_VALUES`` values is copied
     (one op) into a stash kept from step to step; a larger one gets its count of finite
-    values, min, max, sum and norm from a few whole-tensor ops, and a strided sample (with
-    those extremes) for its histogram. After the step one batched
+    values, min, max, sum and norm from a few whole-tensor ops (read at once on the CPU, where
+    reading a value is no sync), and a strided sample, then those extremes, copied into the
+    stash for its histogram. Either way its row's NONFINITE column flags it. After the step one batched
     :func:`~layerwatch.stats.reduce` measures the copies and the samples together.
     """
 
@@ -234,61 +231,69 @@ class _Outputs:
         self._offset: list[int] = []
         self._length: list[int] = []
         self.kept: dict[int, torch.Tensor] = {}  # row -> a clone or a sample
-        self.exact: dict[int, tuple[torch.Tensor, int]] = {}  # row -> (statistics from the hook, values)
+        self.exact: dict[int, tuple[torch.Tensor | np.ndarray, int]] = {}  # row -> (statistics from the hook, values)
         self._stash: Optional[torch.Tensor] = None  # where copies go: a buffer kept from step to step
         self._used = 0
 
-    def _keep(self, flat: torch.Tensor, copy: bool) -> int:
-        """A new row for ``flat``: copied into the stash (freeing hundreds of small copies after
-        every sample made the next step fault their pages back in), or kept (cloned when
-        ``copy``) when it is full or on another device."""
-        row, n = len(self._offset), flat.numel()
+    def _keep(self, flat: torch.Tensor, copy: bool, extremes: Optional[torch.Tensor] = None) -> int:
+        """A new row for ``flat`` (then ``extremes``, when given): copied into the stash (freeing
+        hundreds of small copies after every sample made the next step fault their pages back
+        in), or kept (cloned when ``copy``) when it is full or on another device."""
+        row, n = len(self._offset), flat.numel() + (0 if extremes is None else extremes.numel())
         if copy and self._stash is None:
             self._stash = self.workspace.get(flat.device, torch.float32, STASH_VALUES, "outputs")
         if copy and self._stash.device == flat.device and self._used + n <= self._stash.numel():
-            self._stash[self._used : self._used + n].copy_(flat)
+            self._stash[self._used : self._used + flat.numel()].copy_(flat)
+            if extremes is not None:
+                self._stash[self._used + flat.numel() : self._used + n].copy_(extremes)
             self._offset.append(self._used)
             self._used += n
         else:
-            self.kept[row] = flat.clone() if copy else flat
+            self.kept[row] = (flat.clone() if copy else flat) if extremes is None else torch.cat([flat, extremes.to(flat)])
             self._offset.append(-1)
         self._length.append(n)
         return row
 
-    def add(self, t: torch.Tensor) -> tuple[int, Optional[torch.Tensor]]:
-        """Record ``t``; its row, and a device count of its NaN/Inf values (None: its row's)."""
+    def add(self, t: torch.Tensor) -> int:
+        """Record ``t``; its row (whose NONFINITE column flags it)."""
         flat = S.as_real_values(t)
         n = flat.numel()
         if n <= HISTOGRAM_VALUES:
-            return self._keep(flat, copy=True), None
-        values = self._statistics(flat)
-        if flat.device.type == "cpu":  # reading a value is no device sync here; isfinite() is slow
-            finite = n if math.isfinite(float(values[2] + values[3])) else int(torch.isfinite(flat).sum())
-            if finite < n:  # statistics over the finite values, as for every other tensor
-                values = self._statistics(flat[torch.isfinite(flat)])
-            count = torch.tensor([float(finite)], dtype=torch.float64)
+            return self._keep(flat, copy=True)
+        sample = flat[:: S.prime_stride(n, HISTOGRAM_VALUES)]
+        if flat.device.type == "cpu":  # reading a value is no device sync here
+            values = [float(v) for v in self._statistics(flat)]
+            finite = n
+            if not math.isfinite(values[2] + values[3]):  # statistics over the finite values, as for every other tensor
+                flat = flat[torch.isfinite(flat)]
+                values, finite = [float(v) for v in self._statistics(flat)], flat.numel()
+            stats = np.array([finite] + values)
+            extremes = torch.tensor(values[:2])
         else:  # masked: correct for any value, nothing read on the host
             finite_mask = torch.isfinite(flat)
-            count = finite_mask.sum(dtype=torch.float64).view(1)
-            zero = torch.zeros((), dtype=flat.dtype, device=flat.device)
-            values = self._statistics(torch.where(finite_mask, flat, zero))
-            values[0] = torch.where(finite_mask, flat, math.inf).amin().to(torch.float64)
-            values[1] = torch.where(finite_mask, flat, -math.inf).amax().to(torch.float64)
-        stats = torch.cat([count, values])
-        row = self._keep(torch.cat([flat[:: S.prime_stride(n, HISTOGRAM_VALUES)], stats[1:3].to(flat.dtype)]), copy=False)
+            values = self._statistics(torch.where(finite_mask, flat, torch.zeros((), dtype=flat.dtype, device=flat.device)))
+            values[0] = torch.where(finite_mask, flat, math.inf).amin()
+            values[1] = torch.where(finite_mask, flat, -math.inf).amax()
+            finite = finite_mask.sum(dtype=torch.float64)
+            if self.centered:  # the variance of the finite values alone, not of the zeros in place of the others
+                dev = torch.where(finite_mask, flat - (values[2] / finite.clamp(min=1)).to(flat.dtype), 0.0)
+                values[-1] = torch.dot(dev, dev) / finite.clamp(min=1)
+            stats = torch.cat([finite.view(1), torch.stack(values).double()])
+            extremes = torch.stack(values[:2])
+        row = self._keep(sample, copy=True, extremes=extremes)
         self.exact[row] = (stats, n)
-        return row, n - stats[0]
+        return row
 
-    def _statistics(self, flat: torch.Tensor) -> torch.Tensor:
-        """min, max, sum, norm (and non-zeros, variance when asked) of ``flat``, float64."""
+    def _statistics(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """min, max, sum, norm (and non-zeros, variance when asked) of ``flat``, device scalars."""
         empty = flat.numel() == 0  # every value was NaN/Inf
         parts = [flat.new_tensor(math.inf) if empty else flat.amin(), flat.new_tensor(-math.inf) if empty else flat.amax(),
-                 flat.sum(), torch.linalg.vector_norm(flat)]
+                 flat.sum(), torch.dot(flat, flat).sqrt()]  # dot: faster than vector_norm on the CPU, and closer
         if self.zeros:
             parts.append(torch.count_nonzero(flat))
         if self.centered:
             parts.append(torch.var(flat, correction=0))
-        return torch.stack(parts).to(torch.float64)
+        return parts
 
     def rows(self, extra: list[torch.Tensor]) -> tuple[list[np.ndarray], np.ndarray]:
         """The ``extra`` pieces and every row, on the host (one transfer per device)."""
@@ -297,11 +302,12 @@ class _Outputs:
         values = [self.kept[row] if offset < 0 else self._stash[offset : offset + n]
                   for row, (offset, n) in enumerate(zip(self._offset, self._length))]
         device_rows = S.reduce(values, self.bins, zeros=self.zeros, centered=self.centered, workspace=self.workspace)
-        exact = [stats for stats, _ in self.exact.values()]
-        host = S.to_host(extra + [device_rows] + exact)
-        extra_host, rows, exact_host = host[: len(extra)], host[len(extra)], host[len(extra) + 1 :]
+        on_device = [stats for stats, _ in self.exact.values() if isinstance(stats, torch.Tensor)]  # else read by the hook
+        host = S.to_host(extra + [device_rows] + on_device)
+        extra_host, rows, device_host = host[: len(extra)], host[len(extra)], iter(host[len(extra) + 1 :])
         rows = rows.reshape(len(values), -1)
-        for (row, (_, n)), stats in zip(self.exact.items(), exact_host):
+        for row, (stats, n) in self.exact.items():
+            stats = next(device_host) if isinstance(stats, torch.Tensor) else stats
             finite = stats[0]
             rows[row, S.HIST :] *= finite / max(rows[row, S.COUNT], 1.0)  # the sample stands for every value
             rows[row, S.COUNT], rows[row, S.NONFINITE] = finite, n - finite
@@ -600,7 +606,7 @@ class RuntimeProbe:
         seen = self._seen(t)
         if seen is not None:
             return seen[0]
-        self._flags.append(self._slots.add(_nonfinite_sum(t.detach()), is_count=False))
+        self._flags.append(self._slots.add(_nonfinite_sum(t.detach())))
         self._remember(t, len(self._flags) - 1, None)
         return len(self._flags) - 1
 
@@ -617,7 +623,7 @@ class RuntimeProbe:
             if on_cpu and not math.isfinite(float(total)):
                 ((_, norms),) = fused_norms([tensors[i] for i in indices], ord=1)
                 total = norms.sum()
-            self._flags.append(self._slots.add(total, is_count=False))
+            self._flags.append(self._slots.add(total))
         return list(range(first, len(self._flags)))
 
     def _row(self, tensors: list[torch.Tensor]) -> int:
@@ -628,9 +634,9 @@ class RuntimeProbe:
         if seen is not None and seen[1] is not None:
             return seen[1]
         values = t if len(tensors) == 1 else torch.cat([S.as_real_values(x) for x in tensors])
-        row, count = self._outputs.add(values)
+        row = self._outputs.add(values)
         if len(tensors) == 1:
-            self._flags.append(-1 - row if count is None else self._slots.add(count, is_count=True))
+            self._flags.append(-1 - row)
             self._remember(t, len(self._flags) - 1, row)
         return row
 
