@@ -119,6 +119,26 @@ def test_a_large_output_gets_a_sampled_histogram_and_exact_stats(tmp_path, event
     assert len([c for c in hist.bucket if c]) > 10  # a shape, not one lump
 
 
+@pytest.mark.parametrize("poisoned", [False, True], ids=["finite", "nan-and-inf"])
+def test_an_accelerators_masked_statistics_of_a_large_output_are_the_hosts(poisoned):
+    """A large output's statistics are read at once on the CPU and made by masked ops on an
+    accelerator (no host read); both are over the finite values alone, variance included."""
+    from layerwatch import stats as S
+    from layerwatch.probes import _Outputs
+
+    torch.manual_seed(0)
+    flat = torch.randn(50_000) * 3 + 1
+    if poisoned:
+        flat[[7, 9000]] = torch.tensor([math.nan, math.inf])
+    outputs = _Outputs(32, zeros=True, centered=True, workspace=S.Workspace())
+    host, host_extremes = outputs._read_at_once(flat)
+    device, device_extremes = outputs._masked(flat)
+    np.testing.assert_allclose(device.numpy(), host, rtol=1e-5)
+    assert torch.equal(device_extremes, host_extremes)
+    finite = flat[torch.isfinite(flat)].double()
+    assert host[0] == finite.numel() and host[-1] == pytest.approx(finite.var(correction=0).item(), rel=1e-5)
+
+
 def test_first_offender_is_the_module_that_made_the_nan_not_one_upstream(tmp_path, events):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), Poison(step=3), nn.Linear(8, 8), nn.ReLU())

@@ -261,28 +261,32 @@ class _Outputs:
         if n <= HISTOGRAM_VALUES:
             return self._keep(flat, copy=True)
         sample = flat[:: S.prime_stride(n, HISTOGRAM_VALUES)]
-        if flat.device.type == "cpu":  # reading a value is no device sync here
-            values = [float(v) for v in self._statistics(flat)]
-            finite = n
-            if not math.isfinite(values[2] + values[3]):  # statistics over the finite values, as for every other tensor
-                flat = flat[torch.isfinite(flat)]
-                values, finite = [float(v) for v in self._statistics(flat)], flat.numel()
-            stats = np.array([finite] + values)
-            extremes = torch.tensor(values[:2])
-        else:  # masked: correct for any value, nothing read on the host
-            finite_mask = torch.isfinite(flat)
-            values = self._statistics(torch.where(finite_mask, flat, torch.zeros((), dtype=flat.dtype, device=flat.device)))
-            values[0] = torch.where(finite_mask, flat, math.inf).amin()
-            values[1] = torch.where(finite_mask, flat, -math.inf).amax()
-            finite = finite_mask.sum(dtype=torch.float64)
-            if self.centered:  # the variance of the finite values alone, not of the zeros in place of the others
-                dev = torch.where(finite_mask, flat - (values[2] / finite.clamp(min=1)).to(flat.dtype), 0.0)
-                values[-1] = torch.dot(dev, dev) / finite.clamp(min=1)
-            stats = torch.cat([finite.view(1), torch.stack(values).double()])
-            extremes = torch.stack(values[:2])
+        stats, extremes = self._read_at_once(flat) if flat.device.type == "cpu" else self._masked(flat)
         row = self._keep(sample, copy=True, extremes=extremes)
         self.exact[row] = (stats, n)
         return row
+
+    def _read_at_once(self, flat: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+        """``[finite count, min, max, sum, norm, (non-zeros), (variance)]`` of the finite values,
+        read on the host (no device sync on the CPU), and the extremes as a tensor."""
+        values, finite = [float(v) for v in self._statistics(flat)], flat.numel()
+        if not math.isfinite(values[2] + values[3]):  # statistics over the finite values, as for every other tensor
+            flat = flat[torch.isfinite(flat)]
+            values, finite = [float(v) for v in self._statistics(flat)], flat.numel()
+        return np.array([finite] + values), torch.tensor(values[:2])
+
+    def _masked(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The statistics of :meth:`_read_at_once` by masked ops, on the device: correct for any
+        value, nothing read on the host."""
+        finite_mask = torch.isfinite(flat)
+        values = self._statistics(torch.where(finite_mask, flat, torch.zeros((), dtype=flat.dtype, device=flat.device)))
+        values[0] = torch.where(finite_mask, flat, math.inf).amin()
+        values[1] = torch.where(finite_mask, flat, -math.inf).amax()
+        finite = finite_mask.sum(dtype=torch.float64)
+        if self.centered:  # the variance of the finite values alone, not of the zeros in place of the others
+            dev = torch.where(finite_mask, flat - (values[2] / finite.clamp(min=1)).to(flat.dtype), 0.0)
+            values[-1] = torch.dot(dev, dev) / finite.clamp(min=1)
+        return torch.cat([finite.view(1), torch.stack(values).double()]), torch.stack(values[:2])
 
     def _statistics(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """min, max, sum, norm (and non-zeros, variance when asked) of ``flat``, device scalars."""
