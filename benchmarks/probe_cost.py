@@ -4,7 +4,8 @@
 
 For each workload, rounds of: an uninstrumented step (base), then a step with a
 ``RuntimeProbe`` on every module (the hooks a sampled step arms; the layer table and the
-parameter families are not included). Reported, medians over rounds:
+parameter families are not included), its buffers and plans kept from round to round as the
+inspector keeps them. Reported, medians over rounds:
 
     arm        registering the hooks (a forward pre-hook and a forward hook per module)
     step       the training step with the hooks, against base
@@ -26,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import WORKLOADS  # noqa: E402
 
+from layerwatch import stats as S  # noqa: E402
 from layerwatch.probes import PROBE_FAMILIES, RuntimeProbe, select_modules  # noqa: E402
 
 
@@ -36,12 +38,14 @@ def measure(name: str, rounds: int, families: tuple[str, ...]) -> dict:
     parameters = list(model.parameters())
     modules = select_modules(model, None)
     times: dict[str, list[float]] = {"base": [], "arm": [], "step": [], "hooks": [], "result": []}
+    workspace = S.Workspace()  # kept from one sampled step to the next, as the inspector keeps it
     for _ in range(rounds):
         start = time.perf_counter()
         step()
         times["base"].append(time.perf_counter() - start)
         start = time.perf_counter()
-        probe = RuntimeProbe(modules, families=families, bins=32, zeros=False, centered=False, parameters=parameters)
+        probe = RuntimeProbe(modules, families=families, bins=32, zeros=False, centered=False, parameters=parameters,
+                             workspace=workspace)
         armed = time.perf_counter()
         step()
         stepped = time.perf_counter()
