@@ -139,6 +139,19 @@ def test_an_accelerators_masked_statistics_of_a_large_output_are_the_hosts(poiso
     assert host[0] == finite.numel() and host[-1] == pytest.approx(finite.var(correction=0).item(), rel=1e-5)
 
 
+def test_a_large_output_with_no_finite_value_is_measured_without_a_warning():
+    """Inside a training step the hook must stay quiet: no variance of zero values (torch warns)."""
+    from layerwatch import stats as S
+    from layerwatch.probes import _Outputs
+
+    outputs = _Outputs(32, zeros=True, centered=True, workspace=S.Workspace())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stats, extremes = outputs._read_at_once(torch.full((50_000,), math.nan))
+    assert stats[0] == 0 and (stats[1], stats[2]) == (math.inf, -math.inf) and math.isnan(stats[-1])
+    assert extremes.tolist() == [math.inf, -math.inf]
+
+
 def test_first_offender_is_the_module_that_made_the_nan_not_one_upstream(tmp_path, events):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), Poison(step=3), nn.Linear(8, 8), nn.ReLU())

@@ -262,3 +262,33 @@ def test_a_padding_value_on_a_bucket_edge_is_taken_out_of_the_bucket_it_was_coun
     reference = np.asarray(S.histogram(S.reduce([t], 8, fast=False)[0].numpy(), 8).bucket_counts)
     assert counts.min() >= 0 and counts.sum() == 5
     np.testing.assert_allclose(counts, reference, atol=1)
+
+
+def test_a_kept_workspace_serves_the_same_shapes_at_other_bucket_counts():
+    """A plan holds each wave's bucket offsets, so plans are kept per bucket count."""
+    torch.manual_seed(0)
+    tensors, workspace = [torch.randn(1000), torch.randn(300)], S.Workspace()
+    for bins in (8, 32, 8, 0):
+        kept = S.reduce(tensors, bins, workspace=workspace)
+        np.testing.assert_array_equal(kept.numpy(), S.reduce(tensors, bins).numpy())
+        if bins:
+            assert kept[:, S.HIST :].sum(1).tolist() == [1000, 300]
+
+
+def test_reduce_measures_in_float32_whatever_the_default_dtype():
+    torch.manual_seed(0)
+    tensors = [torch.randn(1000), torch.randn(3, 700)]
+    expected = S.reduce(tensors, 16).numpy()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        np.testing.assert_array_equal(S.reduce(tensors, 16).numpy(), expected)
+        assert S.reduce([torch.empty(0), tensors[0]], 0).shape == (2, S.row_width(0))
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@pytest.mark.parametrize("bins", [0, 16])
+def test_the_reference_rows_are_as_wide_as_the_batched_ones(bins):
+    t = torch.randn(50)
+    assert S.reduce([t], bins, fast=False).shape == S.reduce([t], bins).shape == (1, S.row_width(bins))

@@ -279,24 +279,26 @@ class _Outputs:
         """The statistics of :meth:`_read_at_once` by masked ops, on the device: correct for any
         value, nothing read on the host."""
         finite_mask = torch.isfinite(flat)
-        values = self._statistics(torch.where(finite_mask, flat, torch.zeros((), dtype=flat.dtype, device=flat.device)))
+        values = self._statistics(torch.where(finite_mask, flat, torch.zeros((), dtype=flat.dtype, device=flat.device)),
+                                  variance=False)
         values[0] = torch.where(finite_mask, flat, math.inf).amin()
         values[1] = torch.where(finite_mask, flat, -math.inf).amax()
         finite = finite_mask.sum(dtype=torch.float64)
         if self.centered:  # the variance of the finite values alone, not of the zeros in place of the others
             dev = torch.where(finite_mask, flat - (values[2] / finite.clamp(min=1)).to(flat.dtype), 0.0)
-            values[-1] = torch.dot(dev, dev) / finite.clamp(min=1)
+            values.append(torch.dot(dev, dev) / finite.clamp(min=1))
         return torch.cat([finite.view(1), torch.stack(values).double()]), torch.stack(values[:2])
 
-    def _statistics(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """min, max, sum, norm (and non-zeros, variance when asked) of ``flat``, device scalars."""
+    def _statistics(self, flat: torch.Tensor, variance: bool = True) -> list[torch.Tensor]:
+        """min, max, sum, norm (and non-zeros, variance when asked and ``variance``) of ``flat``,
+        device scalars; no value (all were NaN/Inf): min inf, max -inf, variance NaN."""
         empty = flat.numel() == 0  # every value was NaN/Inf
         parts = [flat.new_tensor(math.inf) if empty else flat.amin(), flat.new_tensor(-math.inf) if empty else flat.amax(),
                  flat.sum(), torch.dot(flat, flat).sqrt()]  # dot: faster than vector_norm on the CPU, and closer
         if self.zeros:
             parts.append(torch.count_nonzero(flat))
-        if self.centered:
-            parts.append(torch.var(flat, correction=0))
+        if self.centered and variance:
+            parts.append(flat.new_tensor(math.nan) if empty else torch.var(flat, correction=0))
         return parts
 
     def rows(self, extra: list[torch.Tensor]) -> tuple[list[np.ndarray], np.ndarray]:

@@ -15,7 +15,7 @@ non-negative first), one op fewer than round-half-even per value.
 
 The work does not grow with the number of tensors: they are packed into chunks, each a
 ``(rows, width)`` matrix of whole tensors padded to whole rows (a large tensor is reduced
-alone and whole, uncopied when it is contiguous float32), through buffers a
+alone and whole, its values uncopied when it is contiguous float32), through buffers a
 :class:`Workspace` keeps with a plan per set of shapes (:class:`_Plan`: one copy op fills a
 chunk). Per chunk, a handful of ops write its rows' minima, maxima, sums and norms into
 buffers of the whole call and copy its histogram sample aside. Per wave of chunks whose samples
@@ -64,7 +64,6 @@ STATS = ("mean", "std", "min", "max", "norm", "zero_frac", "nonfinite")
 # rest of a sampled step on the 400-tensor benchmark.
 HISTOGRAM_VALUES = 1 << 14
 MAX_BINS = 254  # the largest histogram_bins (the option's documented range)
-
 
 
 def row_width(bins: int) -> int:
@@ -136,7 +135,7 @@ def reduce(
         rows[:, MIN], rows[:, MAX] = math.inf, -math.inf  # an empty tensor: no value, no histogram
         if present:
             batch = _Batch([tensors[i] for i in present], bins, zeros, centered, histogram_values, workspace or Workspace())
-            rows[present] = batch.rows()
+            rows.index_copy_(0, _to_device(present, torch.int64, rows.device), batch.rows())
         return rows
 
 
@@ -177,8 +176,8 @@ def _reduce_generic(
     else:
         csumsq = nan
     head = [count, t.numel() - count, mn, mx, total, torch.dot(x, x), n_zeros, csumsq]
-    if not bins:
-        return torch.stack([v.to(torch.float64) for v in head])
+    if not bins:  # the batched path's width: the grid's columns NaN
+        return torch.stack([v.to(torch.float64) for v in head + [nan] * (HIST - len(head))])
     scale, anchor, zero_point = grid(mn, mx, bins)
     sample = _histogram_sample(t, histogram_values, torch.stack([mn, mx]))
     if sample is not t:
@@ -258,13 +257,13 @@ def reduce_sharded(local_shards: Sequence[torch.Tensor], group: Any, bins: int, 
     return rows
 
 
-
 class Workspace:
     """Scratch buffers kept from one call of :func:`reduce` to the next.
 
     Fresh memory costs a page fault per 4 KiB on the CPU (about 1 ms per MiB here), so the
     chunk buffers are allocated once; they hold a chunk's budget of values (``chunk_values``),
-    more when one chunk needs more (a tensor padded to whole rows of a wide sample stride).
+    more when one chunk needs more (a tensor padded to whole rows of a wide sample stride, or
+    the histogram sample of a large tensor read whole: ``histogram_values=None``).
     """
 
     PLANS = 16  # the plans of the calls with different shapes seen last (gradients, weights, outputs...)
@@ -275,7 +274,7 @@ class Workspace:
 
     def plan(self, shapes: tuple[torch.Size, ...], device: torch.device, bins: int, limit: Optional[int]) -> "_Plan":
         """The :class:`_Plan` of a call on tensors of these shapes, made the first time."""
-        key = (shapes, device, bool(bins), limit if bins else None)
+        key = (shapes, device, bins, limit if bins else None)  # the waves' bucket offsets depend on bins
         plan = self._plans.pop(key, None)
         if plan is None:
             plan = _Plan(shapes, device, bins, limit)
@@ -316,10 +315,10 @@ def chunk_values(device: torch.device) -> int:
 
 class _Chunk(NamedTuple):
     """One chunk of a :class:`_Plan`: tensors ``first..last-1`` (one stride) in rows of
-    ``width``, or (``single``) one large tensor reduced whole as one row (uncopied when it is
-    contiguous float32). Where its results go: ``rows`` among the batch's rows, ``tails`` among
-    its padded tensors (those of chunks), ``samples`` in its wave's sample buffer. The index
-    tensors are on the device."""
+    ``width``, or (``single``) one large tensor reduced whole as one row (its values uncopied
+    when it is contiguous float32; its histogram sample is copied). Where its results go:
+    ``rows`` among the batch's rows, ``tails`` among the tensors of chunks (each one's last row,
+    padded or not), ``samples`` in its wave's sample buffer. The index tensors are on the device."""
 
     first: int
     last: int
@@ -329,7 +328,7 @@ class _Chunk(NamedTuple):
     pieces: list[int]  # each tensor's values, then its padding: how the chunk buffer is split
     rows: slice
     tails: slice
-    samples: slice
+    samples: slice  # placed by _Plan._waves
     last_rows: Optional[torch.Tensor]  # per tensor, its last row in the chunk
     padding: Optional[tuple[torch.Tensor, torch.Tensor]]  # (mask of own values in the last rows, index of the last own one); None: none padded
 
@@ -397,19 +396,21 @@ class _Plan:
         """The chunks, the rows (each one tensor's) and their owners, each tensor's padding and
         its sampled padding, and the waves."""
         device, sizes = self.device, self.sizes
-        chunks, row_owner, row_counts, sample_rows = [], [], [], []
+        chunks, row_owner, row_counts, sample_rows, sample_sizes = [], [], [], [], []
         tail_rows, tail_pads = [], []
-        self.sampled_pad_counts = [0] * len(sizes)
+        sampled_pads = [0] * len(sizes)  # per tensor, the padding values its sample holds
+        unplaced = slice(0, 0)
         for first, last, width, single in self._bounds():
             row, tail = len(row_owner), len(tail_rows)
             if single:
                 sample = -(-sizes[first] // self.strides[first]) if bins else 0
-                self.sampled_pad_counts[first] = -sample % ROW
+                sampled_pads[first] = -sample % ROW
                 row_owner.append(first)
                 row_counts.append(sizes[first])
                 chunks.append(_Chunk(first, last, 0, True, sizes[first], [], slice(row, row + 1), slice(tail, tail),
-                                     slice(0, sample + self.sampled_pad_counts[first]), None, None))
+                                     unplaced, None, None))
                 sample_rows.append([first] * (-(-sample // ROW)))
+                sample_sizes.append(sample + sampled_pads[first])
                 continue
             stride = self.strides[first]
             pads = [-n % width for n in sizes[first:last]]
@@ -420,7 +421,7 @@ class _Plan:
                 row_counts += [width] * (rows - 1) + [width - pad]
                 last_rows.append(len(row_owner) - 1 - row)
                 tail_rows.append(len(row_owner) - 1)
-                self.sampled_pad_counts[i] = (width - 1) // stride - (width - pad - 1) // stride
+                sampled_pads[i] = (width - 1) // stride - (width - pad - 1) // stride
                 pieces += [sizes[i], pad]
             chunk_rows = len(row_owner) - row
             padding = None
@@ -430,31 +431,33 @@ class _Plan:
                            _to_device((real - 1)[:, None], torch.int64, device))
             tail_pads += pads
             chunks.append(_Chunk(first, last, width, False, chunk_rows * width, pieces, slice(row, len(row_owner)),
-                                 slice(tail, len(tail_rows)), slice(0, chunk_rows * ROW if bins else 0),
-                                 _to_device(last_rows, torch.int64, device), padding))
+                                 slice(tail, len(tail_rows)), unplaced, _to_device(last_rows, torch.int64, device), padding))
             sample_rows.append(row_owner[row:] if bins else [])
+            sample_sizes.append(chunk_rows * ROW if bins else 0)
         self.rows = len(row_owner)
         self.row_owner = _to_device(row_owner, torch.int64, device)
         self.row_counts = _to_device(row_counts, torch.float64, device)
         self.tail_rows = _to_device(tail_rows, torch.int64, device)
         self.tail_pads = _to_device(tail_pads, torch.float64, device)
         self.tail_tensors = self.row_owner[self.tail_rows]
-        self.sampled_pads = _to_device(self.sampled_pad_counts, torch.float64, device)
-        self.chunks, self.waves = self._waves(chunks, sample_rows, bins)
+        self.sampled_pads = _to_device(sampled_pads, torch.float64, device)
+        self.chunks, self.waves = self._waves(chunks, sample_sizes, sample_rows, bins)
 
-    def _waves(self, chunks: list[_Chunk], sample_rows: list[list[int]], bins: int) -> tuple[list[_Chunk], list[_Wave]]:
-        """Consecutive chunks grouped while their samples fit a chunk's budget (one chunk per wave
-        at least); each chunk's sample placed in its wave's buffer."""
+    def _waves(self, chunks: list[_Chunk], sample_sizes: list[int], sample_rows: list[list[int]],
+               bins: int) -> tuple[list[_Chunk], list[_Wave]]:
+        """Consecutive chunks grouped while their samples (``sample_sizes`` values, in rows owned by
+        ``sample_rows``) fit a chunk's budget, one chunk per wave at least; each chunk's sample
+        placed in its wave's buffer."""
         budget, placed, waves, start = chunk_values(self.device), [], [], 0
         while start < len(chunks):
             end, used = start, 0
-            while end < len(chunks) and (end == start or used + chunks[end].samples.stop <= budget):
-                size = chunks[end].samples.stop
-                placed.append(chunks[end]._replace(samples=slice(used, used + size)))
-                used += size
+            while end < len(chunks) and (end == start or used + sample_sizes[end] <= budget):
+                placed.append(chunks[end]._replace(samples=slice(used, used + sample_sizes[end])))
+                used += sample_sizes[end]
                 end += 1
             owner = [i for rows in sample_rows[start:end] for i in rows]
             owner_device = _to_device(owner, torch.int64, self.device)
+            # bincount reads int32 twice as fast on the CPU; scatter_add_ (an accelerator's) takes int64 only
             index_dtype = torch.int32 if self.device.type == "cpu" else torch.int64
             direct = end == start + 1 and not chunks[start].single and self.strides[chunks[start].first] == 1
             waves.append(_Wave(range(start, end), slice(chunks[start].rows.start, chunks[end - 1].rows.stop), used,
@@ -488,16 +491,17 @@ class _Plan:
 
 class _Rows:
     """Per row of a batch, what its chunk's ops give: min, max, and the float32 sum and norm
-    with the padding counted; per padded tensor, the sum and norm of its last row less its
-    last value (the padding is then exactly 0); each tensor's last value. The counts of
+    with the padding counted; per tensor of a chunk, the sum and norm of its last row less its
+    last value (its padding is then exactly 0); each tensor's last value. The counts of
     finite values are the plan's until a chunk is masked."""
 
     def __init__(self, plan: _Plan, zeros: bool, centered: bool) -> None:
         rows, tails, device = plan.rows, len(plan.tail_pads), plan.device
         self.plan = plan
-        self.mn, self.mx, self.sum, self.norm = (torch.empty(rows, device=device) for _ in range(4))
-        self.tail_sum, self.tail_norm = torch.empty(tails, device=device), torch.empty(tails, device=device)
-        self.last = torch.empty(len(plan.sizes), device=device)
+        f32 = torch.float32  # whatever the default dtype
+        self.mn, self.mx, self.sum, self.norm = (torch.empty(rows, dtype=f32, device=device) for _ in range(4))
+        self.tail_sum, self.tail_norm = (torch.empty(tails, dtype=f32, device=device) for _ in range(2))
+        self.last = torch.empty(len(plan.sizes), dtype=f32, device=device)
         self.count: Optional[torch.Tensor] = None  # None: every row's values are all finite
         self.zeros = torch.empty(rows, dtype=torch.float64, device=device) if zeros else None
         self.m2 = torch.empty(rows, dtype=torch.float64, device=device) if centered else None
@@ -518,10 +522,10 @@ class _Rows:
             values = torch.where(finite, x, 0.0)
             torch.amin(torch.where(finite, x, math.inf), 1, out=self.mn[rows])
             torch.amax(torch.where(finite, x, -math.inf), 1, out=self.mx[rows])
-            counts = finite.sum(1).to(torch.float64)
-            counts[c.last_rows] -= self.plan.tail_pads[t] * torch.isfinite(last)
-            self.finite_counts()[rows] = counts
             last_finite = torch.isfinite(last)
+            counts = finite.sum(1).to(torch.float64)
+            counts[c.last_rows] -= self.plan.tail_pads[t] * last_finite
+            self.finite_counts()[rows] = counts
             shifted = torch.where(torch.isfinite(tails), tails - torch.where(last_finite, last, 0.0)[:, None], 0.0)
         else:
             values = x
@@ -633,26 +637,27 @@ class _Batch:
 
     def rows(self) -> torch.Tensor:
         n, bins, device, plan = len(self.tensors), self.bins, self.device, self.plan
-        self.mn = torch.full((n,), math.inf, device=device)
-        self.mx = torch.full((n,), -math.inf, device=device)
+        self.mn = torch.full((n,), math.inf, dtype=torch.float32, device=device)
+        self.mx = torch.full((n,), -math.inf, dtype=torch.float32, device=device)
         self.counts = torch.zeros(n * (bins + 3), dtype=torch.int64, device=device) if bins else None
-        rows = _Rows(plan, self.zeros, self.centered)
+        partials = _Rows(plan, self.zeros, self.centered)
         for wave in plan.waves:
             copied = bins and not wave.direct
             sample = self.workspace.get(device, torch.float32, wave.samples, "sample") if copied else None
             wave_masked = False
             for index in wave.chunks:
-                masked, x = self._chunk(index, rows, sample)
+                masked, matrix = self._chunk(index, partials, sample)
                 wave_masked |= masked
-            self.mn.scatter_reduce_(0, plan.row_owner[wave.rows], rows.mn[wave.rows], "amin")
-            self.mx.scatter_reduce_(0, plan.row_owner[wave.rows], rows.mx[wave.rows], "amax")
-            if bins:
-                self._count(wave, sample if copied else x, wave_masked)
-        rows = self._finish(rows)
-        return rows if plan.inverse is None else rows.index_select(0, plan.inverse)
+            self.mn.scatter_reduce_(0, plan.row_owner[wave.rows], partials.mn[wave.rows], "amin")
+            self.mx.scatter_reduce_(0, plan.row_owner[wave.rows], partials.mx[wave.rows], "amax")
+            if bins:  # the wave's tensors now have their whole range, so their grid
+                self.grid = grid(self.mn, self.mx, bins)
+                self._count(wave, sample if copied else matrix, wave_masked)  # direct: one chunk, its matrix
+        out = self._finish(partials)
+        return out if plan.inverse is None else out.index_select(0, plan.inverse)
 
-    def _chunk(self, index: int, rows: _Rows, sample: Optional[torch.Tensor]) -> tuple[bool, Optional[torch.Tensor]]:
-        """Reduce chunk ``index`` into ``rows``, and copy its sample into ``sample`` (unless None);
+    def _chunk(self, index: int, partials: _Rows, sample: Optional[torch.Tensor]) -> tuple[bool, Optional[torch.Tensor]]:
+        """Reduce chunk ``index`` into ``partials``, and copy its sample into ``sample`` (unless None);
         whether it was masked, and its matrix (None for a single tensor).
 
         On the CPU the unmasked ops run first, and a chunk whose sum is not finite is done
@@ -663,28 +668,27 @@ class _Batch:
         if c.single:
             t = self.tensors[c.first].reshape(-1)
             t = t if t.dtype == torch.float32 else t.float()
-            rows.single(c, t, masked)
-            if not masked and not math.isfinite(float(rows.sum[c.rows.start])):
+            partials.single(c, t, masked)
+            if not masked and not math.isfinite(float(partials.sum[c.rows.start])):
                 masked = True
-                rows.single(c, t, masked)
+                partials.single(c, t, masked)
             if sample is not None:
                 region, taken = sample[c.samples], t[::stride]
                 region[: taken.numel()] = taken
                 region[taken.numel() :] = t[-1]
             return masked, None
         x, tails = self.plan.fill(index, self.tensors, self.workspace)
-        rows.chunk(c, x, tails, masked)
-        if not masked and not math.isfinite(float(rows.sum[c.rows].sum())):
+        partials.chunk(c, x, tails, masked)
+        if not masked and not math.isfinite(float(partials.sum[c.rows].sum())):
             masked = True
-            rows.chunk(c, x, tails, masked)
+            partials.chunk(c, x, tails, masked)
         if sample is not None:
             sample[c.samples].view(-1, ROW).copy_(x[:, ::stride])
         return masked, x
 
     def _count(self, wave: _Wave, sample: torch.Tensor, masked: bool) -> None:
-        """Bucket counts of one wave's samples, on the grid of each tensor's range."""
+        """Bucket counts of one wave's samples, on the grid of each tensor's range (``self.grid``)."""
         bins = self.bins
-        self.grid = grid(self.mn, self.mx, bins)
         scale, anchor, zero_point = (g[wave.owner, None] for g in self.grid)
         sample = sample.view(-1, ROW)
         q = self.workspace.get(self.device, torch.float32, wave.samples, "bucket").view(sample.shape)
