@@ -292,3 +292,14 @@ def test_reduce_measures_in_float32_whatever_the_default_dtype():
 def test_the_reference_rows_are_as_wide_as_the_batched_ones(bins):
     t = torch.randn(50)
     assert S.reduce([t], bins, fast=False).shape == S.reduce([t], bins).shape == (1, S.row_width(bins))
+
+
+def test_a_last_row_is_taken_out_in_float64_near_float32s_limit_and_beside_an_outlier():
+    """The padding's correction subtracts a tensor's last value from its last row: in float32
+    that overflowed for values near 3.4e38 (SUM read inf) and lost digits to a large last value."""
+    row = S.reduce([torch.tensor([3e38, -3e38])], 8)[0]
+    assert row[S.SUM].item() == 0.0 and row[S.SUMSQ].item() == pytest.approx(2 * 3e38**2, rel=1e-6)
+    t = torch.cat([torch.rand(300), torch.tensor([1000.0])])
+    row = S.reduce([t], 0)[0]
+    assert row[S.SUMSQ].item() == pytest.approx((t.double() ** 2).sum().item(), rel=1e-9)
+    assert row[S.SUM].item() == pytest.approx(t.double().sum().item(), rel=1e-9)

@@ -491,8 +491,8 @@ class _Plan:
 
 class _Rows:
     """Per row of a batch, what its chunk's ops give: min, max, and the float32 sum and norm
-    with the padding counted; per tensor of a chunk, the sum and norm of its last row less its
-    last value (its padding is then exactly 0); each tensor's last value. The counts of
+    with the padding counted; per tensor of a chunk, the float64 sum and norm of its last row
+    less its last value (its padding is then exactly 0); each tensor's last value. The counts of
     finite values are the plan's until a chunk is masked."""
 
     def __init__(self, plan: _Plan, zeros: bool, centered: bool) -> None:
@@ -500,7 +500,7 @@ class _Rows:
         self.plan = plan
         f32 = torch.float32  # whatever the default dtype
         self.mn, self.mx, self.sum, self.norm = (torch.empty(rows, dtype=f32, device=device) for _ in range(4))
-        self.tail_sum, self.tail_norm = (torch.empty(tails, dtype=f32, device=device) for _ in range(2))
+        self.tail_sum, self.tail_norm = (torch.empty(tails, dtype=torch.float64, device=device) for _ in range(2))
         self.last = torch.empty(len(plan.sizes), dtype=f32, device=device)
         self.count: Optional[torch.Tensor] = None  # None: every row's values are all finite
         self.zeros = torch.empty(rows, dtype=torch.float64, device=device) if zeros else None
@@ -526,12 +526,12 @@ class _Rows:
             counts = finite.sum(1).to(torch.float64)
             counts[c.last_rows] -= self.plan.tail_pads[t] * last_finite
             self.finite_counts()[rows] = counts
-            shifted = torch.where(torch.isfinite(tails), tails - torch.where(last_finite, last, 0.0)[:, None], 0.0)
+            shifted = torch.where(torch.isfinite(tails), tails.double() - _finite_or_zero(last)[:, None], 0.0)
         else:
             values = x
             torch.amin(x, 1, out=self.mn[rows])
             torch.amax(x, 1, out=self.mx[rows])
-            shifted = tails - last[:, None]
+            shifted = tails.double() - last.double()[:, None]  # float64: a few rows, and no overflow near float32's limit
         torch.sum(values, 1, out=self.sum[rows])
         torch.linalg.vector_norm(values, dim=1, out=self.norm[rows])
         torch.sum(shifted, 1, out=self.tail_sum[t])
@@ -551,7 +551,7 @@ class _Rows:
         if masked:
             dev = torch.where(torch.isfinite(x), dev, 0.0)
         m2 = torch.linalg.vector_norm(dev, dim=1).to(f64) ** 2
-        tail_dev = shifted - (self.tail_sum[t].to(f64) / tail_count.clamp(min=1)).to(x.dtype)[:, None]
+        tail_dev = shifted - (self.tail_sum[t] / tail_count.clamp(min=1))[:, None]
         own = None if c.padding is None else c.padding[0]
         if masked:
             own = torch.isfinite(tails) if own is None else own & torch.isfinite(tails)
@@ -593,7 +593,7 @@ class _Rows:
         v, tail_count = _finite_or_zero(self.last[plan.tail_tensors]), count[plan.tail_rows]
         total = _own_sums(self.sum, self.tail_sum, tail_count, v, plan.tail_rows)
         sumsq = self.norm.to(f64) ** 2
-        sumsq[plan.tail_rows] = self.tail_norm.to(f64) ** 2 + 2 * v * self.tail_sum.to(f64) + tail_count * v * v
+        sumsq[plan.tail_rows] = self.tail_norm ** 2 + 2 * v * self.tail_sum + tail_count * v * v
         zeros = count
         if self.zeros is not None:
             zeros = self.zeros.clone()
@@ -613,7 +613,7 @@ def _own_sums(sums: torch.Tensor, tail_sums: torch.Tensor, tail_counts: torch.Te
     sum less its last value, plus that value times its own count (summing the padding in
     float32 and taking it out in float64 would cancel away a small tensor's digits)."""
     total = sums.to(torch.float64)
-    total[tail_rows] = tail_sums.to(torch.float64) + tail_counts * last
+    total[tail_rows] = tail_sums + tail_counts * last
     return total
 
 
