@@ -140,8 +140,15 @@ def _value(cache: dict[str, bytes], tag: str, rest: bytes) -> bytes:
 def _encode_histogram(h: Histogram) -> bytes:
     """``Summary.Value.histo`` (field 5): the ``HistogramProto`` of ``h``, with its field key."""
     head = _HISTO_HEAD.pack(1 << 3 | 1, h.min, 2 << 3 | 1, h.max, 3 << 3 | 1, h.num, 4 << 3 | 1, h.sum, 5 << 3 | 1, h.sum_squares)
-    limits = np.asarray(h.bucket_limits, dtype="<f8").tobytes()  # no copy of a float64 array
-    counts = np.asarray(h.bucket_counts, dtype="<f8").tobytes()
+    limits = h.bucket_limits.tobytes() if _is_f8(h.bucket_limits) else np.asarray(h.bucket_limits, dtype="<f8").tobytes()
+    counts = h.bucket_counts.tobytes() if _is_f8(h.bucket_counts) else np.asarray(h.bucket_counts, dtype="<f8").tobytes()
     size = events.varint(len(limits))
     body = b"".join((head, b"\x32", size, limits, b"\x3a", size, counts))
     return b"\x2a" + events.varint(len(body)) + body
+
+
+def _is_f8(values: object) -> bool:
+    return isinstance(values, np.ndarray) and values.dtype == _F8
+
+
+_F8 = np.dtype("<f8")
