@@ -103,7 +103,7 @@ def test_activation_stats_and_histogram_match_numpy(tmp_path, events):
 
 
 def test_a_large_output_gets_a_sampled_histogram_and_exact_stats(tmp_path, events, monkeypatch):
-    monkeypatch.setattr("layerwatch.probes.HISTOGRAM_VALUES", 500)
+    monkeypatch.setattr("layerwatch.probes.outputs.HISTOGRAM_VALUES", 500)
     torch.manual_seed(0)
     model, x = MLP(), torch.randn(256, 8)
     expected = model.fc1(x).detach().numpy().ravel()  # 4096 values
@@ -124,13 +124,13 @@ def test_an_accelerators_masked_statistics_of_a_large_output_are_the_hosts(poiso
     """A large output's statistics are read at once on the CPU and made by masked ops on an
     accelerator (no host read); both are over the finite values alone, variance included."""
     from layerwatch import stats as S
-    from layerwatch.probes import _Outputs
+    from layerwatch.probes.outputs import Outputs
 
     torch.manual_seed(0)
     flat = torch.randn(50_000) * 3 + 1
     if poisoned:
         flat[[7, 9000]] = torch.tensor([math.nan, math.inf])
-    outputs = _Outputs(32, zeros=True, centered=True, workspace=S.Workspace())
+    outputs = Outputs(32, zeros=True, centered=True, workspace=S.Workspace())
     host, host_extremes = outputs._read_at_once(flat)
     device, device_extremes = outputs._masked(flat)
     np.testing.assert_allclose(device.numpy(), host, rtol=1e-5)
@@ -142,9 +142,9 @@ def test_an_accelerators_masked_statistics_of_a_large_output_are_the_hosts(poiso
 def test_a_large_output_with_no_finite_value_is_measured_without_a_warning():
     """Inside a training step the hook must stay quiet: no variance of zero values (torch warns)."""
     from layerwatch import stats as S
-    from layerwatch.probes import _Outputs
+    from layerwatch.probes.outputs import Outputs
 
-    outputs = _Outputs(32, zeros=True, centered=True, workspace=S.Workspace())
+    outputs = Outputs(32, zeros=True, centered=True, workspace=S.Workspace())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         stats, extremes = outputs._read_at_once(torch.full((50_000,), math.nan))
@@ -360,7 +360,7 @@ def test_the_garbage_collector_is_never_switched_off(tmp_path):
 
 
 def test_a_large_output_with_a_nan_reads_nan_and_keeps_a_histogram_of_its_finite_values(tmp_path, events, monkeypatch):
-    monkeypatch.setattr("layerwatch.probes.HISTOGRAM_VALUES", 500)
+    monkeypatch.setattr("layerwatch.probes.outputs.HISTOGRAM_VALUES", 500)
     torch.manual_seed(0)
     model, x = MLP(), torch.randn(256, 8)
     x[0, 0] = math.nan  # one NaN in fc1's 4096-value output row 0
@@ -470,7 +470,7 @@ def test_a_model_deep_copied_during_a_sampled_step_trains_and_is_passed_over(tmp
 def test_the_gpu_clock_reuses_its_events_from_one_sampled_step_to_the_next():
     """On a GPU a hook records an event kept from earlier steps (a fake event here: this
     machine has no GPU; tests/test_gpu.py runs the real one)."""
-    from layerwatch.probes import _CudaClock
+    from layerwatch.probes.clocks import CudaClock
 
     class FakeEvent:
         made = 0
@@ -489,12 +489,12 @@ def test_the_gpu_clock_reuses_its_events_from_one_sampled_step_to_the_next():
             return 1e3 * (later.at - self.at)
 
     events: list = []
-    clock = _CudaClock(events, make=FakeEvent)
+    clock = CudaClock(events, make=FakeEvent)
     marks = [clock.mark() for _ in range(4)]
     assert marks == [0, 1, 2, 3] and FakeEvent.made == 4
     times = clock.resolve(marks)
     assert times[0] == 0 and list(times) == sorted(times)
-    clock = _CudaClock(events, make=FakeEvent)  # the next sampled step
+    clock = CudaClock(events, make=FakeEvent)  # the next sampled step
     assert clock.resolve([clock.mark() for _ in range(6)]).shape == (6,)
     assert FakeEvent.made == 6  # four reused, two new
 

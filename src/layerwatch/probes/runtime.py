@@ -1,0 +1,426 @@
+"""The runtime probe: the hooks of one sampled step on the selected modules, and what they
+measured (:class:`ProbeResult`)."""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from dataclasses import dataclass
+from time import perf_counter_ns
+from typing import Any, Callable, Collection, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from layerwatch import stats as S
+from layerwatch.hooks import ForwardHooks, detached, entered_by_its_own_hook, is_compiling
+from layerwatch.probes.clocks import CudaClock, HostClock
+from layerwatch.probes.outputs import FlagSlots, Outputs, is_float, nonfinite_sum
+from layerwatch.probes.saved import SavedBytes
+from layerwatch.probes.selection import probe_name
+from layerwatch.sentinel import fused_norms
+from layerwatch.structure import _tensors
+
+
+@dataclass
+class ModuleTrace:
+    """One module's measurements on a sampled step (host values)."""
+
+    name: str
+    calls: int = 0
+    # None where the family is off (or, for bwd_ms, where no backward was seen).
+    fwd_ms: Optional[float] = None
+    bwd_ms: Optional[float] = None
+    activation_bytes: Optional[int] = None
+    saved_bytes: Optional[int] = None
+    cuda_alloc_bytes: Optional[int] = None
+    nonfinite: Optional[bool] = None
+    activation_row: Optional[np.ndarray] = None  # stats row of its first call's outputs
+
+
+@dataclass
+class Offender:
+    """The first module whose inputs were finite and whose outputs were not."""
+
+    name: str
+    phase: str  # "forward" or "backward"
+
+    def describe(self, step: int) -> str:
+        what = "output" if self.phase == "forward" else "gradient with respect to its inputs (or parameters)"
+        given = "inputs" if self.phase == "forward" else "gradient with respect to its outputs"
+        return f"step {step}, {self.phase}: {self.name} turned finite {given} into a non-finite {what}"
+
+
+@dataclass
+class ProbeResult:
+    modules: list[ModuleTrace]  # the modules called during the step, in model order
+    offender: Optional[Offender]
+
+
+class RuntimeProbe:
+    """Hooks on the selected modules for one sampled step; ``remove()`` is safe twice.
+
+    A hook that fails records the error and the probe goes quiet; it never raises into
+    the training step. Forwards with autograd off (validation) and recomputes inside
+    backward (activation checkpointing) are not recorded.
+
+    What a hook keeps is mostly ints in flat lists: a call is a number, its fields are
+    entries of per-call lists, and the spans, events and flags are runs of ints. A tuple,
+    list or closure per module call would stay alive to the end of the step, and the
+    garbage collector walks every such object on each of its collections (on a model of
+    600 modules, that cost more than the hooks themselves).
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[tuple[str, nn.Module]],
+        *,
+        families: Sequence[str],
+        bins: int,
+        zeros: bool,
+        centered: bool,
+        parameters: Sequence[nn.Parameter],
+        workspace: Optional[S.Workspace] = None,
+        cuda_events: Optional[list[Any]] = None,
+    ) -> None:
+        self.error: Optional[BaseException] = None
+        self.compiled = False  # a hook was traced by Dynamo: the model runs inside compiled code
+        self.inert = False  # hooks left in place only so that compiled code keeps its guards
+        self._host_ns = 0
+        self._latency = "latency" in families
+        self._memory = "memory" in families
+        self._activations = "activations" in families
+        self._nonfinite = "nonfinite" in families
+        self._backward = self._latency or self._nonfinite
+        self._bins, self._zeros, self._centered = bins, zeros, centered
+        device = next((p.device for p in parameters), torch.device("cpu"))
+        self._cuda = device.type == "cuda"
+        self._clock: Any = CudaClock([] if cuda_events is None else cuda_events) if self._cuda else HostClock()
+        self._names = [probe_name(name) for name, _ in modules]
+        self._index = {id(module): index for index, (_, module) in enumerate(modules)}
+        count = len(modules)
+        self._calls = [0] * count  # per module
+        self._activation_bytes = [0] * count
+        self._cuda_alloc_bytes = [0] * count
+        self._saved = SavedBytes(parameters if self._memory else (), count, self._running_modules)
+        # Per forward call (a call is its position in these lists): its module, the hook
+        # interval after which it starts, its input flags (a run of ``_runs``), the memory
+        # allocated before it, the interval its backward starts at (-1: not yet) and the
+        # flag of the gradient of its outputs (a run of ``_runs``).
+        self._call_module: list[int] = []
+        self._call_start: list[int] = []
+        self._call_inputs: list[int] = []
+        self._call_alloc: list[int] = []
+        self._call_bwd_start: list[int] = []
+        self._call_grad_outputs: list[int] = []
+        self._stack: list[int] = []  # the calls whose forward is running
+        # Outermost calls whose inputs need no gradient, and the parameters they train
+        self._ends_with_pass: dict[int, list[nn.Parameter]] = {}
+        self._ignored_depth = 0
+        # Hook intervals: marks at entry and exit of every hook, in firing order.
+        self._entered: list[Any] = []
+        self._left: list[Any] = []
+        self._fwd_spans: list[int] = []  # (module, start interval, end interval) after each other
+        self._bwd_spans: list[int] = []
+        # Flags: an entry per distinct tensor seen, >= 0 a slot of ``_slots``, < 0 the row
+        # ``-1 - entry`` (whose NONFINITE column says it). Runs of entries: a length, then them.
+        workspace = workspace if workspace is not None else S.Workspace()
+        self._slots = FlagSlots(workspace)
+        self._flags: list[int] = []
+        self._runs: list[int] = []
+        self._fwd_events: list[int] = []  # (module, inputs run, outputs run) after each other
+        self._bwd_events: list[int] = []
+        self._outputs = Outputs(bins, zeros, centered, workspace)
+        self._row_of: dict[int, int] = {}  # module -> row
+        # id(tensor) -> a weak reference, and its version, flag and row packed in one int
+        self._seen_ref: dict[int, Any] = {}
+        self._seen_key: dict[int, int] = {}
+        self._grad_handles: list[Any] = []
+        self._handles: list[Any] = [ForwardHooks([module for _, module in modules], self._pre_hook, self._post_hook)]
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def remove(self) -> None:
+        for handle in self._handles + self._grad_handles:
+            handle.remove()
+        self._handles, self._grad_handles = [], []
+        self._saved.exit()
+        self._stack = []
+        self._seen_ref, self._seen_key = {}, {}
+        self._ends_with_pass = {}
+
+    def result(self) -> ProbeResult:
+        """The step's measurements: one host transfer for every flag and stats row."""
+        self.remove()
+        slot_pieces, rows_host = self._outputs.rows(self._slots.pieces())
+        flagged = self._slots.flagged(slot_pieces)
+        nonfinite = [bool(rows_host[-1 - f, S.NONFINITE] > 0) if f < 0 else bool(flagged[f]) for f in self._flags]
+        marks = self._clock.resolve([m for pair in zip(self._entered, self._left) for m in pair])
+        entered, left = marks[0::2], marks[1::2]
+        # nested[k]: time spent in hooks 0..k-1; a span subtracts the hooks inside it.
+        nested = np.concatenate([[0.0], np.cumsum(left - entered)])
+        traces = [ModuleTrace(name) for name in self._names]
+        for index, trace in enumerate(traces):
+            trace.calls = self._calls[index]
+            if self._memory:
+                trace.activation_bytes, trace.saved_bytes = self._activation_bytes[index], self._saved.bytes[index]
+                trace.cuda_alloc_bytes = self._cuda_alloc_bytes[index] if self._cuda else None
+            if self._nonfinite:
+                trace.nonfinite = False
+        for spans, attribute in ((self._fwd_spans, "fwd_ms"), (self._bwd_spans, "bwd_ms")) if self._latency else ():
+            for index, start, end in zip(spans[0::3], spans[1::3], spans[2::3]):
+                trace = traces[index]
+                ms = max(entered[end] - left[start] - (nested[end] - nested[start + 1]), 0.0)
+                setattr(trace, attribute, (getattr(trace, attribute) or 0.0) + ms)
+        for index, row in self._row_of.items():
+            traces[index].activation_row = rows_host[row]
+        offender = None
+        if self._nonfinite:
+            for events, phase in ((self._fwd_events, "forward"), (self._bwd_events, "backward")):
+                for index, inputs, outputs in zip(events[0::3], events[1::3], events[2::3]):
+                    bad_out = any(nonfinite[f] for f in self._run(outputs))
+                    trace = traces[index]
+                    trace.nonfinite = trace.nonfinite or bad_out
+                    if offender is None and bad_out and not any(nonfinite[f] for f in self._run(inputs)):
+                        offender = Offender(trace.name, phase)
+        return ProbeResult([t for t in traces if t.calls], offender)
+
+    # ------------------------------------------------------------------ hooks
+    # Hooks hold the probe (names and indices), never a module or the inspector.
+
+    # A module this probe does not know (a deep copy of a probed one, made mid-step, carries
+    # its hooks) is passed over.
+
+    def _pre_hook(self, module: nn.Module, args: tuple) -> None:
+        if is_compiling():  # traced: note it (a store Dynamo replays), nothing else
+            self.compiled = True
+            return
+        index = self._index.get(id(module))
+        if index is not None and self.error is None and not self.inert:
+            self._guarded(self._enter, index, args, module)
+
+    def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if is_compiling() or self.inert:
+            return
+        index = self._index.get(id(module))
+        if index is None:
+            return
+        if self._ignored_depth:
+            self._ignored_depth -= 1
+        elif self.error is None:
+            self._guarded(self._leave, index, output)
+        if not self._stack:
+            self._saved.exit()
+
+    def __deepcopy__(self, memo: dict) -> "RuntimeProbe":
+        return self  # a module copied mid-step keeps calling this probe, which passes it over
+
+    def _guarded(self, action: Callable[..., None], *args: Any) -> None:
+        entered = perf_counter_ns()
+        device_mark = self._clock.mark() if self._cuda else None
+        try:
+            action(*args)
+        except Exception as e:  # a probe must never break the training step
+            self.error = detached(e)
+            self._stack = []
+            self._saved.exit()
+        self._entered.append(entered if device_mark is None else device_mark)
+        self._left.append(perf_counter_ns() if device_mark is None else self._clock.mark())
+        if device_mark is not None:
+            self._host_ns += perf_counter_ns() - entered
+        else:
+            self._host_ns += self._left[-1] - entered
+
+    @property
+    def hook_seconds(self) -> float:
+        """Host time spent in the hooks so far (the probes' own cost)."""
+        return self._host_ns / 1e9
+
+    def _running_modules(self) -> Collection[int]:
+        """The modules whose forward is running (none once a hook failed)."""
+        if self.error is not None:
+            return ()
+        return dict.fromkeys(self._call_module[call] for call in self._stack)
+
+    def _enter(self, index: int, args: tuple, module: nn.Module) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a recompute inside backward
+        if self._ignored_depth or (not self._stack and not torch.is_grad_enabled()):
+            self._ignored_depth += 1
+            return
+        if not self._stack and self._memory:
+            self._saved.enter()
+        tensors = list(args) if len(args) == 1 and type(args[0]) is torch.Tensor else list(_tensors(args))
+        call = len(self._call_module)
+        self._call_module.append(index)
+        self._call_start.append(len(self._entered))
+        self._call_inputs.append(self._add_run([self._flag(t) for t in tensors if is_float(t)]) if self._nonfinite else -1)
+        self._call_alloc.append(torch.cuda.memory_allocated() if self._memory and self._cuda else 0)
+        self._call_bwd_start.append(-1)
+        self._call_grad_outputs.append(-1)
+        if self._backward and torch.is_grad_enabled():
+            watched = [t for t in tensors if t.requires_grad]
+            if watched:
+                self._grad_handles.append(on_gradients(watched, self, call, done=True))
+            elif not self._stack:  # the model itself: its backward ends with the pass (a hook per parameter would not)
+                self._ends_with_pass[call] = [p for p in module.parameters() if p.requires_grad]
+            else:
+                watched = [p for p in module.parameters() if p.requires_grad]
+                if watched:
+                    self._grad_handles.append(on_gradients(watched, self, call, done=True))
+        self._stack.append(call)
+
+    def _leave(self, index: int, output: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return
+        if not entered_by_its_own_hook(self._call_module[self._stack[-1]] if self._stack else None, index):
+            return
+        call = self._stack.pop()
+        if self._call_module[call] != index:
+            raise RuntimeError(f"module calls out of order: left {self._names[index]!r} while in "
+                               f"{self._names[self._call_module[call]]!r}")
+        first_call = self._calls[index] == 0
+        self._calls[index] += 1
+        self._fwd_spans += (index, self._call_start[call], len(self._entered))
+        tensors = [output] if type(output) is torch.Tensor else list({id(t): t for t in _tensors(output)}.values())
+        if self._memory:
+            self._activation_bytes[index] += sum(t.numel() * t.element_size() for t in tensors)
+            if self._cuda:
+                self._cuda_alloc_bytes[index] += torch.cuda.memory_allocated() - self._call_alloc[call]
+        measured = [t for t in tensors if is_float(t)]
+        if self._activations and first_call and measured:
+            self._row_of[index] = self._row(measured)
+        if self._nonfinite:
+            self._fwd_events += (index, self._call_inputs[call], self._add_run([self._flag(t) for t in measured]))
+        if self._backward:
+            needing = [t for t in measured if t.requires_grad]
+            if needing:
+                self._grad_handles.append(on_gradients(needing, self, call, done=False))
+
+    def _backward_starts(self, call: int, grad: torch.Tensor) -> None:
+        if not is_compiling() and self.error is None and self._call_bwd_start[call] < 0:
+            self._guarded(self._start_backward, call, grad)
+
+    def _start_backward(self, call: int, grad: torch.Tensor) -> None:
+        self._call_bwd_start[call] = len(self._entered)
+        if self._nonfinite and grad is not None:
+            self._call_grad_outputs[call] = self._add_run([self._flag(grad)])
+        parameters = self._ends_with_pass.pop(call, None)
+        if parameters is not None:
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._pass_done, call, parameters))
+
+    def _pass_done(self, call: int, parameters: list[nn.Parameter]) -> None:
+        """The end of the backward pass of the model's own call: its gradients are those of
+        its parameters, flagged together (one fused norm per device)."""
+        if not is_compiling() and self.error is None and self._call_bwd_start[call] >= 0:
+            self._guarded(self._finish_backward, call, [p.grad for p in parameters], True)  # fused
+
+    def _backward_done(self, call: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        if not is_compiling() and self.error is None and self._call_bwd_start[call] >= 0:
+            self._guarded(self._finish_backward, call, grads)
+
+    def _finish_backward(self, call: int, grads: Sequence[Optional[torch.Tensor]], fused: bool = False) -> None:
+        index = self._call_module[call]
+        self._bwd_spans += (index, self._call_bwd_start[call], len(self._entered))
+        self._call_bwd_start[call] = -1
+        if self._nonfinite:
+            grads = [g for g in grads if g is not None and is_float(g)]
+            flags = self._flag_together(grads) if fused else [self._flag(g) for g in grads]
+            self._bwd_events += (index, self._call_grad_outputs[call], self._add_run(flags))
+
+    # ------------------------------------------------------------------ tensors
+
+    def _add_run(self, flags: list[int]) -> int:
+        """Where a run of flag entries starts in ``_runs``."""
+        start = len(self._runs)
+        self._runs.append(len(flags))
+        self._runs += flags
+        return start
+
+    def _run(self, start: int) -> list[int]:
+        """The flag entries of the run at ``start`` (none for -1)."""
+        return [] if start < 0 else self._runs[start + 1 : start + 1 + self._runs[start]]
+
+    def _flag(self, t: torch.Tensor) -> int:
+        """The entry of the flag that holds whether ``t`` has a NaN or Inf."""
+        seen = self._seen(t)
+        if seen is not None:
+            return seen[0]
+        self._flags.append(self._slots.add(nonfinite_sum(t.detach())))
+        self._remember(t, len(self._flags) - 1, None)
+        return len(self._flags) - 1
+
+    def _flag_together(self, tensors: list[torch.Tensor]) -> list[int]:
+        """Flag entries, one per device and dtype, that say whether any of ``tensors`` has a NaN
+        or Inf: the sum of their fused norms (:func:`~layerwatch.sentinel.fused_norms`). An L2
+        norm overflows float32 from ~1.8e19 (a GradScaler's first steps reach that), an L1 norm
+        only from ~3.4e38 but is twice as slow on the CPU: there the L2 norm goes first, and a
+        group whose L2 norm is not finite is measured again in L1 (reading it is no sync)."""
+        first = len(self._flags)
+        on_cpu = all(t.device.type == "cpu" for t in tensors)
+        for indices, norms in fused_norms(tensors, ord=2 if on_cpu else 1):
+            total = norms.sum()
+            if on_cpu and not math.isfinite(float(total)):
+                ((_, norms),) = fused_norms([tensors[i] for i in indices], ord=1)
+                total = norms.sum()
+            self._flags.append(self._slots.add(total))
+        return list(range(first, len(self._flags)))
+
+    def _row(self, tensors: list[torch.Tensor]) -> int:
+        """A stats row of the values of ``tensors`` together, shared with an identical earlier
+        row (a container returning its last child's output)."""
+        t = tensors[0]
+        seen = self._seen(t) if len(tensors) == 1 else None
+        if seen is not None and seen[1] is not None:
+            return seen[1]
+        values = t if len(tensors) == 1 else torch.cat([S.as_real_values(x) for x in tensors])
+        row = self._outputs.add(values)
+        if len(tensors) == 1:
+            self._flags.append(-1 - row)
+            self._remember(t, len(self._flags) - 1, row)
+        return row
+
+    def _seen(self, t: torch.Tensor) -> Optional[tuple[int, Optional[int]]]:
+        """(flag entry, row or None) of ``t`` when this very tensor, unchanged since, was seen."""
+        key = self._seen_key.get(id(t))
+        if key is None or self._seen_ref[id(t)]() is not t or key >> 64 != t._version:
+            return None
+        row = key & 0xFFFFFFFF
+        return (key >> 32) & 0xFFFFFFFF, (row - 1 if row else None)
+
+    def _remember(self, t: torch.Tensor, flag: int, row: Optional[int]) -> None:
+        try:
+            self._seen_ref[id(t)] = weakref.ref(t)
+        except TypeError:  # a tensor type without weak references: not shared
+            return
+        self._seen_key[id(t)] = (t._version << 64) | (flag << 32) | (0 if row is None else row + 1)
+
+
+class GradientHook:
+    """A tensor hook for one call: its backward starts (``done`` False: called with the gradient
+    of one of its outputs) or is done (called with the gradients of its inputs, or with one
+    of them). One object holding the probe and the call's number: a ``functools.partial``
+    of a bound method is three, for the garbage collector to walk."""
+
+    __slots__ = ("probe", "call", "done")
+
+    def __init__(self, probe: "RuntimeProbe", call: int, done: bool) -> None:
+        self.probe, self.call, self.done = probe, call, done
+
+    def __call__(self, grad: Any) -> None:
+        if not self.done:
+            self.probe._backward_starts(self.call, grad)
+        else:
+            self.probe._backward_done(self.call, (grad,) if grad is None or isinstance(grad, torch.Tensor) else grad)
+
+
+def on_gradients(tensors: list[torch.Tensor], probe: "RuntimeProbe", call: int, done: bool) -> Any:
+    """A :class:`GradientHook` on ``tensors``: a multi-grad hook (any of them for a start, all
+    of them for a done); for one tensor (most modules) its plain tensor hook, which fires at
+    the same moment and allocates a tenth of the objects."""
+    hook = GradientHook(probe, call, done)
+    if len(tensors) > 1:
+        return torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="all" if done else "any")
+    return tensors[0].register_hook(hook)

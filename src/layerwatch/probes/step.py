@@ -1,0 +1,145 @@
+"""The module hooks of one sampled step: the layer table's, the first time, and the runtime
+probe's."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from torch import nn
+
+from layerwatch import stats as S
+from layerwatch.failures import FailurePolicy
+from layerwatch.hooks import FailedForwardGuard
+from layerwatch.probes.runtime import ProbeResult, RuntimeProbe
+from layerwatch.probes.selection import PROBE_FAMILIES, ModuleFilter, is_compiled, select_modules
+from layerwatch.structure import StructureProbe, Summary
+
+
+class StepProbes:
+    """The module hooks of one sampled step: the layer table (the first time) and the
+    runtime probes. Neither is armed on a compiled model (hooks would force a recompile
+    and see nothing inside the graph); that is said once.
+
+    A model called from compiled code (``torch.compile`` of a function that calls it) is
+    found when Dynamo traces the first armed hooks. Those hooks then stay, inert, until
+    :meth:`remove`: compiled code is guarded on the model's hooks, so removing them at the
+    end of the step, or arming new ones later, would recompile it."""
+
+    def __init__(self, families: Sequence[str], modules: Optional[ModuleFilter], stats: Sequence[str], bins: int,
+                 failures: FailurePolicy) -> None:
+        self.families, self.modules, self.bins, self.failures = families, modules, bins, failures
+        self.zeros, self.centered = "zero_frac" in stats, "std" in stats
+        self.structure_pending = "structure" in families
+        self.runtime_on = any(family in families for family in PROBE_FAMILIES)
+        self._structure: Optional[StructureProbe] = None
+        self._runtime: Optional[RuntimeProbe] = None
+        self._forward_guard: Optional[FailedForwardGuard] = None
+        self._inert: list[Any] = []
+        self.workspace = S.Workspace()  # kept from one sampled step to the next
+        self._cuda_events: list[Any] = []  # the runtime probes' clock marks on a GPU, idem
+
+    def arm(self, model: nn.Module, parameters: Sequence[nn.Parameter], step: int) -> None:
+        if not (self.structure_pending or self.runtime_on):
+            return
+        if is_compiled(model):
+            self.structure_pending = self.runtime_on = False
+            self.failures.warn_once(
+                "compiled",
+                "layerwatch: the model (or part of it) is torch.compile'd; module hooks cannot see inside a compiled "
+                "graph, so the layer table and the per-module families (latency, memory, activations, nonfinite) are "
+                "not recorded. Parameter families and the NaN sentinel go on. For the table call "
+                "layerwatch.summarize(model._orig_mod, batch).",
+            )
+            return
+        if self.structure_pending:
+            self.failures.run("record the layer table", lambda: self._arm_structure(model), step)
+        if self.runtime_on:
+            self.failures.run("arm the runtime probes", lambda: self._arm_runtime(model, parameters), step)
+        if self._structure is not None or self._runtime is not None:
+            self.failures.run("guard the forward", lambda: self._guard(model), step)
+
+    def _guard(self, model: nn.Module) -> None:
+        # The model's forward raised: nothing of this step stays on the model (the exception
+        # may leave the training loop, and nothing may come to disarm the step), and the step
+        # is not measured.
+        self._forward_guard = FailedForwardGuard(model, self.disarm)
+
+    def _arm_structure(self, model: nn.Module) -> None:
+        self._structure = StructureProbe(model, training_only=True)
+
+    def _arm_runtime(self, model: nn.Module, parameters: Sequence[nn.Parameter]) -> None:
+        modules = select_modules(model, self.modules)
+        if not modules:
+            self.runtime_on = False
+            self.failures.warn_once(
+                "no-modules", f"layerwatch: modules={list(self.modules or ())!r} matches no module of the model; "
+                "the per-module families are off",
+            )
+            return
+        families = self.families
+        if self._structure is not None:  # FlopCounterMode slows every op of this step: its times would mislead
+            families = tuple(f for f in families if f != "latency")
+        self._runtime = RuntimeProbe(
+            modules, families=families, bins=self.bins, zeros=self.zeros, centered=self.centered, parameters=parameters,
+            workspace=self.workspace, cuda_events=self._cuda_events,
+        )
+
+    @property
+    def hook_seconds(self) -> float:
+        """Host time the runtime probes' hooks have spent so far this step."""
+        return 0.0 if self._runtime is None else self._runtime.hook_seconds
+
+    def disarm(self) -> None:
+        """Remove this step's hooks (not the inert ones)."""
+        for probe in (self._structure, self._runtime, self._forward_guard):
+            if probe is not None:
+                probe.remove()
+        self._structure = self._runtime = self._forward_guard = None
+
+    def remove(self) -> None:
+        """Remove every hook, the inert ones too (the engine is finishing)."""
+        self.disarm()
+        for probe in self._inert:
+            probe.remove()
+        self._inert = []
+
+    def take(self) -> tuple[Optional[Summary], Optional[ProbeResult]]:
+        """Remove the hooks; the layer table (when a whole forward was seen) and the runtime
+        measurements (when no probe failed)."""
+        structure, runtime = self._structure, self._runtime
+        armed = [probe for probe in (structure, runtime) if probe is not None]
+        if any(probe.compiled for probe in armed):
+            for probe in armed:
+                probe.inert = True
+            self._inert += armed
+            if self._forward_guard is not None:  # compiled code is guarded on forward too
+                self._inert.append(self._forward_guard)
+            self._structure = self._runtime = self._forward_guard = None
+            self.structure_pending = self.runtime_on = False
+            self.failures.warn_once(
+                "compiled-caller",
+                "layerwatch: the model runs inside compiled code (torch.compile of a function that calls it), where "
+                "module hooks do not run; the layer table and the per-module families (latency, memory, "
+                "activations, nonfinite) are not recorded. Parameter families and the NaN sentinel go on.",
+            )
+            return None, None
+        self.disarm()
+        summary = result = None
+        if structure is not None:
+            if structure.error is not None:
+                self.structure_pending = False
+                self.failures.warn_once("fail:structure", f"layerwatch: could not record the layer table: {structure.error!r}; skipped")
+            elif structure.windows:
+                summary = structure.summary()
+                self.structure_pending = False
+        if runtime is not None:
+            if runtime.error is None:
+                try:
+                    result = runtime.result()
+                except Exception as e:
+                    runtime.error = e
+
+            if runtime.error is not None:
+                self.runtime_on = False
+                self.failures.warn_once("fail:probes", f"layerwatch: a runtime probe failed: {runtime.error!r}; the per-module families are off")
+        return summary, result
