@@ -10,17 +10,20 @@
    :func:`is_compiling`: traced, it is a constant ``True`` and the hook returns before
    anything, so it adds no graph break, no recompile and no op to compiled code; compiled
    code then runs without it.
+
+:func:`tensors_in` finds the tensors in what a hook is given (arguments, outputs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import inspect
 import sys
 import time
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -199,3 +202,20 @@ def optimizer_hooks(optimizer: torch.optim.Optimizer, before: Callable[[Any], No
             after(opt)
 
     return [optimizer.register_step_pre_hook(pre_hook), optimizer.register_step_post_hook(post_hook)]
+
+
+def tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """The tensors in ``obj``, walking tuples, lists, dicts and dataclasses; the rest skipped."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth > 8:
+        return
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from tensors_in(item, depth + 1)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from tensors_in(item, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from tensors_in(getattr(obj, f.name, None), depth + 1)

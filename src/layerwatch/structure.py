@@ -27,7 +27,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from layerwatch.hooks import detached, entered_by_its_own_hook, is_compiling
+from layerwatch.hooks import detached, entered_by_its_own_hook, is_compiling, tensors_in
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -409,10 +409,10 @@ class StructureProbe:
         if not self._stack:
             self._open_counter()
             if self.first_input is None:
-                first = next(_tensors((args, kwargs)), None)
+                first = next(tensors_in((args, kwargs)), None)
                 self.first_input = None if first is None else _describe(first)[0]
         if layer.calls == 0 and not self._running(layer):
-            layer.inputs = [_describe(t) for t in _tensors((args, kwargs))]
+            layer.inputs = [_describe(t) for t in tensors_in((args, kwargs))]
         self._stack.append((layer, self._counter.get_total_flops(), sys.exc_info()[1]))
 
     def _exit(self, layer: _Layer, output: Any) -> None:
@@ -429,7 +429,7 @@ class StructureProbe:
         error = sys.exc_info()[1]
         if error is not None and error is not error_at_entry and self.failed_in is None:
             self.failed_in = layer.name or self.model_type  # the innermost module sees the error first
-        outputs = [_describe(t) for t in _tensors(output)]
+        outputs = [_describe(t) for t in tensors_in(output)]
         if layer.calls == 0:
             layer.outputs = outputs
         layer.all_outputs += outputs
@@ -522,23 +522,6 @@ def _rows(layers: list[_Layer], resize: Any, nbytes: Any, macs_scale: float) -> 
 
 def _parent(name: str) -> str:
     return name.rpartition(".")[0]
-
-
-def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """The tensors in ``obj``, walking tuples, lists, dicts and dataclasses; the rest skipped."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth > 8:
-        return
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors(item, depth + 1)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item, depth + 1)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from _tensors(getattr(obj, f.name, None), depth + 1)
 
 
 def _describe(tensor: torch.Tensor) -> _Tensor:

@@ -15,13 +15,12 @@ import torch
 from torch import nn
 
 from layerwatch import stats as S
-from layerwatch.hooks import ForwardHooks, detached, entered_by_its_own_hook, is_compiling
+from layerwatch.hooks import ForwardHooks, detached, entered_by_its_own_hook, is_compiling, tensors_in
 from layerwatch.probes.clocks import CudaClock, HostClock
 from layerwatch.probes.outputs import FlagSlots, Outputs, is_float, nonfinite_sum
 from layerwatch.probes.saved import SavedBytes
 from layerwatch.probes.selection import probe_name
 from layerwatch.sentinel import fused_norms
-from layerwatch.structure import _tensors
 
 
 @dataclass
@@ -252,7 +251,7 @@ class RuntimeProbe:
             return
         if not self._stack and self._memory:
             self._saved.enter()
-        tensors = list(args) if len(args) == 1 and type(args[0]) is torch.Tensor else list(_tensors(args))
+        tensors = list(args) if len(args) == 1 and type(args[0]) is torch.Tensor else list(tensors_in(args))
         call = len(self._call_module)
         self._call_module.append(index)
         self._call_start.append(len(self._entered))
@@ -284,7 +283,7 @@ class RuntimeProbe:
         first_call = self._calls[index] == 0
         self._calls[index] += 1
         self._fwd_spans += (index, self._call_start[call], len(self._entered))
-        tensors = [output] if type(output) is torch.Tensor else list({id(t): t for t in _tensors(output)}.values())
+        tensors = [output] if type(output) is torch.Tensor else list({id(t): t for t in tensors_in(output)}.values())
         if self._memory:
             self._activation_bytes[index] += sum(t.numel() * t.element_size() for t in tensors)
             if self._cuda:
