@@ -29,14 +29,11 @@ device), :mod:`~layerwatch.probes.saved` (the bytes saved for backward),
 :mod:`~layerwatch.probes.step` (the hooks of one sampled step, armed and taken).
 """
 
-from layerwatch.probes.outputs import HISTOGRAM_VALUES, STASH_VALUES
 from layerwatch.probes.runtime import ModuleTrace, Offender, ProbeResult, RuntimeProbe
-from layerwatch.probes.selection import (
-    PROBE_FAMILIES, ROOT, ModuleFilter, check_module_filter, is_compiled, probe_name, select_modules,
-)
+from layerwatch.probes.selection import PROBE_FAMILIES, ROOT, ModuleFilter, check_module_filter, probe_name, select_modules
 from layerwatch.probes.step import StepProbes
 
 __all__ = [
-    "HISTOGRAM_VALUES", "PROBE_FAMILIES", "ROOT", "STASH_VALUES", "ModuleFilter", "ModuleTrace", "Offender",
-    "ProbeResult", "RuntimeProbe", "StepProbes", "check_module_filter", "is_compiled", "probe_name", "select_modules",
+    "PROBE_FAMILIES", "ROOT", "ModuleFilter", "ModuleTrace", "Offender", "ProbeResult", "RuntimeProbe", "StepProbes",
+    "check_module_filter", "probe_name", "select_modules",
 ]
