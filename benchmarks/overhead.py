@@ -2,7 +2,12 @@
 
     python benchmarks/overhead.py [--workloads gpt,cnn,stack32,tfm,tfm-tiny] [--configs wgu,defaults]
                                   [--rounds 15] [--naive-rounds 0] [--wandb-rounds 3] [--json]
-                                  [--families weights,grads,...] [--no-sentinel]
+                                  [--families weights,grads,...] [--no-sentinel] [--device cuda]
+
+With ``--device cuda`` the workloads train on the GPU and every time is taken with CUDA
+events, with a synchronize only before and after each timed block (``timing.Clock``): inside
+a block the host runs ahead of the device as it does in training, and a condition's time is
+what it adds to the device's timeline.
 
 Workloads are in ``workloads.py``. Each workload is measured once per configuration, each
 on a freshly built model in the same process:
@@ -37,6 +42,7 @@ round's base time; pairing neighbouring steps cancels slow drift of the machine;
 naive and wandb rounds are paired with the inspector rounds' base times by index):
 
     base step       median uninstrumented step
+    sampled step    median sampled step (as below), ms
     sampled         a sampled step (step + ``inspector.step()``) plus the call that armed
                     it, ratio
     first sampled   the first sampled step alone over the median base step; under
@@ -72,7 +78,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -81,6 +86,7 @@ from tensorboard.backend.event_processing.event_file_loader import LegacyEventFi
 from torch.utils.tensorboard import SummaryWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import Clock  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 from layerwatch import Inspector  # noqa: E402
@@ -88,12 +94,6 @@ from layerwatch.record import FAMILIES  # noqa: E402
 
 OVERHEAD_TAG = "layerwatch/overhead_ms"
 WGU = ("weights", "grads", "updates")
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def config_kwargs(config: str, families: tuple, sentinel: bool) -> dict[str, Any]:
@@ -139,7 +139,7 @@ def import_wandb():
     return wandb
 
 
-def wandb_times(wandb, model: torch.nn.Module, step, rounds: int, tmp: str) -> Optional[list[float]]:
+def wandb_times(wandb, model: torch.nn.Module, step, rounds: int, tmp: str, clock: Clock) -> Optional[list[float]]:
     """Rounds of an untimed then a timed step under ``wandb.watch(log="all", log_freq=1)``, offline."""
     os.environ["WANDB_MODE"] = "offline"
     os.environ.setdefault("WANDB_SILENT", "true")
@@ -154,7 +154,7 @@ def wandb_times(wandb, model: torch.nn.Module, step, rounds: int, tmp: str) -> O
         wandb.watch(model, log="all", log_freq=1)
         for _ in range(rounds):
             run.log({"loss": float(step())})  # untimed: commits anything a previous step left
-            times.append(timed(lambda: run.log({"loss": float(step())})))
+            times.append(clock.time(lambda: run.log({"loss": float(step())})))
     finally:
         unwatch = getattr(run, "unwatch", None) or wandb.unwatch
         unwatch(model)
@@ -163,9 +163,11 @@ def wandb_times(wandb, model: torch.nn.Module, step, rounds: int, tmp: str) -> O
 
 
 def run(
-    name: str, config: str, rounds: int, naive_rounds: int, wandb_rounds: int, families: tuple, sentinel: bool
+    name: str, config: str, rounds: int, naive_rounds: int, wandb_rounds: int, families: tuple, sentinel: bool,
+    device: str = "cpu",
 ) -> dict:
-    model, opt, step = WORKLOADS[name]()
+    clock = Clock(device)
+    model, opt, step = WORKLOADS[name](device=clock.device)
     params = [p for p in model.parameters()]
     for _ in range(2):
         step()
@@ -187,26 +189,24 @@ def run(
             empty_size = read_events(f"{tmp}/lw")["size"]
 
             def base() -> None:
-                times["base"].append(timed(step))
+                times["base"].append(clock.time(step))
 
             def inspected() -> None:
                 # a pure off-step (neither this step nor the next is sampled: k % 4 == 0, opening 1)
-                start = time.perf_counter()
-                step()
-                call_start = time.perf_counter()
-                inspector.step()
-                end = time.perf_counter()
-                times["off"].append(end - start)
-                times["off_call"].append(end - call_start)
+                off_step, off_call = clock.times(step, inspector.step)
+                times["off"].append(off_step + off_call)
+                times["off_call"].append(off_call)
                 # its inspector.step() opens (arms) sampled step k % 4 == 2: that call is the sample's
                 step()
-                arm = timed(inspector.step)
+                arm, sampled, after = clock.times(
+                    inspector.step, lambda: (step(), inspector.step()), lambda: (step(), inspector.step())
+                )
                 times["arm_call"].append(arm)
-                times["sampled"].append(arm + timed(lambda: (step(), inspector.step())))
-                times["after"].append(timed(lambda: (step(), inspector.step())))
+                times["sampled"].append(arm + sampled)
+                times["after"].append(after)
 
             def read_once() -> None:
-                times["read_once"].append(timed(lambda: (step(), torch._foreach_norm(params + [p.grad for p in params]))))
+                times["read_once"].append(clock.time(lambda: (step(), torch._foreach_norm(params + [p.grad for p in params]))))
 
             blocks = [base, inspected, read_once]
             for r in range(rounds):
@@ -225,10 +225,10 @@ def run(
                     naive_writer.flush()
 
                 step()
-                times["naive"].append(timed(naive))
+                times["naive"].append(clock.time(naive))
             naive_writer.close()
         if wandb is not None:
-            times["wandb"] = wandb_times(wandb, model, step, wandb_rounds, f"{tmp}/wandb") or []
+            times["wandb"] = wandb_times(wandb, model, step, wandb_rounds, f"{tmp}/wandb", clock) or []
     base = times["base"]
     base_median = statistics.median(base)
     ratio = {k: statistics.median(t / base[i % len(base)] for i, t in enumerate(v)) for k, v in times.items() if v}
@@ -240,12 +240,14 @@ def run(
     return {
         "workload": name,
         "config": config,
+        "device": clock.name(),
         "families": logged_families,
         "sentinel": config_kwargs(config, families, sentinel).get("sentinel", True),
         "rounds": rounds,
         "tensors": len(params),
         "params": sum(p.numel() for p in params),
         "base_ms": 1e3 * base_median,
+        "sampled_ms": 1e3 * statistics.median(times["sampled"]),
         "sampled": ratio["sampled"],
         "first_sampled": times["sampled"][0] / base_median,
         "off": ratio["off"],
@@ -272,10 +274,17 @@ def main() -> None:
     parser.add_argument("--wandb-rounds", type=int, default=3, help="rounds of wandb.watch when wandb imports (0: skip)")
     parser.add_argument("--families", default=",".join(FAMILIES), help="families of the custom config (default: all)")
     parser.add_argument("--no-sentinel", action="store_true", help="turn the sentinel off in the custom config")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (timed with CUDA events)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    try:
+        clock = Clock(args.device)
+    except (RuntimeError, ValueError) as exc:
+        parser.error(f"--device {args.device!r}: {exc}")
+    if clock.cuda and not torch.cuda.is_available():
+        parser.error(f"--device {args.device!r}: torch sees no CUDA device")
     families = tuple(args.families.split(","))
     configs = args.configs.split(",")
     for config in configs:
@@ -286,7 +295,8 @@ def main() -> None:
     results = []
     for name in args.workloads.split(","):
         for config in configs:
-            results.append(run(name, config, args.rounds, args.naive_rounds, args.wandb_rounds, families, not args.no_sentinel))
+            results.append(run(name, config, args.rounds, args.naive_rounds, args.wandb_rounds, families, not args.no_sentinel,
+                               args.device))
             if args.json:
                 print(json.dumps(results[-1]), flush=True)
     wandb = import_wandb() if args.wandb_rounds > 0 else None
@@ -294,11 +304,11 @@ def main() -> None:
         wandb.teardown()
     if args.json:
         return
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, rounds={args.rounds}, "
+    print(f"torch {torch.__version__}, {clock.name()}, rounds={args.rounds}, "
           f"wandb={'yes' if wandb is not None else 'not importable' if args.wandb_rounds > 0 else 'skipped'}"
           + (f", custom: families={args.families} sentinel={'off' if args.no_sentinel else 'on'}" if "custom" in configs else ""))
     naive = args.naive_rounds > 0
-    columns = ["workload", "config", "tensors", "base step", "sampled", "first sampled", "off-step", "off-step call",
+    columns = ["workload", "config", "tensors", "base step", "sampled step", "sampled", "first sampled", "off-step", "off-step call",
                "after sample", "amortized@50", "read once", "reported overhead_ms", "sampled delta", "reported/delta",
                "wandb"] + (["naive"] if naive else [])
     print("| " + " | ".join(columns) + " |")
@@ -309,7 +319,7 @@ def main() -> None:
 
     for r in results:
         cells = [
-            r["workload"], r["config"], str(r["tensors"]), f"{r['base_ms']:.1f} ms",
+            r["workload"], r["config"], str(r["tensors"]), f"{r['base_ms']:.1f} ms", f"{r['sampled_ms']:.1f} ms",
             f"{r['sampled']:.3f}x", f"{r['first_sampled']:.2f}x", f"{r['off']:.3f}x", f"{r['off_call_us']:.1f} us",
             f"{r['after']:.3f}x", f"{r['amortized@50']:.4f}x", f"{r['read_once']:.3f}x",
             fmt(r["reported_overhead_ms"], ".2f", " ms"), f"{r['sampled_delta_ms']:.2f} ms",

@@ -1,6 +1,7 @@
 """What one probed module costs: the per-module probes alone, on the benchmark workloads.
 
     python benchmarks/probe_cost.py [--workloads stack32,tfm-tiny,...] [--rounds 7] [--families latency,...]
+                                    [--device cuda]
 
 For each workload, rounds of: an uninstrumented step (base), then a step with a
 ``RuntimeProbe`` on every module (the hooks a sampled step arms; the layer table and the
@@ -14,6 +15,9 @@ inspector keeps them. Reported, medians over rounds:
     per module (hooks + arm + result) / modules, and the whole added time / modules: the
                difference is torch's own slower path for a module that has hooks, the
                tensor hooks' calls from the autograd engine and the garbage collector
+
+With ``--device cuda`` the times are CUDA events around each phase (``timing.Clock``); the
+hooks' own time stays host time.
 """
 
 from __future__ import annotations
@@ -21,40 +25,39 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import Clock  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 from layerwatch import stats as S  # noqa: E402
 from layerwatch.probes import PROBE_FAMILIES, RuntimeProbe, select_modules  # noqa: E402
 
 
-def measure(name: str, rounds: int, families: tuple[str, ...]) -> dict:
-    model, _, step = WORKLOADS[name]()
+def measure(name: str, rounds: int, families: tuple[str, ...], clock: Clock) -> dict:
+    model, _, step = WORKLOADS[name](device=clock.device)
     for _ in range(3):
         step()
     parameters = list(model.parameters())
     modules = select_modules(model, None)
     times: dict[str, list[float]] = {"base": [], "arm": [], "step": [], "hooks": [], "result": []}
     workspace = S.Workspace()  # kept from one sampled step to the next, as the inspector keeps it
+    probes: list[RuntimeProbe] = []
+
+    def arm() -> None:
+        probes.append(RuntimeProbe(modules, families=families, bins=32, zeros=False, centered=False,
+                                   parameters=parameters, workspace=workspace))
+
     for _ in range(rounds):
-        start = time.perf_counter()
-        step()
-        times["base"].append(time.perf_counter() - start)
-        start = time.perf_counter()
-        probe = RuntimeProbe(modules, families=families, bins=32, zeros=False, centered=False, parameters=parameters,
-                             workspace=workspace)
-        armed = time.perf_counter()
-        step()
-        stepped = time.perf_counter()
-        probe.result()
-        done = time.perf_counter()
-        times["arm"].append(armed - start)
-        times["step"].append(stepped - armed)
-        times["result"].append(done - stepped)
-        times["hooks"].append(probe.hook_seconds)
+        times["base"].append(clock.time(step))
+        armed, stepped, read = clock.times(arm, step, lambda: probes[-1].result())
+        times["arm"].append(armed)
+        times["step"].append(stepped)
+        times["result"].append(read)
+        times["hooks"].append(probes.pop().hook_seconds)
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     added = ms["arm"] + ms["step"] - ms["base"] + ms["result"]
     n = len(modules)
@@ -68,11 +71,14 @@ def main() -> None:
     parser.add_argument("--workloads", default="stack32,tfm-tiny,tfm,cnn,gpt")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--families", default=",".join(PROBE_FAMILIES))
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (timed with CUDA events)")
     args = parser.parse_args()
+    clock = Clock(args.device)
+    print(f"torch {torch.__version__}, {clock.name()}, rounds={args.rounds}")
     print("| workload | modules | base step | arm | step with hooks | hooks' own time | result | added in all | own per module | added per module |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.workloads.split(","):
-        r = measure(name, args.rounds, tuple(args.families.split(",")))
+        r = measure(name, args.rounds, tuple(args.families.split(",")), clock)
         print(f"| {name} | {r['modules']} | {r['base']:.1f} ms | {r['arm']:.1f} ms | {r['step']:.1f} ms | {r['hooks']:.1f} ms "
               f"| {r['result']:.1f} ms | {r['added']:.1f} ms | {r['own_us_per_module']:.0f} us | {r['added_us_per_module']:.0f} us |",
               flush=True)

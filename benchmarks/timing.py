@@ -1,10 +1,12 @@
-"""The timing the micro-benchmarks share."""
+"""The timing the benchmarks share."""
 
 from __future__ import annotations
 
 import statistics
 import time
 from typing import Callable
+
+import torch
 
 
 def median_ms(action: Callable[[], object], calls: int = 15) -> float:
@@ -16,3 +18,47 @@ def median_ms(action: Callable[[], object], calls: int = 15) -> float:
         action()
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
+
+
+class Clock:
+    """Times consecutive actions on one device, in seconds.
+
+    On the CPU, the host clock. On a CUDA device, an event on the current stream after each
+    action, and a synchronize only before the first action and after the last: inside the
+    timed region the host runs ahead as it does in training, and each action's time is what
+    it adds to the device's timeline (host work the device has to wait for included).
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"no clock for device {str(device)!r}: use cpu or cuda")
+
+    def times(self, *actions: Callable[[], object]) -> list[float]:
+        """Run ``actions`` one after the other; the time each took."""
+        if not self.cuda:
+            marks = [time.perf_counter()]
+            for action in actions:
+                action()
+                marks.append(time.perf_counter())
+            return [b - a for a, b in zip(marks, marks[1:])]
+        torch.cuda.synchronize(self.device)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(actions) + 1)]
+        stream = torch.cuda.current_stream(self.device)
+        events[0].record(stream)
+        for action, event in zip(actions, events[1:]):
+            action()
+            event.record(stream)
+        torch.cuda.synchronize(self.device)
+        return [1e-3 * a.elapsed_time(b) for a, b in zip(events, events[1:])]
+
+    def time(self, action: Callable[[], object]) -> float:
+        """The time ``action`` took."""
+        return self.times(action)[0]
+
+    def name(self) -> str:
+        """The device in words: ``cpu (2 threads)`` or the GPU's name."""
+        if self.cuda:
+            return torch.cuda.get_device_name(self.device)
+        return f"cpu ({torch.get_num_threads()} threads)"

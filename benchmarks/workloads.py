@@ -1,9 +1,10 @@
 """The training workloads the overhead benchmark measures, in plain torch.
 
-Each factory returns ``(model, optimizer, step)`` where ``step()`` runs one full
-optimizer step (forward, backward, optimizer) on a fixed synthetic batch and returns
-the (detached) loss. Nothing is random after construction (no dropout), so every step
-does the same work.
+Each factory, ``WORKLOADS[name](device="cpu")``, returns ``(model, optimizer, step)`` where
+``step()`` runs one full optimizer step (forward, backward, optimizer) on a fixed synthetic
+batch on ``device`` and returns the (detached) loss. Nothing is random after construction (no
+dropout), so every step does the same work. The model is built on the CPU from the seed, then
+moved, so its initial weights do not depend on the device.
 
     gpt       6-block causal GPT (d 384, vocab 8192), batch 8 x 128 tokens, AdamW
     cnn       ResNet-18 (7x7/2 stem + max pool, 4 stages of 2 BasicBlocks, 100 classes),
@@ -129,51 +130,52 @@ def _make_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[[
     return step
 
 
-def gpt(seed: int = 0) -> Workload:
+def gpt(seed: int = 0, device: torch.device | str = "cpu") -> Workload:
     torch.manual_seed(seed)
-    model = SmallGPT()
+    model = SmallGPT().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    idx = torch.randint(0, 8192, (8, 128))
-    target = torch.randint(0, 8192, (8, 128))
+    idx = torch.randint(0, 8192, (8, 128)).to(device)
+    target = torch.randint(0, 8192, (8, 128)).to(device)
     return model, opt, _make_step(model, opt, lambda: F.cross_entropy(model(idx).flatten(0, 1), target.flatten()))
 
 
-def cnn(seed: int = 0) -> Workload:
+def cnn(seed: int = 0, device: torch.device | str = "cpu") -> Workload:
     torch.manual_seed(seed)
-    model = ResNet18()
+    model = ResNet18().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x = torch.randn(32, 3, 64, 64)
-    y = torch.randint(0, 100, (32,))
+    x = torch.randn(32, 3, 64, 64).to(device)
+    y = torch.randint(0, 100, (32,)).to(device)
     return model, opt, _make_step(model, opt, lambda: F.cross_entropy(model(x), y))
 
 
-def stack(seed: int = 0, batch: int = 1024) -> Workload:
+def stack(seed: int = 0, device: torch.device | str = "cpu", batch: int = 1024) -> Workload:
     torch.manual_seed(seed)
-    model = nn.Sequential(*(Residual(256) for _ in range(200)))
+    model = nn.Sequential(*(Residual(256) for _ in range(200))).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(batch, 256)
+    x = torch.randn(batch, 256).to(device)
     return model, opt, _make_step(model, opt, lambda: model(x).square().mean())
 
 
-def stack32(seed: int = 0) -> Workload:
-    return stack(seed, batch=32)
+def stack32(seed: int = 0, device: torch.device | str = "cpu") -> Workload:
+    return stack(seed, device, batch=32)
 
 
-def _encoder_lm(seed: int, vocab: int, d: int, layers: int, heads: int, ff: int, batch: int, seq: int) -> Workload:
+def _encoder_lm(seed: int, device: torch.device | str, vocab: int, d: int, layers: int, heads: int, ff: int,
+                batch: int, seq: int) -> Workload:
     torch.manual_seed(seed)
-    model = EncoderLM(vocab, d, layers, heads, ff)
+    model = EncoderLM(vocab, d, layers, heads, ff).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    idx = torch.randint(0, vocab, (batch, seq))
-    target = torch.randint(0, vocab, (batch, seq))
+    idx = torch.randint(0, vocab, (batch, seq)).to(device)
+    target = torch.randint(0, vocab, (batch, seq)).to(device)
     return model, opt, _make_step(model, opt, lambda: F.cross_entropy(model(idx).flatten(0, 1), target.flatten()))
 
 
-def tfm(seed: int = 0) -> Workload:
-    return _encoder_lm(seed, vocab=1000, d=256, layers=12, heads=4, ff=1024, batch=16, seq=32)
+def tfm(seed: int = 0, device: torch.device | str = "cpu") -> Workload:
+    return _encoder_lm(seed, device, vocab=1000, d=256, layers=12, heads=4, ff=1024, batch=16, seq=32)
 
 
-def tfm_tiny(seed: int = 0) -> Workload:
-    return _encoder_lm(seed, vocab=1000, d=128, layers=6, heads=4, ff=512, batch=4, seq=64)
+def tfm_tiny(seed: int = 0, device: torch.device | str = "cpu") -> Workload:
+    return _encoder_lm(seed, device, vocab=1000, d=128, layers=6, heads=4, ff=512, batch=4, seq=64)
 
 
 WORKLOADS = {"gpt": gpt, "cnn": cnn, "stack": stack, "stack32": stack32, "tfm": tfm, "tfm-tiny": tfm_tiny}

@@ -107,3 +107,23 @@ def test_probes_on_cuda_time_with_events_measure_the_allocator_and_never_sync_in
     assert by_name["fc1"].cuda_alloc_bytes >= 64 * 16 * 4  # its output stays allocated
     assert by_name["fc1"].activation_bytes == 64 * 16 * 4 and by_name["fc1"].nonfinite is False
     assert result.offender is None
+
+
+def test_the_overhead_benchmark_runs_on_cuda_and_times_with_events(monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import warnings
+
+    from overhead import run
+    from timing import Clock
+
+    clock = Clock("cuda")
+    slept = clock.times(lambda: torch.cuda._sleep(10_000_000), lambda: None)  # device work the host does not wait for
+    assert slept[0] > 0 and slept[1] >= 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = run("tfm-tiny", "defaults", rounds=2, naive_rounds=0, wandb_rounds=0, families=(), sentinel=True,
+                device="cuda")
+    assert r["device"] == torch.cuda.get_device_name()
+    assert r["base_ms"] > 0 and r["sampled_ms"] > r["base_ms"] * 0.5 and r["reported_overhead_ms"] > 0

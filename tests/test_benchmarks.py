@@ -1,0 +1,60 @@
+"""The overhead benchmark's harness keeps working: its clock, its workloads on a device, and
+one short run whose figures hang together. No timing is asserted: the targets live in
+``benchmarks/`` and ``docs/performance.md``, not in the suite."""
+
+import math
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
+
+
+@pytest.fixture
+def benchmarks(monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+
+
+def test_the_cpu_clock_times_each_action_in_turn(benchmarks):
+    from timing import Clock
+
+    clock = Clock("cpu")
+    order = []
+    first, second = clock.times(lambda: (order.append(1), time.sleep(0.02)), lambda: order.append(2))
+    assert order == [1, 2]
+    assert 0.02 <= first < 1 and 0 <= second < first
+    assert clock.name().startswith("cpu")
+
+
+def test_a_clock_for_a_device_it_cannot_time_says_which(benchmarks):
+    from timing import Clock
+
+    with pytest.raises(ValueError, match="'meta'"):
+        Clock("meta")
+
+
+def test_a_workload_is_built_on_the_device_it_is_given(benchmarks):
+    from workloads import WORKLOADS
+
+    model, _, step = WORKLOADS["tfm-tiny"](device="meta")
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    on_cpu, _, _ = WORKLOADS["tfm-tiny"]()
+    again, _, _ = WORKLOADS["tfm-tiny"](device="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(on_cpu.parameters(), again.parameters()))
+
+
+def test_a_short_overhead_run_reports_consistent_figures(benchmarks):
+    from overhead import run
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a two-sample run is too short for the trend alerts
+        r = run("tfm-tiny", "wgu", rounds=2, naive_rounds=0, wandb_rounds=0, families=(), sentinel=False)
+    assert r["device"].startswith("cpu") and r["families"] == "weights,grads,updates"
+    assert r["tensors"] == 75 and r["base_ms"] > 0
+    assert r["sampled_ms"] > 0 and r["sampled"] > 0
+    assert r["reported_overhead_ms"] > 0  # the second sample's: the first also records the layer table
+    assert math.isclose(r["sampled_delta_ms"], r["sampled_ms"] - r["base_ms"], rel_tol=1e-9, abs_tol=1e-9)
+    assert r["bytes_per_sampled_step"] > 0 and r["bytes_per_histogram"] > 0
