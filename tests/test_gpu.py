@@ -127,3 +127,40 @@ def test_the_overhead_benchmark_runs_on_cuda_and_times_with_events(monkeypatch):
                 device="cuda")
     assert r["device"] == torch.cuda.get_device_name()
     assert r["base_ms"] > 0 and r["sampled_ms"] > r["base_ms"] * 0.5 and r["reported_overhead_ms"] > 0
+
+
+@pytest.mark.parametrize("config", ["wgu", "defaults"])
+def test_a_sampled_step_syncs_the_host_only_for_its_one_transfer(tmp_path, config):
+    """Inside forward, backward and the optimizer step of a sampled step nothing waits for the
+    GPU (hooks, snapshot); the parameter families' ``inspector.step()`` then makes one transfer."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = MLP().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(64, 8, device="cuda")
+    extra = {"families": ("weights", "grads", "updates"), "sentinel": False} if config == "wgu" else {}
+
+    def syncs(action) -> list[str]:
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                action()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+    def train() -> None:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, optimizer=opt, **extra) as inspector:
+        for _ in range(3):  # the first samples: the layer table, plans and buffers
+            train()
+            inspector.step()
+        assert syncs(train) == []
+        if config == "wgu":
+            assert len(syncs(inspector.step)) <= 1
