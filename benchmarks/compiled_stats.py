@@ -20,23 +20,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import Clock  # noqa: E402
 
-def median_us(action: Callable[[], object], device: torch.device, calls: int = 50) -> float:
-    times = []
-    for _ in range(calls):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        action()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(times)
+
+def median_us(action: Callable[[], object], clock: Clock, calls: int = 50) -> float:
+    return 1e6 * statistics.median(clock.time(action) for _ in range(calls))
 
 
 def compiled(fn: Callable, *args: torch.Tensor) -> tuple[Callable, float]:
@@ -49,18 +45,19 @@ def compiled(fn: Callable, *args: torch.Tensor) -> tuple[Callable, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
-    device = torch.device(parser.parse_args().device)
+    clock = Clock(parser.parse_args().device)
+    device = clock.device
     x = torch.randn(780, 1280, device=device)
     fused, rows_compile = compiled(lambda x: (x.amin(1), x.amax(1), x.sum(1), (x * x).sum(1)), x)
-    eager = median_us(lambda: (x.amin(1), x.amax(1), x.sum(1), torch.linalg.vector_norm(x, dim=1)), device)
-    print(f"rows    eager {eager:8.1f} us   compiled {median_us(lambda: fused(x), device):8.1f} us   (compile {rows_compile:.1f} s)")
+    eager = median_us(lambda: (x.amin(1), x.amax(1), x.sum(1), torch.linalg.vector_norm(x, dim=1)), clock)
+    print(f"rows    eager {eager:8.1f} us   compiled {median_us(lambda: fused(x), clock):8.1f} us   (compile {rows_compile:.1f} s)")
 
     before = torch.randn(2_000_000, device=device)
     after = before + 1e-3 * torch.randn(2_000_000, device=device)
     scratch = torch.empty_like(before)
     diff, update_compile = compiled(lambda a, b: ((a - b) * (a - b)).sum(), after, before)
-    sub_norm = median_us(lambda: (torch.sub(after, before, out=scratch), torch.linalg.vector_norm(scratch)), device)
-    fused_us = median_us(lambda: diff(after, before), device)
+    sub_norm = median_us(lambda: (torch.sub(after, before, out=scratch), torch.linalg.vector_norm(scratch)), clock)
+    fused_us = median_us(lambda: diff(after, before), clock)
     print(f"update  eager {sub_norm:8.1f} us   compiled {fused_us:8.1f} us   (compile {update_compile:.1f} s)")
 
 
