@@ -15,6 +15,12 @@ def read_events(log_dir: Path | str) -> EventAccumulator:
 
 
 @pytest.fixture
+def benchmarks(monkeypatch):
+    """Makes the modules of ``benchmarks/`` (workloads, timing, overhead, ...) importable."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+@pytest.fixture
 def events():
     return read_events
 

@@ -5,17 +5,9 @@ one short run whose figures hang together. No timing is asserted: the targets li
 import math
 import time
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
-
-BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
-
-
-@pytest.fixture
-def benchmarks(monkeypatch):
-    monkeypatch.syspath_prepend(BENCHMARKS)
 
 
 def test_the_cpu_clock_times_each_action_in_turn(benchmarks):

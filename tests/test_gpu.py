@@ -1,6 +1,7 @@
 """GPU checks: skipped without CUDA (CI has none); run them where a GPU is available."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -109,12 +110,7 @@ def test_probes_on_cuda_time_with_events_measure_the_allocator_and_never_sync_in
     assert result.offender is None
 
 
-def test_the_overhead_benchmark_runs_on_cuda_and_times_with_events(monkeypatch):
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import warnings
-
+def test_the_overhead_benchmark_runs_on_cuda_and_times_with_events(benchmarks):
     from overhead import run
     from timing import Clock
 
@@ -133,8 +129,6 @@ def test_the_overhead_benchmark_runs_on_cuda_and_times_with_events(monkeypatch):
 def test_a_sampled_step_syncs_the_host_only_for_its_one_transfer(tmp_path, config):
     """Inside forward, backward and the optimizer step of a sampled step nothing waits for the
     GPU (hooks, snapshot); the parameter families' ``inspector.step()`` then makes one transfer."""
-    import warnings
-
     torch.manual_seed(0)
     model = MLP().cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

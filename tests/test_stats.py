@@ -1,5 +1,4 @@
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -232,10 +231,9 @@ def test_a_kept_workspace_gives_the_rows_of_a_fresh_one_call_after_call():
     assert len(workspace._plans) == S.Workspace.PLANS
 
 
-def test_the_parameter_families_make_no_python_call_per_tensor(monkeypatch):
+def test_the_parameter_families_make_no_python_call_per_tensor(benchmarks):
     """A sampled step's reductions of weights, gradients and updates run the same Python
     functions for 10 tensors as for 400 (once each plan is made): per-tensor work is in torch."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from tensor_count import python_calls
 
     assert python_calls(400, 64) == python_calls(10, 64)
