@@ -228,33 +228,81 @@ def reduce_sharded(local_shards: Sequence[torch.Tensor], group: Any, bins: int, 
     """Exact rows of whole tensors whose shards live on the ranks of ``group``.
 
     Every rank of the group calls this with its own shards of the same tensors, in the
-    same order, and gets the same rows. Nothing is gathered: one ``all_reduce(MIN)`` of
-    the shards' finite extremes fixes a shared histogram grid, then one ``all_reduce(SUM)``
-    adds up counts, sums, sums of squares and bucket counts. The std of a sharded tensor
+    same order, and gets the same rows (:func:`combine_shards`). The std of a sharded tensor
     comes from its sum and sum of squares.
     """
-    import torch.distributed as dist
-
     if not local_shards:
         return torch.empty(0, row_width(bins), dtype=torch.float64)
-    flat = [as_real_values(t) for t in local_shards]
+    device = local_shards[0].device
+    try:
+        flat = [as_real_values(t) for t in local_shards]
+        heads = torch.stack([shard_statistics(t, zeros) for t in flat])
+    except Exception:  # this rank cannot measure its shards: it still takes part, and says so
+        flat, heads = [], None
+    return combine_shards(heads, flat, len(local_shards), group, bins, device)
+
+
+def shard_statistics(flat: torch.Tensor, zeros: bool) -> torch.Tensor:
+    """The first ``HIST`` columns of the row of ``flat`` (no grid), with masked ops: exact for
+    any values, nothing read on the host. What :func:`combine_shards` adds up."""
     with torch.no_grad():
-        extremes = torch.stack([torch.stack(_finite_extremes(t, torch.isfinite(t))) for t in flat]).double()
-        extremes[:, 1].neg_()
-        dist.all_reduce(extremes, op=dist.ReduceOp.MIN, group=group)
-        extremes[:, 1].neg_()
-        rows = torch.stack(
-            [
-                _reduce_generic(t, bins, zeros, False, (extremes[i, 0].to(t.dtype), extremes[i, 1].to(t.dtype)))
-                for i, t in enumerate(flat)
-            ]
-        )
-        additive = [COUNT, NONFINITE, SUM, SUMSQ, ZEROS] + list(range(HIST, rows.shape[1]))
-        summed = rows[:, additive].contiguous()
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
-        rows[:, additive] = summed
+        return _reduce_generic(flat, 0, zeros, False)[:HIST]
+
+
+def combine_shards(heads: Optional[torch.Tensor], samples: Sequence[torch.Tensor], n: int, group: Any, bins: int,
+                   device: torch.device) -> torch.Tensor:
+    """The rows of ``n`` whole tensors from each rank's rows of its shards, by every rank of
+    ``group`` together; nothing is gathered.
+
+    ``heads`` holds this rank's exact statistics of each shard (the first ``HIST`` columns of
+    a row, as ``_reduce_generic(shard, 0, ...)`` makes them), and ``samples[i]`` the values its
+    bucket counts are drawn from (the shard itself, or a sample of it, scaled to its finite
+    count). One ``all_reduce(MIN)`` of the shards' finite extremes fixes a shared histogram
+    grid, then one ``all_reduce(SUM)`` adds up counts, sums, sums of squares and bucket counts.
+
+    A rank that could not measure its shards passes ``heads=None``: it still issues both
+    collectives, so no rank waits for it, and every rank's rows then read NaN in ``COUNT``
+    (see :func:`failed_rows`). ``group=None``: this rank's shards alone (no collective).
+    """
+    width = row_width(bins)
+    failed = heads is None
+    with torch.no_grad():
+        if failed:
+            heads = torch.zeros(n, HIST, dtype=torch.float64, device=device)
+        extremes = torch.cat([heads[:, MIN], -heads[:, MAX]])
+        _all_reduce(extremes, "MIN", group)
+        mn, mx = extremes[:n], -extremes[n:]
+        rows = torch.zeros(n, width, dtype=torch.float64, device=device)
+        rows[:, :HIST] = heads
+        rows[:, MIN], rows[:, MAX] = mn, mx
+        if bins and not failed:
+            try:
+                for i, values in enumerate(samples):
+                    row = _reduce_generic(values, bins, False, False, (mn[i].to(values.dtype), mx[i].to(values.dtype)))
+                    rows[i, SCALE:] = row[SCALE:]
+                    rows[i, HIST:] *= heads[i, COUNT] / row[COUNT].clamp(min=1)  # a sample stands for every value
+            except Exception:
+                failed = True
+        additive = [COUNT, NONFINITE, SUM, SUMSQ, ZEROS] + list(range(HIST, width))
+        summed = torch.cat([rows[:, additive].reshape(-1), torch.full((1,), float(failed), dtype=torch.float64, device=device)])
+        _all_reduce(summed, "SUM", group)
+        rows[:, additive] = summed[:-1].view(n, len(additive))
         rows[:, CENTERED_SUMSQ] = rows[:, SUMSQ] - rows[:, SUM] ** 2 / rows[:, COUNT].clamp(min=1)
+        rows[:, COUNT] = torch.where(summed[-1] > 0, torch.full_like(rows[:, COUNT], math.nan), rows[:, COUNT])
     return rows
+
+
+def _all_reduce(tensor: torch.Tensor, op: str, group: Any) -> None:
+    """``torch.distributed.all_reduce`` over ``group``; nothing for None (this rank alone)."""
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op), group=group)
+
+
+def failed_rows(rows: np.ndarray) -> np.ndarray:
+    """Which host rows a rank could not help measure (:func:`combine_shards`): no statistic of theirs holds."""
+    return np.isnan(rows[:, COUNT])
 
 
 class Workspace:
