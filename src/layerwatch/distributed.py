@@ -1,21 +1,56 @@
-"""Which rank does what, and sharded tensors (DTensor, FSDP2) without gathering them."""
+"""Which rank does what; sharded tensors (FSDP2, DTensor, tensor parallel, FSDP1) measured
+without gathering them; and the rule that keeps a distributed run from hanging.
+
+**Collectives are symmetric.** Every collective layerwatch issues is issued by every rank of
+its group, in the same order, or by none. Code that may run on one rank alone (rank 0's
+writing, a probe's hook) reads local data only: a DTensor's local tensor, never an op on the
+DTensor itself, which may hide a collective (its ``norm`` or ``sum`` is ``Partial``, and
+writing that into a plain tensor all-reduces it). Where a sampled step's collectives could
+come apart (one rank's probe failed, one rank's list of tensors differs), the ranks first
+agree on what follows (:meth:`RankSync.same`), and all of them skip it when they do not.
+
+A run is *sharded* when it is distributed and some parameter is spread over the ranks (a
+DTensor, or an FSDP1 flat parameter). Then every rank takes part in every sampled step
+(probes, reductions), and the ranks decide together which steps are sampled
+(:class:`StepVote`). Under DDP, rank 0 alone measures: no sampled step issues a collective.
+"""
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence, Union
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
+from torch import nn
+
+from layerwatch.rankings import ROOT  # the model itself: named_modules() names it ""
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 Group = tuple[Any, list[str], list[torch.Tensor]]  # (process group or None, names, local tensors)
+
+# What module wrappers put into qualified names; FSDP's own state dict leaves them out too.
+WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def _initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def is_writer_rank() -> bool:
     """Rank 0 writes; every rank takes part in the reductions of sharded tensors."""
     import torch.distributed as dist
 
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return not _initialized() or dist.get_rank() == 0
+
+
+def world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if _initialized() else 1
 
 
 @functools.cache
@@ -28,19 +63,160 @@ def _dtensor_type() -> Union[type, tuple[()]]:
     return DTensor
 
 
+def is_dtensor(tensor: Any) -> bool:
+    return isinstance(tensor, _dtensor_type())
+
+
 def local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, _dtensor_type()) else tensor
+    """The part of ``tensor`` this rank holds, read without DTensor's dispatch (no collective,
+    no autograd node): a DTensor's local tensor, detached; any other tensor itself."""
+    return tensor._local_tensor.detach() if isinstance(tensor, _dtensor_type()) else tensor
 
 
 def local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """:func:`local` of each tensor, without a Python call per tensor."""
     dtensor = _dtensor_type()
-    return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
+    return [t._local_tensor.detach() if isinstance(t, dtensor) else t for t in tensors]
 
 
-def this_ranks_groups(pairs: NamedTensors, warn_once: Callable[[str, str], None]) -> list[Group]:
-    """``(group, names, tensors)`` this rank reduces: sharded tensors (local shards) with their
-    process group on every rank, then the rest by device (group None) on rank 0.
+@dataclass(frozen=True)
+class Spread:
+    """How a DTensor's values lie over its group's ranks, as far as statistics care:
+    ``"shard"`` (each rank holds different values), ``"partial"`` (each holds a term of
+    every value) or ``"several"`` (sharded along more than one mesh dimension: not measured)."""
+
+    kind: str
+    group: Any = None
+
+
+def spread(tensor: torch.Tensor) -> Optional[Spread]:
+    """Whether ``tensor`` is spread over ranks (None: replicated, or a plain tensor). Reads
+    placements only."""
+    if not isinstance(tensor, _dtensor_type()):
+        return None
+    dims = [(i, p) for i, p in enumerate(tensor.placements) if not p.is_replicate()]
+    if not dims:
+        return None
+    if len(dims) > 1:
+        return Spread("several")
+    dim, placement = dims[0]
+    group = tensor.device_mesh.get_group(dim)
+    if group is None or group.size() == 1:
+        return None
+    return Spread("shard" if placement.is_shard() else "partial", group)
+
+
+def clean_name(name: str) -> str:
+    """A qualified name without the wrappers' parts (``_fsdp_wrapped_module``,
+    ``_checkpoint_wrapped_module``), as FSDP's state dict spells it: ``layers.0.weight``."""
+    if "_wrapped_module" not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
+
+
+@functools.cache
+def _wrapper_types() -> tuple[type, ...]:
+    types: list[type] = []
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        types.append(FullyShardedDataParallel)
+    except ImportError:
+        pass
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+        types.append(ActivationWrapper)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+def is_wrapper(module: nn.Module) -> bool:
+    """An FSDP1 or checkpoint wrapper: its wrapped module is the layer, under the same name."""
+    return isinstance(module, _wrapper_types())
+
+
+def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules()`` without the wrappers, under their clean names."""
+    return [(clean_name(name), module) for name, module in model.named_modules() if not is_wrapper(module)]
+
+
+# ---------------------------------------------------------------------- the parameters' layout
+
+
+@dataclass
+class Layout:
+    """How a model's parameters lie over the ranks.
+
+    ``pieces`` maps the clean name of each FSDP1 parameter (``use_orig_params=True``) to its
+    unit's process group and flat parameter: the parameter itself is this rank's piece of it
+    (empty on a rank that holds none of it). ``flat_only`` names the FSDP1 units wrapped with
+    ``use_orig_params=False``: their flat parameters hold several parameters each and are not
+    measured.
+    """
+
+    sharded: bool = False
+    pieces: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    flat_only: list[str] = field(default_factory=list)
+
+    def parameters(self, model: Optional[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+        """The model's named parameters that hold values, under clean names; an FSDP1
+        parameter also where this rank's piece of it is empty (every rank lists it)."""
+        if model is None:
+            return []
+        out = []
+        for name, p in model.named_parameters():
+            if getattr(p, "_is_flat_param", False):
+                continue
+            name = clean_name(name)
+            if p.numel() > 0 or name in self.pieces:
+                out.append((name, p))
+        return out
+
+    def gradient(self, name: str, p: nn.Parameter) -> Optional[torch.Tensor]:
+        """``p``'s gradient, or for an FSDP1 piece that has none while its unit has one (an
+        empty piece), an empty one: every rank of the unit reduces the same list."""
+        if p.grad is not None or name not in self.pieces:
+            return p.grad
+        flat = self.pieces[name][1]
+        if flat.grad is None or not p.requires_grad:
+            return None
+        return p.new_empty(0)
+
+    def group_of(self, name: str) -> Any:
+        """The process group over which ``name``'s FSDP1 pieces lie, or None."""
+        piece = self.pieces.get(name)
+        return None if piece is None else piece[0]
+
+
+def parameter_layout(model: Optional[nn.Module]) -> Layout:
+    """The :class:`Layout` of ``model``'s parameters on this rank."""
+    result = Layout()
+    if model is None or world_size() == 1:
+        return result
+    for name, module in model.named_modules():
+        handle = getattr(module, "_handle", None) if is_wrapper(module) else None
+        flat = getattr(handle, "flat_param", None)
+        if flat is None or not getattr(handle, "uses_sharded_strategy", False):
+            continue
+        result.sharded = True
+        if not getattr(handle, "_use_orig_params", False):
+            result.flat_only.append(clean_name(name) or ROOT)
+            continue
+        prefix = clean_name(name)
+        group = handle.process_group
+        for fqn in flat._fqns:
+            result.pieces[clean_name(f"{prefix}.{fqn}" if prefix else fqn)] = (group, flat)
+    dtensor = _dtensor_type()
+    result.sharded = result.sharded or any(isinstance(p, dtensor) for p in model.parameters())
+    return result
+
+
+def this_ranks_groups(pairs: NamedTensors, warn_once: Callable[[str, str], None], pieces: Optional[Layout] = None) -> list[Group]:
+    """``(group, names, tensors)`` this rank reduces: sharded tensors (local shards, or FSDP1
+    pieces) with their process group on every rank, then the rest by device (group None) on
+    rank 0.
 
     A DTensor sharded along one mesh dimension is reduced over that dimension's process
     group; replicated DTensors count as plain (their local tensor is the whole tensor).
@@ -58,9 +234,14 @@ def this_ranks_groups(pairs: NamedTensors, warn_once: Callable[[str, str], None]
             if shard_dims:
                 names, shards = sharded.setdefault(tensor.device_mesh.get_group(shard_dims[0]), ([], []))
                 names.append(name)
-                shards.append(tensor.to_local())
+                shards.append(tensor._local_tensor.detach())
                 continue
-            tensor = tensor.to_local()
+            tensor = tensor._local_tensor.detach()
+        elif pieces is not None and name in pieces.pieces:
+            names, shards = sharded.setdefault(pieces.group_of(name), ([], []))
+            names.append(name)
+            shards.append(tensor.detach())
+            continue
         if writer:
             names, tensors = plain.setdefault(tensor.device, ([], []))
             names.append(name)
@@ -79,3 +260,116 @@ def norms(tensors: list[torch.Tensor], group: Any = None) -> torch.Tensor:
     squares = result**2
     dist.all_reduce(squares, group=group)
     return squares.sqrt()
+
+
+def fingerprint(names: Sequence[str]) -> int:
+    """A number that is the same on every rank exactly when ``names`` is (up to CRC collisions)."""
+    return zlib.crc32("\0".join(names).encode())
+
+
+# ---------------------------------------------------------------------- agreeing
+
+
+class RankSync:
+    """What the ranks of a sharded run agree on, over a CPU group of the whole world (gloo: no
+    device sync, whatever the training's backend). Made by every rank, at the start of a run:
+    making a group is itself collective."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.group = dist.new_group(backend="gloo")
+
+    def same(self, values: Sequence[int]) -> bool:
+        """Whether every rank passed the same ``values`` (as many on every rank): one all_reduce."""
+        import torch.distributed as dist
+
+        both = torch.tensor(list(values) + [-v for v in values], dtype=torch.int64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        n = len(values)
+        return bool((both[:n] == -both[n:]).all())
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        group, self.group = self.group, None
+        if group is not None and _initialized():
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # the run's own group is gone already: so is this one
+                pass
+
+
+@dataclass
+class Ballot:
+    """One rank's say on one step: rank 0's schedule, and a NaN/Inf finding of this rank's
+    sentinel (its step and whether it was a NaN), if any."""
+
+    scheduled: bool
+    finding_step: Optional[int] = None
+    finding_nan: bool = False
+
+
+@dataclass
+class Decision:
+    """What the ranks decided for one step: sampled or not, and the first NaN/Inf finding of
+    any rank (its step), if one came in."""
+
+    sampled: bool
+    finding_step: Optional[int] = None
+    finding_nan: bool = False
+
+
+_NO_STEP = 1 << 62
+
+
+class StepVote:
+    """Each step's sampling decision, the same on every rank of a sharded run.
+
+    At step ``k`` every rank sends its :class:`Ballot` for step ``k + 1`` (one small
+    all_reduce, started without waiting for it) and takes the result for step ``k``, sent
+    a step before. The wait is a step's compute after the send: it is over by then. A step
+    with no ballot sent ahead (the first, or after a jump in the step count) is decided at
+    once.
+    """
+
+    def __init__(self, sync: RankSync) -> None:
+        self._sync = sync
+        self._pending: Optional[tuple[int, torch.Tensor, Any]] = None
+
+    def decide(self, step: int, ballot: Callable[[int], Ballot]) -> Decision:
+        """The decision for ``step``: the ballots sent for it a step before, or, when none
+        were, ``ballot(step)`` of every rank, at once."""
+        decided = self._take(step)
+        if decided is None:
+            self.send(step, ballot(step))
+            decided = self._take(step)
+        return decided
+
+    def send(self, step: int, ballot: Ballot) -> None:
+        """Send this rank's ballot for ``step`` (a later step than any decided)."""
+        import torch.distributed as dist
+
+        self._take(None)
+        found = ballot.finding_step is not None
+        votes = torch.tensor(
+            [int(ballot.scheduled), int(found), -(ballot.finding_step if found else _NO_STEP), int(found and ballot.finding_nan)],
+            dtype=torch.int64,
+        )
+        work = dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self._sync.group, async_op=True)
+        self._pending = (step, votes, work)
+
+    def close(self) -> None:
+        """Wait for the ballot in flight (every rank has sent it)."""
+        self._take(None)
+
+    def _take(self, step: Optional[int]) -> Optional[Decision]:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        sent_for, votes, work = pending
+        work.wait()
+        if sent_for != step:
+            return None
+        scheduled, found, neg_step, nan = votes.tolist()
+        return Decision(bool(scheduled or found), -neg_step if found else None, bool(nan))

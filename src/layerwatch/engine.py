@@ -38,11 +38,11 @@ from torch import nn
 from layerwatch import record as R
 from layerwatch import stats as S
 from layerwatch.alerts import Alert, HealthCheck
-from layerwatch.distributed import is_writer_rank, local
+from layerwatch.distributed import Ballot, Decision, Layout, RankSync, StepVote, is_writer_rank, local, parameter_layout
 from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import Attachments, CollectorClock, claim
 from layerwatch.options import Options, writable_dir
-from layerwatch.params import ParameterFamilies, Piece, Snapshot, parameters
+from layerwatch.params import ParameterFamilies, Piece, Snapshot
 from layerwatch.probes import ProbeResult, StepProbes, probe_name, select_modules
 from layerwatch.sentinel import Finding, NonfiniteSentinel, StepCounter
 from layerwatch.sinks.tensorboard import TensorBoardSink
@@ -127,6 +127,13 @@ class Engine:
         self._release = weakref.finalize(self, self._attached.release)
         self._sentinel: Optional[NonfiniteSentinel] = None
         self._force_sample = False
+        # A sharded run (see distributed.py): every rank takes part in every sampled step, and
+        # the ranks vote on which steps those are; a sentinel's finding waits for the vote.
+        self._layout = Layout()
+        self._sync: Optional[RankSync] = None
+        self._vote: Optional[StepVote] = None
+        self._finding: Optional[Finding] = None
+        self._finding_reported = False
         self._offender_found = False
         self._samples_written = 0
         self._schedule_checked = False
@@ -180,17 +187,28 @@ class Engine:
                 "was not finished (a cell run again?); that one is finished now, so its hooks do not stay on the model"
             )
             previous.finish()
+        self._layout = parameter_layout(model)
+        self._params.layout = self._layout
+        if self._layout.sharded:  # every rank, at the same point: making a group is collective
+            self.failures.run("make the ranks' group for agreeing (no step is sampled)", self._open_vote, 0)
+        if self._layout.flat_only and is_writer_rank():
+            self.failures.warn(
+                f"layerwatch: FSDP wraps {', '.join(self._layout.flat_only)} with use_orig_params=False, so their "
+                "parameters exist only as flat parameters that each hold many of them, and are not measured; "
+                "per-parameter statistics (weights, grads, updates) need FullyShardedDataParallel(..., "
+                "use_orig_params=True). The per-module families go on."
+            )
         if is_writer_rank():
             writer = self._writer
             if writer is None:
                 self.failures.run("open the TensorBoard writer (nothing is written; training goes on)", self._open_writer, 0)
             else:
                 self._sink = TensorBoardSink(writer, owns_writer=False)
-            if self.options.sentinel:
-                self._sentinel = NonfiniteSentinel()
+        if self.options.sentinel and (is_writer_rank() or self._layout.sharded):  # sharded: each rank checks its shards
+            self._sentinel = NonfiniteSentinel()
         self._state = "running"
         model = self._model()
-        names = [name for name, _ in parameters(model)]
+        names = [name for name, _ in self._layout.parameters(model)]
         if not names:
             self.failures.warn_once("no-params", "layerwatch: the model has no parameters; there is nothing to log")
         if self._sink is not None and model is not None:
@@ -199,6 +217,11 @@ class Engine:
             if layout:
                 self._write_with(lambda sink: sink.write_layout(layout), "write the chart layout")
         return self
+
+    def _open_vote(self) -> None:
+        self._sync = self._params.sync = RankSync()
+        self._vote = StepVote(self._sync)
+        self._attached.removables.append(_Closing(self._vote, self._sync))
 
     def _open_writer(self) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -214,6 +237,7 @@ class Engine:
             self._health.say_if_too_short(self._samples_written)
         self._drop_sample()
         self._sentinel = None
+        self._vote = self._sync = None  # closed with the hooks, below
         self._param_cache = self._sentinel_watching = None
         self._params.release()
         self._probes.workspace.clear()
@@ -244,14 +268,13 @@ class Engine:
         started = self._opened_at = time.perf_counter()
         self._drop_sample()
         self._step = step
-        if not (may_sample and (self._force_sample or self._scheduled(step))):
+        if not self._sampled(step, may_sample):
             return False
-        self._force_sample = False
         model = self._model()
-        sample = self._sample = _Sample(step, parameters(model), self._counter.count)
+        sample = self._sample = _Sample(step, self._layout.parameters(model), self._counter.count)
         self._param_cache = sample.params
-        if model is not None and is_writer_rank():
-            self._probes.arm(model, [p for _, p in sample.params], step)
+        if model is not None and (is_writer_rank() or self._layout.sharded):
+            self._probes.arm(model, [p for _, p in sample.params], step, writer=is_writer_rank())
             self._collector.attach()
         sample.overhead_s += time.perf_counter() - started
         return True
@@ -307,7 +330,7 @@ class Engine:
             return None
         started = time.perf_counter()
         sample.overhead_s += self._probes.hook_seconds
-        structure, probes = self._probes.take()
+        structure, probes = self._probes.take(self._sync)
         self._read_grads(sample, sample.unread(sample.grads_read, None))
         for _, snapshot in sample.snapshots:
             self.failures.run("measure updates", lambda: self._measure_update(sample, snapshot), sample.step)
@@ -316,6 +339,29 @@ class Engine:
             self.failures.run("write the sampled step", lambda: self._write(sample, started, structure, probes), sample.step)
         self._collector.remove()
         return sample.step
+
+    def _sampled(self, step: int, may_sample: bool) -> bool:
+        """Whether ``step`` is sampled: the schedule says so, or the sentinel asked for it. In a
+        sharded run the ranks decide together (every rank asks its schedule, which checks it;
+        rank 0's answer counts), a step ahead."""
+        vote = self._vote
+        if vote is None and self._layout.sharded:
+            return False  # the ranks cannot agree on a sample, so none is taken
+        if vote is None:
+            if not (may_sample and (self._force_sample or self._scheduled(step))):
+                return False
+            self._force_sample = False
+            return True
+        decision = vote.decide(step, self._ballot)
+        if decision.finding_step is not None:
+            self._on_voted_finding(decision, step)
+        vote.send(step + 1, self._ballot(step + 1))
+        return may_sample and decision.sampled
+
+    def _ballot(self, step: int) -> Ballot:
+        scheduled = self._scheduled(step)
+        finding = None if self._finding_reported else self._finding
+        return Ballot(scheduled and is_writer_rank(), None if finding is None else finding.step, finding is not None and finding.nan)
 
     def _scheduled(self, step: int) -> bool:
         """The schedule's answer for ``step``. Its first call is its check: what it raises then
@@ -374,6 +420,8 @@ class Engine:
             family: [(names, next(arrays).reshape(len(names) if family != "update" else 2, -1)) for names, _ in pieces]
             for family, pieces in families.items()
         }
+        for family in ("grads", "weights"):
+            host[family] = [self._measured(family, names, rows, sample.step) for names, rows in host[family]]
         rec = R.StepRecord(sample.step)
         for family in R.TENSOR_FAMILIES:
             for names, rows in host[family]:
@@ -413,6 +461,19 @@ class Engine:
         self._emit(rec)
         self._last_write_s = time.perf_counter() - writing
         self._announce(rec.step, new_alerts)
+
+    def _measured(self, family: str, names: list[str], rows: np.ndarray, step: int) -> tuple[list[str], np.ndarray]:
+        """``names`` and ``rows`` less the sharded tensors a rank could not help measure (said once)."""
+        failed = S.failed_rows(rows)
+        if not failed.any():
+            return names, rows
+        left_out = [name for name, bad in zip(names, failed) if bad]
+        self.failures.warn_once(
+            f"failed-rows:{family}",
+            f"layerwatch: a rank could not measure its shards of {', '.join(left_out[:5])}"
+            f"{f' and {len(left_out) - 5} more' if len(left_out) > 5 else ''} ({family}) at step {step}; left out of that step",
+        )
+        return [name for name, bad in zip(names, failed) if not bad], rows[~failed]
 
     def _overhead_s(self, sample: _Sample, started: float) -> float:
         """What sampling added to this step: the time measured in our own code, plus the step's
@@ -461,7 +522,7 @@ class Engine:
         stepped = self._counter.stepped_since_last_check()
         step = self._step
         if self._param_cache is None:
-            self._param_cache = parameters(self._model())
+            self._param_cache = self._layout.parameters(self._model())
         if self._sentinel_watching is not self._param_cache:  # walked again at a sample: new shares
             self._sentinel_watching = self._param_cache
             sentinel.watch(self._param_cache, local)
@@ -470,23 +531,42 @@ class Engine:
             if finding.stepped is False:
                 logger.info("layerwatch: step %d: NaN/Inf gradients and no optimizer step (a GradScaler skip)", finding.step)
                 continue
-            self.failures.run("report NaN/Inf gradients", lambda: self._on_nonfinite(finding), step)
+            if self._vote is not None:  # the ranks act on it together, once they have voted
+                self._finding = self._finding or finding
+                break
+            self._force_sample = True
+            self.failures.run("report NaN/Inf gradients", lambda: self._on_nonfinite(finding, step + 1), step)
             self._sentinel = None
             break
 
-    def _on_nonfinite(self, finding: Finding) -> None:
-        """The sentinel's first hit: the step, an alert, and every probe armed for the next step."""
-        self._force_sample = True
+    def _on_voted_finding(self, decision: Decision, step: int) -> None:
+        """A rank's sentinel found NaN/Inf gradients, and every rank knows it now: none checks
+        again, ``step`` is sampled, and rank 0 reports it (with the tensors, when its own
+        shards held them)."""
+        if self._finding_reported:
+            return
+        self._finding_reported = True
+        own, self._finding = self._finding, None
+        if is_writer_rank():
+            tensors = own.tensors if own is not None and own.step == decision.finding_step else []
+            finding = Finding(decision.finding_step, tensors, None, decision.finding_nan)
+            self.failures.run("report NaN/Inf gradients", lambda: self._on_nonfinite(finding, step), step)
+        self._sentinel = None
+
+    def _on_nonfinite(self, finding: Finding, sampled_step: int) -> None:
+        """The sentinel's first hit: the step, an alert, and every probe armed at ``sampled_step``."""
         rec = R.StepRecord(finding.step)
         rec.scalars[R.FIRST_NONFINITE_STEP] = finding.step
         names = ", ".join(finding.tensors[:5]) + (f" and {len(finding.tensors) - 5} more" if len(finding.tensors) > 5 else "")
+        where = f" in {names}" if names else " in gradient shards held by another rank"
         overflow = "" if finding.nan else " (or finite gradients whose norm passes ~1.8e19: an explosion)"
         every = "every step" if self._sentinel is None or self._sentinel.rotation == 1 else (
             f"each gradient at least every {self._sentinel.rotation} steps"
         )
+        which = "the next step" if sampled_step == self._step + 1 else f"step {sampled_step}"
         message = (
-            f"NaN/Inf gradients at step {finding.step} (the sentinel, {every}) in {names}{overflow}; "
-            f"the next step is sampled with every probe armed to find the first offender"
+            f"NaN/Inf gradients at step {finding.step} (the sentinel, {every}){where}{overflow}; "
+            f"{which} is sampled with every probe armed to find the first offender"
         )
         self._emit(rec)
         logger.warning("layerwatch: %s", message)
@@ -499,3 +579,19 @@ class Engine:
         if alerts:
             lines = "\n".join(f"  {a.kind} {a.name}: {a.message}" for a in alerts)
             self.failures.warn(f"layerwatch: {len(alerts)} new alert(s) at step {step}:\n{lines}")
+
+
+class _Closing:
+    """Closes a sharded run's vote (waiting for its ballot in flight) and then its group, when
+    the engine's attachments are released."""
+
+    def __init__(self, vote: StepVote, sync: RankSync) -> None:
+        self._vote, self._sync = vote, sync
+
+    def remove(self) -> None:
+        vote, sync, self._vote, self._sync = self._vote, self._sync, None, None
+        if vote is not None:
+            try:
+                vote.close()
+            finally:
+                sync.close()

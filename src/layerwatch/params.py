@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from layerwatch import stats as S
-from layerwatch.distributed import NamedTensors, local_tensors, norms, this_ranks_groups
+from layerwatch.distributed import Layout, NamedTensors, RankSync, fingerprint, local_tensors, norms, parameter_layout, this_ranks_groups
 from layerwatch.failures import FailurePolicy
 from layerwatch.options import Options
 
@@ -31,26 +31,37 @@ class Snapshot:
 
 
 class ParameterFamilies:
-    """Reads the weights, gradients and updates of the parameters this rank measures."""
+    """Reads the weights, gradients and updates of the parameters this rank measures.
+
+    Sharded parameters are reduced by every rank of their group together. Before each such
+    reduction the ranks check that they hold the same list of tensors (``sync``): where they
+    do not, every rank skips it, so no rank is left waiting in a collective the others will
+    not issue.
+    """
 
     def __init__(self, options: Options, failures: FailurePolicy) -> None:
         self.options = options
         self.failures = failures
         self.workspace = S.Workspace()
+        self.layout = Layout()  # how the parameters lie over the ranks (set by the engine at start)
+        self.sync: Optional[RankSync] = None  # where the ranks of a sharded run agree
         self._unmeasurable: set[tuple[str, str]] = set()  # (weights|gradients, name) whose statistics failed
 
     def release(self) -> None:
         self.workspace.clear()
 
     def gradients(self, params: Sequence[tuple[str, nn.Parameter]], step: int) -> list[Piece]:
-        pairs = []
+        pairs, pieces = [], self.layout.pieces
         for name, p in params:
-            if p.grad is None:
+            grad = p.grad
+            if grad is None and name in pieces:  # an empty FSDP1 piece: every rank lists it
+                grad = self.layout.gradient(name, p)
+            if grad is None:
                 continue
-            if p.grad.is_sparse:
+            if grad.is_sparse:
                 self.failures.warn_once(f"sparse:{name}", f"layerwatch: the gradient of {name!r} is sparse; it is not measured")
                 continue
-            pairs.append((name, p.grad))
+            pairs.append((name, grad))
         if not pairs and any(p.requires_grad for _, p in params):
             self.failures.warn_once(
                 "no-grads",
@@ -68,7 +79,7 @@ class ParameterFamilies:
         groups = []
         with torch.no_grad():
             trainable = [(n, p) for n, p in params if p.requires_grad]
-            for i, (group, names, tensors) in enumerate(this_ranks_groups(trainable, self.failures.warn_once)):
+            for i, (group, names, tensors) in enumerate(self._groups(trainable, "snapshot")):
                 groups.append((group, names, self._copies(tensors, f"{slot}{i}")))
         return Snapshot(groups)
 
@@ -77,7 +88,7 @@ class ParameterFamilies:
         CPU (a fresh copy of a large weight costs a page fault per 4 KiB there); per-tensor
         clones when their dtypes differ."""
         dtype = tensors[0].dtype
-        if any([t.dtype != dtype for t in tensors]):
+        if any([t.dtype != dtype or t.device != tensors[0].device for t in tensors]):
             return [t.detach().clone() for t in tensors]
         sizes = [t.numel() for t in tensors]
         flat = self.workspace.get(tensors[0].device, dtype, sum(sizes), slot, exact=True)
@@ -108,7 +119,7 @@ class ParameterFamilies:
         """Rows of ``what`` ("weights" or "gradients") of the named tensors this rank reduces."""
         options, pieces = self.options, []
         measurable = [(name, t) for name, t in pairs if (what, name) not in self._unmeasurable]
-        for group, names, tensors in this_ranks_groups(measurable, self.failures.warn_once):
+        for group, names, tensors in self._groups(measurable, what):
             if group is not None:  # collective: every rank must take part in step with the others
                 pieces.append((names, S.reduce_sharded(tensors, group, options.bins, zeros=options.zeros)))
                 continue
@@ -121,6 +132,23 @@ class ParameterFamilies:
             except Exception:
                 pieces.append(self._reduce_one_by_one(what, names, tensors))
         return [(names, rows) for names, rows in pieces if names]
+
+    def _groups(self, pairs: NamedTensors, what: str) -> list[tuple[Any, list[str], list[torch.Tensor]]]:
+        """:func:`~layerwatch.distributed.this_ranks_groups`, less the sharded groups whose
+        tensors are not the same on every rank (said once; every rank leaves them out alike)."""
+        groups = this_ranks_groups(pairs, self.failures.warn_once, self.layout)
+        if self.sync is None:
+            return groups
+        sharded = [names for group, names, _ in groups if group is not None]
+        every = [name for names in sharded for name in names]
+        if self.sync.same([len(sharded), len(every), fingerprint(every)]):
+            return groups
+        self.failures.warn_once(
+            f"ranks-differ:{what}",
+            f"layerwatch: the ranks hold different lists of sharded {what} at this step; they are left out (every rank "
+            "alike, so none waits for the others)",
+        )
+        return [entry for entry in groups if entry[0] is None]
 
     def _reduce_one_by_one(self, what: str, names: list[str], tensors: list[torch.Tensor]) -> Piece:
         """After a batched reduction failed: the tensors that can be measured, and a one-time
@@ -142,7 +170,6 @@ class ParameterFamilies:
 
 
 def parameters(model: Optional[nn.Module]) -> list[tuple[str, nn.Parameter]]:
-    """The model's named parameters that hold values (none when the model is gone)."""
-    if model is None:
-        return []
-    return [(name, p) for name, p in model.named_parameters() if p.numel() > 0]
+    """The model's named parameters that hold values, under clean names (none when the model
+    is gone); see :meth:`~layerwatch.distributed.Layout.parameters`."""
+    return parameter_layout(model).parameters(model)

@@ -5,7 +5,7 @@ output (:class:`Outputs`), reduced together after the step."""
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -35,9 +35,17 @@ class FlagSlots:
         self._used: list[int] = []  # per device
         self._device_of: list[int] = []  # per slot
         self._local: list[int] = []  # per slot: its position in its device's buffers
+        self._sharded: dict[Any, list[int]] = {}  # process group -> the slots of tensors spread over its ranks
 
-    def add(self, value: torch.Tensor) -> int:
-        """A new slot holding the 0-d ``value`` (copied on its device, no host sync)."""
+    @property
+    def sharded(self) -> list[int]:
+        """How many slots flag a tensor spread over ranks, per process group (in order)."""
+        return [len(slots) for slots in self._sharded.values()]
+
+    def add(self, value: torch.Tensor, group: Any = None) -> int:
+        """A new slot holding the 0-d ``value`` (copied on its device, no host sync); with a
+        ``group``, the flag of a tensor of which ``value`` read this rank's part only, to be
+        combined with the other ranks' by :meth:`combine`."""
         device = value.device
         if device in self._devices:
             d = self._devices.index(device)
@@ -53,7 +61,23 @@ class FlagSlots:
         buffers[local // self.SIZE][local % self.SIZE] = value
         self._device_of.append(d)
         self._local.append(local)
+        if group is not None:
+            self._sharded.setdefault(group, []).append(len(self._local) - 1)
         return len(self._local) - 1
+
+    def combine(self) -> None:
+        """Every rank of each group flags a spread tensor when any rank's part of it holds a
+        NaN or Inf: one all_reduce per group, by every rank, in the order the groups came."""
+        import torch.distributed as dist
+
+        for group, slots in self._sharded.items():
+            cells = [(self._buffers[self._device_of[slot]], self._local[slot]) for slot in slots]
+            values = torch.stack([buffers[i // self.SIZE][i % self.SIZE] for buffers, i in cells])
+            bad = values.isfinite().logical_not().to(torch.float64)
+            dist.all_reduce(bad, op=dist.ReduceOp.SUM, group=group)
+            merged = torch.where(bad > 0, math.nan, 0.0)
+            for (buffers, i), value in zip(cells, merged.unbind()):
+                buffers[i // self.SIZE][i % self.SIZE] = value
 
     def pieces(self) -> list[torch.Tensor]:
         """The used values of each device, to bring to the host with other pieces."""
@@ -84,6 +108,9 @@ class Outputs:
         self._length: list[int] = []
         self.kept: dict[int, torch.Tensor] = {}  # row -> a clone or a sample
         self.exact: dict[int, tuple[torch.Tensor | np.ndarray, int]] = {}  # row -> (statistics from the hook, values)
+        # row -> (process group, this rank's statistics of its part, a sample of that part):
+        # an output spread over ranks, its row made with the other ranks' (see :meth:`add`)
+        self.sharded: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self._stash: Optional[torch.Tensor] = None  # where copies go: a buffer kept from step to step
         self._used = 0
 
@@ -106,10 +133,20 @@ class Outputs:
         self._length.append(n)
         return row
 
-    def add(self, t: torch.Tensor) -> int:
-        """Record ``t``; its row (whose NONFINITE column flags it)."""
+    def add(self, t: torch.Tensor, group: Any = None) -> int:
+        """Record ``t``; its row (whose NONFINITE column flags it). With a ``group``, ``t`` is
+        this rank's shard of an output spread over the group's ranks: its exact statistics
+        (masked ops, nothing read on the host) and a sample of its values for the histogram
+        are kept, and after the step every rank's are combined into the whole output's row
+        (:func:`~layerwatch.stats.combine_shards`)."""
         flat = S.as_real_values(t)
         n = flat.numel()
+        if group is not None:
+            row = len(self._offset)
+            self.sharded[row] = (group, S.shard_statistics(flat, self.zeros), flat[:: S.prime_stride(n, HISTOGRAM_VALUES)].clone())
+            self._offset.append(-1)
+            self._length.append(0)
+            return row
         if n <= HISTOGRAM_VALUES:
             return self._keep(flat, copy=True)
         sample = flat[:: S.prime_stride(n, HISTOGRAM_VALUES)]
@@ -153,19 +190,28 @@ class Outputs:
             parts.append(flat.new_tensor(math.nan) if empty else torch.var(flat, correction=0))
         return parts
 
-    def rows(self, extra: list[torch.Tensor]) -> tuple[list[np.ndarray], np.ndarray]:
-        """The ``extra`` pieces and every row, on the host (one transfer per device)."""
+    def rows(self, extra: list[torch.Tensor], together: bool = False) -> tuple[list[np.ndarray], np.ndarray]:
+        """The ``extra`` pieces and every row, on the host (one transfer per device). The rows
+        of spread outputs are made with the other ranks' (``together``, collective: every rank
+        calls it) or, if not, from this rank's shard alone."""
+        width = S.row_width(self.bins)
         if not self._offset:
-            return S.to_host(extra), np.empty((0, S.row_width(self.bins)))
-        values = [self.kept[row] if offset < 0 else self._stash[offset : offset + n]
-                  for row, (offset, n) in enumerate(zip(self._offset, self._length))]
-        device_rows = S.reduce(values, self.bins, zeros=self.zeros, centered=self.centered, workspace=self.workspace)
+            return S.to_host(extra), np.empty((0, width))
+        spread_rows, spread_order = self._spread_rows(together)  # first: the other ranks wait for nothing else
+        plain = [row for row in range(len(self._offset)) if row not in self.sharded]
+        values = [self.kept[row] if self._offset[row] < 0 else self._stash[self._offset[row] : self._offset[row] + self._length[row]]
+                  for row in plain]
+        device_rows = [S.reduce(values, self.bins, zeros=self.zeros, centered=self.centered, workspace=self.workspace)] if values else []
         on_device = [stats for stats, _ in self.exact.values() if isinstance(stats, torch.Tensor)]  # else read by the hook
-        host = S.to_host(extra + [device_rows] + on_device)
-        extra_host, rows, device_host = host[: len(extra)], host[len(extra)], iter(host[len(extra) + 1 :])
-        rows = rows.reshape(len(values), -1)
+        host = S.to_host(extra + device_rows + spread_rows + on_device)
+        extra_host, rest = host[: len(extra)], iter(host[len(extra) :])
+        rows = np.empty((len(self._offset), width))
+        if values:
+            rows[plain] = next(rest).reshape(len(plain), width)
+        for rows_of_group in spread_order:
+            rows[rows_of_group] = next(rest).reshape(len(rows_of_group), width)
         for row, (stats, n) in self.exact.items():
-            stats = next(device_host) if isinstance(stats, torch.Tensor) else stats
+            stats = next(rest) if isinstance(stats, torch.Tensor) else stats
             finite = stats[0]
             rows[row, S.HIST :] *= finite / max(rows[row, S.COUNT], 1.0)  # the sample stands for every value
             rows[row, S.COUNT], rows[row, S.NONFINITE] = finite, n - finite
@@ -176,6 +222,18 @@ class Outputs:
             rows[row, S.CENTERED_SUMSQ] = extra_stats.pop(0) * finite if self.centered else np.nan
         return extra_host, rows
 
+    def _spread_rows(self, together: bool) -> tuple[list[torch.Tensor], list[list[int]]]:
+        """The device rows of the spread outputs, one tensor per process group (in the order
+        the groups came), and the rows each holds."""
+        by_group: dict[Any, list[int]] = {}
+        for row, (group, _, _) in self.sharded.items():
+            by_group.setdefault(group, []).append(row)
+        out = []
+        for group, rows in by_group.items():
+            heads = torch.stack([self.sharded[row][1] for row in rows])
+            samples = [self.sharded[row][2] for row in rows]
+            out.append(S.combine_shards(heads, samples, len(rows), group if together else None, self.bins, heads.device))
+        return out, list(by_group.values())
 
 
 def nonfinite_sum(t: torch.Tensor) -> torch.Tensor:

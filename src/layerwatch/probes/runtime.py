@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from layerwatch import stats as S
+from layerwatch.distributed import is_dtensor, local, local_tensors, spread
 from layerwatch.hooks import ForwardHooks, detached, entered_by_its_own_hook, is_compiling, tensors_in
 from layerwatch.probes.clocks import CudaClock, HostClock
 from layerwatch.probes.outputs import FlagSlots, Outputs, is_float, nonfinite_sum
@@ -65,6 +66,12 @@ class RuntimeProbe:
     the training step. Forwards with autograd off (validation) and recomputes inside
     backward (activation checkpointing) are not recorded.
 
+    A hook reads local data only, never an op on a DTensor (which may hide a collective):
+    a DTensor's local tensor. A tensor spread over ranks (a ``Shard`` or ``Partial`` DTensor,
+    or the local shard a tensor-parallel module hands on) has its flag and its output row
+    combined with the other ranks' after the step (:meth:`result`, ``together``); every rank
+    runs these hooks then, and :meth:`spread_work` is what they first agree on.
+
     What a hook keeps is mostly ints in flat lists: a call is a number, its fields are
     entries of per-call lists, and the spans, events and flags are runs of ints. A tuple,
     list or closure per module call would stay alive to the end of the step, and the
@@ -114,9 +121,19 @@ class RuntimeProbe:
         self._call_alloc: list[int] = []
         self._call_bwd_start: list[int] = []
         self._call_grad_outputs: list[int] = []
+        self._call_in_group: list[Any] = []  # the group its inputs are plain shards over, or None
+        self._call_group: list[Any] = []  # idem, its outputs
         self._stack: list[int] = []  # the calls whose forward is running
-        # Outermost calls whose inputs need no gradient, and the parameters they train
-        self._ends_with_pass: dict[int, list[nn.Parameter]] = {}
+        # Outermost calls whose inputs need no gradient: the module, whose parameters' gradients
+        # are read when the pass ends (then, not at its forward: FSDP swaps its parameters)
+        self._ends_with_pass: dict[int, Any] = {}
+        # Per module with a DTensor parameter (tensor parallel): how its last output was spread
+        # before its own output hook made it local, and that local shape
+        self._raw_spread: dict[int, tuple[Any, torch.Size]] = {}
+        # id(tensor) -> (a weak reference, the group): plain tensors that are one rank's shard of a
+        # whole (a tensor-parallel module's output, and what modules make of it until the next
+        # such module takes it back as a DTensor)
+        self._shard_of: dict[int, tuple[Any, Any]] = {}
         self._ignored_depth = 0
         # Hook intervals: marks at entry and exit of every hook, in firing order.
         self._entered: list[Any] = []
@@ -138,6 +155,8 @@ class RuntimeProbe:
         self._seen_key: dict[int, int] = {}
         self._grad_handles: list[Any] = []
         self._handles: list[Any] = [ForwardHooks([module for _, module in modules], self._pre_hook, self._post_hook)]
+        parallel = [module for _, module in modules if any(is_dtensor(p) for p in module.parameters(recurse=False))]
+        self._handles += [module.register_forward_hook(self._raw_output_hook, prepend=True) for module in parallel]
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -149,11 +168,22 @@ class RuntimeProbe:
         self._stack = []
         self._seen_ref, self._seen_key = {}, {}
         self._ends_with_pass = {}
+        self._raw_spread, self._shard_of = {}, {}
 
-    def result(self) -> ProbeResult:
-        """The step's measurements: one host transfer for every flag and stats row."""
+    def spread_work(self) -> list[int]:
+        """What :meth:`result` ``together`` does with the other ranks: as many flags and rows
+        of spread tensors, over as many groups, on every rank, or the ranks must not do it."""
+        flags, rows = self._slots.sharded, len(self._outputs.sharded)
+        return [sum(flags), len(flags), rows]
+
+    def result(self, together: bool = False) -> ProbeResult:
+        """The step's measurements: one host transfer for every flag and stats row. With
+        ``together`` (every rank calls it, once they agreed on :meth:`spread_work`) the flags
+        and rows of spread tensors are combined with the other ranks'."""
         self.remove()
-        slot_pieces, rows_host = self._outputs.rows(self._slots.pieces())
+        if together:
+            self._slots.combine()
+        slot_pieces, rows_host = self._outputs.rows(self._slots.pieces(), together)
         flagged = self._slots.flagged(slot_pieces)
         nonfinite = [bool(rows_host[-1 - f, S.NONFINITE] > 0) if f < 0 else bool(flagged[f]) for f in self._flags]
         marks = self._clock.resolve([m for pair in zip(self._entered, self._left) for m in pair])
@@ -174,7 +204,8 @@ class RuntimeProbe:
                 ms = max(entered[end] - left[start] - (nested[end] - nested[start + 1]), 0.0)
                 setattr(trace, attribute, (getattr(trace, attribute) or 0.0) + ms)
         for index, row in self._row_of.items():
-            traces[index].activation_row = rows_host[row]
+            if not S.failed_rows(rows_host[row : row + 1])[0]:
+                traces[index].activation_row = rows_host[row]
         offender = None
         if self._nonfinite:
             for events, phase in ((self._fwd_events, "forward"), (self._bwd_events, "backward")):
@@ -212,6 +243,15 @@ class RuntimeProbe:
             self._guarded(self._leave, index, output)
         if not self._stack:
             self._saved.exit()
+
+    def _raw_output_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """Runs before the module's other output hooks (a tensor-parallel style's, which may
+        make a spread DTensor local): how its output is spread."""
+        if is_compiling() or self.inert or not is_dtensor(output):
+            return
+        index = self._index.get(id(module))
+        if index is not None:
+            self._raw_spread[index] = (spread(output), output._local_tensor.shape)
 
     def __deepcopy__(self, memo: dict) -> "RuntimeProbe":
         return self  # a module copied mid-step keeps calling this probe, which passes it over
@@ -259,12 +299,14 @@ class RuntimeProbe:
         self._call_alloc.append(torch.cuda.memory_allocated() if self._memory and self._cuda else 0)
         self._call_bwd_start.append(-1)
         self._call_grad_outputs.append(-1)
+        self._call_in_group.append(self._shard_group_of(tensors) if self._shard_of else None)
+        self._call_group.append(None)
         if self._backward and torch.is_grad_enabled():
             watched = [t for t in tensors if t.requires_grad]
             if watched:
                 self._grad_handles.append(on_gradients(watched, self, call, done=True))
             elif not self._stack:  # the model itself: its backward ends with the pass (a hook per parameter would not)
-                self._ends_with_pass[call] = [p for p in module.parameters() if p.requires_grad]
+                self._ends_with_pass[call] = weakref.ref(module)
             else:
                 watched = [p for p in module.parameters() if p.requires_grad]
                 if watched:
@@ -284,19 +326,50 @@ class RuntimeProbe:
         self._calls[index] += 1
         self._fwd_spans += (index, self._call_start[call], len(self._entered))
         tensors = [output] if type(output) is torch.Tensor else list({id(t): t for t in tensors_in(output)}.values())
-        if self._memory:
-            self._activation_bytes[index] += sum(t.numel() * t.element_size() for t in tensors)
+        if self._memory:  # this rank's bytes
+            self._activation_bytes[index] += sum(t.numel() * t.element_size() for t in local_tensors(tensors))
             if self._cuda:
                 self._cuda_alloc_bytes[index] += torch.cuda.memory_allocated() - self._call_alloc[call]
         measured = [t for t in tensors if is_float(t)]
+        group = self._output_group(index, call, measured)
+        self._call_group[call] = group
         if self._activations and first_call and measured:
-            self._row_of[index] = self._row(measured)
+            row = self._row(measured, group)
+            if row is not None:
+                self._row_of[index] = row
         if self._nonfinite:
-            self._fwd_events += (index, self._call_inputs[call], self._add_run([self._flag(t) for t in measured]))
+            self._fwd_events += (index, self._call_inputs[call], self._add_run([self._flag(t, group) for t in measured]))
         if self._backward:
             needing = [t for t in measured if t.requires_grad]
             if needing:
                 self._grad_handles.append(on_gradients(needing, self, call, done=False))
+
+    def _output_group(self, index: int, call: int, outputs: list[torch.Tensor]) -> Any:
+        """The group over which the plain ``outputs`` are one rank's shards of the whole, or None:
+        where the module made its sharded DTensor output local (a tensor-parallel style's
+        output hook), or where its inputs were such shards (it computed on them alone, as
+        the layers between a column-wise and a row-wise parallel layer do)."""
+        raw = self._raw_spread.pop(index, None)
+        if not outputs or any(is_dtensor(t) for t in outputs):
+            return None
+        if raw is not None:
+            how, local_shape = raw
+            if how is None or how.kind != "shard" or len(outputs) != 1 or outputs[0].shape != local_shape:
+                return None
+            group = how.group
+        else:
+            group = self._call_in_group[call]
+        if group is not None:
+            for t in outputs:
+                self._shard_of[id(t)] = (weakref.ref(t), group)
+        return group
+
+    def _shard_group_of(self, tensors: list[torch.Tensor]) -> Any:
+        for t in tensors:
+            entry = self._shard_of.get(id(t))
+            if entry is not None and entry[0]() is t:
+                return entry[1]
+        return None
 
     def _backward_starts(self, call: int, grad: torch.Tensor) -> None:
         if not is_compiling() and self.error is None and self._call_bwd_start[call] < 0:
@@ -305,16 +378,19 @@ class RuntimeProbe:
     def _start_backward(self, call: int, grad: torch.Tensor) -> None:
         self._call_bwd_start[call] = len(self._entered)
         if self._nonfinite and grad is not None:
-            self._call_grad_outputs[call] = self._add_run([self._flag(grad)])
-        parameters = self._ends_with_pass.pop(call, None)
-        if parameters is not None:
-            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._pass_done, call, parameters))
+            self._call_grad_outputs[call] = self._add_run([self._flag(grad, self._call_group[call])])
+        module = self._ends_with_pass.pop(call, None)
+        if module is not None:
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._pass_done, call, module))
 
-    def _pass_done(self, call: int, parameters: list[nn.Parameter]) -> None:
+    def _pass_done(self, call: int, module: Any) -> None:
         """The end of the backward pass of the model's own call: its gradients are those of
-        its parameters, flagged together (one fused norm per device)."""
+        its parameters as they are now (FSDP has put its sharded ones back, with their
+        gradients), flagged together (one fused norm per device)."""
         if not is_compiling() and self.error is None and self._call_bwd_start[call] >= 0:
-            self._guarded(self._finish_backward, call, [p.grad for p in parameters], True)  # fused
+            model = module()
+            grads = [] if model is None else [p.grad for p in model.parameters() if p.requires_grad]
+            self._guarded(self._finish_backward, call, grads, True)  # fused
 
     def _backward_done(self, call: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
         if not is_compiling() and self.error is None and self._call_bwd_start[call] >= 0:
@@ -326,7 +402,8 @@ class RuntimeProbe:
         self._call_bwd_start[call] = -1
         if self._nonfinite:
             grads = [g for g in grads if g is not None and is_float(g)]
-            flags = self._flag_together(grads) if fused else [self._flag(g) for g in grads]
+            group = self._call_in_group[call]
+            flags = self._flag_together(grads) if fused else [self._flag(g, group) for g in grads]
             self._bwd_events += (index, self._call_grad_outputs[call], self._add_run(flags))
 
     # ------------------------------------------------------------------ tensors
@@ -342,12 +419,16 @@ class RuntimeProbe:
         """The flag entries of the run at ``start`` (none for -1)."""
         return [] if start < 0 else self._runs[start + 1 : start + 1 + self._runs[start]]
 
-    def _flag(self, t: torch.Tensor) -> int:
-        """The entry of the flag that holds whether ``t`` has a NaN or Inf."""
+    def _flag(self, t: torch.Tensor, group: Any = None) -> int:
+        """The entry of the flag that holds whether ``t`` has a NaN or Inf; ``group``: the ranks
+        ``t`` is a shard over, when ``t`` itself does not say so (a plain local shard)."""
         seen = self._seen(t)
         if seen is not None:
             return seen[0]
-        self._flags.append(self._slots.add(nonfinite_sum(t.detach())))
+        how = spread(t)
+        if how is not None:
+            group = how.group
+        self._flags.append(self._slots.add(nonfinite_sum(local(t).detach()), group))
         self._remember(t, len(self._flags) - 1, None)
         return len(self._flags) - 1
 
@@ -358,24 +439,37 @@ class RuntimeProbe:
         only from ~3.4e38 but is twice as slow on the CPU: there the L2 norm goes first, and a
         group whose L2 norm is not finite is measured again in L1 (reading it is no sync)."""
         first = len(self._flags)
+        groups = {how.group for how in map(spread, tensors) if how is not None}
+        group = next(iter(groups)) if len(groups) == 1 else None  # FSDP: every gradient is a shard over one group
+        tensors = local_tensors(tensors)
         on_cpu = all(t.device.type == "cpu" for t in tensors)
         for indices, norms in fused_norms(tensors, ord=2 if on_cpu else 1):
             total = norms.sum()
             if on_cpu and not math.isfinite(float(total)):
                 ((_, norms),) = fused_norms([tensors[i] for i in indices], ord=1)
                 total = norms.sum()
-            self._flags.append(self._slots.add(total))
+            self._flags.append(self._slots.add(total, group))
         return list(range(first, len(self._flags)))
 
-    def _row(self, tensors: list[torch.Tensor]) -> int:
+    def _row(self, tensors: list[torch.Tensor], group: Any = None) -> Optional[int]:
         """A stats row of the values of ``tensors`` together, shared with an identical earlier
-        row (a container returning its last child's output)."""
+        row (a container returning its last child's output). None for an output whose
+        statistics this rank cannot make: a ``Partial`` DTensor (each rank holds a term of
+        every value), one sharded along several mesh dimensions, or several outputs of which
+        one is spread over ranks."""
         t = tensors[0]
         seen = self._seen(t) if len(tensors) == 1 else None
         if seen is not None and seen[1] is not None:
             return seen[1]
-        values = t if len(tensors) == 1 else torch.cat([S.as_real_values(x) for x in tensors])
-        row = self._outputs.add(values)
+        spreads = [spread(x) for x in tensors]
+        if any(how is not None for how in spreads):
+            if len(tensors) > 1 or spreads[0].kind != "shard":
+                return None
+            group = spreads[0].group
+        elif len(tensors) > 1 and group is not None:
+            return None
+        values = local(t) if len(tensors) == 1 else torch.cat([S.as_real_values(x) for x in tensors])
+        row = self._outputs.add(values, group)
         if len(tensors) == 1:
             self._flags.append(-1 - row)
             self._remember(t, len(self._flags) - 1, row)

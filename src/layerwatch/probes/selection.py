@@ -7,6 +7,7 @@ from typing import Any, Optional, Sequence, Union
 
 from torch import nn
 
+from layerwatch.distributed import named_modules
 from layerwatch.rankings import ROOT  # the model itself: named_modules() names it ""
 
 PROBE_FAMILIES = ("latency", "memory", "activations", "nonfinite")
@@ -20,8 +21,9 @@ def probe_name(name: str) -> str:
 
 def select_modules(model: nn.Module, modules: Optional[ModuleFilter]) -> list[tuple[str, nn.Module]]:
     """The modules to probe: every one, or those whose name matches a glob pattern or
-    whose type is one of the given types."""
-    named = list(model.named_modules())
+    whose type is one of the given types. A wrapper (FSDP1, activation checkpointing) is
+    not one: the module it wraps is, under the wrapper's name."""
+    named = named_modules(model)
     if modules is None:
         return named
     patterns = [m for m in modules if isinstance(m, str)]

@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence
 from torch import nn
 
 from layerwatch import stats as S
+from layerwatch.distributed import RankSync
 from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import FailedForwardGuard
 from layerwatch.probes.runtime import ProbeResult, RuntimeProbe
@@ -31,6 +32,7 @@ class StepProbes:
         self.zeros, self.centered = "zero_frac" in stats, "std" in stats
         self.structure_pending = "structure" in families
         self.runtime_on = any(family in families for family in PROBE_FAMILIES)
+        self._runtime_armed = False  # this step's runtime probes were to be armed (every rank alike)
         self._structure: Optional[StructureProbe] = None
         self._runtime: Optional[RuntimeProbe] = None
         self._forward_guard: Optional[FailedForwardGuard] = None
@@ -38,8 +40,11 @@ class StepProbes:
         self.workspace = S.Workspace()  # kept from one sampled step to the next
         self._cuda_events: list[Any] = []  # the runtime probes' clock marks on a GPU, idem
 
-    def arm(self, model: nn.Module, parameters: Sequence[nn.Parameter], step: int) -> None:
-        if not (self.structure_pending or self.runtime_on):
+    def arm(self, model: nn.Module, parameters: Sequence[nn.Parameter], step: int, writer: bool = True) -> None:
+        """Arm this step's hooks: the layer table's (the first time, on the rank that writes)
+        and the runtime probes'."""
+        self._runtime_armed = False
+        if not ((self.structure_pending and writer) or self.runtime_on):
             return
         if is_compiled(model):
             self.structure_pending = self.runtime_on = False
@@ -51,9 +56,10 @@ class StepProbes:
                 "layerwatch.summarize(model._orig_mod, batch).",
             )
             return
-        if self.structure_pending:
+        if self.structure_pending and writer:
             self.failures.run("record the layer table", lambda: self._arm_structure(model), step)
         if self.runtime_on:
+            self._runtime_armed = True
             self.failures.run("arm the runtime probes", lambda: self._arm_runtime(model, parameters), step)
         if self._structure is not None or self._runtime is not None:
             self.failures.run("guard the forward", lambda: self._guard(model), step)
@@ -103,10 +109,26 @@ class StepProbes:
             probe.remove()
         self._inert = []
 
-    def take(self) -> tuple[Optional[Summary], Optional[ProbeResult]]:
+    def take(self, sync: Optional[RankSync] = None) -> tuple[Optional[Summary], Optional[ProbeResult]]:
         """Remove the hooks; the layer table (when a whole forward was seen) and the runtime
-        measurements (when no probe failed)."""
+        measurements (when no probe failed).
+
+        With ``sync`` (a sharded run: every rank calls this), the ranks first agree that each
+        one's probes worked and saw the same spread tensors; only then do they combine them.
+        Where one rank's failed, every rank turns its probes off alike, so none waits for it.
+        """
         structure, runtime = self._structure, self._runtime
+        together = False
+        if sync is not None and self._runtime_armed:
+            healthy = runtime is not None and runtime.error is None and not runtime.compiled
+            work = runtime.spread_work() if healthy else [0, 0, 0]
+            together = sync.same([int(not healthy)] + work) and healthy
+            if not together and healthy:
+                runtime.error = RuntimeError("the runtime probes failed on another rank")
+            if not together and runtime is None and self.runtime_on:  # its arming failed here
+                self.runtime_on = False
+                self.failures.warn_once("fail:probes", "layerwatch: the runtime probes could not be armed; the per-module families are off")
+        self._runtime_armed = False
         armed = [probe for probe in (structure, runtime) if probe is not None]
         if any(probe.compiled for probe in armed):
             for probe in armed:
@@ -135,7 +157,7 @@ class StepProbes:
         if runtime is not None:
             if runtime.error is None:
                 try:
-                    result = runtime.result()
+                    result = runtime.result(together)
                 except Exception as e:
                     runtime.error = e
 
