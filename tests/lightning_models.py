@@ -171,3 +171,50 @@ class LitTransformer(L.LightningModule):
     def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
         return DataLoader(TensorDataset(torch.randn(16, self.seq, self.d_model, generator=g)), batch_size=4)
+
+
+class ParallelNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class LitParallel(L.LightningModule):
+    """An MLP sharded in ``configure_model`` under ``ModelParallelStrategy``: FSDP2 per layer
+    (``"fsdp2"``) or tensor parallel (``"tensor"``). Remembers its losses."""
+
+    def __init__(self, parallel: str) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.net = ParallelNet()
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.parallel == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in (self.net.fc1, self.net.fc2):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+        else:
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            parallelize_module(self.net, self.device_mesh["tensor_parallel"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        loss = self.net(x).pow(2).mean()
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(64, 8, generator=torch.Generator().manual_seed(0))), batch_size=4)

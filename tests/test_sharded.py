@@ -1,98 +1,499 @@
-"""FSDP2 (fully_shard) on two CPU ranks with gloo: statistics of sharded tensors are exact for the
-whole tensor, from shard-local reductions; rank 0 alone writes."""
+"""Sharded and parallel training on two CPU ranks (gloo): FSDP2 in every wrapping, tensor
+parallel, FSDP1 and DDP, plain and under Lightning, at the defaults. Each case checks that
+training is unchanged (bitwise losses), that rank 0 alone writes, that statistics of sharded
+tensors are those of the whole tensors, and that nothing hangs: every case runs through
+:func:`ranks.run_ranks` (``TORCH_DISTRIBUTED_DEBUG=DETAIL`` and deadlines)."""
 
-import socket
+from __future__ import annotations
+
+import json
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch import nn
 
 from layerwatch import Inspector
-from conftest import tolerate_abort_at_exit
-from models import MLP, tab_values
+from models import hook_count, tab_values
+from ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
 
-STATS = ("mean", "std", "min", "max", "norm", "zero_frac", "nonfinite")
+STEPS = 4
+EVERY = 2  # steps 0 and 2 are sampled
+POISON_STEP = 2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class PoisonGrad(torch.autograd.Function):
+    """``x * gain``; when ``poison``, the gradient of ``gain`` is NaN and that of ``x`` is not: a
+    fault only the model's own end-of-backward check of its parameters' gradients can see."""
+
+    @staticmethod
+    def forward(ctx, x, gain, poison):
+        ctx.save_for_backward(x, gain)
+        ctx.poison = poison
+        return x * gain
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, gain = ctx.saved_tensors
+        grad_gain = (grad * x).sum(0)
+        if ctx.poison:
+            grad_gain = torch.full_like(grad_gain, float("nan"))
+        return grad * gain, grad_gain, None
 
 
-def worker(rank: int, world: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(2 * d, d)
 
-        mesh = init_device_mesh("cpu", (world,))
-        plain = []
-        for inspected in (False, True):
-            torch.manual_seed(0)
-            model = MLP(d_in=8, hidden=10, d_out=3)  # 10 rows: uneven shards are fine
-            fully_shard(model, mesh=mesh)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            inspector = Inspector(model, log_dir=f"{out}/run", every_n_steps=1, optimizer=opt, stats=STATS).start() if inspected else None
-            for step in range(3):
-                torch.manual_seed(100 + 10 * step + rank)  # each rank its own data
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class Stack(nn.Module):
+    """Linear, two residual blocks, Linear, and a gain of the model's own (its root unit's)."""
+
+    def __init__(self, d: int = 10) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, d)
+        self.blocks = nn.ModuleList([Block(d), Block(d)])
+        self.out = nn.Linear(d, 3)
+        self.gain = nn.Parameter(torch.ones(3))
+        self.poison = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return PoisonGrad.apply(self.out(x), self.gain, self.poison)
+
+
+STACK_MODULES = ["(root)", "inp", "out"] + [f"blocks.{b}{m}" for b in (0, 1) for m in ("", ".norm", ".fc1", ".act", ".fc2")]
+
+
+def shard_stack(model: Stack, wrapping: str, mesh) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    if wrapping.endswith("checkpointed"):
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(block)
+    if wrapping.startswith("per_layer"):
+        for module in list(model.modules()):
+            if isinstance(module, (nn.Linear, nn.LayerNorm)):
+                fully_shard(module, mesh=mesh)
+    if wrapping.startswith(("per_layer", "per_block")):
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def losses_equal(a: list[float], b: list[float]) -> bool:
+    return np.array_equal(np.array(a), np.array(b), equal_nan=True)
+
+
+def record(out: str, name: str, value) -> None:
+    Path(out, name).write_text(json.dumps(value))
+
+
+def fsdp2_worker(rank: int, world: int, out: str, wrapping: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    losses, reference = {}, {}
+    for inspected in (False, True):
+        torch.manual_seed(0)
+        model = Stack()
+        shard_stack(model, wrapping, mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        hooks = hook_count(model, opt)  # FSDP's own
+        inspector = Inspector(model, log_dir=f"{out}/run", every_n_steps=EVERY, optimizer=opt).start() if inspected else None
+        losses[inspected] = []
+        for step in range(STEPS):
+            torch.manual_seed(100 + 10 * step + rank)  # each rank its own data
+            model.poison = step == POISON_STEP
+            loss = model(torch.randn(4, 6)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            grads = {n: p.grad.full_tensor().double().norm().item() for n, p in model.named_parameters()}
+            opt.step()
+            weights = {n: p.full_tensor().double().norm().item() for n, p in model.named_parameters()}
+            if inspector is not None:
+                inspector.step()
+                reference[step] = {"grads": grads, "weights": weights}
+            losses[inspected].append(loss.item())
+        if inspector is not None:
+            inspector.finish()
+            assert hook_count(model, opt) == hooks
+    assert losses_equal(losses[True], losses[False]), losses  # the probes on FSDP2's modules change nothing
+    if rank == 0:
+        record(out, "reference.json", reference)
+
+
+def clean(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def check_whole_tensor_norms(acc, reference: dict, steps=(0,)) -> None:
+    for step in steps:
+        for family in ("grads", "weights"):
+            for name, norm in reference[str(step)][family].items():
+                if np.isfinite(norm):
+                    got = {e.step: e.value for e in acc.Scalars(f"{family}_norm/{clean(name)}")}[step]
+                    assert got == pytest.approx(norm, rel=1e-5), (step, family, name)
+
+
+def one_writer(run: Path) -> None:
+    assert len(list(run.glob("events.out.tfevents.*"))) == 1  # rank 0's
+
+
+@pytest.mark.parametrize("wrapping", ["root", "per_block", "per_layer", "per_block_checkpointed"])
+def test_fsdp2_every_wrapping_at_the_defaults(tmp_path, events, wrapping):
+    run_ranks(fsdp2_worker, str(tmp_path), wrapping, tmp=tmp_path)
+    one_writer(tmp_path / "run")
+    acc = events(tmp_path / "run")
+    reference = json.loads((tmp_path / "reference.json").read_text())
+    check_whole_tensor_norms(acc, reference, steps=(0, POISON_STEP))
+    scalars = set(acc.Tags()["scalars"])
+    assert {f"fwd_ms/{m}" for m in STACK_MODULES} <= scalars
+    assert {f"activations/{m}" for m in STACK_MODULES} <= set(acc.Tags()["histograms"])
+    assert not [t for t in scalars | set(acc.Tags()["histograms"]) if "_wrapped_module" in t]
+    # The model's own end-of-backward check read the gradients FSDP had put back: gain's is NaN.
+    tab = tab_values(acc)
+    assert tab["nonfinite/(root)"] == {0: 0.0, POISON_STEP: 1.0}
+    assert [tab[f"nonfinite/{m}"][POISON_STEP] for m in STACK_MODULES[1:]] == [0.0] * (len(STACK_MODULES) - 1)
+    (text,) = acc.Tensors("layerwatch/first_offender/text_summary")
+    assert text.tensor_proto.string_val[0].decode().startswith(f"step {POISON_STEP}, backward: (root) turned finite")
+
+
+# ---------------------------------------------------------------------- Lightning ModelParallelStrategy
+
+
+def lightning_worker(rank: int, world: int, out: str, parallel: str) -> None:
+    import lightning.pytorch as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from layerwatch import InspectCallback
+    from lightning_models import LitParallel
+
+    losses = {}
+    for inspected in (False, True):
+        torch.manual_seed(0)
+        module = LitParallel(parallel)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world, strategy=ModelParallelStrategy(data_parallel_size=world if parallel == "fsdp2" else 1,
+                                                                             tensor_parallel_size=1 if parallel == "fsdp2" else world),
+            max_steps=STEPS, logger=L.loggers.TensorBoardLogger(out, name="run", version=int(inspected)),
+            callbacks=[InspectCallback(every_n_steps=EVERY)] if inspected else [], enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+        )
+        trainer.fit(module)
+        losses[inspected] = module.losses
+    assert losses_equal(losses[True], losses[False]), losses
+
+
+@pytest.mark.parametrize("parallel", ["fsdp2", "tensor"])
+def test_lightning_model_parallel_strategy(tmp_path, events, parallel):
+    pytest.importorskip("lightning")
+    run_ranks(lightning_worker, str(tmp_path), parallel, tmp=tmp_path)
+    run = tmp_path / "run" / "version_1"
+    one_writer(run)
+    acc = events(run)
+    modules = ["net", "net.fc1", "net.act", "net.fc2"]  # training_step calls net: the root module runs no forward
+    assert {f"fwd_ms/{m}" for m in modules} <= set(acc.Tags()["scalars"])
+    assert {f"activations/{m}" for m in modules} <= set(acc.Tags()["histograms"])
+    assert [e.step for e in acc.Scalars("weights_norm/net.fc1.weight")] == [0, 2]
+
+
+# ---------------------------------------------------------------------- tensor parallel
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def poison_rank_one(rank: int, step: list[int]):
+    """A forward hook that, on rank 1 only, puts a NaN into its shard of fc1's output at POISON_STEP."""
+
+    def hook(module, args, output):
+        if rank == 1 and step[0] == POISON_STEP:
+            poisoned = output.clone()
+            poisoned[0, 0] = float("nan")
+            return poisoned
+
+    return hook
+
+
+def tensor_parallel_worker(rank: int, world: int, out: str) -> None:
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    losses, reference = {}, {}
+    for inspected in (False, True):
+        torch.manual_seed(0)
+        model = ParallelMLP()
+        parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        step = [0]
+        model.fc1.register_forward_hook(poison_rank_one(rank, step))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        hooks = hook_count(model, opt)  # the parallel styles' own
+        inspector = Inspector(model, log_dir=f"{out}/run", every_n_steps=1, optimizer=opt).start() if inspected else None
+        losses[inspected] = []
+        for step[0] in range(STEPS):
+            torch.manual_seed(100 + step[0])  # the same input on both ranks: tensor parallel
+            x = torch.randn(4, 8)
+            whole = F.linear(x, model.fc1.weight.full_tensor(), model.fc1.bias.full_tensor()).detach()
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if inspector is not None:
+                inspector.step()
+                reference[step[0]] = {"fc1": whole.flatten().tolist(), "act": whole.relu().flatten().tolist(),
+                                      "weights": {n: p.full_tensor().double().norm().item() for n, p in model.named_parameters()}}
+            losses[inspected].append(loss.item())
+        if inspector is not None:
+            inspector.finish()
+            assert hook_count(model, opt) == hooks
+    assert losses_equal(losses[True], losses[False]), losses
+    if rank == 0:
+        record(out, "reference.json", reference)
+
+
+def test_tensor_parallel_activations_are_those_of_the_whole_output(tmp_path, events):
+    run_ranks(tensor_parallel_worker, str(tmp_path), tmp=tmp_path)
+    one_writer(tmp_path / "run")
+    acc = events(tmp_path / "run")
+    reference = json.loads((tmp_path / "reference.json").read_text())
+    for step in (0, 1):
+        for module in ("fc1", "act"):
+            whole = np.array(reference[str(step)][module], dtype=np.float64)
+            assert whole.size == 4 * 16  # both ranks' columns
+            norm = {e.step: e.value for e in acc.Scalars(f"activations_norm/{module}")}[step]
+            assert norm == pytest.approx(np.linalg.norm(whole), rel=1e-5), (step, module)
+            hist = {e.step: e.histogram_value for e in acc.Histograms(f"activations/{module}")}[step]
+            assert hist.num == whole.size and sum(hist.bucket) == pytest.approx(whole.size)
+            assert (hist.min, hist.max) == (pytest.approx(whole.min(), abs=1e-6), pytest.approx(whole.max(), abs=1e-6))
+            assert hist.sum == pytest.approx(whole.sum(), rel=1e-5, abs=1e-6)
+            assert hist.sum_squares == pytest.approx((whole**2).sum(), rel=1e-5)
+        for name, norm in reference[str(step)]["weights"].items():
+            assert {e.step: e.value for e in acc.Scalars(f"weights_norm/{name}")}[step] == pytest.approx(norm, rel=1e-5)
+    assert {f"fwd_ms/{m}" for m in ("(root)", "fc1", "act", "fc2")} <= set(acc.Tags()["scalars"])
+    # Rank 1's shard of fc1's output held the NaN; rank 0's did not, yet fc1 is named, not fc2.
+    (text,) = acc.Tensors("layerwatch/first_offender/text_summary")
+    assert text.tensor_proto.string_val[0].decode() == (
+        f"step {POISON_STEP}, forward: fc1 turned finite inputs into a non-finite output"
+    )
+    tab = tab_values(acc)
+    assert [tab[f"nonfinite/{m}"][POISON_STEP] for m in ("fc1", "act", "fc2")] == [1.0, 1.0, 1.0]
+
+
+# ---------------------------------------------------------------------- FSDP1
+
+
+def fsdp1_worker(rank: int, world: int, out: str, orig: bool) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    losses, reference = {}, {}
+    for inspected in (False, True):
+        torch.manual_seed(0)
+        model = FSDP(nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 3)), use_orig_params=orig,
+                     auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cpu"))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            inspector = Inspector(model, log_dir=f"{out}/run", every_n_steps=EVERY, optimizer=opt).start() if inspected else None
+            losses[inspected] = []
+            for step in range(STEPS):
+                torch.manual_seed(100 + 10 * step + rank)
                 loss = model(torch.randn(4, 8)).pow(2).mean()
                 opt.zero_grad()
                 loss.backward()
-                reference = {f"grads/{n}": p.grad.full_tensor().numpy() for n, p in model.named_parameters()}
-                reference |= {f"before/{n}": p.full_tensor().detach().numpy().copy() for n, p in model.named_parameters()}
                 opt.step()
-                reference |= {f"weights/{n}": p.full_tensor().detach().numpy() for n, p in model.named_parameters()}
-                if inspector is None:
-                    plain.append(loss.item())
-                    continue
-                inspector.step()
-                assert loss.item() == plain[step]  # the per-module probes on FSDP2's modules change nothing
-                if rank == 0:
-                    np.savez(f"{out}/step{step}.npz", **reference)
+                if inspector is not None:
+                    inspector.step()
+                    if orig:
+                        with FSDP.summon_full_params(model):
+                            reference[step] = {"weights": {FSDP_clean(n): p.detach().double().norm().item()
+                                                           for n, p in model.named_parameters()}}
+                losses[inspected].append(loss.item())
             if inspector is not None:
                 inspector.finish()
-    finally:
-        dist.destroy_process_group()
-    Path(out, f"done{rank}").touch()
+        if inspected and rank == 0:
+            record(out, "warnings.json", [str(w.message) for w in seen if "layerwatch" in str(w.message)])
+    assert losses_equal(losses[True], losses[False]), losses
+    if rank == 0:
+        record(out, "reference.json", reference)
 
 
-def test_fully_shard_statistics_are_exact_for_whole_tensors(tmp_path, events):
-    with tolerate_abort_at_exit(tmp_path / "done0", tmp_path / "done1"):
-        mp.spawn(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+def FSDP_clean(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "")
+
+
+def test_fsdp1_use_orig_params_exact_statistics_under_clean_names(tmp_path, events):
+    run_ranks(fsdp1_worker, str(tmp_path), True, tmp=tmp_path)
+    one_writer(tmp_path / "run")
     acc = events(tmp_path / "run")
-    names = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
-    activations = [f"activations/{m}" for m in ("(root)", "fc1", "act", "fc2")]  # rank 0's own batch, as under DDP
-    assert sorted(acc.Tags()["histograms"]) == sorted([f"{f}/{n}" for f in ("weights", "grads") for n in names] + activations)
-    assert all(acc.Scalars(f"fwd_ms/{m}")[-1].value > 0 for m in ("fc1", "fc2"))
-    for step in range(3):
-        reference = np.load(tmp_path / f"step{step}.npz")
-        for family in ("weights", "grads"):
-            for name in names:
-                a = reference[f"{family}/{name}"].ravel().astype(np.float64)
-                expected = {"mean": a.mean(), "std": a.std(), "min": a.min(), "max": a.max(),
-                            "norm": np.linalg.norm(a), "zero_frac": (a == 0).mean(), "nonfinite": 0.0}
-                for stat, value in expected.items():
-                    if stat == "nonfinite":  # a card only once the layer has a NaN/Inf; the tab has it
-                        assert tab_values(acc)[f"{family}_nonfinite/{name}"][step] == 0.0
-                        continue
-                    got = acc.Scalars(f"{family}_{stat}/{name}")[step]
-                    assert got.step == step
-                    assert got.value == pytest.approx(value, rel=1e-4, abs=1e-6), (step, family, stat, name)
-                hist = acc.Histograms(f"{family}/{name}")[step].histogram_value
-                assert hist.num == a.size and sum(hist.bucket) == a.size
-                counts, _ = np.histogram(a, [hist.min] + list(hist.bucket_limit))
-                assert np.abs(counts - np.array(hist.bucket)).sum() <= 2  # a value on an edge may move
-            for name in names:
-                delta = reference[f"weights/{name}"] - reference[f"before/{name}"]
-                ratio = np.linalg.norm(delta) / np.linalg.norm(reference[f"weights/{name}"])  # w after the step
-                assert acc.Scalars(f"update_ratio/{name}")[step].value == pytest.approx(ratio, rel=1e-4)
-    grads = [np.load(tmp_path / "step0.npz")[f"grads/{n}"] for n in names]
-    assert acc.Scalars("layerwatch/grad_norm")[0].value == pytest.approx(
-        np.sqrt(sum((g.astype(np.float64) ** 2).sum() for g in grads)), rel=1e-5
-    )
+    reference = json.loads((tmp_path / "reference.json").read_text())
+    names = ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert sorted(reference["0"]["weights"]) == sorted(names)
+    for step in (0, 2):
+        for name in names:  # rank 0 holds only part of each (the biases: none), yet the whole tensor's norm
+            got = {e.step: e.value for e in acc.Scalars(f"weights_norm/{name}")}[step]
+            assert got == pytest.approx(reference[str(step)]["weights"][name], rel=1e-5), (step, name)
+            hist = {e.step: e.histogram_value for e in acc.Histograms(f"weights/{name}")}[step]
+            assert hist.num == {"0.weight": 96, "0.bias": 12, "2.weight": 36, "2.bias": 3}[name]
+        assert {f"grads_norm/{n}" for n in names} | {f"update_ratio/{n}" for n in names} <= set(acc.Tags()["scalars"])
+    tags = set(acc.Tags()["scalars"]) | set(acc.Tags()["histograms"])
+    assert {"activations/(root)", "activations/0", "activations/1", "activations/2"} <= tags
+    assert not [t for t in tags if "_fsdp_wrapped_module" in t or "flat_param" in t]
+    assert not [w for w in json.loads((tmp_path / "warnings.json").read_text()) if "use_orig_params" in w]
+
+
+def test_fsdp1_flat_parameters_are_said_once_and_the_modules_are_still_probed(tmp_path, events):
+    run_ranks(fsdp1_worker, str(tmp_path), False, tmp=tmp_path)
+    acc = events(tmp_path / "run")
+    tags = set(acc.Tags()["scalars"]) | set(acc.Tags()["histograms"])
+    assert {"activations/(root)", "activations/0", "activations/2", "fwd_ms/0"} <= tags
+    assert not [t for t in tags if t.startswith(("weights", "grads", "update_ratio")) or "flat_param" in t]
+    said = [w for w in json.loads((tmp_path / "warnings.json").read_text()) if "use_orig_params=True" in w]
+    assert len(said) == 1 and "FSDP wraps 0, 2 with use_orig_params=False" in said[0]
+
+
+# ---------------------------------------------------------------------- DDP
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(8, 8)
+        self.branch = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        x = torch.relu(self.trunk(x))
+        return self.head(self.branch(x) if use_branch else x)
+
+
+def ddp_worker(rank: int, world: int, out: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    losses = {}
+    for inspected in (False, True):
+        torch.manual_seed(0)
+        model = DistributedDataParallel(Branchy(), find_unused_parameters=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        inspector = Inspector(model, log_dir=f"{out}/run", every_n_steps=EVERY, optimizer=opt).start() if inspected else None
+        losses[inspected] = []
+        for step in range(STEPS):
+            torch.manual_seed(100 + 10 * step + rank)
+            loss = model(torch.randn(4, 8), use_branch=rank == 1).pow(2).mean()  # the branch is unused on rank 0
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if inspector is not None:
+                inspector.step()
+            losses[inspected].append(loss.item())
+        if inspector is not None:
+            inspector.finish()
+    assert losses_equal(losses[True], losses[False]), losses
+
+
+def test_ddp_with_a_branch_unused_on_one_rank(tmp_path, events):
+    run_ranks(ddp_worker, str(tmp_path), tmp=tmp_path, debug="INFO")  # DETAIL crashes DDP's constructor (see run_ranks)
+    one_writer(tmp_path / "run")
+    acc = events(tmp_path / "run")
+    assert [e.step for e in acc.Scalars("grads_norm/module.branch.weight")] == [0, 2]  # synchronized: rank 1 used it
+    assert "fwd_ms/module.trunk" in acc.Tags()["scalars"]
+
+
+# ---------------------------------------------------------------------- what could set the ranks apart
+
+
+def ranks_apart_worker(rank: int, world: int, out: str, case: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import layerwatch.probes.runtime as runtime
+    import layerwatch.stats as stats
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    fsdp = case in ("schedule", "reduction")
+    if fsdp:
+        model = Stack()
+        shard_stack(model, "per_layer", mesh)
+    else:
+        model = ParallelMLP()
+        parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    options = {"every_n_steps": 1}
+    if case == "schedule":  # each rank a schedule of its own: rank 0's is followed
+        options = {"schedule": lambda step: step % 2 == rank}
+    if case == "sentinel":
+        options = {"schedule": [0]}
+    if rank == 0 and case == "probe":
+        def failing(t):
+            raise RuntimeError("a probe that fails on rank 0 alone")
+        runtime.nonfinite_sum = failing
+    if rank == 0 and case == "reduction":
+        def failing_statistics(flat, zeros):
+            raise RuntimeError("a reduction that fails on rank 0 alone")
+        stats.shard_statistics = failing_statistics
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Inspector(model, log_dir=f"{out}/run", optimizer=opt, **options) as inspector:
+            for step in range(5):
+                torch.manual_seed(100 + step)
+                x = torch.randn(4, 6 if fsdp else 8)
+                loss = model(x).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                if case == "sentinel" and rank == 1 and step == 1:  # a NaN in rank 1's shard of a gradient alone
+                    with torch.no_grad():
+                        model.fc2.weight.grad._local_tensor[0, 0] = float("nan")
+                opt.step()
+                inspector.step()
+    if rank == 0:
+        record(out, "warnings.json", [str(w.message) for w in seen if str(w.message).startswith("layerwatch")])
+
+
+@pytest.mark.parametrize("case", ["probe", "reduction", "schedule", "sentinel"])
+def test_what_sets_one_rank_apart_leaves_no_rank_waiting(tmp_path, events, case):
+    run_ranks(ranks_apart_worker, str(tmp_path), case, tmp=tmp_path)
+    acc = events(tmp_path / "run")
+    said = json.loads((tmp_path / "warnings.json").read_text())
+    scalars = set(acc.Tags()["scalars"])
+    if case == "probe":  # off on every rank alike; the parameters go on
+        assert any("a runtime probe failed" in w and "fails on rank 0 alone" in w for w in said)
+        assert not [t for t in scalars if t.startswith("fwd_ms/")]
+        assert [e.step for e in acc.Scalars("weights_norm/fc1.weight")] == [0, 1, 2, 3, 4]
+    if case == "reduction":  # left out of the step on every rank; the rest goes on
+        assert any("could not measure its shards" in w for w in said)
+        assert not [t for t in scalars if t.startswith("weights_norm/")]  # every parameter is sharded
+        assert [e.step for e in acc.Scalars("fwd_ms/blocks.0.fc1")] == [1, 2, 3, 4]  # 0 recorded the layer table
+    if case == "schedule":
+        assert [e.step for e in acc.Scalars("weights_norm/inp.weight")] == [0, 2, 4]
+    if case == "sentinel":
+        assert [(e.step, e.value) for e in acc.Scalars("layerwatch/first_nonfinite_step")] == [(1, 1.0)]
+        assert any("NaN/Inf gradients at step 1" in w and "held by another rank" in w and "step 3 is sampled" in w for w in said)
+        assert [e.step for e in acc.Scalars("fwd_ms/fc1")] == [3]  # every rank armed it

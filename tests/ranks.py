@@ -1,0 +1,83 @@
+"""Run a function on two gloo ranks, one process each, so that a hang fails in seconds.
+
+Every distributed test goes through :func:`run_ranks`:
+
+* ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: gloo checks that every rank issues the same collective,
+  and raises instead of hanging when they differ;
+* a timeout on the process group (a collective that waits longer raises);
+* a deadline on the join: processes still running then are killed, and the test fails.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+GROUP_TIMEOUT_S = 30
+JOIN_TIMEOUT_S = 150
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, done: str, fn: Callable[..., Any], args: tuple) -> None:
+    # What a launcher (torchrun, Lightning) would set: a framework that reads them finds the
+    # processes launched already.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0", GROUP_RANK="0")
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
+                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+    Path(done, f"done{rank}").touch()
+
+
+def run_ranks(fn: Callable[..., Any], *args: Any, tmp: Path, world: int = 2, timeout: float = JOIN_TIMEOUT_S,
+              debug: str = "DETAIL") -> None:
+    """``fn(rank, world, *args)`` on ``world`` gloo ranks (``fn`` at module level, so it pickles),
+    with ``torch.distributed`` initialized; fails the test when a rank raises or any is still
+    running after ``timeout`` seconds. ``debug``: ``TORCH_DISTRIBUTED_DEBUG`` (DDP on the CPU
+    needs ``"INFO"``: under ``"DETAIL"`` torch 2.13's ``DistributedDataParallel`` constructor
+    crashes with a segmentation fault, layerwatch or not).
+
+    gloo sometimes aborts a rank while its process exits, after all of its work is done
+    ("terminate called without an active exception", as in pytorch/pytorch#90549): a SIGABRT
+    once every rank has finished its work is let through.
+    """
+    done = tmp / "ranks-done"
+    done.mkdir(parents=True, exist_ok=True)
+    previous = os.environ.get("TORCH_DISTRIBUTED_DEBUG")
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = debug  # the children inherit it
+    try:
+        context = mp.start_processes(_rank_main, args=(world, free_port(), str(done), fn, args), nprocs=world,
+                                     join=False, start_method="spawn")
+    finally:
+        if previous is None:
+            del os.environ["TORCH_DISTRIBUTED_DEBUG"]
+        else:
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = previous
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
+            if time.monotonic() >= deadline:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                pytest.fail(f"the ranks were still running after {timeout:.0f} s: a hang")
+    except mp.ProcessExitedException as e:
+        finished = all((done / f"done{rank}").exists() for rank in range(world))
+        if e.signal_name != "SIGABRT" or not finished:
+            raise
