@@ -174,15 +174,12 @@ class Layout:
                 out.append((name, p))
         return out
 
-    def gradient(self, name: str, p: nn.Parameter) -> Optional[torch.Tensor]:
-        """``p``'s gradient, or for an FSDP1 piece that has none while its unit has one (an
-        empty piece), an empty one: every rank of the unit reduces the same list."""
-        if p.grad is not None or name not in self.pieces:
-            return p.grad
+    def missing_gradient(self, name: str, p: nn.Parameter) -> Optional[torch.Tensor]:
+        """For the FSDP1 parameter ``name`` whose gradient is None while its unit has one (this
+        rank's piece of it is empty): an empty gradient, so that every rank of the unit
+        reduces the same list. None otherwise."""
         flat = self.pieces[name][1]
-        if flat.grad is None or not p.requires_grad:
-            return None
-        return p.new_empty(0)
+        return p.new_empty(0) if flat.grad is not None and p.requires_grad else None
 
     def group_of(self, name: str) -> Any:
         """The process group over which ``name``'s FSDP1 pieces lie, or None."""
@@ -190,59 +187,67 @@ class Layout:
         return None if piece is None else piece[0]
 
 
-def parameter_layout(model: Optional[nn.Module]) -> Layout:
-    """The :class:`Layout` of ``model``'s parameters on this rank."""
+def parameter_layout(model: Optional[nn.Module], within: Optional[nn.Module] = None) -> Layout:
+    """The :class:`Layout` of ``model``'s parameters on this rank. ``within``: a module that
+    wraps ``model`` (Lightning's ``strategy="fsdp"`` wraps the LightningModule itself in
+    FSDP), whose FSDP units hold some of its parameters too."""
     result = Layout()
     if model is None or world_size() == 1:
         return result
-    for name, module in model.named_modules():
+    root = model if within is None else within
+    prefix = next((clean_name(name) for name, module in root.named_modules() if module is model), "")
+    for name, module in root.named_modules():
         handle = getattr(module, "_handle", None) if is_wrapper(module) else None
         flat = getattr(handle, "flat_param", None)
         if flat is None or not getattr(handle, "uses_sharded_strategy", False):
             continue
         result.sharded = True
+        unit = clean_name(name)
         if not getattr(handle, "_use_orig_params", False):
-            result.flat_only.append(clean_name(name) or ROOT)
+            result.flat_only.append(_relative(unit, prefix) or ROOT)
             continue
-        prefix = clean_name(name)
-        group = handle.process_group
         for fqn in flat._fqns:
-            result.pieces[clean_name(f"{prefix}.{fqn}" if prefix else fqn)] = (group, flat)
+            result.pieces[_relative(clean_name(f"{unit}.{fqn}" if unit else fqn), prefix)] = (handle.process_group, flat)
     dtensor = _dtensor_type()
     result.sharded = result.sharded or any(isinstance(p, dtensor) for p in model.parameters())
     return result
 
 
-def this_ranks_groups(pairs: NamedTensors, warn_once: Callable[[str, str], None], pieces: Optional[Layout] = None) -> list[Group]:
+def _relative(name: str, prefix: str) -> str:
+    return name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else name
+
+
+def this_ranks_groups(pairs: NamedTensors, warn_once: Callable[[str, str], None], layout: Optional[Layout] = None) -> list[Group]:
     """``(group, names, tensors)`` this rank reduces: sharded tensors (local shards, or FSDP1
     pieces) with their process group on every rank, then the rest by device (group None) on
     rank 0.
 
     A DTensor sharded along one mesh dimension is reduced over that dimension's process
-    group; replicated DTensors count as plain (their local tensor is the whole tensor).
+    group; replicated DTensors (and those of a group of one rank) count as plain: their local
+    tensor is the whole tensor. ``Partial`` ones (each rank holds a term of every value) and
+    those sharded along several mesh dimensions are not measured, said once each.
     """
     plain: dict[torch.device, tuple[list[str], list[torch.Tensor]]] = {}
     sharded: dict[Any, tuple[list[str], list[torch.Tensor]]] = {}
     writer = is_writer_rank()
     dtensor = _dtensor_type()
+    pieces = {} if layout is None else layout.pieces
     for name, tensor in pairs:
+        group = None
         if isinstance(tensor, dtensor):
-            shard_dims = [i for i, placement in enumerate(tensor.placements) if placement.is_shard()]
-            if len(shard_dims) > 1:
-                warn_once(f"shard:{name}", f"layerwatch: {name!r} is sharded along several mesh dimensions; not measured")
+            how = spread(tensor)
+            if how is not None and how.kind != "shard":
+                what = "of partial values (each rank holds a term of each)" if how.kind == "partial" else "sharded along several mesh dimensions"
+                warn_once(f"spread:{name}", f"layerwatch: {name!r} is a DTensor {what}; not measured")
                 continue
-            if shard_dims:
-                names, shards = sharded.setdefault(tensor.device_mesh.get_group(shard_dims[0]), ([], []))
-                names.append(name)
-                shards.append(tensor._local_tensor.detach())
-                continue
-            tensor = tensor._local_tensor.detach()
-        elif pieces is not None and name in pieces.pieces:
-            names, shards = sharded.setdefault(pieces.group_of(name), ([], []))
+            group, tensor = None if how is None else how.group, local(tensor)
+        elif name in pieces:
+            group = pieces[name][0]
+        if group is not None:
+            names, shards = sharded.setdefault(group, ([], []))
             names.append(name)
             shards.append(tensor.detach())
-            continue
-        if writer:
+        elif writer:
             names, tensors = plain.setdefault(tensor.device, ([], []))
             names.append(name)
             tensors.append(tensor)
@@ -250,16 +255,25 @@ def this_ranks_groups(pairs: NamedTensors, warn_once: Callable[[str, str], None]
     return groups + [(None, names, tensors) for names, tensors in plain.values()]
 
 
-def norms(tensors: list[torch.Tensor], group: Any = None) -> torch.Tensor:
-    """L2 norms (float64); of whole sharded tensors when ``group`` holds their shards."""
-    result = torch.stack(torch._foreach_norm(tensors)).to(torch.float64)  # stack promotes mixed dtypes
+FAILED_NORM = -1.0  # what a norm reads on every rank when a rank could not take its part
+
+
+def norms(tensors: Optional[list[torch.Tensor]], group: Any = None, count: int = 0) -> torch.Tensor:
+    """L2 norms (float64); of whole sharded tensors when ``group`` holds their shards.
+    ``tensors=None``: this rank could not read its ``count`` shards; it still takes part in the
+    reduction, and every rank's norms read ``FAILED_NORM``."""
     if group is None:
-        return result
+        return torch.stack(torch._foreach_norm(tensors)).to(torch.float64)  # stack promotes mixed dtypes
     import torch.distributed as dist
 
-    squares = result**2
+    try:
+        squares = torch.stack(torch._foreach_norm(tensors)).to(torch.float64) ** 2
+        failed = 0.0
+    except Exception:  # no shards (None), or they could not be read: take part all the same
+        squares, failed = torch.zeros(count, dtype=torch.float64), 1.0
+    squares = torch.cat([squares, squares.new_full((1,), failed)])
     dist.all_reduce(squares, group=group)
-    return squares.sqrt()
+    return torch.where(squares[-1] > 0, FAILED_NORM, squares[:-1].sqrt())
 
 
 def fingerprint(names: Sequence[str]) -> int:
@@ -302,25 +316,27 @@ class RankSync:
 
 @dataclass
 class Ballot:
-    """One rank's say on one step: rank 0's schedule, and a NaN/Inf finding of this rank's
-    sentinel (its step and whether it was a NaN), if any."""
+    """One rank's say on one step: rank 0's schedule; a sample this rank asks for (a NaN/Inf
+    finding not sampled yet); and its sentinel's first finding, if any (its step, and whether a
+    value was NaN)."""
 
     scheduled: bool
+    forced: bool = False
     finding_step: Optional[int] = None
     finding_nan: bool = False
 
 
 @dataclass
 class Decision:
-    """What the ranks decided for one step: sampled or not, and the first NaN/Inf finding of
-    any rank (its step), if one came in."""
+    """What the ranks decided for one step: sampled or not, and the earliest NaN/Inf finding of
+    any rank (its step; NaN, or only Inf), if one came in."""
 
     sampled: bool
     finding_step: Optional[int] = None
     finding_nan: bool = False
 
 
-_NO_STEP = 1 << 62
+_NO_FINDING = 1 << 62
 
 
 class StepVote:
@@ -351,11 +367,9 @@ class StepVote:
         import torch.distributed as dist
 
         self._take(None)
-        found = ballot.finding_step is not None
-        votes = torch.tensor(
-            [int(ballot.scheduled), int(found), -(ballot.finding_step if found else _NO_STEP), int(found and ballot.finding_nan)],
-            dtype=torch.int64,
-        )
+        # The earliest finding wins the MAX, and at one step a NaN over an Inf: -(2 step + not NaN).
+        finding = _NO_FINDING if ballot.finding_step is None else 2 * ballot.finding_step + (not ballot.finding_nan)
+        votes = torch.tensor([int(ballot.scheduled), int(ballot.forced), -finding], dtype=torch.int64)
         work = dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self._sync.group, async_op=True)
         self._pending = (step, votes, work)
 
@@ -371,5 +385,7 @@ class StepVote:
         work.wait()
         if sent_for != step:
             return None
-        scheduled, found, neg_step, nan = votes.tolist()
-        return Decision(bool(scheduled or found), -neg_step if found else None, bool(nan))
+        scheduled, forced, finding = votes.tolist()
+        if -finding == _NO_FINDING:
+            return Decision(bool(scheduled or forced))
+        return Decision(True, -finding // 2, -finding % 2 == 0)

@@ -38,7 +38,7 @@ from torch import nn
 from layerwatch import record as R
 from layerwatch import stats as S
 from layerwatch.alerts import Alert, HealthCheck
-from layerwatch.distributed import Ballot, Decision, Layout, RankSync, StepVote, is_writer_rank, local, parameter_layout
+from layerwatch.distributed import FAILED_NORM, Ballot, Decision, Layout, RankSync, StepVote, is_writer_rank, local, parameter_layout
 from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import Attachments, CollectorClock, claim
 from layerwatch.options import Options, writable_dir
@@ -173,10 +173,15 @@ class Engine:
         """Whether the open step is sampled."""
         return self._sample is not None
 
-    def start(self) -> "Engine":
+    def start(self, *, within: Optional[nn.Module] = None) -> "Engine":
         """Open the writer (rank 0) and write the chart layout. Opens no step. A model still
         watched by an earlier engine that was never finished is taken from it: that engine
-        is finished first (its hooks removed, its writer flushed)."""
+        is finished first (its hooks removed, its writer flushed).
+
+        ``within``: a module the model is wrapped in, whose FSDP units may hold some of its
+        parameters (Lightning's ``strategy="fsdp"`` wraps the LightningModule itself). In a
+        distributed run, call it on every rank at the same point: a sharded run makes the
+        ranks' group for agreeing here, which is collective."""
         if self._state != "new":
             raise RuntimeError(f"start() called on an {type(self).__name__.lower()} that is {self._state}")
         model = self._model()
@@ -187,7 +192,7 @@ class Engine:
                 "was not finished (a cell run again?); that one is finished now, so its hooks do not stay on the model"
             )
             previous.finish()
-        self._layout = parameter_layout(model)
+        self._layout = parameter_layout(model, within)
         self._params.layout = self._layout
         if self._layout.sharded:  # every rank, at the same point: making a group is collective
             self.failures.run("make the ranks' group for agreeing (no step is sampled)", self._open_vote, 0)
@@ -237,7 +242,7 @@ class Engine:
             self._health.say_if_too_short(self._samples_written)
         self._drop_sample()
         self._sentinel = None
-        self._vote = self._sync = None  # closed with the hooks, below
+        self._vote = self._sync = self._params.sync = None  # closed with the hooks, below
         self._param_cache = self._sentinel_watching = None
         self._params.release()
         self._probes.workspace.clear()
@@ -355,13 +360,17 @@ class Engine:
         decision = vote.decide(step, self._ballot)
         if decision.finding_step is not None:
             self._on_voted_finding(decision, step)
+        # Every rank alike (may_sample is the same on every rank): a sample asked for and not
+        # taken now is asked for again.
+        self._force_sample = decision.sampled and not may_sample and (self._force_sample or decision.finding_step is not None)
         vote.send(step + 1, self._ballot(step + 1))
         return may_sample and decision.sampled
 
     def _ballot(self, step: int) -> Ballot:
         scheduled = self._scheduled(step)
         finding = None if self._finding_reported else self._finding
-        return Ballot(scheduled and is_writer_rank(), None if finding is None else finding.step, finding is not None and finding.nan)
+        return Ballot(scheduled and is_writer_rank(), self._force_sample, None if finding is None else finding.step,
+                      finding is not None and finding.nan)
 
     def _scheduled(self, step: int) -> bool:
         """The schedule's answer for ``step``. Its first call is its check: what it raises then
@@ -430,7 +439,7 @@ class Engine:
             rec.add_grad_norm(np.concatenate([rows for _, rows in host["grads"]]))
         if host["update"]:
             weight_norms = {name: np.sqrt(row[S.SUMSQ]) for names, rows in host["weights"] for name, row in zip(names, rows)}
-            for names, (deltas, norms) in host["update"]:
+            for names, (deltas, norms) in map(self._measured_updates, host["update"]):
                 if weight_norms:
                     norms = np.array([weight_norms.get(name, np.nan) for name in names])
                 rec.add_update_ratios(names, deltas, norms)
@@ -474,6 +483,16 @@ class Engine:
             f"{f' and {len(left_out) - 5} more' if len(left_out) > 5 else ''} ({family}) at step {step}; left out of that step",
         )
         return [name for name, bad in zip(names, failed) if not bad], rows[~failed]
+
+    def _measured_updates(self, piece: tuple[list[str], np.ndarray]) -> tuple[list[str], np.ndarray]:
+        """An update piece less the sharded parameters whose snapshot a rank could not take (said once)."""
+        names, rows = piece
+        failed = rows[0] == FAILED_NORM
+        if not failed.any():
+            return piece
+        self.failures.warn_once("failed-updates", "layerwatch: a rank could not snapshot its shards of some weights; their "
+                                "update ratios are left out of that step")
+        return [name for name, bad in zip(names, failed) if not bad], rows[:, ~failed]
 
     def _overhead_s(self, sample: _Sample, started: float) -> float:
         """What sampling added to this step: the time measured in our own code, plus the step's

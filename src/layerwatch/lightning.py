@@ -149,7 +149,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self._engine is None:
             return
-        self._engine.start()
+        self._engine.start(within=getattr(trainer.strategy, "model", None))  # strategy="fsdp" wraps pl_module itself
         self._engine.track_optimizers(trainer.optimizers)
         self._begin(trainer.global_step)
 

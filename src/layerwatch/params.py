@@ -55,7 +55,7 @@ class ParameterFamilies:
         for name, p in params:
             grad = p.grad
             if grad is None and name in pieces:  # an empty FSDP1 piece: every rank lists it
-                grad = self.layout.gradient(name, p)
+                grad = self.layout.missing_gradient(name, p)
             if grad is None:
                 continue
             if grad.is_sparse:
@@ -75,12 +75,19 @@ class ParameterFamilies:
 
     def snapshot(self, params: Sequence[tuple[str, nn.Parameter]], slot: str = "snapshot") -> Snapshot:
         """Copies of the trainable weights, in workspace buffers named ``slot`` + a number
-        (several snapshots alive at once need different slots)."""
+        (several snapshots alive at once need different slots). Never raises: a group that
+        cannot be copied is left out (plain tensors) or kept without copies (sharded ones,
+        whose update norms every rank still reduces: they read as failed)."""
         groups = []
         with torch.no_grad():
             trainable = [(n, p) for n, p in params if p.requires_grad]
             for i, (group, names, tensors) in enumerate(self._groups(trainable, "snapshot")):
-                groups.append((group, names, self._copies(tensors, f"{slot}{i}")))
+                try:
+                    groups.append((group, names, self._copies(tensors, f"{slot}{i}")))
+                except Exception as e:
+                    self.failures.warn_once("fail:snapshot", f"layerwatch: could not snapshot weights for update ratios: {e!r}; skipped")
+                    if group is not None:
+                        groups.append((group, names, None))
         return Snapshot(groups)
 
     def _copies(self, tensors: list[torch.Tensor], slot: str) -> list[torch.Tensor]:
@@ -108,9 +115,10 @@ class ParameterFamilies:
         with torch.no_grad():
             for group, names, before in snapshot.groups:
                 after = local_tensors([current[name] for name in names])
-                torch._foreach_sub_(before, after)
-                deltas = norms(before, group)
-                after_norms = norms(after, group) if weight_norms else torch.full_like(deltas, float("nan"))
+                if before is not None:
+                    torch._foreach_sub_(before, after)
+                deltas = norms(before, group, len(names))
+                after_norms = norms(after, group, len(names)) if weight_norms else torch.full_like(deltas, float("nan"))
                 pieces.append((names, torch.stack([deltas, after_norms])))
         self._release_snapshots()
         return pieces
@@ -121,7 +129,8 @@ class ParameterFamilies:
         measurable = [(name, t) for name, t in pairs if (what, name) not in self._unmeasurable]
         for group, names, tensors in self._groups(measurable, what):
             if group is not None:  # collective: every rank must take part in step with the others
-                pieces.append((names, S.reduce_sharded(tensors, group, options.bins, zeros=options.zeros)))
+                pieces.append((names, S.reduce_sharded(tensors, group, options.bins, zeros=options.zeros,
+                                                       centered=options.centered, histogram_values=HISTOGRAM_VALUES)))
                 continue
             try:
                 rows = S.reduce(
@@ -136,13 +145,18 @@ class ParameterFamilies:
     def _groups(self, pairs: NamedTensors, what: str) -> list[tuple[Any, list[str], list[torch.Tensor]]]:
         """:func:`~layerwatch.distributed.this_ranks_groups`, less the sharded groups whose
         tensors are not the same on every rank (said once; every rank leaves them out alike)."""
-        groups = this_ranks_groups(pairs, self.failures.warn_once, self.layout)
         if self.sync is None:
-            return groups
+            return this_ranks_groups(pairs, self.failures.warn_once, self.layout)
+        try:
+            groups, error = this_ranks_groups(pairs, self.failures.warn_once, self.layout), None
+        except Exception as e:  # this rank still says so to the others, who wait for it
+            groups, error = [], e
         sharded = [names for group, names, _ in groups if group is not None]
         every = [name for names in sharded for name in names]
-        if self.sync.same([len(sharded), len(every), fingerprint(every)]):
+        if self.sync.same([int(error is not None), len(sharded), len(every), fingerprint(every)]):
             return groups
+        if error is not None:
+            raise error
         self.failures.warn_once(
             f"ranks-differ:{what}",
             f"layerwatch: the ranks hold different lists of sharded {what} at this step; they are left out (every rank "

@@ -27,6 +27,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 from torch import nn
 
+from layerwatch.distributed import clean_name, named_modules
 from layerwatch.hooks import detached, entered_by_its_own_hook, is_compiling, tensors_in
 
 DTYPES: dict[str, torch.dtype] = {
@@ -344,7 +345,8 @@ class StructureProbe:
     def __init__(self, model: nn.Module, *, training_only: bool) -> None:
         self.model_type = type(model).__name__
         self.training_only = training_only
-        self.layers = [_Layer(name, type(m).__name__, name.count(".") + 1 if name else 0) for name, m in model.named_modules()]
+        modules = named_modules(model)  # wrappers (FSDP1, checkpointing) left out, names clean
+        self.layers = [_Layer(name, type(m).__name__, name.count(".") + 1 if name else 0) for name, m in modules]
         self._model = weakref.ref(model)
         self.error: Optional[BaseException] = None
         self.compiled = False  # a hook was traced by Dynamo (see probes.StepProbes)
@@ -356,9 +358,7 @@ class StructureProbe:
         self._ignored_depth = 0
         self._counter: Any = None
         self._handles: list[Any] = []
-        by_name = {layer.name: layer for layer in self.layers}
-        for name, module in model.named_modules():
-            layer = by_name[name]
+        for layer, (_, module) in zip(self.layers, modules):
             self._handles.append(module.register_forward_pre_hook(self._enter_hook(layer), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._exit_hook(layer), with_kwargs=True, always_call=True))
 
@@ -471,6 +471,9 @@ def _add_parameters(model: nn.Module, layers: list[_Layer]) -> None:
     for layer in layers:
         layer.own_params, layer.tied = [], {}
     for qualified, p in model.named_parameters(remove_duplicate=False):
+        if getattr(p, "_is_flat_param", False):  # FSDP1's, holding many parameters
+            continue
+        qualified = clean_name(qualified)
         layer = by_name.get(_parent(qualified))
         if id(p) in owner_of:
             if layer is not None and owner_of[id(p)] != qualified:

@@ -38,7 +38,7 @@ class FlagSlots:
         self._sharded: dict[Any, list[int]] = {}  # process group -> the slots of tensors spread over its ranks
 
     @property
-    def sharded(self) -> list[int]:
+    def spread_counts(self) -> list[int]:
         """How many slots flag a tensor spread over ranks, per process group (in order)."""
         return [len(slots) for slots in self._sharded.values()]
 
@@ -67,17 +67,24 @@ class FlagSlots:
 
     def combine(self) -> None:
         """Every rank of each group flags a spread tensor when any rank's part of it holds a
-        NaN or Inf: one all_reduce per group, by every rank, in the order the groups came."""
+        NaN or Inf: one all_reduce per group, by every rank, in the order the groups came. A
+        rank whose own part fails still takes part (then raises)."""
         import torch.distributed as dist
 
+        error = None
         for group, slots in self._sharded.items():
             cells = [(self._buffers[self._device_of[slot]], self._local[slot]) for slot in slots]
-            values = torch.stack([buffers[i // self.SIZE][i % self.SIZE] for buffers, i in cells])
-            bad = values.isfinite().logical_not().to(torch.float64)
+            try:
+                values = torch.stack([buffers[i // self.SIZE][i % self.SIZE] for buffers, i in cells])
+                bad = values.isfinite().logical_not().to(torch.float64)
+            except Exception as e:
+                error, bad = error or e, torch.zeros(len(cells), dtype=torch.float64, device=self._devices[self._device_of[slots[0]]])
             dist.all_reduce(bad, op=dist.ReduceOp.SUM, group=group)
-            merged = torch.where(bad > 0, math.nan, 0.0)
-            for (buffers, i), value in zip(cells, merged.unbind()):
-                buffers[i // self.SIZE][i % self.SIZE] = value
+            if error is None:
+                for (buffers, i), value in zip(cells, torch.where(bad > 0, math.nan, 0.0).unbind()):
+                    buffers[i // self.SIZE][i % self.SIZE] = value
+        if error is not None:
+            raise error
 
     def pieces(self) -> list[torch.Tensor]:
         """The used values of each device, to bring to the host with other pieces."""
@@ -143,7 +150,7 @@ class Outputs:
         n = flat.numel()
         if group is not None:
             row = len(self._offset)
-            self.sharded[row] = (group, S.shard_statistics(flat, self.zeros), flat[:: S.prime_stride(n, HISTOGRAM_VALUES)].clone())
+            self.sharded[row] = (group, S.shard_statistics(flat, self.zeros, self.centered), flat[:: S.prime_stride(n, HISTOGRAM_VALUES)].clone())
             self._offset.append(-1)
             self._length.append(0)
             return row
@@ -190,14 +197,14 @@ class Outputs:
             parts.append(flat.new_tensor(math.nan) if empty else torch.var(flat, correction=0))
         return parts
 
-    def rows(self, extra: list[torch.Tensor], together: bool = False) -> tuple[list[np.ndarray], np.ndarray]:
-        """The ``extra`` pieces and every row, on the host (one transfer per device). The rows
-        of spread outputs are made with the other ranks' (``together``, collective: every rank
-        calls it) or, if not, from this rank's shard alone."""
+    def rows(self, extra: list[torch.Tensor], spread: tuple[list[torch.Tensor], list[list[int]]] = ([], [])
+             ) -> tuple[list[np.ndarray], np.ndarray]:
+        """The ``extra`` pieces and every row, on the host (one transfer per device); the rows of
+        outputs spread over ranks are ``spread`` (:meth:`spread_rows`)."""
         width = S.row_width(self.bins)
         if not self._offset:
             return S.to_host(extra), np.empty((0, width))
-        spread_rows, spread_order = self._spread_rows(together)  # first: the other ranks wait for nothing else
+        spread_rows, spread_order = spread
         plain = [row for row in range(len(self._offset)) if row not in self.sharded]
         values = [self.kept[row] if self._offset[row] < 0 else self._stash[self._offset[row] : self._offset[row] + self._length[row]]
                   for row in plain]
@@ -222,18 +229,33 @@ class Outputs:
             rows[row, S.CENTERED_SUMSQ] = extra_stats.pop(0) * finite if self.centered else np.nan
         return extra_host, rows
 
-    def _spread_rows(self, together: bool) -> tuple[list[torch.Tensor], list[list[int]]]:
-        """The device rows of the spread outputs, one tensor per process group (in the order
-        the groups came), and the rows each holds."""
+    @property
+    def spread_counts(self) -> list[int]:
+        """How many rows are of outputs spread over ranks, per process group (in order)."""
+        return [len(rows) for rows in self._by_group().values()]
+
+    def _by_group(self) -> dict[Any, list[int]]:
         by_group: dict[Any, list[int]] = {}
         for row, (group, _, _) in self.sharded.items():
             by_group.setdefault(group, []).append(row)
-        out = []
-        for group, rows in by_group.items():
-            heads = torch.stack([self.sharded[row][1] for row in rows])
+        return by_group
+
+    def spread_rows(self, together: bool) -> tuple[list[torch.Tensor], list[list[int]]]:
+        """The device rows of the outputs spread over ranks, one tensor per process group (in the
+        order the groups came), and the rows each holds: with the other ranks' (``together``:
+        collective, every rank calls it; :func:`~layerwatch.stats.combine_shards` never raises
+        before its collectives are issued), or from this rank's shards alone."""
+        out, order = [], []
+        for group, rows in self._by_group().items():
+            try:
+                heads = torch.stack([self.sharded[row][1] for row in rows])
+            except Exception:  # still takes part; combine_shards marks the rows failed
+                heads = None
             samples = [self.sharded[row][2] for row in rows]
-            out.append(S.combine_shards(heads, samples, len(rows), group if together else None, self.bins, heads.device))
-        return out, list(by_group.values())
+            device = samples[0].device
+            out.append(S.combine_shards(heads, samples, len(rows), group if together else None, self.bins, device))
+            order.append(rows)
+        return out, order
 
 
 def nonfinite_sum(t: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from layerwatch import stats as S
-from layerwatch.distributed import is_dtensor, local, local_tensors, spread
+from layerwatch.distributed import fingerprint, is_dtensor, local, local_tensors, spread
 from layerwatch.hooks import ForwardHooks, detached, entered_by_its_own_hook, is_compiling, tensors_in
 from layerwatch.probes.clocks import CudaClock, HostClock
 from layerwatch.probes.outputs import FlagSlots, Outputs, is_float, nonfinite_sum
@@ -171,19 +171,28 @@ class RuntimeProbe:
         self._raw_spread, self._shard_of = {}, {}
 
     def spread_work(self) -> list[int]:
-        """What :meth:`result` ``together`` does with the other ranks: as many flags and rows
-        of spread tensors, over as many groups, on every rank, or the ranks must not do it."""
-        flags, rows = self._slots.sharded, len(self._outputs.sharded)
-        return [sum(flags), len(flags), rows]
+        """What :meth:`result` ``together`` does with the other ranks: how many flags and rows
+        of spread tensors, per group and in order. Every rank must hold the same, or none may
+        do it."""
+        flags, rows = self._slots.spread_counts, self._outputs.spread_counts
+        return [len(flags), len(rows), sum(flags), sum(rows), fingerprint([str(flags), str(rows)])]
 
     def result(self, together: bool = False) -> ProbeResult:
         """The step's measurements: one host transfer for every flag and stats row. With
         ``together`` (every rank calls it, once they agreed on :meth:`spread_work`) the flags
-        and rows of spread tensors are combined with the other ranks'."""
+        and rows of spread tensors are combined with the other ranks', first: every collective
+        is issued before anything of this rank's alone can fail."""
         self.remove()
-        if together:
-            self._slots.combine()
-        slot_pieces, rows_host = self._outputs.rows(self._slots.pieces(), together)
+        error = None
+        try:
+            if together:
+                self._slots.combine()
+        except Exception as e:
+            error = e
+        spread_rows = self._outputs.spread_rows(together)
+        if error is not None:
+            raise error
+        slot_pieces, rows_host = self._outputs.rows(self._slots.pieces(), spread_rows)
         flagged = self._slots.flagged(slot_pieces)
         nonfinite = [bool(rows_host[-1 - f, S.NONFINITE] > 0) if f < 0 else bool(flagged[f]) for f in self._flags]
         marks = self._clock.resolve([m for pair in zip(self._entered, self._left) for m in pair])
@@ -468,7 +477,7 @@ class RuntimeProbe:
             group = spreads[0].group
         elif len(tensors) > 1 and group is not None:
             return None
-        values = local(t) if len(tensors) == 1 else torch.cat([S.as_real_values(x) for x in tensors])
+        values = local(t) if len(tensors) == 1 else torch.cat([S.as_real_values(local(x)) for x in tensors])
         row = self._outputs.add(values, group)
         if len(tensors) == 1:
             self._flags.append(-1 - row)

@@ -32,7 +32,6 @@ class StepProbes:
         self.zeros, self.centered = "zero_frac" in stats, "std" in stats
         self.structure_pending = "structure" in families
         self.runtime_on = any(family in families for family in PROBE_FAMILIES)
-        self._runtime_armed = False  # this step's runtime probes were to be armed (every rank alike)
         self._structure: Optional[StructureProbe] = None
         self._runtime: Optional[RuntimeProbe] = None
         self._forward_guard: Optional[FailedForwardGuard] = None
@@ -43,7 +42,6 @@ class StepProbes:
     def arm(self, model: nn.Module, parameters: Sequence[nn.Parameter], step: int, writer: bool = True) -> None:
         """Arm this step's hooks: the layer table's (the first time, on the rank that writes)
         and the runtime probes'."""
-        self._runtime_armed = False
         if not ((self.structure_pending and writer) or self.runtime_on):
             return
         if is_compiled(model):
@@ -59,7 +57,6 @@ class StepProbes:
         if self.structure_pending and writer:
             self.failures.run("record the layer table", lambda: self._arm_structure(model), step)
         if self.runtime_on:
-            self._runtime_armed = True
             self.failures.run("arm the runtime probes", lambda: self._arm_runtime(model, parameters), step)
         if self._structure is not None or self._runtime is not None:
             self.failures.run("guard the forward", lambda: self._guard(model), step)
@@ -113,24 +110,26 @@ class StepProbes:
         """Remove the hooks; the layer table (when a whole forward was seen) and the runtime
         measurements (when no probe failed).
 
-        With ``sync`` (a sharded run: every rank calls this), the ranks first agree that each
-        one's probes worked and saw the same spread tensors; only then do they combine them.
-        Where one rank's failed, every rank turns its probes off alike, so none waits for it.
+        With ``sync`` (a sharded run: every rank calls this on every sampled step), the ranks
+        first agree that each one's probes are on, worked and saw the same spread tensors; only
+        then do they combine them. Where they do not, every rank turns its probes off alike,
+        so none waits for another at a later step either.
         """
         structure, runtime = self._structure, self._runtime
-        together = False
-        if sync is not None and self._runtime_armed:
-            healthy = runtime is not None and runtime.error is None and not runtime.compiled
-            work = runtime.spread_work() if healthy else [0, 0, 0]
-            together = sync.same([int(not healthy)] + work) and healthy
-            if not together and healthy:
-                runtime.error = RuntimeError("the runtime probes failed on another rank")
-            if not together and runtime is None and self.runtime_on:  # its arming failed here
-                self.runtime_on = False
-                self.failures.warn_once("fail:probes", "layerwatch: the runtime probes could not be armed; the per-module families are off")
-        self._runtime_armed = False
         armed = [probe for probe in (structure, runtime) if probe is not None]
-        if any(probe.compiled for probe in armed):
+        compiled = any(probe.compiled for probe in armed)
+        together = False
+        if sync is not None:  # every rank, on every sampled step, whatever its own probes did
+            healthy = runtime is not None and runtime.error is None and not compiled
+            work = runtime.spread_work() if healthy else [0] * 5
+            together = sync.same([int(self.runtime_on), int(healthy)] + work) and healthy
+            if not together and self.runtime_on and not compiled:  # every rank alike: all turn them off
+                self.runtime_on = False
+                if runtime is None:
+                    self.failures.warn_once("fail:probes", "layerwatch: the runtime probes could not be armed; the per-module families are off")
+                elif runtime.error is None:
+                    runtime.error = RuntimeError("the runtime probes failed on another rank")
+        if compiled:
             for probe in armed:
                 probe.inert = True
             self._inert += armed
