@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -81,3 +84,23 @@ def run_ranks(fn: Callable[..., Any], *args: Any, tmp: Path, world: int = 2, tim
         finished = all((done / f"done{rank}").exists() for rank in range(world))
         if e.signal_name != "SIGABRT" or not finished:
             raise
+
+
+def run_python(code: str, *, timeout: float = JOIN_TIMEOUT_S) -> str:
+    """``code`` in a new Python process, with ``tests/`` on its path, in a session of its own so
+    that every process it starts (Lightning's ``ddp_spawn`` ranks) goes with it; fails the test
+    when it fails, or kills them all and fails it when they still run after ``timeout`` seconds.
+    Returns what it printed."""
+    tests = str(Path(__file__).resolve().parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    process = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, _ = process.communicate()
+        pytest.fail(f"still running after {timeout:.0f} s: a hang\n{out[-4000:]}")
+    if process.returncode != 0:
+        pytest.fail(f"exited with {process.returncode}\n{out[-4000:]}")
+    return out

@@ -6,25 +6,34 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
+from ranks import run_python
+
+# Lightning spawns the ranks itself; the whole fit runs in a process of its own, with a deadline.
+FIT = """
 import lightning.pytorch as L
 from lightning.pytorch.loggers import TensorBoardLogger
+from pathlib import Path
 
-from layerwatch import InspectCallback
 from conftest import tolerate_abort_at_exit
+from layerwatch import InspectCallback
 from lightning_models import LitMLP
+
+if __name__ == "__main__":
+    out = Path({out!r})
+    model = LitMLP(record_dir=str(out))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4, logger=TensorBoardLogger(out, name="ddp", version=0),
+        callbacks=[InspectCallback(every_n_steps=2)], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, log_every_n_steps=1, default_root_dir=out,
+    )
+    with tolerate_abort_at_exit(out / "rank0.json", out / "rank1.json"):  # written by on_train_end
+        trainer.fit(model)
+"""
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 def test_ddp_spawn_rank_zero_writes_each_sample_once_with_synchronized_grads(tmp_path, events):
-    model = LitMLP(record_dir=str(tmp_path))
-    logger = TensorBoardLogger(tmp_path, name="ddp", version=0)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4, logger=logger,
-        callbacks=[InspectCallback(every_n_steps=2)], enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, log_every_n_steps=1, default_root_dir=tmp_path,
-    )
-    with tolerate_abort_at_exit(tmp_path / "rank0.json", tmp_path / "rank1.json"):  # written by on_train_end
-        trainer.fit(model)
+    run_python(FIT.format(out=str(tmp_path)))
 
     files = list((tmp_path / "ddp" / "version_0").glob("events.out.tfevents.*"))
     histogram_steps = [

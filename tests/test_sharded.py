@@ -379,6 +379,47 @@ def test_fsdp1_flat_parameters_are_said_once_and_the_modules_are_still_probed(tm
     assert len(said) == 1 and "FSDP wraps 0, 2 with use_orig_params=False" in said[0]
 
 
+def fsdp1_outside_worker(rank: int, world: int, out: str) -> None:
+    """The model is wrapped in one FSDP1 unit from outside, as Lightning's ``strategy="fsdp"``
+    wraps the LightningModule; the engine watches the module inside, told of the wrapper."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from layerwatch.engine import Engine
+    from layerwatch.options import validate_options
+
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 3))
+    wrapper = FSDP(inner, use_orig_params=True, device_id=torch.device("cpu"))
+    opt = torch.optim.SGD(wrapper.parameters(), lr=0.05)
+    engine = Engine(inner, validate_options(every_n_steps=EVERY), log_dir=f"{out}/run").start(within=wrapper)
+    reference = {}
+    for step in range(STEPS):
+        engine.begin_step(step)
+        torch.manual_seed(100 + 10 * step + rank)
+        loss = wrapper(torch.randn(4, 8)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        engine.before_optimizer_step(opt)
+        opt.step()
+        engine.after_optimizer_step(opt)
+        engine.end_step()
+        with FSDP.summon_full_params(wrapper):
+            reference[step] = {n: p.detach().double().norm().item() for n, p in inner.named_parameters()}
+    engine.finish()
+    if rank == 0:
+        record(out, "reference.json", reference)
+
+
+def test_fsdp1_wrapped_from_outside_the_watched_module(tmp_path, events):
+    run_ranks(fsdp1_outside_worker, str(tmp_path), tmp=tmp_path)
+    acc = events(tmp_path / "run")
+    reference = json.loads((tmp_path / "reference.json").read_text())
+    for step in (0, 2):
+        for name in ("0.weight", "0.bias", "2.weight", "2.bias"):  # rank 0 holds 92 of the 147 values
+            got = {e.step: e.value for e in acc.Scalars(f"weights_norm/{name}")}[step]
+            assert got == pytest.approx(reference[str(step)][name], rel=1e-5), (step, name)
+
+
 # ---------------------------------------------------------------------- DDP
 
 
@@ -426,6 +467,29 @@ def test_ddp_with_a_branch_unused_on_one_rank(tmp_path, events):
     assert "fwd_ms/module.trunk" in acc.Tags()["scalars"]
 
 
+# ---------------------------------------------------------------------- the reductions themselves
+
+
+def precision_worker(rank: int, world: int, out: str) -> None:
+    import layerwatch.stats as stats
+
+    whole = 1.0 + 1e-4 * torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))  # float32, mean 1, std 1e-4
+    shard = whole.chunk(world)[rank]
+    row = stats.reduce_sharded([shard], dist.group.WORLD, 32, centered=True)[0].numpy()
+    if rank == 0:
+        record(out, "row.json", {"std": float(np.sqrt(row[stats.CENTERED_SUMSQ] / row[stats.COUNT])),
+                                 "reference": whole.double().std(correction=0).item(), "count": float(row[stats.COUNT])})
+
+
+def test_the_std_of_a_sharded_tensor_keeps_its_digits(tmp_path):
+    """SUMSQ - SUM**2 / COUNT in float32 sums reads this std as 0; the shards' centred sums,
+    combined, read it to 1e-4."""
+    run_ranks(precision_worker, str(tmp_path), tmp=tmp_path)
+    row = json.loads((tmp_path / "row.json").read_text())
+    assert row["count"] == 1 << 20
+    assert row["std"] == pytest.approx(row["reference"], rel=1e-4)
+
+
 # ---------------------------------------------------------------------- what could set the ranks apart
 
 
@@ -433,12 +497,14 @@ def ranks_apart_worker(rank: int, world: int, out: str, case: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    import layerwatch.params as params
+    import layerwatch.probes.outputs as outputs
     import layerwatch.probes.runtime as runtime
     import layerwatch.stats as stats
 
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
-    fsdp = case in ("schedule", "reduction")
+    fsdp = case in ("schedule", "reduction", "snapshot")
     if fsdp:
         model = Stack()
         shard_stack(model, "per_layer", mesh)
@@ -456,9 +522,22 @@ def ranks_apart_worker(rank: int, world: int, out: str, case: str) -> None:
             raise RuntimeError("a probe that fails on rank 0 alone")
         runtime.nonfinite_sum = failing
     if rank == 0 and case == "reduction":
-        def failing_statistics(flat, zeros):
+        def failing_statistics(*args):
             raise RuntimeError("a reduction that fails on rank 0 alone")
         stats.shard_statistics = failing_statistics
+    if rank == 0 and case == "result":  # at step 1, after the collectives of the probes' result
+        rows, calls = outputs.Outputs.rows, [0]
+
+        def failing_rows(self, *args):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("a probe's result that fails on rank 0 alone")
+            return rows(self, *args)
+        outputs.Outputs.rows = failing_rows
+    if rank == 0 and case == "snapshot":
+        def failing_copies(self, tensors, slot):
+            raise MemoryError("a snapshot that fails on rank 0 alone")
+        params.ParameterFamilies._copies = failing_copies
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         with Inspector(model, log_dir=f"{out}/run", optimizer=opt, **options) as inspector:
@@ -477,7 +556,7 @@ def ranks_apart_worker(rank: int, world: int, out: str, case: str) -> None:
         record(out, "warnings.json", [str(w.message) for w in seen if str(w.message).startswith("layerwatch")])
 
 
-@pytest.mark.parametrize("case", ["probe", "reduction", "schedule", "sentinel"])
+@pytest.mark.parametrize("case", ["probe", "result", "reduction", "snapshot", "schedule", "sentinel"])
 def test_what_sets_one_rank_apart_leaves_no_rank_waiting(tmp_path, events, case):
     run_ranks(ranks_apart_worker, str(tmp_path), case, tmp=tmp_path)
     acc = events(tmp_path / "run")
@@ -491,6 +570,14 @@ def test_what_sets_one_rank_apart_leaves_no_rank_waiting(tmp_path, events, case)
         assert any("could not measure its shards" in w for w in said)
         assert not [t for t in scalars if t.startswith("weights_norm/")]  # every parameter is sharded
         assert [e.step for e in acc.Scalars("fwd_ms/blocks.0.fc1")] == [1, 2, 3, 4]  # 0 recorded the layer table
+    if case == "result":  # rank 0 turned its probes off at step 1; at step 2 every rank did
+        assert any("a runtime probe failed" in w and "fails on rank 0 alone" in w for w in said)
+        assert [e.step for e in acc.Scalars("activations_norm/fc1")] == [0]
+        assert [e.step for e in acc.Scalars("weights_norm/fc1.weight")] == [0, 1, 2, 3, 4]
+    if case == "snapshot":  # every rank reduced the update norms; they read as failed and are left out
+        assert any("could not snapshot weights" in w for w in said) and any("update ratios are left out" in w for w in said)
+        assert not [t for t in scalars if t.startswith("update_ratio/")]
+        assert [e.step for e in acc.Scalars("weights_norm/inp.weight")] == [0, 1, 2, 3, 4]
     if case == "schedule":
         assert [e.step for e in acc.Scalars("weights_norm/inp.weight")] == [0, 2, 4]
     if case == "sentinel":
