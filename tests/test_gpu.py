@@ -158,3 +158,61 @@ def test_a_sampled_step_syncs_the_host_only_for_its_one_transfer(tmp_path, confi
         assert syncs(train) == []
         if config == "wgu":
             assert len(syncs(inspector.step)) <= 1
+
+
+@pytest.mark.parametrize("parallel", ["fsdp2 per layer", "tensor parallel"])
+def test_sharded_models_on_a_one_rank_cuda_mesh(tmp_path, events, parallel):
+    """The DTensor code paths on CUDA: FSDP2 units per layer and tensor-parallel layers on a
+    mesh of this one GPU. Losses are unchanged, every family is written, and the hooks of a
+    sampled forward and backward make no host sync."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        losses = {}
+        for inspected in (False, True):
+            torch.manual_seed(0)
+            model = MLP(d_in=8, hidden=32, d_out=4).cuda()
+            if parallel == "fsdp2 per layer":
+                from torch.distributed.fsdp import fully_shard
+
+                for layer in (model.fc1, model.fc2):
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+            else:
+                from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+                parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            inspector = Inspector(model, log_dir=tmp_path, every_n_steps=1, optimizer=opt).start() if inspected else None
+            losses[inspected] = []
+            for step in range(3):
+                x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step)).cuda()
+                torch.cuda.synchronize()
+                if inspected and step == 2:  # the layer table (step 0) reads shapes; later steps read nothing on the host
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    loss = model(x).pow(2).mean()
+                    opt.zero_grad()
+                    loss.backward()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                opt.step()
+                if inspector is not None:
+                    inspector.step()
+                losses[inspected].append(loss.item())
+            if inspector is not None:
+                inspector.finish()
+        assert losses[True] == losses[False]
+    finally:
+        dist.destroy_process_group()
+    acc = events(tmp_path)
+    assert {"fwd_ms/fc1", "fwd_ms/fc2", "weights_norm/fc1.weight", "grads_norm/fc2.weight"} <= set(acc.Tags()["scalars"])
+    assert {"activations/fc1", "activations/act"} <= set(acc.Tags()["histograms"])
