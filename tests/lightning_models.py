@@ -13,6 +13,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as L
 
+from models import MLP
+
 
 def dataset(n: int = 64, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
@@ -173,17 +175,6 @@ class LitTransformer(L.LightningModule):
         return DataLoader(TensorDataset(torch.randn(16, self.seq, self.d_model, generator=g)), batch_size=4)
 
 
-class ParallelNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.act = nn.ReLU()
-        self.fc2 = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class LitParallel(L.LightningModule):
     """An MLP sharded in ``configure_model`` under ``ModelParallelStrategy``: FSDP2 per layer
     (``"fsdp2"``) or tensor parallel (``"tensor"``). Remembers its losses."""
@@ -191,7 +182,7 @@ class LitParallel(L.LightningModule):
     def __init__(self, parallel: str) -> None:
         super().__init__()
         self.parallel = parallel
-        self.net = ParallelNet()
+        self.net = MLP(d_in=8, hidden=16, d_out=8)
         self.losses: list[float] = []
 
     def configure_model(self) -> None:

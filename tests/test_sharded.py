@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import Any, Callable, Optional
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from layerwatch import Inspector
-from models import hook_count, tab_values
+from models import MLP, hook_count, tab_values
 from ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
@@ -105,36 +106,57 @@ def record(out: str, name: str, value) -> None:
     Path(out, name).write_text(json.dumps(value))
 
 
-def fsdp2_worker(rank: int, world: int, out: str, wrapping: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world,))
-    losses, reference = {}, {}
+def train_both_ways(build: Callable[[], nn.Module], loss_of: Callable[[nn.Module, int], torch.Tensor], out: str,
+                    observe: Optional[Callable[[nn.Module, int], Any]] = None, **options: Any) -> dict[int, Any]:
+    """Train ``build()`` twice from one seed, without and with an Inspector (``options``, writing
+    to ``out/run``), ``STEPS`` SGD steps of ``loss_of(model, step)``. Asserts that the losses are
+    bitwise equal and that no hook of layerwatch's stays; returns what ``observe(model, step)``
+    saw after each step of the inspected run."""
+    losses, seen = {}, {}
     for inspected in (False, True):
         torch.manual_seed(0)
-        model = Stack()
-        shard_stack(model, wrapping, mesh)
+        model = build()
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        hooks = hook_count(model, opt)  # FSDP's own
-        inspector = Inspector(model, log_dir=f"{out}/run", every_n_steps=EVERY, optimizer=opt).start() if inspected else None
+        hooks = hook_count(model, opt)  # the parallel styles' and FSDP's own
+        inspector = Inspector(model, log_dir=f"{out}/run", optimizer=opt, **options).start() if inspected else None
         losses[inspected] = []
         for step in range(STEPS):
-            torch.manual_seed(100 + 10 * step + rank)  # each rank its own data
-            model.poison = step == POISON_STEP
-            loss = model(torch.randn(4, 6)).pow(2).mean()
+            loss = loss_of(model, step)
             opt.zero_grad()
             loss.backward()
-            grads = {n: p.grad.full_tensor().double().norm().item() for n, p in model.named_parameters()}
             opt.step()
-            weights = {n: p.full_tensor().double().norm().item() for n, p in model.named_parameters()}
             if inspector is not None:
                 inspector.step()
-                reference[step] = {"grads": grads, "weights": weights}
+                if observe is not None:
+                    seen[step] = observe(model, step)
             losses[inspected].append(loss.item())
         if inspector is not None:
             inspector.finish()
             assert hook_count(model, opt) == hooks
-    assert losses_equal(losses[True], losses[False]), losses  # the probes on FSDP2's modules change nothing
+    assert losses_equal(losses[True], losses[False]), losses
+    return seen
+
+
+def fsdp2_worker(rank: int, world: int, out: str, wrapping: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def build() -> nn.Module:
+        model = Stack()
+        shard_stack(model, wrapping, mesh)
+        return model
+
+    def loss_of(model: nn.Module, step: int) -> torch.Tensor:
+        torch.manual_seed(100 + 10 * step + rank)  # each rank its own data
+        model.poison = step == POISON_STEP
+        return model(torch.randn(4, 6)).pow(2).mean()
+
+    def observe(model: nn.Module, step: int) -> dict:  # the whole tensors: the step's gradients, the weights after it
+        return {"grads": {n: p.grad.full_tensor().double().norm().item() for n, p in model.named_parameters()},
+                "weights": {n: p.full_tensor().double().norm().item() for n, p in model.named_parameters()}}
+
+    reference = train_both_ways(build, loss_of, out, observe, every_n_steps=EVERY)
     if rank == 0:
         record(out, "reference.json", reference)
 
@@ -217,17 +239,6 @@ def test_lightning_model_parallel_strategy(tmp_path, events, parallel):
 # ---------------------------------------------------------------------- tensor parallel
 
 
-class ParallelMLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.act = nn.ReLU()
-        self.fc2 = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 def poison_rank_one(rank: int, step: list[int]):
     """A forward hook that, on rank 1 only, puts a NaN into its shard of fc1's output at POISON_STEP."""
 
@@ -246,34 +257,26 @@ def tensor_parallel_worker(rank: int, world: int, out: str) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (world,))
-    losses, reference = {}, {}
-    for inspected in (False, True):
-        torch.manual_seed(0)
-        model = ParallelMLP()
+    step_now, whole = [0], {}
+
+    def build() -> nn.Module:
+        model = MLP(d_in=8, hidden=16, d_out=8)
         parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-        step = [0]
-        model.fc1.register_forward_hook(poison_rank_one(rank, step))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        hooks = hook_count(model, opt)  # the parallel styles' own
-        inspector = Inspector(model, log_dir=f"{out}/run", every_n_steps=1, optimizer=opt).start() if inspected else None
-        losses[inspected] = []
-        for step[0] in range(STEPS):
-            torch.manual_seed(100 + step[0])  # the same input on both ranks: tensor parallel
-            x = torch.randn(4, 8)
-            whole = F.linear(x, model.fc1.weight.full_tensor(), model.fc1.bias.full_tensor()).detach()
-            loss = model(x).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if inspector is not None:
-                inspector.step()
-                reference[step[0]] = {"fc1": whole.flatten().tolist(), "act": whole.relu().flatten().tolist(),
-                                      "weights": {n: p.full_tensor().double().norm().item() for n, p in model.named_parameters()}}
-            losses[inspected].append(loss.item())
-        if inspector is not None:
-            inspector.finish()
-            assert hook_count(model, opt) == hooks
-    assert losses_equal(losses[True], losses[False]), losses
+        model.fc1.register_forward_hook(poison_rank_one(rank, step_now))
+        return model
+
+    def loss_of(model: nn.Module, step: int) -> torch.Tensor:
+        step_now[0] = step
+        torch.manual_seed(100 + step)  # the same input on both ranks: tensor parallel
+        x = torch.randn(4, 8)
+        whole[step] = F.linear(x, model.fc1.weight.full_tensor(), model.fc1.bias.full_tensor()).detach()
+        return model(x).pow(2).mean()
+
+    def observe(model: nn.Module, step: int) -> dict:
+        return {"fc1": whole[step].flatten().tolist(), "act": whole[step].relu().flatten().tolist(),
+                "weights": {n: p.full_tensor().double().norm().item() for n, p in model.named_parameters()}}
+
+    reference = train_both_ways(build, loss_of, out, observe, every_n_steps=1)
     if rank == 0:
         record(out, "reference.json", reference)
 
@@ -313,35 +316,25 @@ def fsdp1_worker(rank: int, world: int, out: str, orig: bool) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    losses, reference = {}, {}
-    for inspected in (False, True):
-        torch.manual_seed(0)
-        model = FSDP(nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 3)), use_orig_params=orig,
-                     auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cpu"))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            inspector = Inspector(model, log_dir=f"{out}/run", every_n_steps=EVERY, optimizer=opt).start() if inspected else None
-            losses[inspected] = []
-            for step in range(STEPS):
-                torch.manual_seed(100 + 10 * step + rank)
-                loss = model(torch.randn(4, 8)).pow(2).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                if inspector is not None:
-                    inspector.step()
-                    if orig:
-                        with FSDP.summon_full_params(model):
-                            reference[step] = {"weights": {FSDP_clean(n): p.detach().double().norm().item()
-                                                           for n, p in model.named_parameters()}}
-                losses[inspected].append(loss.item())
-            if inspector is not None:
-                inspector.finish()
-        if inspected and rank == 0:
-            record(out, "warnings.json", [str(w.message) for w in seen if "layerwatch" in str(w.message)])
-    assert losses_equal(losses[True], losses[False]), losses
+    def build() -> nn.Module:
+        return FSDP(nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 3)), use_orig_params=orig,
+                    auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cpu"))
+
+    def loss_of(model: nn.Module, step: int) -> torch.Tensor:
+        torch.manual_seed(100 + 10 * step + rank)
+        return model(torch.randn(4, 8)).pow(2).mean()
+
+    def observe(model: nn.Module, step: int) -> Optional[dict]:
+        if not orig:
+            return None
+        with FSDP.summon_full_params(model):
+            return {"weights": {FSDP_clean(n): p.detach().double().norm().item() for n, p in model.named_parameters()}}
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        reference = train_both_ways(build, loss_of, out, observe, every_n_steps=EVERY)
     if rank == 0:
+        record(out, "warnings.json", [str(w.message) for w in seen if "layerwatch" in str(w.message)])
         record(out, "reference.json", reference)
 
 
@@ -438,25 +431,11 @@ class Branchy(nn.Module):
 def ddp_worker(rank: int, world: int, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
-    losses = {}
-    for inspected in (False, True):
-        torch.manual_seed(0)
-        model = DistributedDataParallel(Branchy(), find_unused_parameters=True)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        inspector = Inspector(model, log_dir=f"{out}/run", every_n_steps=EVERY, optimizer=opt).start() if inspected else None
-        losses[inspected] = []
-        for step in range(STEPS):
-            torch.manual_seed(100 + 10 * step + rank)
-            loss = model(torch.randn(4, 8), use_branch=rank == 1).pow(2).mean()  # the branch is unused on rank 0
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if inspector is not None:
-                inspector.step()
-            losses[inspected].append(loss.item())
-        if inspector is not None:
-            inspector.finish()
-    assert losses_equal(losses[True], losses[False]), losses
+    def loss_of(model: nn.Module, step: int) -> torch.Tensor:
+        torch.manual_seed(100 + 10 * step + rank)
+        return model(torch.randn(4, 8), use_branch=rank == 1).pow(2).mean()  # the branch is unused on rank 0
+
+    train_both_ways(lambda: DistributedDataParallel(Branchy(), find_unused_parameters=True), loss_of, out, every_n_steps=EVERY)
 
 
 def test_ddp_with_a_branch_unused_on_one_rank(tmp_path, events):
@@ -509,7 +488,7 @@ def ranks_apart_worker(rank: int, world: int, out: str, case: str) -> None:
         model = Stack()
         shard_stack(model, "per_layer", mesh)
     else:
-        model = ParallelMLP()
+        model = MLP(d_in=8, hidden=16, d_out=8)
         parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     options = {"every_n_steps": 1}
