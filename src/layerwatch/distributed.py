@@ -181,11 +181,6 @@ class Layout:
         flat = self.pieces[name][1]
         return p.new_empty(0) if flat.grad is not None and p.requires_grad else None
 
-    def group_of(self, name: str) -> Any:
-        """The process group over which ``name``'s FSDP1 pieces lie, or None."""
-        piece = self.pieces.get(name)
-        return None if piece is None else piece[0]
-
 
 def parameter_layout(model: Optional[nn.Module], within: Optional[nn.Module] = None) -> Layout:
     """The :class:`Layout` of ``model``'s parameters on this rank. ``within``: a module that
@@ -258,10 +253,11 @@ def this_ranks_groups(pairs: NamedTensors, warn_once: Callable[[str, str], None]
 FAILED_NORM = -1.0  # what a norm reads on every rank when a rank could not take its part
 
 
-def norms(tensors: Optional[list[torch.Tensor]], group: Any = None, count: int = 0) -> torch.Tensor:
+def norms(tensors: Optional[list[torch.Tensor]], group: Any = None, count: int = 0,
+          device: Optional[torch.device] = None) -> torch.Tensor:
     """L2 norms (float64); of whole sharded tensors when ``group`` holds their shards.
-    ``tensors=None``: this rank could not read its ``count`` shards; it still takes part in the
-    reduction, and every rank's norms read ``FAILED_NORM``."""
+    ``tensors=None``: this rank could not read its ``count`` shards (on ``device``); it still
+    takes part in the reduction, and every rank's norms read ``FAILED_NORM``."""
     if group is None:
         return torch.stack(torch._foreach_norm(tensors)).to(torch.float64)  # stack promotes mixed dtypes
     import torch.distributed as dist
@@ -270,7 +266,7 @@ def norms(tensors: Optional[list[torch.Tensor]], group: Any = None, count: int =
         squares = torch.stack(torch._foreach_norm(tensors)).to(torch.float64) ** 2
         failed = 0.0
     except Exception:  # no shards (None), or they could not be read: take part all the same
-        squares, failed = torch.zeros(count, dtype=torch.float64), 1.0
+        squares, failed = torch.zeros(count, dtype=torch.float64, device=device), 1.0
     squares = torch.cat([squares, squares.new_full((1,), failed)])
     dist.all_reduce(squares, group=group)
     return torch.where(squares[-1] > 0, FAILED_NORM, squares[:-1].sqrt())

@@ -117,8 +117,8 @@ class ParameterFamilies:
                 after = local_tensors([current[name] for name in names])
                 if before is not None:
                     torch._foreach_sub_(before, after)
-                deltas = norms(before, group, len(names))
-                after_norms = norms(after, group, len(names)) if weight_norms else torch.full_like(deltas, float("nan"))
+                deltas = norms(before, group, len(names), after[0].device)
+                after_norms = norms(after, group) if weight_norms else torch.full_like(deltas, float("nan"))
                 pieces.append((names, torch.stack([deltas, after_norms])))
         self._release_snapshots()
         return pieces
@@ -153,10 +153,11 @@ class ParameterFamilies:
             groups, error = [], e
         sharded = [names for group, names, _ in groups if group is not None]
         every = [name for names in sharded for name in names]
-        if self.sync.same([int(error is not None), len(sharded), len(every), fingerprint(every)]):
-            return groups
+        agreed = self.sync.same([int(error is not None), len(sharded), len(every), fingerprint(every)])
         if error is not None:
             raise error
+        if agreed:
+            return groups
         self.failures.warn_once(
             f"ranks-differ:{what}",
             f"layerwatch: the ranks hold different lists of sharded {what} at this step; they are left out (every rank "

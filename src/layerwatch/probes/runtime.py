@@ -155,8 +155,9 @@ class RuntimeProbe:
         self._seen_key: dict[int, int] = {}
         self._grad_handles: list[Any] = []
         self._handles: list[Any] = [ForwardHooks([module for _, module in modules], self._pre_hook, self._post_hook)]
-        parallel = [module for _, module in modules if any(is_dtensor(p) for p in module.parameters(recurse=False))]
-        self._handles += [module.register_forward_hook(self._raw_output_hook, prepend=True) for module in parallel]
+        if any(map(is_dtensor, parameters)):  # the modules a parallel style may have made local
+            parallel = [module for _, module in modules if any(map(is_dtensor, module.parameters(recurse=False)))]
+            self._handles += [module.register_forward_hook(self._raw_output_hook, prepend=True) for module in parallel]
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -212,8 +213,9 @@ class RuntimeProbe:
                 trace = traces[index]
                 ms = max(entered[end] - left[start] - (nested[end] - nested[start + 1]), 0.0)
                 setattr(trace, attribute, (getattr(trace, attribute) or 0.0) + ms)
+        failed = S.failed_rows(rows_host)
         for index, row in self._row_of.items():
-            if not S.failed_rows(rows_host[row : row + 1])[0]:
+            if not failed[row]:
                 traces[index].activation_row = rows_host[row]
         offender = None
         if self._nonfinite:
@@ -336,12 +338,14 @@ class RuntimeProbe:
         self._fwd_spans += (index, self._call_start[call], len(self._entered))
         tensors = [output] if type(output) is torch.Tensor else list({id(t): t for t in tensors_in(output)}.values())
         if self._memory:  # this rank's bytes
-            self._activation_bytes[index] += sum(t.numel() * t.element_size() for t in local_tensors(tensors))
+            held = tensors if type(output) is torch.Tensor else local_tensors(tensors)
+            self._activation_bytes[index] += sum(t.numel() * t.element_size() for t in held)
             if self._cuda:
                 self._cuda_alloc_bytes[index] += torch.cuda.memory_allocated() - self._call_alloc[call]
         measured = [t for t in tensors if is_float(t)]
-        group = self._output_group(index, call, measured)
-        self._call_group[call] = group
+        group = None
+        if self._raw_spread or self._call_in_group[call] is not None:  # tensor parallel in sight
+            group = self._call_group[call] = self._output_group(index, call, measured)
         if self._activations and first_call and measured:
             row = self._row(measured, group)
             if row is not None:
@@ -434,10 +438,12 @@ class RuntimeProbe:
         seen = self._seen(t)
         if seen is not None:
             return seen[0]
-        how = spread(t)
-        if how is not None:
-            group = how.group
-        self._flags.append(self._slots.add(nonfinite_sum(local(t).detach()), group))
+        values = t
+        if type(t) is not torch.Tensor:  # a DTensor, maybe: its local part, and how it is spread
+            how = spread(t)
+            group = group if how is None else how.group
+            values = local(t)
+        self._flags.append(self._slots.add(nonfinite_sum(values.detach()), group))
         self._remember(t, len(self._flags) - 1, None)
         return len(self._flags) - 1
 
@@ -448,9 +454,11 @@ class RuntimeProbe:
         only from ~3.4e38 but is twice as slow on the CPU: there the L2 norm goes first, and a
         group whose L2 norm is not finite is measured again in L1 (reading it is no sync)."""
         first = len(self._flags)
-        groups = {how.group for how in map(spread, tensors) if how is not None}
+        spread_ones = [t for t in tensors if type(t) is not torch.Tensor]  # DTensors, maybe
+        groups = {how.group for how in map(spread, spread_ones) if how is not None}
         group = next(iter(groups)) if len(groups) == 1 else None  # FSDP: every gradient is a shard over one group
-        tensors = local_tensors(tensors)
+        if spread_ones:
+            tensors = local_tensors(tensors)
         on_cpu = all(t.device.type == "cpu" for t in tensors)
         for indices, norms in fused_norms(tensors, ord=2 if on_cpu else 1):
             total = norms.sum()
@@ -470,14 +478,17 @@ class RuntimeProbe:
         seen = self._seen(t) if len(tensors) == 1 else None
         if seen is not None and seen[1] is not None:
             return seen[1]
-        spreads = [spread(x) for x in tensors]
-        if any(how is not None for how in spreads):
-            if len(tensors) > 1 or spreads[0].kind != "shard":
+        if len(tensors) == 1 and type(t) is torch.Tensor:  # the common case
+            values = t
+        else:
+            spreads = [spread(x) for x in tensors]
+            if any(how is not None for how in spreads):
+                if len(tensors) > 1 or spreads[0].kind != "shard":
+                    return None
+                group = spreads[0].group
+            elif len(tensors) > 1 and group is not None:
                 return None
-            group = spreads[0].group
-        elif len(tensors) > 1 and group is not None:
-            return None
-        values = local(t) if len(tensors) == 1 else torch.cat([S.as_real_values(local(x)) for x in tensors])
+            values = local(t) if len(tensors) == 1 else torch.cat([S.as_real_values(local(x)) for x in tensors])
         row = self._outputs.add(values, group)
         if len(tensors) == 1:
             self._flags.append(-1 - row)
