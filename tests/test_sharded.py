@@ -197,6 +197,68 @@ def test_fsdp2_every_wrapping_at_the_defaults(tmp_path, events, wrapping):
     assert text.tensor_proto.string_val[0].decode().startswith(f"step {POISON_STEP}, backward: (root) turned finite")
 
 
+STATS = ("mean", "std", "min", "max", "norm", "zero_frac", "nonfinite")
+
+
+def every_statistic_worker(rank: int, world: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    before: dict[str, np.ndarray] = {}
+
+    def build() -> nn.Module:
+        model = MLP(d_in=8, hidden=10, d_out=3)  # 10 rows over 2 ranks, 3 biases: uneven shards
+        for layer in (model.fc1, model.fc2):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    def loss_of(model: nn.Module, step: int) -> torch.Tensor:
+        before.update({n: p.full_tensor().detach().numpy().copy() for n, p in model.named_parameters()})
+        torch.manual_seed(100 + 10 * step + rank)  # each rank its own data
+        return model(torch.randn(4, 8)).pow(2).mean()
+
+    def observe(model: nn.Module, step: int) -> None:  # the whole tensors: the step's gradients, the weights before and after it
+        whole = {f"grads/{n}": p.grad.full_tensor().numpy() for n, p in model.named_parameters()}
+        whole |= {f"weights/{n}": p.full_tensor().detach().numpy() for n, p in model.named_parameters()}
+        if rank == 0:
+            np.savez(f"{out}/step{step}.npz", **whole, **{f"before/{n}": a for n, a in before.items()})
+
+    train_both_ways(build, loss_of, out, observe, every_n_steps=1, stats=STATS)
+
+
+def test_fsdp2_per_layer_every_statistic_and_histogram_is_the_whole_tensors(tmp_path, events):
+    run_ranks(every_statistic_worker, str(tmp_path), tmp=tmp_path)
+    acc = events(tmp_path / "run")
+    names = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    activations = [f"activations/{m}" for m in ("(root)", "fc1", "act", "fc2")]  # rank 0's own batch, as under DDP
+    assert sorted(acc.Tags()["histograms"]) == sorted([f"{f}/{n}" for f in ("weights", "grads") for n in names] + activations)
+    tab = tab_values(acc)
+    for step in range(STEPS):
+        reference = np.load(tmp_path / f"step{step}.npz")
+        for family in ("weights", "grads"):
+            for name in names:
+                a = reference[f"{family}/{name}"].ravel().astype(np.float64)
+                expected = {"mean": a.mean(), "std": a.std(), "min": a.min(), "max": a.max(),
+                            "norm": np.linalg.norm(a), "zero_frac": (a == 0).mean()}
+                for stat, value in expected.items():
+                    got = {e.step: e.value for e in acc.Scalars(f"{family}_{stat}/{name}")}[step]
+                    assert got == pytest.approx(value, rel=1e-4, abs=1e-6), (step, family, stat, name)
+                assert tab[f"{family}_nonfinite/{name}"][step] == 0.0  # a card only once a layer has a NaN/Inf
+                hist = {e.step: e.histogram_value for e in acc.Histograms(f"{family}/{name}")}[step]
+                assert hist.num == a.size and sum(hist.bucket) == a.size
+                counts, _ = np.histogram(a, [hist.min] + list(hist.bucket_limit))
+                assert np.abs(counts - np.array(hist.bucket)).sum() <= 2  # a value on an edge may move
+            for name in names:
+                delta = reference[f"weights/{name}"] - reference[f"before/{name}"]
+                ratio = np.linalg.norm(delta) / np.linalg.norm(reference[f"weights/{name}"])  # w after the step
+                assert {e.step: e.value for e in acc.Scalars(f"update_ratio/{name}")}[step] == pytest.approx(ratio, rel=1e-4)
+        grads = [reference[f"grads/{n}"].astype(np.float64) for n in names]
+        grad_norm = {e.step: e.value for e in acc.Scalars("layerwatch/grad_norm")}[step]
+        assert grad_norm == pytest.approx(np.sqrt(sum((g**2).sum() for g in grads)), rel=1e-5)
+
+
 # ---------------------------------------------------------------------- Lightning ModelParallelStrategy
 
 
