@@ -8,10 +8,13 @@ thresholds in :class:`AlertRules`:
   are all zero, for ``dead_samples`` samples in a row (a frozen zero bias is not dead).
 - ``stuck``: a trainable parameter that has a non-zero gradient but has never changed between
   samples, for ``stuck_samples`` samples in a row; or that gets no gradient at all for as long.
-- ``exploding`` / ``vanishing``: the median norm of the last ``window`` samples is more
-  than ``factor`` times larger / smaller than the median of the ``window`` samples before
-  (gradients: larger, and above any level seen before; smaller than the largest layer's
-  gradient norm over the same samples); or a norm is outside its absolute bounds.
+- ``exploding`` / ``vanishing``: judged per layer, by its size per value (the RMS of all its
+  tensors' values; :class:`LayerWindows`). Weights: the median over the last ``window``
+  samples more than ``weight_factor`` times above / below the median over the ``window``
+  samples before. Gradients: ``exploding`` when the median grew more than ``grad_factor``
+  times between windows, to a level above any seen before; ``vanishing`` when the layer's
+  share of the largest layer's fell more than ``grad_factor`` times below the highest share
+  it had in an earlier window. Either: a tensor's norm outside its absolute bounds.
 - ``nonfinite``: NaN or Inf in a parameter's weights or gradients.
 
 Alerts are named by layer (the module that owns the parameter), so a layer's weight and
@@ -29,6 +32,7 @@ import numpy as np
 from layerwatch import record as R
 from layerwatch import stats as S
 from layerwatch.failures import FailurePolicy
+from layerwatch.rankings import ROOT
 from layerwatch.record import owner
 
 logger = logging.getLogger("layerwatch")
@@ -54,14 +58,18 @@ class Alert:
 @dataclass(frozen=True)
 class AlertRules:
     """Thresholds of the health rules. The defaults raise no alarm on healthy training of the
-    examples and the demo, whose per-batch gradient norms swing by up to ~500x between
-    windows of samples: gradients get a loose factor, weights a tight one.
+    examples, the demo and tiny configurations of BERT, RoBERTa, DistilBERT, ViT, GPT-2, Llama
+    and T5, whose per-batch gradient norms swing by up to ~500x between windows of samples:
+    gradients get a loose factor, weights a tight one. The window rules judge a layer by the
+    RMS of all its values (:class:`LayerWindows`).
 
     Args:
         window: Samples per window for ``exploding``/``vanishing`` (compares the medians of
             two neighbouring windows).
-        weight_factor: A weight norm median changing by more than this between windows.
-        grad_factor: The same for gradient norms.
+        weight_factor: A layer's median weight size changing by more than this between windows.
+        grad_factor: A layer's median gradient size growing by more than this between windows
+            (to a new high), or its share of the largest layer's falling this far below its
+            highest earlier share.
         weight_norm_bounds: ``(low, high)`` absolute bounds on any weight norm; None = no bound.
         grad_norm_bounds: The same for gradient norms.
         dead_samples: Samples in a row with all-zero gradients (or weights) before ``dead``.
@@ -114,15 +122,13 @@ class HealthMonitor:
         self._index: dict[str, int] = {}
         self._names: list[str] = []
         size = 0
-        self._history = {family: np.full((2 * rules.window, size), np.nan) for family in ("weights", "grads")}
-        self._filled = {family: np.zeros(size, dtype=int) for family in ("weights", "grads")}
         self._zero_grads = np.zeros(size, dtype=int)
         self._zero_weights = np.zeros(size, dtype=int)
         self._unchanged = np.zeros(size, dtype=int)
         self._no_grad = np.zeros(size, dtype=int)
         self._last_weights = np.full((size, len(_FINGERPRINT)), np.nan)
         self._moved = np.zeros(size, dtype=bool)  # the weights changed between two samples, ever
-        self._grad_peak = np.zeros(size)  # the largest window median of each gradient norm so far
+        self._windows = {"weights": LayerWindows(rules, "weights"), "grads": LayerWindows(rules, "grads")}
 
     def observe(
         self,
@@ -166,54 +172,24 @@ class HealthMonitor:
             self._raise(new, "nonfinite", first_param[layer], step, "NaN/Inf values in " + ", ".join(parts[:3]) + more)
 
     def _norms(self, step: int, family: str, idx: np.ndarray, rows: np.ndarray, new: list[Alert]) -> None:
+        """The absolute bounds, per tensor; the window rules, per layer (:class:`LayerWindows`)."""
         finite = rows[:, S.NONFINITE] == 0  # the nonfinite alert speaks for the others
-        idx, norms = idx[finite], np.sqrt(rows[finite, S.SUMSQ])
+        idx, rows = idx[finite], rows[finite]
         if not len(idx):
             return
-        rules = self.rules
-        factor, (low, high) = (
-            (rules.weight_factor, rules.weight_norm_bounds) if family == "weights" else (rules.grad_factor, rules.grad_norm_bounds)
-        )
-        label = "weight" if family == "weights" else "gradient"
+        norms = np.sqrt(rows[:, S.SUMSQ])
+        low, high = self.rules.weight_norm_bounds if family == "weights" else self.rules.grad_norm_bounds
+        label, option = ("weight", "weight_norm_bounds") if family == "weights" else ("gradient", "grad_norm_bounds")
         for i in np.flatnonzero(norms > high) if high is not None else ():
             name = self._names[idx[i]]
-            self._raise(new, "exploding", name, step, f"{label} norm of {name} is {norms[i]:.3g}, above the bound {high:g}")
+            self._raise(new, "exploding", name, step, f"{label} norm of {name} is {norms[i]:.3g}, above the bound {high:g} "
+                        f"(AlertRules.{option})")
         for i in np.flatnonzero(norms < low) if low is not None else ():
             name = self._names[idx[i]]
-            self._raise(new, "vanishing", name, step, f"{label} norm of {name} is {norms[i]:.3g}, below the bound {low:g}")
-        history = self._history[family]
-        history[:-1, idx] = history[1:, idx]
-        history[-1, idx] = norms
-        self._filled[family][idx] += 1
-        judged = idx[self._filled[family][idx] >= 2 * rules.window]
-        if not len(judged):
-            return
-        before = np.median(history[: rules.window, judged], axis=0)
-        now = np.median(history[rules.window :, judged], axis=0)
-        span = f"over the last {rules.window} samples"
-        if family == "grads":
-            # Gradients shrink by orders of magnitude as a loss nears zero, and come back from
-            # there by as much: growth counts only to a level never seen before, and shrinking
-            # only against the other layers of the same step, which shrink together when healthy.
-            peak = np.fmax(self._grad_peak[judged], before)  # the largest window median before now
-            self._grad_peak[judged] = np.fmax(peak, now)
-            grew = (now > factor * before) & (now > peak)
-            shrank = (now * factor < now.max()) & (now > 0)  # exactly 0 is the dead rule's
-            shrank_what = f"{{:.3g}}x below the largest layer's gradient norm {span}"
-        else:
-            grew = now > factor * before
-            shrank = (now * factor < before) & (now > 0)
-            shrank_what = f"shrank {{:.3g}}x {span}"
-        with np.errstate(divide="ignore", invalid="ignore"):
-            for i in np.flatnonzero(grew):
-                name = self._names[judged[i]]
-                self._raise(new, "exploding", name, step,
-                            f"{label} norm of {name} grew {now[i] / before[i]:.3g}x {span} (to {now[i]:.3g})")
-            for i in np.flatnonzero(shrank):
-                name = self._names[judged[i]]
-                ratio = (now.max() if family == "grads" else before[i]) / now[i]
-                self._raise(new, "vanishing", name, step,
-                            f"{label} norm of {name} " + shrank_what.format(ratio) + f" (at {now[i]:.3g})")
+            self._raise(new, "vanishing", name, step, f"{label} norm of {name} is {norms[i]:.3g}, below the bound {low:g} "
+                        f"(AlertRules.{option})")
+        for kind, layer, message in self._windows[family].observe(step, idx, self._names, rows):
+            self._raise_for(new, kind, layer, step, message)
 
     def _dead(
         self,
@@ -232,7 +208,8 @@ class HealthMonitor:
         self._zero_weights[w_idx] = np.where(zero, self._zero_weights[w_idx] + 1, 0)
         for i in np.flatnonzero(self._zero_weights[w_idx] >= n):
             name = self._names[w_idx[i]]
-            self._raise(new, "dead", name, step, f"weights of {name} have been all zero for {n} samples")
+            self._raise(new, "dead", name, step, f"weights of {name} have been all zero for {n} samples "
+                        f"(AlertRules.dead_samples is {n}): zeroed by a bug, or a mask or an init run in the loop?")
         if g_idx is None or not len(g_idx):
             return
         layers = [owner(self._names[i]) for i in g_idx]
@@ -245,8 +222,9 @@ class HealthMonitor:
         for i in np.flatnonzero(self._zero_grads[g_idx] >= n):
             self._raise(
                 new, "dead", self._names[g_idx[i]], step,
-                f"every gradient of layer {layers[i] or '(root)'} has been zero for {n} samples: nothing "
-                "reaches it (a ReLU that never fires, or a detached path)",
+                f"every gradient of layer {layers[i] or ROOT} has been exactly zero for {n} samples "
+                f"(AlertRules.dead_samples is {n}): nothing reaches it (a ReLU that never fires, all-zero weights, or "
+                "a detached path)",
             )
 
     def _stuck(
@@ -269,7 +247,8 @@ class HealthMonitor:
             self._no_grad[t_idx] = np.where(has_grad[t_idx], 0, self._no_grad[t_idx] + 1)
             for i in t_idx[self._no_grad[t_idx] >= n]:
                 name = self._names[i]
-                self._raise(new, "stuck", name, step, f"{name} is trainable but has had no gradient for {n} samples")
+                self._raise(new, "stuck", name, step, f"{name} is trainable but has had no gradient for {n} samples "
+                            f"(AlertRules.stuck_samples is {n}): does the loss use it, or is its path detached?")
         trainable = np.zeros(size, dtype=bool)
         trainable[t_idx] = True
         fingerprint = w_rows[:, _FINGERPRINT]
@@ -285,8 +264,8 @@ class HealthMonitor:
             name = self._names[i]
             self._raise(
                 new, "stuck", name, step,
-                f"{name} has a gradient but has not changed in {n} samples, nor ever before: is it in the optimizer, "
-                "with a learning rate above 0?",
+                f"{name} has a gradient but has not changed in {n} samples, nor ever before (AlertRules.stuck_samples "
+                f"is {n}): is it in the optimizer, with a learning rate above 0?",
             )
 
     # ------------------------------------------------------------------ helpers
@@ -304,14 +283,10 @@ class HealthMonitor:
         if size <= len(self._unchanged):
             return
         extra = max(size, 2 * len(self._unchanged)) - len(self._unchanged)
-        for family, history in self._history.items():
-            self._history[family] = np.concatenate([history, np.full((history.shape[0], extra), np.nan)], axis=1)
-            self._filled[family] = np.concatenate([self._filled[family], np.zeros(extra, dtype=int)])
         for attr in ("_zero_grads", "_zero_weights", "_unchanged", "_no_grad"):
             setattr(self, attr, np.concatenate([getattr(self, attr), np.zeros(extra, dtype=int)]))
         self._last_weights = np.concatenate([self._last_weights, np.full((extra, len(_FINGERPRINT)), np.nan)])
         self._moved = np.concatenate([self._moved, np.zeros(extra, dtype=bool)])
-        self._grad_peak = np.concatenate([self._grad_peak, np.zeros(extra)])
 
     def _stack(self, rows: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """Indices and stacked rows of ``rows`` (name -> row)."""
@@ -335,6 +310,136 @@ class HealthMonitor:
         alert = Alert(kind, layer, step, message)
         self.alerts.append(alert)
         new.append(alert)
+
+
+class LayerWindows:
+    """The window rules of one family (weights or gradients), per layer: the module that owns
+    the parameters, judged by the size of its values (the RMS of all its tensors' values).
+
+    Per value, tensors of very different sizes compare fairly (a norm grows with the square
+    root of the count), and a small tensor does not speak for its layer: a bias crossing zero
+    while its weight holds steady, or a key projection's bias in attention, whose gradient is
+    zero by construction (softmax ignores what it adds to every logit of a row), sitting
+    beside its weight's real gradient.
+
+    - **Weights**, against the layer's own past: ``exploding`` / ``vanishing`` when the median
+      over the last ``window`` samples is more than ``weight_factor`` times above / below the
+      median over the ``window`` samples before.
+    - **Gradients**: ``exploding`` when the median grew more than ``grad_factor`` times between
+      windows, to a level above any window's before (gradients come back up by orders of
+      magnitude from near a loss's minimum); ``vanishing`` when the layer's *share* of the
+      largest layer's (at each sample) has a median more than ``grad_factor`` times below the
+      highest median share of an earlier window. Healthy layers shrink together as a loss
+      nears zero, so the share is judged, not the size; and against the layer's own past,
+      since between layers it means little: attention's query and key gradients sit 10,000x
+      below the largest layer's at initialization in BERT-like models, and that is healthy.
+
+    A layer at exactly zero is the ``dead`` rule's.
+    """
+
+    def __init__(self, rules: AlertRules, family: str) -> None:
+        self.rules, self.family = rules, family
+        self.factor = rules.weight_factor if family == "weights" else rules.grad_factor
+        self._index: dict[str, int] = {}
+        self._names: list[str] = []  # of the layers
+        self._of_param = np.zeros(0, dtype=int)  # parameter index -> layer index (-1: not yet)
+        size, samples = 0, 2 * rules.window
+        self._rms = np.full((samples, size), np.nan)  # the last samples, oldest first
+        self._share = np.full((samples, size), np.nan)
+        self._steps = np.zeros((samples, size), dtype=int)
+        self._filled = np.zeros(size, dtype=int)
+        self._rms_peak = np.zeros(size)  # the highest window median of the RMS so far
+        self._share_peak = np.zeros(size)  # the highest median share of a window before the current one
+        self._peak_at = np.zeros(size, dtype=int)  # the step that window ended at
+
+    def observe(self, step: int, params: np.ndarray, names: list[str], rows: np.ndarray) -> list[tuple[str, str, str]]:
+        """``(kind, layer, message)`` of each rule broken at this sample, given the finite rows of
+        the parameters ``params`` (indices into ``names``)."""
+        idx = self._layers_of(params, names)
+        present = np.unique(idx)
+        sumsq = np.bincount(idx, rows[:, S.SUMSQ], minlength=len(self._names))[present]
+        count = np.bincount(idx, rows[:, S.COUNT], minlength=len(self._names))[present]
+        rms = np.sqrt(sumsq / np.maximum(count, 1))
+        largest = rms.max()
+        shares = rms / largest if largest > 0 else np.zeros_like(rms)
+        for history, values in ((self._rms, rms), (self._share, shares), (self._steps, step)):
+            history[:-1, present] = history[1:, present]
+            history[-1, present] = values
+        self._filled[present] += 1
+        w = self.rules.window
+        judged = present[self._filled[present] >= 2 * w]
+        if not len(judged):
+            return []
+        before, now = np.median(self._rms[:w, judged], axis=0), np.median(self._rms[w:, judged], axis=0)
+        peak = np.fmax(self._rms_peak[judged], before)
+        self._rms_peak[judged] = np.fmax(peak, now)
+        if self.family == "weights":
+            return self._weights(judged, before, now)
+        share_before, share_now = np.median(self._share[:w, judged], axis=0), np.median(self._share[w:, judged], axis=0)
+        raised = share_before > self._share_peak[judged]
+        self._share_peak[judged] = np.where(raised, share_before, self._share_peak[judged])
+        self._peak_at[judged] = np.where(raised, self._steps[w - 1, judged], self._peak_at[judged])
+        top = self._names[present[np.argmax(rms)]]
+        return self._gradients(judged, before, now, peak, share_now, top, largest)
+
+    def _weights(self, judged: np.ndarray, before: np.ndarray, now: np.ndarray) -> list[tuple[str, str, str]]:
+        found = []
+        with np.errstate(divide="ignore", invalid="ignore"):
+            for i in np.flatnonzero(now > self.factor * before):
+                found.append(("exploding", self._names[judged[i]], self._say(judged[i], "grew", now[i] / before[i], before[i], now[i]) +
+                              "is the learning rate too high, or weight decay off?"))
+            for i in np.flatnonzero((now * self.factor < before) & (now > 0)):
+                found.append(("vanishing", self._names[judged[i]], self._say(judged[i], "shrank", before[i] / now[i], before[i], now[i]) +
+                              "is weight decay too strong?"))
+        return found
+
+    def _gradients(self, judged: np.ndarray, before: np.ndarray, now: np.ndarray, peak: np.ndarray, share_now: np.ndarray,
+                   top: str, largest: float) -> list[tuple[str, str, str]]:
+        found, w = [], self.rules.window
+        share_peak = self._share_peak[judged]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            for i in np.flatnonzero((now > self.factor * before) & (now > peak)):
+                found.append(("exploding", self._names[judged[i]], self._say(judged[i], "grew", now[i] / before[i], before[i], now[i]) +
+                              "above any level before: is the learning rate too high, or a layer without normalization?"))
+            for i in np.flatnonzero((share_now * self.factor < share_peak) & (share_now > 0)):
+                layer = self._names[judged[i]]
+                found.append(("vanishing", layer, (
+                    f"gradient of layer {layer or ROOT} fell to {share_now[i]:.3g} of the largest layer's over the last {w} "
+                    f"samples (median; RMS per value, now {now[i]:.3g}, {top or ROOT}'s {largest:.3g}): "
+                    f"{share_peak[i] / share_now[i]:.3g}x below the {share_peak[i]:.3g} it had over the {w} samples to step "
+                    f"{self._peak_at[judged[i]]} (AlertRules.grad_factor is {self.factor:g}). The gradient no longer "
+                    "reaches it: look between it and the loss for a saturated activation (sigmoid, tanh) or a detached path")))
+        return found
+
+    def _say(self, index: int, how: str, ratio: float, before: float, now: float) -> str:
+        option = "weight_factor" if self.family == "weights" else "grad_factor"
+        what = "weights" if self.family == "weights" else "gradient"
+        return (f"{what} of layer {self._names[index] or ROOT} {how} {ratio:.3g}x over the last {self.rules.window} samples "
+                f"(median RMS per value {before:.3g} -> {now:.3g}; AlertRules.{option} is {self.factor:g}): ")
+
+    def _layers_of(self, params: np.ndarray, names: list[str]) -> np.ndarray:
+        """The layer index of each parameter index (worked out once per parameter)."""
+        if len(self._of_param) < len(names):
+            self._of_param = np.concatenate([self._of_param, np.full(len(names) - len(self._of_param), -1)])
+        for i in params[self._of_param[params] < 0]:
+            self._of_param[i] = self._slot(owner(names[i]) or names[i])
+        return self._of_param[params]
+
+    def _slot(self, layer: str) -> int:
+        index = self._index.get(layer)
+        if index is None:
+            index = self._index[layer] = len(self._names)
+            self._names.append(layer)
+            if index >= len(self._filled):
+                extra = max(8, index)
+                for name in ("_rms", "_share", "_steps"):
+                    history = getattr(self, name)
+                    fill = np.nan if history.dtype.kind == "f" else 0
+                    setattr(self, name, np.concatenate([history, np.full((history.shape[0], extra), fill, dtype=history.dtype)], axis=1))
+                for name in ("_filled", "_rms_peak", "_share_peak", "_peak_at"):
+                    array = getattr(self, name)
+                    setattr(self, name, np.concatenate([array, np.zeros(extra, dtype=array.dtype)]))
+        return index
 
 
 class HealthCheck:
