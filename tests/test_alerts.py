@@ -322,6 +322,16 @@ def test_gradients_that_shrink_together_as_the_loss_nears_zero_are_healthy():
     assert "of the largest layer's" in alert.message and "no longer reaches it" in alert.message
 
 
+def test_a_structurally_zero_gradient_beside_a_live_one_raises_nothing():
+    """An attention key bias: its gradient is zero up to rounding (softmax ignores what it adds to
+    a row's logits), jumping between 1e-16 and 1e-11, beside its weight's steady gradient."""
+    rounding = np.random.default_rng(0).choice([1e-16, 1e-14, 1e-11], size=30)
+    steps = [{"key.weight": 1e-2, "key.bias": float(noise), "value.weight": 1.0} for noise in rounding]
+    assert feed(HealthMonitor(AlertRules()), steps) == []
+    small_from_the_start = [{"query.weight": 1e-6, "value.weight": 1.0}] * 30  # 1e6x below, but always was
+    assert feed(HealthMonitor(AlertRules()), small_from_the_start) == []
+
+
 def test_gradients_coming_back_from_near_zero_are_not_exploding():
     levels = [1.0] * 5 + [1e-9] * 5 + [1e-2] * 5  # back up by 1e7x, still below the early level
     assert feed(HealthMonitor(AlertRules()), [{"a.weight": n} for n in levels]) == []
