@@ -362,9 +362,11 @@ class LayerWindows:
         rms = np.sqrt(sumsq / np.maximum(count, 1))
         largest = rms.max()
         shares = rms / largest if largest > 0 else np.zeros_like(rms)
+        every = len(present) == len(self._names)  # the usual case: plain slices, not index lists
+        cols = slice(0, len(self._names)) if every else present
         for history, values in ((self._rms, rms), (self._share, shares), (self._steps, step)):
-            history[:-1, present] = history[1:, present]
-            history[-1, present] = values
+            history[:-1, cols] = history[1:, cols]
+            history[-1, cols] = values
         self._filled[present] += 1
         w = self.rules.window
         judged = present[self._filled[present] >= 2 * w]
