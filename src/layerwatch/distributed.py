@@ -369,9 +369,13 @@ class StepVote:
         work = dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self._sync.group, async_op=True)
         self._pending = (step, votes, work)
 
-    def close(self) -> None:
-        """Wait for the ballot in flight (every rank has sent it)."""
-        self._take(None)
+    def remove(self) -> None:
+        """Wait for the ballot in flight (every rank has sent it), then close the ranks' group.
+        Safe twice; the engine's attachments call it when they are released."""
+        try:
+            self._take(None)
+        finally:
+            self._sync.close()
 
     def _take(self, step: Optional[int]) -> Optional[Decision]:
         pending, self._pending = self._pending, None

@@ -226,7 +226,7 @@ class Engine:
     def _open_vote(self) -> None:
         self._sync = self._params.sync = RankSync()
         self._vote = StepVote(self._sync)
-        self._attached.removables.append(_Closing(self._vote, self._sync))
+        self._attached.removables.append(self._vote)  # waits for its ballot, then closes the group
 
     def _open_writer(self) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -429,7 +429,7 @@ class Engine:
             family: [(names, next(arrays).reshape(len(names) if family != "update" else 2, -1)) for names, _ in pieces]
             for family, pieces in families.items()
         }
-        for family in ("grads", "weights"):
+        for family in ("grads", "weights", "update"):
             host[family] = [self._measured(family, names, rows, sample.step) for names, rows in host[family]]
         rec = R.StepRecord(sample.step)
         for family in R.TENSOR_FAMILIES:
@@ -439,7 +439,7 @@ class Engine:
             rec.add_grad_norm(np.concatenate([rows for _, rows in host["grads"]]))
         if host["update"]:
             weight_norms = {name: np.sqrt(row[S.SUMSQ]) for names, rows in host["weights"] for name, row in zip(names, rows)}
-            for names, (deltas, norms) in map(self._measured_updates, host["update"]):
+            for names, (deltas, norms) in host["update"]:
                 if weight_norms:
                     norms = np.array([weight_norms.get(name, np.nan) for name in names])
                 rec.add_update_ratios(names, deltas, norms)
@@ -472,27 +472,18 @@ class Engine:
         self._announce(rec.step, new_alerts)
 
     def _measured(self, family: str, names: list[str], rows: np.ndarray, step: int) -> tuple[list[str], np.ndarray]:
-        """``names`` and ``rows`` less the sharded tensors a rank could not help measure (said once)."""
-        failed = S.failed_rows(rows)
+        """``names`` and their rows (update pieces: their two rows of columns) less the sharded
+        tensors a rank could not help measure, or snapshot (said once)."""
+        failed = rows[0] == FAILED_NORM if family == "update" else S.failed_rows(rows)
         if not failed.any():
             return names, rows
         left_out = [name for name, bad in zip(names, failed) if bad]
-        self.failures.warn_once(
-            f"failed-rows:{family}",
-            f"layerwatch: a rank could not measure its shards of {', '.join(left_out[:5])}"
-            f"{f' and {len(left_out) - 5} more' if len(left_out) > 5 else ''} ({family}) at step {step}; left out of that step",
-        )
-        return [name for name, bad in zip(names, failed) if not bad], rows[~failed]
-
-    def _measured_updates(self, piece: tuple[list[str], np.ndarray]) -> tuple[list[str], np.ndarray]:
-        """An update piece less the sharded parameters whose snapshot a rank could not take (said once)."""
-        names, rows = piece
-        failed = rows[0] == FAILED_NORM
-        if not failed.any():
-            return piece
-        self.failures.warn_once("failed-updates", "layerwatch: a rank could not snapshot its shards of some weights; their "
-                                "update ratios are left out of that step")
-        return [name for name, bad in zip(names, failed) if not bad], rows[:, ~failed]
+        which = ", ".join(left_out[:5]) + (f" and {len(left_out) - 5} more" if len(left_out) > 5 else "")
+        what = ("snapshot its shards of {} for the update ratios; their update ratios are left out" if family == "update"
+                else f"measure its shards of {{}} ({family}); they are left out")
+        self.failures.warn_once(f"failed-rows:{family}", f"layerwatch: a rank could not {what.format(which)} of step {step}")
+        kept = [name for name, bad in zip(names, failed) if not bad]
+        return kept, rows[:, ~failed] if family == "update" else rows[~failed]
 
     def _overhead_s(self, sample: _Sample, started: float) -> float:
         """What sampling added to this step: the time measured in our own code, plus the step's
@@ -599,18 +590,3 @@ class Engine:
             lines = "\n".join(f"  {a.kind} {a.name}: {a.message}" for a in alerts)
             self.failures.warn(f"layerwatch: {len(alerts)} new alert(s) at step {step}:\n{lines}")
 
-
-class _Closing:
-    """Closes a sharded run's vote (waiting for its ballot in flight) and then its group, when
-    the engine's attachments are released."""
-
-    def __init__(self, vote: StepVote, sync: RankSync) -> None:
-        self._vote, self._sync = vote, sync
-
-    def remove(self) -> None:
-        vote, sync, self._vote, self._sync = self._vote, self._sync, None, None
-        if vote is not None:
-            try:
-                vote.close()
-            finally:
-                sync.close()
