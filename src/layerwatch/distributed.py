@@ -310,6 +310,23 @@ class RankSync:
                 pass
 
 
+def gather_objects(obj: Any, timeout_s: float) -> list[Any]:
+    """``obj`` from every rank, in rank order (every rank calls it, at the same point), over a
+    gloo group made for it and closed after: a rank that never comes makes the others raise
+    after ``timeout_s`` seconds instead of waiting for it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj, group=group)
+        return out
+    finally:
+        dist.destroy_process_group(group)
+
+
 @dataclass
 class Ballot:
     """One rank's say on one step: rank 0's schedule; a sample this rank asks for (a NaN/Inf

@@ -38,19 +38,25 @@ from torch import nn
 from layerwatch import record as R
 from layerwatch import stats as S
 from layerwatch.alerts import Alert, HealthCheck
-from layerwatch.distributed import FAILED_NORM, Ballot, Decision, Layout, RankSync, StepVote, is_writer_rank, local, parameter_layout
+from layerwatch.distributed import (
+    FAILED_NORM, Ballot, Decision, Layout, RankSync, StepVote, gather_objects, is_writer_rank, local, parameter_layout,
+    world_size,
+)
 from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import Attachments, CollectorClock, claim
 from layerwatch.options import Options, writable_dir
 from layerwatch.params import ParameterFamilies, Piece, Snapshot
-from layerwatch.probes import ProbeResult, StepProbes, probe_name, select_modules
-from layerwatch.sentinel import Finding, NonfiniteSentinel, StepCounter
+from layerwatch.probes import ROOT, Offender, ProbeResult, StepProbes, probe_name, select_modules
+from layerwatch.probes.selection import is_compiled
+from layerwatch.replay import MicroBatch, RngState, SavedState, backward, gradient_sync_off
+from layerwatch.sentinel import Finding, NonfiniteSentinel, StepCounter, fused_norms
 from layerwatch.sinks.tensorboard import TensorBoardSink
 from layerwatch.structure import Summary
 
 logger = logging.getLogger("layerwatch")
 
 EXCESS_LIMIT = 2.0  # see Engine._overhead_s
+REPLAY_GATHER_TIMEOUT_S = 300.0  # how long the ranks of a DDP run wait for each other's replay
 logger.addHandler(logging.NullHandler())  # a library logs; the application decides where it goes
 
 
@@ -70,6 +76,8 @@ class _Sample:
     grads_read: set[int] = field(default_factory=set)  # id() of the parameters read so far
     weights_read: set[int] = field(default_factory=set)
     snapshots: list[tuple[Optional[int], Snapshot]] = field(default_factory=list)  # (id of the optimizer, ...)
+    replay: Optional[ProbeResult] = None  # what the probes saw on the step's batch run again (replay.py)
+    nonfinite_weights: set[str] = field(default_factory=set)  # after an unreplayed fault: weights NaN/Inf at its start
 
     def unread(self, read: set[int], optimizer: Any) -> list[tuple[str, nn.Parameter]]:
         """The parameters (of ``optimizer``, or all) not read yet into ``read``; now marked read."""
@@ -126,6 +134,7 @@ class Engine:
         self._attached.removables += [self._probes, self._counter, self._collector]
         self._release = weakref.finalize(self, self._attached.release)
         self._sentinel: Optional[NonfiniteSentinel] = None
+        self._rotation = 1  # steps the sentinel took to check every gradient once, as it last was
         self._force_sample = False
         # A sharded run (see distributed.py): every rank takes part in every sampled step, and
         # the ranks vote on which steps those are; a sentinel's finding waits for the vote.
@@ -135,6 +144,16 @@ class Engine:
         self._finding: Optional[Finding] = None
         self._finding_reported = False
         self._offender_found = False
+        # The replay (replay.py): the open step's micro-batches, whether the sentinel checked
+        # this step before its optimizer step, and the step of a fault no probe saw happen
+        # (later offenders are then what came after it, never "the first offender").
+        self._micro_batches: list[MicroBatch] = []
+        self._sentinel_checked = False
+        self._fault_step: Optional[int] = None
+        self._within: Optional[nn.Module] = None
+        self.replay_hint = (
+            "to find it, let layerwatch replay the bad step: Inspector.replay_with(closure) before each step's forward"
+        )
         self._samples_written = 0
         self._schedule_checked = False
         # Wall time of the open step since begin_step, and of recent unsampled steps: a sampled
@@ -194,6 +213,7 @@ class Engine:
             previous.finish()
         self._layout = parameter_layout(model, within)
         self._params.layout = self._layout
+        self._within = within
         if self._layout.sharded:  # every rank, at the same point: making a group is collective
             self.failures.run("make the ranks' group for agreeing (no step is sampled)", self._open_vote, 0)
         if self._layout.flat_only and is_writer_rank():
@@ -209,8 +229,11 @@ class Engine:
                 self.failures.run("open the TensorBoard writer (nothing is written; training goes on)", self._open_writer, 0)
             else:
                 self._sink = TensorBoardSink(writer, owns_writer=False)
-        if self.options.sentinel and (is_writer_rank() or self._layout.sharded):  # sharded: each rank checks its shards
+        if self.options.sentinel:  # every rank: its shards, or (DDP) the same gradients, so the same findings
             self._sentinel = NonfiniteSentinel()
+        if self._layout.sharded:
+            self.replay_hint = ("a sharded run's ranks agree on a finding a step later, after the optimizer step, so the "
+                                "bad step is not replayed")
         self._state = "running"
         model = self._model()
         names = [name for name, _ in self._layout.parameters(model)]
@@ -273,21 +296,51 @@ class Engine:
         started = self._opened_at = time.perf_counter()
         self._drop_sample()
         self._step = step
+        self._micro_batches = []
+        self._sentinel_checked = False
         if not self._sampled(step, may_sample):
             return False
         model = self._model()
         sample = self._sample = _Sample(step, self._layout.parameters(model), self._counter.count)
         self._param_cache = sample.params
+        if self._fault_step is not None and not self._offender_found and is_writer_rank():
+            self.failures.run("look for NaN/Inf weights", lambda: sample.nonfinite_weights.update(nonfinite(sample.params)), step)
         if model is not None and (is_writer_rank() or self._layout.sharded):
             self._probes.arm(model, [p for _, p in sample.params], step, writer=is_writer_rank())
             self._collector.attach()
         sample.overhead_s += time.perf_counter() - started
         return True
 
+    def replay_with(self, closure: Callable[[], Any]) -> None:
+        """Let the open step be replayed: ``closure()`` computes the loss of this step's batch
+        again (a micro-batch's, with gradient accumulation: call it once per micro-batch),
+        and is called before that forward, so that the RNG state it starts from is noted.
+
+        When the sentinel finds NaN/Inf gradients at this step, :meth:`before_optimizer_step`
+        runs each closure again, with every probe armed and fresh gradients, and calls
+        ``backward()`` on what it returns (a loss tensor, or a mapping with a ``"loss"``), to
+        name the module that made the NaN. RNG states, buffers, gradients and module modes are
+        restored after it (see :mod:`~layerwatch.replay`). The front door must call
+        ``before_optimizer_step`` after the backward and only when the optimizer will step (a
+        GradScaler's skipped step is not a fault). Nothing is kept past the step.
+
+        Raises:
+            TypeError: ``closure`` is not callable.
+        """
+        self._check_running("replay_with")
+        if not callable(closure):
+            raise TypeError(f"closure must be callable, got {type(closure).__name__}")
+        if self._sentinel is not None and not self._layout.sharded:
+            self._micro_batches.append(MicroBatch(closure, RngState.capture()))
+
     def before_optimizer_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """The gradients of ``optimizer``'s parameters (of every parameter when None) are
         final: read those not read yet this step, and snapshot their weights for the update
-        ratios. With several optimizers, call it before each one's step."""
+        ratios. With several optimizers, call it before each one's step. When the step can be
+        replayed (:meth:`replay_with`), the sentinel checks it here, first."""
+        if self._micro_batches and not self._sentinel_checked:
+            self._sentinel_checked = True
+            self._check_sentinel(before_optimizer_step=True)
         sample = self._sample
         if sample is None:
             return
@@ -329,6 +382,7 @@ class Engine:
         written. Returns the step written, or None."""
         self._check_running("end_step")
         self._check_sentinel()
+        self._micro_batches = []
         sample, self._sample = self._sample, None
         if sample is None:
             self._off_steps.append(time.perf_counter() - self._opened_at)
@@ -336,6 +390,7 @@ class Engine:
         started = time.perf_counter()
         sample.overhead_s += self._probes.hook_seconds
         structure, probes = self._probes.take(self._sync)
+        probes = sample.replay or probes
         self._read_grads(sample, sample.unread(sample.grads_read, None))
         for _, snapshot in sample.snapshots:
             self.failures.run("measure updates", lambda: self._measure_update(sample, snapshot), sample.step)
@@ -448,15 +503,19 @@ class Engine:
         new_alerts = []
         if probes is not None:
             rec.add_probes(probes, options.stats, options.bins)
-            if probes.offender is not None and not self._offender_found:
+            offender = probes.offender
+            if offender is not None and not self._offender_found:
                 self._offender_found = True  # raised before the rules, whose alert on the same layer says less
-                rec.texts[R.FIRST_OFFENDER] = probes.offender.describe(rec.step)
-                rec.offender = probes.offender
-                message = "first offender: " + rec.texts[R.FIRST_OFFENDER]
+                if offender.replayed_from is None and self._fault_step is not None and rec.step > self._fault_step:
+                    message = self._after_fault(sample, offender)
+                else:  # the probes saw the NaN appear: on this step, or on its batch replayed
+                    rec.texts[R.FIRST_OFFENDER] = offender.describe(rec.step)
+                    rec.offender = offender
+                    message = "first offender: " + rec.texts[R.FIRST_OFFENDER]
                 if self._health is None:
-                    new_alerts.append(Alert("nonfinite", probes.offender.name, rec.step, message))
+                    new_alerts.append(Alert("nonfinite", offender.name, rec.step, message))
                 else:
-                    new_alerts += self._health.report(rec, "nonfinite", probes.offender.name, message)
+                    new_alerts += self._health.report(rec, "nonfinite", offender.name, message)
         if self._health is not None:
             stepped = self._stepped(sample)
             trainable = [  # a sparse gradient exists but is not measured: not "no gradient"
@@ -524,12 +583,17 @@ class Engine:
 
     # ------------------------------------------------------------------ NaN sentinel
 
-    def _check_sentinel(self) -> None:
-        """Enqueue this step's check of the gradients; act on the checks that have landed."""
+    def _check_sentinel(self, before_optimizer_step: bool = False) -> None:
+        """Enqueue this step's check of the gradients; act on the checks that have landed.
+        ``before_optimizer_step``: the step can be replayed, so the check is read at once (on
+        a GPU, a sync) and a finding replays it; the optimizer steps after this (a step a
+        GradScaler skips never gets here). Else at the end of the step, once."""
         sentinel = self._sentinel
         if sentinel is None:
             return
-        stepped = self._counter.stepped_since_last_check()
+        stepped = True if before_optimizer_step else self._counter.stepped_since_last_check()
+        if self._sentinel_checked and not before_optimizer_step:
+            return  # checked before the optimizer step already
         step = self._step
         if self._param_cache is None:
             self._param_cache = self._layout.parameters(self._model())
@@ -537,16 +601,19 @@ class Engine:
             self._sentinel_watching = self._param_cache
             sentinel.watch(self._param_cache, local)
         self.failures.run("check the gradients for NaN/Inf", lambda: sentinel.check_next(step, stepped), step)
-        for finding in sentinel.poll():
+        for finding in sentinel.poll(wait=before_optimizer_step):
             if finding.stepped is False:
                 logger.info("layerwatch: step %d: NaN/Inf gradients and no optimizer step (a GradScaler skip)", finding.step)
                 continue
             if self._vote is not None:  # the ranks act on it together, once they have voted
                 self._finding = self._finding or finding
                 break
+            self._sentinel, self._rotation = None, sentinel.rotation
+            if before_optimizer_step and finding.step == step and self._replay(finding):
+                break
+            self._fault_step = finding.step
             self._force_sample = True
             self.failures.run("report NaN/Inf gradients", lambda: self._on_nonfinite(finding, step + 1), step)
-            self._sentinel = None
             break
 
     def _on_voted_finding(self, decision: Decision, step: int) -> None:
@@ -556,6 +623,8 @@ class Engine:
         if self._finding_reported:
             return
         self._finding_reported = True
+        self._rotation = 1 if self._sentinel is None else self._sentinel.rotation
+        self._fault_step = decision.finding_step
         own, self._finding = self._finding, None
         if is_writer_rank():
             tensors = own.tensors if own is not None and own.step == decision.finding_step else []
@@ -563,24 +632,109 @@ class Engine:
             self.failures.run("report NaN/Inf gradients", lambda: self._on_nonfinite(finding, step), step)
         self._sentinel = None
 
-    def _on_nonfinite(self, finding: Finding, sampled_step: int) -> None:
-        """The sentinel's first hit: the step, an alert, and every probe armed at ``sampled_step``."""
+    def _replay(self, finding: Finding) -> bool:
+        """Run the open step's micro-batches again with every probe armed, before its optimizer
+        step (see replay.py). Returns whether a module was named: the step is then sampled,
+        with what the replay's probes saw. In a DDP run every rank gets here at the same step
+        (they check the same synchronized gradients), replays its own batch with gradient sync
+        off, and the ranks then share what they found."""
+        model = self._model()
+        step = self._step
+        if model is None or "nonfinite" not in self.options.families or not self._probes.runtime_on:
+            return False
+        if self._probes.sees_nonfinite:  # this step's own probes saw it happen
+            return False
+        if is_compiled(model):
+            self.replay_hint = "the model is compiled, and module hooks cannot see inside it, so it is not replayed"
+            return False
+        self.failures.run("report NaN/Inf gradients", lambda: self._on_nonfinite(finding, None), step)
+        started = time.perf_counter()
+        found: list[tuple[int, ProbeResult]] = []
+        self.failures.run(f"replay step {step}'s batch", lambda: found.extend(self._run_again(model)), step)
+        mine = None if not found else (found[0][0], found[0][1].offender.name, found[0][1].offender.phase)
+        ranks: list[Any] = [mine]
+        if world_size() > 1:  # every rank, whatever its replay did
+            ranks = []
+            self.failures.run("share the replay's findings between ranks",
+                              lambda: ranks.extend(gather_objects(mine, REPLAY_GATHER_TIMEOUT_S)), step)
+        rank = next((r for r, found_there in enumerate(ranks) if found_there is not None), None)
+        if rank is None:
+            if is_writer_rank():
+                self.failures.warn(
+                    f"layerwatch: step {step}'s batch, run again with every probe armed, made no NaN/Inf (the fault "
+                    "is outside what the replay runs, or does not happen again); the next step is sampled instead"
+                )
+            return False
+        index, name, phase = ranks[rank]
+        parts = ([f"micro-batch {index + 1} of {len(self._micro_batches)}"] if len(self._micro_batches) > 1 else []) + (
+            [f"rank {rank}'s batch"] if rank != 0 else [])
+        offender = Offender(name, phase, replayed_from=step, replayed_what=", ".join(parts))
+        result = found[0][1] if found else ProbeResult([], None)
+        result.offender = offender
+        sample = self._sample
+        if sample is None:
+            model_params = self._param_cache if self._param_cache is not None else self._layout.parameters(model)
+            sample = self._sample = _Sample(step, model_params, self._counter.count)
+            self._param_cache = sample.params
+        sample.replay = result
+        sample.overhead_s += time.perf_counter() - started
+        return True
+
+    def _run_again(self, model: nn.Module) -> list[tuple[int, ProbeResult]]:
+        """The micro-batches replayed in order until one's probes name an offender: its index
+        and their result (none found: empty). Leaves the model's state as it found it."""
+        params = [p for _, p in self._layout.parameters(model)]
+        saved = SavedState(model, copy_gradients=world_size() > 1)
+        try:
+            with gradient_sync_off(model, self._within):
+                for index, micro in enumerate(self._micro_batches):
+                    saved.clear_gradients()
+                    micro.rng.restore()
+                    self._probes.arm(model, params, self._step, writer=is_writer_rank(), structure=False)
+                    try:
+                        backward(micro.closure())
+                    finally:
+                        _, result = self._probes.take()
+                    if result is not None and result.offender is not None:
+                        return [(index, result)]
+            return []
+        finally:
+            saved.restore()
+
+    def _on_nonfinite(self, finding: Finding, sampled_step: Optional[int]) -> None:
+        """The sentinel's first hit: the step, and a warning saying what comes next: the
+        replay of that step (``sampled_step`` None), or every probe armed at ``sampled_step``."""
+        if not is_writer_rank():
+            return
         rec = R.StepRecord(finding.step)
         rec.scalars[R.FIRST_NONFINITE_STEP] = finding.step
         names = ", ".join(finding.tensors[:5]) + (f" and {len(finding.tensors) - 5} more" if len(finding.tensors) > 5 else "")
         where = f" in {names}" if names else " in gradient shards held by another rank"
         overflow = "" if finding.nan else " (or finite gradients whose norm passes ~1.8e19: an explosion)"
-        every = "every step" if self._sentinel is None or self._sentinel.rotation == 1 else (
-            f"each gradient at least every {self._sentinel.rotation} steps"
-        )
-        which = "the next step" if sampled_step == self._step + 1 else f"step {sampled_step}"
-        message = (
-            f"NaN/Inf gradients at step {finding.step} (the sentinel, {every}){where}{overflow}; "
-            f"{which} is sampled with every probe armed to find the first offender"
-        )
+        every = "every step" if self._rotation == 1 else f"each gradient at least every {self._rotation} steps"
+        if sampled_step is None:
+            then = "its batch is run again with every probe armed, before the optimizer step, to find the module that made it"
+        else:
+            which = "the next step" if sampled_step == self._step + 1 else f"step {sampled_step}"
+            then = (f"{which} is sampled with every probe armed; it shows what came after the fault, not the module that "
+                    f"made it ({self.replay_hint})")
+        message = f"NaN/Inf gradients at step {finding.step} (the sentinel, {every}){where}{overflow}; {then}"
         self._emit(rec)
         logger.warning("layerwatch: %s", message)
         self.failures.warn(f"layerwatch: {message}")
+
+    def _after_fault(self, sample: _Sample, offender: Offender) -> str:
+        """What an offender seen after an unreplayed fault is: never "the first offender"."""
+        uses = offender.phase == "forward" and any(
+            offender.name == ROOT or name.startswith(offender.name + ".") for name in sample.nonfinite_weights
+        )
+        if uses:
+            seen = f"first module to use a non-finite weight at step {sample.step}: {offender.name}"
+            how = "the optimizer carried it into the weights, so the module that made it is not known"
+        else:
+            seen = f"first module with a non-finite {offender.phase} output at step {sample.step}: {offender.name}"
+            how = f"step {sample.step} shows what came after it, which need not be where it began"
+        return f"{seen}. The fault happened at step {self._fault_step}, between samples; {how} ({self.replay_hint})"
 
     def _announce(self, step: int, alerts: list[Alert]) -> None:
         """New alerts to Python logging, one record each, and to warnings, one per step."""
@@ -590,3 +744,13 @@ class Engine:
             lines = "\n".join(f"  {a.kind} {a.name}: {a.message}" for a in alerts)
             self.failures.warn(f"layerwatch: {len(alerts)} new alert(s) at step {step}:\n{lines}")
 
+
+
+def nonfinite(params: Sequence[tuple[str, nn.Parameter]]) -> list[str]:
+    """The names of the parameters whose (local) values hold a NaN or Inf: one fused pass."""
+    named = [(name, local(p)) for name, p in params if p.numel() > 0]
+    out = []
+    for indices, norms in fused_norms([t.detach() for _, t in named]):
+        bad = (~torch.isfinite(norms)).nonzero().flatten().tolist()
+        out += [named[indices[i]][0] for i in bad]
+    return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any, Collection, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
 from torch import nn
@@ -79,9 +79,10 @@ class Inspector(Engine):
         sentinel: Check the gradients for NaN/Inf between samples (on a GPU all of them every
             step, on the CPU a rotating share; one fused reduction, read without stalling
             the device); on the first hit log
-            ``layerwatch/first_nonfinite_step``, warn, and sample the next step with every
-            probe armed. Pass ``optimizer=`` when a GradScaler may skip steps, so its
-            overflow steps are told apart from faults.
+            ``layerwatch/first_nonfinite_step``, warn, and replay that step's batch with every
+            probe armed when :meth:`replay_with` gave it (else sample the next step with every
+            probe armed: it shows what came after the fault). Pass ``optimizer=`` when a
+            GradScaler may skip steps, so its overflow steps are told apart from faults.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer,
@@ -149,6 +150,35 @@ class Inspector(Engine):
             self._attached.handles += optimizer_hooks(optimizer, before, after)
         self.begin_step(self.current_step)
         return self
+
+    def replay_with(self, closure: Callable[[], Any]) -> None:
+        """Let this step be replayed if its gradients go NaN/Inf. Call it before the step's
+        forward with a closure that computes the step's loss again from the same batch; call
+        it for each micro-batch when you accumulate gradients. Nothing is done with it unless
+        the sentinel finds NaN/Inf gradients at this step: then, in the optimizer's step
+        pre-hook (before the weights change), layerwatch runs the closure again with every
+        probe armed, calls ``backward()`` on the loss it returns, and names the module that
+        made the NaN (``layerwatch/first_offender``, "replayed from step N"). RNG states,
+        buffers, gradients and module modes are restored; the optimizer then steps as it
+        would have. The closure is dropped at :meth:`step`.
+
+        Example:
+            >>> for x, y in loader:  # doctest: +SKIP
+            ...     compute_loss = lambda: loss_fn(model(x), y)
+            ...     inspector.replay_with(compute_loss)
+            ...     loss = compute_loss()
+            ...     opt.zero_grad(); loss.backward(); opt.step()
+            ...     inspector.step()
+
+        Raises:
+            ValueError: the Inspector was made without ``optimizer=`` (the replay runs in its
+                step pre-hook).
+            TypeError: ``closure`` is not callable.
+        """
+        if self._optimizer is None:
+            raise ValueError("replay_with() needs Inspector(..., optimizer=opt): the replay runs in the optimizer's "
+                             "step pre-hook, after the backward and before the weights change")
+        super().replay_with(closure)
 
     def step(self) -> None:
         """Close the current step (after ``optimizer.step()``); open the next one."""

@@ -114,12 +114,17 @@ class NonfiniteSentinel:
         if not clean:
             self._pending.append((step, names, copies, stepped))
 
-    def poll(self) -> list[Finding]:
-        """The checks that have landed, oldest first, that found a NaN or Inf."""
+    def poll(self, wait: bool = False) -> list[Finding]:
+        """The checks that have landed, oldest first, that found a NaN or Inf. With ``wait``,
+        every check enqueued so far: on a GPU the host waits for them (a device sync)."""
         found = []
         while self._pending:
             step, names, copies, stepped = self._pending[0]
-            if any(event is not None and not event.query() for _, event in copies):
+            if wait:
+                for _, event in copies:
+                    if event is not None:
+                        event.synchronize()
+            elif any(event is not None and not event.query() for _, event in copies):
                 break
             self._pending.popleft()
             peaks = torch.cat([host for host, _ in copies])

@@ -46,11 +46,16 @@ class Offender:
 
     name: str
     phase: str  # "forward" or "backward"
+    replayed_from: Optional[int] = None  # found by running this step's batch again (see replay.py)
+    replayed_what: str = ""  # which part of it, when not all: "micro-batch 2 of 4", "rank 1's batch"
 
     def describe(self, step: int) -> str:
         what = "output" if self.phase == "forward" else "gradient with respect to its inputs (or parameters)"
         given = "inputs" if self.phase == "forward" else "gradient with respect to its outputs"
-        return f"step {step}, {self.phase}: {self.name} turned finite {given} into a non-finite {what}"
+        text = f"step {step}, {self.phase}: {self.name} turned finite {given} into a non-finite {what}"
+        if self.replayed_from is not None:
+            text += f" (replayed from step {self.replayed_from}{', ' + self.replayed_what if self.replayed_what else ''})"
+        return text
 
 
 @dataclass

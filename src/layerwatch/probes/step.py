@@ -39,9 +39,11 @@ class StepProbes:
         self.workspace = S.Workspace()  # kept from one sampled step to the next
         self._cuda_events: list[Any] = []  # the runtime probes' clock marks on a GPU, idem
 
-    def arm(self, model: nn.Module, parameters: Sequence[nn.Parameter], step: int, writer: bool = True) -> None:
-        """Arm this step's hooks: the layer table's (the first time, on the rank that writes)
-        and the runtime probes'."""
+    def arm(self, model: nn.Module, parameters: Sequence[nn.Parameter], step: int, writer: bool = True,
+            structure: bool = True) -> None:
+        """Arm this step's hooks: the layer table's (the first time, on the rank that writes,
+        unless ``structure`` is False) and the runtime probes'."""
+        writer = writer and structure
         if not ((self.structure_pending and writer) or self.runtime_on):
             return
         if is_compiled(model):
@@ -86,6 +88,11 @@ class StepProbes:
             modules, families=families, bins=self.bins, zeros=self.zeros, centered=self.centered, parameters=parameters,
             workspace=self.workspace, cuda_events=self._cuda_events,
         )
+
+    @property
+    def sees_nonfinite(self) -> bool:
+        """Whether this step's runtime probes are armed and flag NaN/Inf."""
+        return self._runtime is not None and "nonfinite" in self.families
 
     @property
     def hook_seconds(self) -> float:

@@ -1,0 +1,138 @@
+"""The replay: a step's batch run again, forward and backward, with every probe armed, before
+the optimizer applies the step, leaving no trace.
+
+A front door hands the engine each micro-batch of the open step as a closure that computes its
+loss again (:meth:`~layerwatch.engine.Engine.replay_with`), before that micro-batch's forward;
+the engine notes the RNG state it starts from (:class:`MicroBatch`). When the NaN sentinel
+finds non-finite gradients at that step, still before the optimizer step, the engine runs
+those micro-batches again in order, each from its own RNG state (the same dropout masks) and
+with fresh gradients, until one shows the first module that made a NaN or Inf.
+
+What a replay leaves as it found it (:class:`SavedState`):
+
+* the RNG states: torch's CPU generator and CUDA generators, Python's and NumPy's;
+* the buffers (BatchNorm running statistics): the tensors the modules hold, and their values;
+* the gradients: the tensors the parameters hold, and in a distributed run their values too
+  (DDP's ``gradient_as_bucket_view`` gradients share storage with what a synchronized
+  backward writes);
+* each module's mode (``training``).
+
+The optimizer then steps as it would have without layerwatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+
+@dataclass
+class RngState:
+    """torch's default CPU generator and, once CUDA is in use, every CUDA generator."""
+
+    cpu: torch.Tensor
+    cuda: Optional[list[torch.Tensor]]
+
+    @classmethod
+    def capture(cls) -> "RngState":
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        return cls(torch.get_rng_state(), cuda)
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of the open step: a closure that computes its loss again, and the RNG
+    state its forward began from."""
+
+    closure: Callable[[], Any]
+    rng: RngState
+
+
+class SavedState:
+    """What a replay may change, saved before it; :meth:`restore` puts it back."""
+
+    def __init__(self, model: nn.Module, copy_gradients: bool) -> None:
+        self.rng = RngState.capture()
+        self.python_rng = random.getstate()
+        self.numpy_rng = np.random.get_state()
+        self.modes = [(module, module.training) for module in model.modules()]
+        self.buffers = [
+            (module, name, buffer, buffer.detach().clone())
+            for module in model.modules() for name, buffer in module._buffers.items() if buffer is not None
+        ]
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.gradients = [
+            (p, p.grad, p.grad.detach().clone() if copy_gradients and p.grad is not None else None) for p in params
+        ]
+
+    def clear_gradients(self) -> None:
+        """Fresh gradients for a replayed backward: the saved ones are not accumulated into."""
+        for p, _, _ in self.gradients:
+            p.grad = None
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for module, name, buffer, value in self.buffers:
+                module._buffers[name] = buffer
+                buffer.copy_(value)
+            for p, grad, value in self.gradients:
+                p.grad = grad
+                if value is not None:
+                    grad.copy_(value)
+        for module, training in self.modes:
+            module.training = training
+        self.rng.restore()
+        random.setstate(self.python_rng)
+        np.random.set_state(self.numpy_rng)
+
+
+def loss_of(output: Any) -> Optional[torch.Tensor]:
+    """The loss a replay closure returned: a tensor, or the ``"loss"`` of a mapping (what a
+    LightningModule's ``training_step`` may return); None when there is none."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict):
+        return loss_of(output.get("loss"))
+    return None
+
+
+def backward(output: Any) -> None:
+    """The replayed backward of what a closure returned.
+
+    Raises:
+        TypeError: it returned no loss tensor that needs a gradient.
+    """
+    loss = loss_of(output)
+    if loss is None or not loss.requires_grad:
+        raise TypeError(
+            "the replay closure must return the loss (a tensor that requires grad, or a dict with a 'loss'), got "
+            f"{type(output).__name__}" + ("" if loss is None else " that requires no gradient")
+        )
+    loss.backward()
+
+
+@contextlib.contextmanager
+def gradient_sync_off(*models: Optional[nn.Module]) -> Iterator[None]:
+    """Inside: no ``DistributedDataParallel`` among ``models`` (and their submodules) reduces
+    gradients, so a replay on one rank issues no gradient collective."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    with contextlib.ExitStack() as stack:
+        seen: set[int] = set()
+        for model in models:
+            for module in () if model is None else model.modules():
+                if isinstance(module, DistributedDataParallel) and id(module) not in seen:
+                    seen.add(id(module))
+                    stack.enter_context(module.no_sync())
+        yield

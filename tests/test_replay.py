@@ -1,0 +1,261 @@
+"""The replay: a NaN that strikes between samples is traced to the module that made it, by
+running the bad step's batch again before the optimizer step, and training is left exactly
+as it would have been."""
+
+from __future__ import annotations
+
+import math
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from layerwatch import Inspector
+from layerwatch.replay import SavedState
+from layerwatch.schedule import at_steps
+
+FAULT_STEP = 7
+STEPS = 10
+
+
+class FaultAt(nn.Module):
+    """Identity, except at step ``step`` (as set in ``now`` by the loop): one value of its output
+    turns to NaN, its input finite. Set by step, not by call, so that a replay of that step
+    makes the NaN again."""
+
+    def __init__(self, step: int = FAULT_STEP) -> None:
+        super().__init__()
+        self.step, self.now = step, -1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.now != self.step:
+            return x
+        return x * torch.where(torch.arange(x.shape[-1]) == 0, math.nan, 1.0)
+
+
+class _NaNGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * math.nan
+
+
+class BackwardFaultAt(FaultAt):
+    """Identity in forward; at step ``step`` its backward returns NaN from a finite gradient."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _NaNGradient.apply(x) if self.now == self.step else x
+
+
+def make_model(fault: FaultAt) -> nn.Sequential:
+    """The issue's set-up: Linear, Tanh, Linear, Dropout, the fault, Tanh, BatchNorm, Linear."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Dropout(0.2), fault, nn.Tanh(),
+                         nn.BatchNorm1d(16), nn.Linear(16, 1))
+
+
+class FiniteSGD(torch.optim.Optimizer):
+    """Plain SGD that applies only the finite values of each gradient (the gradients stay as
+    they are): one bad batch leaves the weights finite, so the step after it is clean."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.nan_to_num(0.0, 0.0, 0.0), alpha=-group["lr"])
+
+
+def run(fault: FaultAt, *, inspect: bool = True, replay: bool = True, optimizer=torch.optim.SGD, log_dir=None,
+        steps: int = STEPS, closure_wrapper=None):
+    """Train with the fault; returns (losses as exact strings, final weights and buffers, RNG
+    states, the inspector's alerts, warnings)."""
+    model = make_model(fault)
+    opt = optimizer(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)) for _ in range(steps)]
+    random.seed(3)
+    np.random.seed(3)
+    losses, alerts = [], []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        inspector = Inspector(model, log_dir=log_dir, every_n_steps=50, optimizer=opt).start() if inspect else None
+        for k, (x, y) in enumerate(data):
+            fault.now = k
+
+            def compute_loss(x=x, y=y):
+                return nn.functional.mse_loss(model(x), y)
+
+            if inspector is not None and replay:
+                inspector.replay_with(compute_loss if closure_wrapper is None else closure_wrapper(compute_loss))
+            loss = compute_loss()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(repr(loss.item()))
+            if inspector is not None:
+                inspector.step()
+        if inspector is not None:
+            alerts = list(inspector.alerts)
+            inspector.finish()
+    state = [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
+    rng = (torch.get_rng_state(), random.getstate(), repr(np.random.get_state()))
+    return losses, state, rng, alerts, [str(w.message) for w in seen]
+
+
+def same_tensors(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(a, b))
+
+
+def offender_alerts(alerts):
+    return [a for a in alerts if a.kind == "nonfinite" and not a.message.startswith("NaN/Inf values")]
+
+
+def test_a_forward_nan_between_samples_is_named_by_replaying_its_step(tmp_path, events):
+    losses, _, _, alerts, said = run(FaultAt(), log_dir=tmp_path)
+    (alert,) = offender_alerts(alerts)
+    assert (alert.step, alert.name) == (FAULT_STEP, "4")
+    assert alert.message == ("first offender: step 7, forward: 4 turned finite inputs into a non-finite output "
+                             "(replayed from step 7)")
+    sentinel = [m for m in said if "the sentinel" in m]
+    assert len(sentinel) == 1 and "its batch is run again with every probe armed, before the optimizer step" in sentinel[0]
+    acc = events(tmp_path)
+    (text,) = acc.Tensors("layerwatch/first_offender/text_summary")
+    assert text.step == FAULT_STEP and "(replayed from step 7)" in text.tensor_proto.string_val[0].decode()
+    assert [(e.step, e.value) for e in acc.Scalars("layerwatch/first_nonfinite_step")] == [(7, 7.0)]
+    # the replayed step is recorded with what its probes saw
+    flags = {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"] if tag.startswith("nonfinite/")}
+    assert all(flags[f"nonfinite/{m}"][FAULT_STEP] == 1.0 for m in "01234567")  # forward from 4 on, backward all
+    assert losses[FAULT_STEP] == "nan"
+
+
+def test_a_one_batch_fault_is_named_though_the_step_after_it_is_clean():
+    *_, alerts, said = run(FaultAt(), optimizer=FiniteSGD)
+    (alert,) = offender_alerts(alerts)
+    assert (alert.step, alert.name) == (FAULT_STEP, "4") and "(replayed from step 7)" in alert.message
+    # without the replay the armed step is clean: nothing is named, and the warning says why
+    *_, alerts, said = run(FaultAt(), optimizer=FiniteSGD, replay=False)
+    assert offender_alerts(alerts) == []
+    (sentinel,) = [m for m in said if "the sentinel" in m]
+    assert "the next step is sampled with every probe armed; it shows what came after the fault" in sentinel
+    assert "Inspector.replay_with(closure)" in sentinel
+
+
+def test_without_a_replay_the_step_after_a_poisoning_fault_never_names_a_first_offender():
+    *_, alerts, _ = run(FaultAt(), replay=False)
+    (alert,) = offender_alerts(alerts)
+    assert (alert.step, alert.name) == (FAULT_STEP + 1, "0")
+    assert alert.message.startswith("first module to use a non-finite weight at step 8: 0. The fault happened at "
+                                    "step 7, between samples; the optimizer carried it into the weights")
+    assert "first offender" not in alert.message
+
+
+def test_a_nan_made_in_backward_is_named_as_a_backward_offender():
+    *_, alerts, _ = run(BackwardFaultAt())
+    (alert,) = offender_alerts(alerts)
+    assert (alert.step, alert.name) == (FAULT_STEP, "4")
+    assert alert.message.startswith("first offender: step 7, backward: 4 turned finite gradient with respect to its "
+                                    "outputs into a non-finite gradient")
+
+
+@pytest.mark.parametrize("fault", [FaultAt, BackwardFaultAt])
+def test_the_replay_leaves_losses_weights_buffers_and_rng_bitwise_unchanged(fault):
+    plain = run(fault(), inspect=False)
+    watched = run(fault())
+    assert offender_alerts(watched[3])  # the replay ran
+    assert watched[0] == plain[0]  # losses, the NaN steps included
+    assert same_tensors(watched[1], plain[1])  # weights, BatchNorm's running statistics and count
+    assert torch.equal(watched[2][0], plain[2][0]) and watched[2][1:] == plain[2][1:]  # torch, Python, NumPy RNG
+
+
+def test_a_grad_scaler_overflow_is_not_a_fault_and_is_not_replayed(tmp_path, events):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, backoff_factor=2.0**-60)
+    calls = []
+    with Inspector(model, log_dir=tmp_path, every_n_steps=50, optimizer=opt) as inspector:
+        for k in range(4):
+            x = torch.randn(16, 8)
+
+            def compute_loss(x=x):
+                calls.append(k)
+                return model(x).pow(2).mean() * 1e4
+
+            inspector.replay_with(compute_loss)
+            opt.zero_grad()
+            scaler.scale(compute_loss()).backward()
+            scaler.step(opt)  # step 0 overflows: skipped, so neither checked before the step nor replayed
+            scaler.update()
+            inspector.step()
+    assert scaler.get_scale() < 2.0**127  # the overflow did happen
+    assert calls == [0, 1, 2, 3]
+    assert "layerwatch/first_nonfinite_step" not in events(tmp_path).Tags()["scalars"]
+    assert inspector.alerts == []
+
+
+def test_a_replay_that_raises_is_warned_and_training_goes_on_unchanged():
+    def failing_on_replay(compute_loss):
+        def closure():
+            raise RuntimeError("the batch is gone")
+
+        return closure
+
+    plain = run(FaultAt(), inspect=False)
+    losses, state, _, alerts, said = run(FaultAt(), closure_wrapper=failing_on_replay)
+    assert losses == plain[0] and same_tensors(state, plain[1])
+    assert any("could not replay step 7's batch at step 7: RuntimeError('the batch is gone')" in m for m in said)
+    (alert,) = offender_alerts(alerts)  # what the step after it shows, said as such
+    assert alert.step == FAULT_STEP + 1 and alert.message.startswith("first module to use a non-finite weight")
+
+
+def test_a_fault_the_replay_does_not_make_again_is_said_so():
+    class Once(FaultAt):
+        def forward(self, x):
+            out = super().forward(x)
+            self.now = -1  # a fault that does not happen twice
+            return out
+
+    *_, alerts, said = run(Once())
+    assert any("step 7's batch, run again with every probe armed, made no NaN/Inf" in m for m in said)
+    assert all("first offender" not in a.message for a in alerts)
+
+
+def test_replay_with_needs_the_optimizer_and_a_callable(tmp_path):
+    model = nn.Linear(2, 1)
+    with Inspector(model, log_dir=tmp_path) as inspector:
+        with pytest.raises(ValueError, match=r"replay_with\(\) needs Inspector\(\.\.\., optimizer=opt\)"):
+            inspector.replay_with(lambda: model(torch.ones(1, 2)).sum())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Inspector(model, log_dir=tmp_path, optimizer=opt) as inspector:
+        with pytest.raises(TypeError, match="closure must be callable, got Tensor"):
+            inspector.replay_with(torch.ones(1))
+
+
+def test_the_saved_state_restores_reassigned_buffers_gradients_modes_and_every_rng():
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    model(torch.randn(4, 2)).sum().backward()
+    grad = model[0].weight.grad
+    before = (torch.get_rng_state(), random.getstate(), repr(np.random.get_state()), model[1].running_mean.clone())
+    buffer = model[1].running_mean
+    saved = SavedState(model, copy_gradients=True)
+    saved.clear_gradients()
+    model[1].running_mean = torch.zeros(2)  # a module that swaps its buffer
+    buffer.add_(5.0)
+    model.eval()
+    model(torch.randn(4, 2)).sum().backward()
+    torch.rand(3), random.random(), np.random.rand()
+    saved.restore()
+    assert model[1].running_mean is buffer and torch.equal(buffer, before[3])
+    assert model[0].weight.grad is grad and model.training and model[1].training
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    assert repr(np.random.get_state()) == before[2]
