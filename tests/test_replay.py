@@ -259,3 +259,105 @@ def test_the_saved_state_restores_reassigned_buffers_gradients_modes_and_every_r
     assert model[0].weight.grad is grad and model.training and model[1].training
     assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
     assert repr(np.random.get_state()) == before[2]
+
+
+# ---------------------------------------------------------------------- Lightning
+
+L = pytest.importorskip("lightning.pytorch")
+
+
+class FaultyModule(L.LightningModule):
+    """The issue's model under Lightning: ``fault`` makes a NaN at global step ``FAULT_STEP``
+    (on the micro-batches with ``batch_idx % accumulate == faulty_micro``)."""
+
+    def __init__(self, accumulate: int = 1, faulty_micro: int = 0, manual: bool = False) -> None:
+        super().__init__()
+        self.fault = FaultAt()
+        self.body = make_model(self.fault)
+        self.accumulate, self.faulty_micro = accumulate, faulty_micro
+        self.automatic_optimization = not manual
+        self.losses: list[str] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        at_fault = batch_idx % self.accumulate == self.faulty_micro
+        self.fault.now = self.global_step if at_fault else -1
+        loss = nn.functional.mse_loss(self.body(x), y)
+        self.log("batches_logged", 1.0, on_step=False, on_epoch=True, reduce_fx="sum")
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.losses.append(repr(outputs["loss"].item()))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def fit(callback=None, *, accumulate: int = 1, faulty_micro: int = 0, manual: bool = False):
+    L.seed_everything(0, verbose=False)
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(32 * STEPS * accumulate, 8, generator=g),
+                                          torch.randn(32 * STEPS * accumulate, 1, generator=g))
+    module = FaultyModule(accumulate, faulty_micro, manual)
+    trainer = L.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, callbacks=[callback] if callback else [],
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, accumulate_grad_batches=1 if manual else accumulate)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=32))
+    state = [t.detach().clone() for t in list(module.parameters()) + list(module.buffers())]
+    return module.losses, state, float(trainer.callback_metrics["batches_logged"]), [str(w.message) for w in seen]
+
+
+def test_lightning_replays_the_bad_step_and_leaves_training_and_its_logs_unchanged(tmp_path):
+    from layerwatch import InspectCallback
+
+    plain = fit()
+    callback = InspectCallback(every_n_steps=50)
+    watched = fit(callback)
+    (alert,) = offender_alerts(callback.alerts)
+    assert (alert.step, alert.name) == (FAULT_STEP, "fault")
+    assert alert.message == ("first offender: step 7, forward: fault turned finite inputs into a non-finite output "
+                             "(replayed from step 7)")
+    assert watched[0] == plain[0] and same_tensors(watched[1], plain[1])
+    assert watched[2] == plain[2] == STEPS  # the replay's self.log calls were dropped
+
+
+def test_lightning_with_gradient_accumulation_names_the_micro_batch_that_made_it():
+    from layerwatch import InspectCallback
+
+    plain = fit(accumulate=2, faulty_micro=1)
+    callback = InspectCallback(every_n_steps=50)
+    watched = fit(callback, accumulate=2, faulty_micro=1)
+    (alert,) = offender_alerts(callback.alerts)
+    assert (alert.step, alert.name) == (FAULT_STEP, "fault")
+    assert alert.message.endswith("(replayed from step 7, micro-batch 2 of 2)")
+    assert watched[0] == plain[0] and same_tensors(watched[1], plain[1])
+
+
+def test_lightning_manual_optimization_is_not_replayed_and_says_why():
+    from layerwatch import InspectCallback
+
+    plain = fit(manual=True)
+    callback = InspectCallback(every_n_steps=50)
+    watched = fit(callback, manual=True)
+    assert watched[0] == plain[0] and same_tensors(watched[1], plain[1])
+    (alert,) = offender_alerts(callback.alerts)
+    assert alert.step == FAULT_STEP + 1 and alert.message.startswith("first module to use a non-finite weight at step 8")
+    assert "under manual optimization training_step steps the optimizers itself" in alert.message
+
+
+def test_lightning_replay_can_be_turned_off():
+    from layerwatch import InspectCallback
+
+    callback = InspectCallback(every_n_steps=50, replay=False)
+    fit(callback)
+    (alert,) = offender_alerts(callback.alerts)
+    assert alert.step == FAULT_STEP + 1 and "InspectCallback(replay=False)" in alert.message
+    with pytest.raises(TypeError, match="replay must be a bool, got str"):
+        InspectCallback(replay="yes")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import os
 import sys
 from typing import Any, Callable, Collection, ContextManager, Optional, Sequence
@@ -83,7 +84,17 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
             (qualified names; the LightningModule itself is ``"(root)"``) or types.
         sentinel: Check the gradients for NaN/Inf between samples (on a GPU all of them every
             step, on the CPU a rotating share) and, on the first hit, log
-            ``layerwatch/first_nonfinite_step`` and sample the next step with every probe.
+            ``layerwatch/first_nonfinite_step`` and find the module that made it.
+        replay: On the sentinel's first hit, run that step's batch again (``training_step``,
+            then backward) with every probe armed, before the optimizer step, so the first
+            offender is the module that made the NaN, not merely the first to use a poisoned
+            weight a step later. With gradient accumulation, each micro-batch of the step in
+            turn. It leaves RNG states, buffers, gradients and modes as they were, and drops
+            the replay's ``self.log`` calls. On a GPU it makes the sentinel's read a device
+            sync before each optimizer step; ``replay=False`` keeps it a step later, without
+            a replay. Not with manual optimization (its ``training_step`` steps the optimizers
+            itself), under a GradScaler (its skipped steps are not faults), or with sharded
+            parameters (the ranks agree on a finding a step later).
 
     Use one InspectCallback per Trainer: Lightning refuses a second one (or the same
     object twice) when the Trainer is built, because their checkpoint states would collide.
@@ -104,9 +115,14 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         alerts: AlertRules | bool = True,
         modules: Optional[ModuleFilter] = None,
         sentinel: bool = True,
+        replay: bool = True,
     ) -> None:
         super().__init__()
+        if not isinstance(replay, bool):
+            raise TypeError(f"replay must be a bool, got {type(replay).__name__}")
         self._options = options_from(locals())
+        self._replay = replay
+        self._replaying = False  # this run's steps can be replayed
         self._engine: Optional[Engine] = None
         self._alerts: list[Alert] = []
         self._last_written_step = -1
@@ -151,7 +167,17 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
             return
         self._engine.start(within=getattr(trainer.strategy, "model", None))  # strategy="fsdp" wraps pl_module itself
         self._engine.track_optimizers(trainer.optimizers)
+        self._replaying = self._replay and pl_module.automatic_optimization and _scaler(trainer) is None
+        if not self._replay:
+            self._engine.replay_hint = "InspectCallback(replay=False) turned the replay of the bad step off"
+        elif not pl_module.automatic_optimization:
+            self._engine.replay_hint = ("under manual optimization training_step steps the optimizers itself, so "
+                                        "layerwatch cannot run it again")
         self._begin(trainer.global_step)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._engine is not None and self._replaying:
+            self._engine.replay_with(functools.partial(_training_step_again, trainer, pl_module, batch, batch_idx))
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self._engine is not None:
@@ -195,6 +221,33 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         if self._engine is not None:
             self._engine.finish()
             self._engine = None
+
+
+def _scaler(trainer: Any) -> Any:
+    """The GradScaler of the Trainer's precision plugin ("16-mixed"), or None."""
+    return getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+
+
+def _training_step_again(trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> Any:
+    """``training_step`` on ``batch`` again, as the Trainer calls it (its precision context;
+    ``batch_idx`` when it takes one), its ``self.log`` calls dropped: the replay is not a step."""
+    step = pl_module.training_step
+    parameters = inspect.signature(step).parameters.values()
+    takes_index = len(parameters) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
+    with _logging_dropped(pl_module), trainer.precision_plugin.train_step_context():
+        return step(batch, batch_idx) if takes_index else step(batch)
+
+
+@contextlib.contextmanager
+def _logging_dropped(pl_module: Any) -> Any:
+    def drop(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    pl_module.log = pl_module.log_dict = drop  # instance attributes shadow the methods
+    try:
+        yield
+    finally:
+        del pl_module.log, pl_module.log_dict
 
 
 def _progress_bar_pause(trainer: Any) -> Callable[[], ContextManager[object]]:
