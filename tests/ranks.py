@@ -86,6 +86,14 @@ def run_ranks(fn: Callable[..., Any], *args: Any, tmp: Path, world: int = 2, tim
             raise
 
 
+def check_collectives_from_here() -> None:
+    """``TORCH_DISTRIBUTED_DEBUG=DETAIL`` for the process groups made from now on (layerwatch's
+    own), in a rank started with ``debug="INFO"``: torch 2.13's ``DistributedDataParallel``
+    constructor crashes under DETAIL, so a DDP test builds its model first, then calls this."""
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    dist.set_debug_level_from_env()
+
+
 def run_python(code: str, *, timeout: float = JOIN_TIMEOUT_S) -> str:
     """``code`` in a new Python process, with ``tests/`` on its path, in a session of its own so
     that every process it starts (Lightning's ``ddp_spawn`` ranks) goes with it; fails the test

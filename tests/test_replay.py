@@ -361,3 +361,64 @@ def test_lightning_replay_can_be_turned_off():
     assert alert.step == FAULT_STEP + 1 and "InspectCallback(replay=False)" in alert.message
     with pytest.raises(TypeError, match="replay must be a bool, got str"):
         InspectCallback(replay="yes")
+
+
+# ---------------------------------------------------------------------- DDP
+
+
+def ddp_worker(rank: int, world: int, out: str, inspected: bool) -> None:
+    """The fault strikes on rank 1 only. Every rank checks the same synchronized gradients, so
+    every rank replays, its own batch, and rank 0 writes what rank 1 found."""
+    import json
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ranks import check_collectives_from_here
+
+    fault = FaultAt(FAULT_STEP if rank == 1 else -5)
+    model = make_model(fault)
+    ddp = DistributedDataParallel(model)
+    check_collectives_from_here()  # every group layerwatch makes from here on is checked
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(10 + rank)
+    inspector = Inspector(model, log_dir=f"{out}/run", every_n_steps=50, optimizer=opt).start() if inspected else None
+    losses = []
+    for k in range(STEPS):
+        fault.now = k
+        x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
+
+        def compute_loss(x=x, y=y):
+            return nn.functional.mse_loss(ddp(x), y)
+
+        if inspector is not None:
+            inspector.replay_with(compute_loss)
+        loss = compute_loss()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(repr(loss.item()))
+        if inspector is not None:
+            inspector.step()
+    alerts = [] if inspector is None else [[a.step, a.name, a.message] for a in inspector.alerts]
+    if inspector is not None:
+        inspector.finish()
+    weights = [repr(v) for p in model.state_dict().values() for v in p.flatten().tolist()]
+    with open(f"{out}/rank{rank}-{int(inspected)}.json", "w") as f:
+        json.dump({"losses": losses, "weights": weights, "alerts": alerts}, f)
+
+
+def test_under_ddp_every_rank_replays_and_rank_0_names_another_ranks_offender(tmp_path):
+    import json
+
+    from ranks import run_ranks
+
+    for inspected in (False, True):
+        run_ranks(ddp_worker, str(tmp_path), inspected, tmp=tmp_path, debug="INFO")
+    result = {(r, i): json.loads((tmp_path / f"rank{r}-{i}.json").read_text()) for r in (0, 1) for i in (0, 1)}
+    for rank in (0, 1):
+        assert result[rank, 1]["losses"] == result[rank, 0]["losses"]
+        assert result[rank, 1]["weights"] == result[rank, 0]["weights"]
+    offenders = [a for a in result[0, 1]["alerts"] if "offender" in a[2]]
+    assert offenders == [[FAULT_STEP, "4", "first offender: step 7, forward: 4 turned finite inputs into a non-finite "
+                                           "output (replayed from step 7, rank 1's batch)"]]
+    assert result[1, 1]["alerts"] == []  # rank 0 alone reports
