@@ -16,7 +16,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on the PATH (apt-get install chromium)")
 
-INJECT = 40  # the demo's NaN, from encoder.fault
+INJECT = 43  # the demo's NaN, from encoder.fault, between samples: found by replaying step 43
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,8 @@ def test_the_tab_is_listed_and_its_heatmap_has_a_row_per_layer(browser, server, 
     assert heatmap.get_attribute("data-first-nonfinite-step") == str(INJECT)
     events = frame.locator("#lw-alerts").inner_text()
     assert "encoder.fault" in events
+    offender = frame.locator(".lw-event-offender").inner_text()
+    assert "encoder.fault" in offender and f"@ step {INJECT}" in offender and f"replayed from step {INJECT}" in offender
     assert float(frame.evaluate("() => document.body.dataset.heatmapMs")) > 0
     page.screenshot(path=str(tmp_path / "layer-view.png"))
     page.close()

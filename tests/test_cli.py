@@ -14,19 +14,22 @@ def test_demo_writes_logs_and_names_the_layer_that_injected_a_nan(tmp_path, even
     assert main(["demo", "--steps", "40", "--every", "10", "--logdir", str(log_dir), "--inject-nan", "25"]) == 0
     out = capsys.readouterr().out
     assert f"tensorboard --logdir {log_dir}" in out
-    assert ("a NaN was injected at step 25 by layer encoder.fault (its first unit's output); layerwatch's first "
-            "offender: step 25, forward: encoder.fault turned finite inputs into a non-finite output") in out
+    assert ("a NaN was injected at step 25 (between samples) by layer encoder.fault (its first unit's output); "
+            "layerwatch's first offender: step 25, forward: encoder.fault turned finite inputs into a non-finite output "
+            "(replayed from step 25)") in out
     acc = events(log_dir / "demo" / "version_0")
     assert "train/loss" in acc.Tags()["scalars"]  # the module's own metrics, same run
     # Read after step 25's update: Adam spread the NaN into every weight.
-    assert {e.step for e in acc.Scalars("weights_nonfinite/encoder.0.weight") if e.value > 0} == {25, 26, 30}
-    # Step 25 is sampled as well as every 10th; the sentinel saw its NaN gradients and had step 26 sampled too.
+    assert {e.step for e in acc.Scalars("weights_nonfinite/encoder.0.weight") if e.value > 0} == {25, 30}
+    # Step 25 is not scheduled: the sentinel saw its NaN gradients before Adam's step, and its batch was
+    # replayed; the step is recorded with what the replay's probes saw, and no later step is forced.
     assert [(e.step, e.value) for e in acc.Scalars("layerwatch/first_nonfinite_step")] == [(25, 25.0)]
-    assert [e.step for e in acc.Scalars("layerwatch/grad_norm")] == [0, 10, 20, 25, 26, 30]
+    assert [e.step for e in acc.Scalars("layerwatch/grad_norm")] == [0, 10, 20, 25, 30]
+    assert {e.step: e.value for e in acc.Scalars("nonfinite/encoder.fault")}[25] == 1.0
     (offender,) = acc.Tensors("layerwatch/first_offender/text_summary")
     assert offender.step == 25
     assert offender.tensor_proto.string_val[0].decode() == (
-        "step 25, forward: encoder.fault turned finite inputs into a non-finite output"
+        "step 25, forward: encoder.fault turned finite inputs into a non-finite output (replayed from step 25)"
     )
     alerts = acc.Tensors("layerwatch/alerts/text_summary")[-1].tensor_proto.string_val[0].decode()
     assert "| nonfinite | encoder.fault | 25 | first offender" in alerts
@@ -35,6 +38,7 @@ def test_demo_writes_logs_and_names_the_layer_that_injected_a_nan(tmp_path, even
     assert main(["report", str(log_dir)]) == 0
     report = capsys.readouterr().out
     assert "nonfinite  encoder.fault: first offender: step 25" in report and "First non-finite: step 25 in" in report
+    assert "(replayed from step 25)" in report
 
 
 def test_the_demo_fault_layer_is_the_identity_until_it_fires():

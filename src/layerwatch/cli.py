@@ -42,7 +42,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     demo.add_argument("--every", type=_positive, default=50, help="sample every N steps (default 50)")
     demo.add_argument(
         "--inject-nan", type=_step, default=None, metavar="STEP",
-        help="make the layer encoder.fault emit a NaN at STEP (0 to --steps - 1); that step is sampled too",
+        help="make the layer encoder.fault emit a NaN at STEP (0 to --steps - 1); layerwatch replays that step to name it",
     )
     summary = commands.add_parser(
         "summary",

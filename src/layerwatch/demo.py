@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -24,7 +23,6 @@ except ImportError:  # the older package name
 
 from layerwatch.lightning import InspectCallback
 from layerwatch.options import writable_dir
-from layerwatch.schedule import Schedule
 
 FAULT = "encoder.fault"  # the layer that emits the injected NaN
 
@@ -96,18 +94,15 @@ def check_demo_options(steps: int, every: int, inject_nan: Optional[int]) -> Non
         )
 
 
-def _every_and(every: int, extra: int, step: int) -> bool:
-    return step % every == 0 or step == extra
-
-
 def run_demo(steps: int = 8000, log_dir: str = "runs/layerwatch-demo", every: int = 50,
              inject_nan: Optional[int] = None, batch: int = 128) -> Path:
     """Train ``DemoModule`` for ``steps`` optimizer steps; returns the run directory.
 
-    With ``inject_nan``, that step is sampled too: its probes see ``encoder.fault`` turn
-    finite inputs into NaN. (The sentinel's own sample, the step after, comes too late to
-    name it: Adam has spread the NaN into every weight, so the first layer is the first to
-    use one.)
+    With ``inject_nan``, that step need not be sampled: the NaN sentinel sees its gradients
+    go NaN before Adam's step, the callback runs the step's batch again with every probe
+    armed, and ``encoder.fault`` is named as the first offender, "replayed from step N". (The
+    step after it could not tell: Adam has spread the NaN into every weight by then, so the
+    first layer is merely the first to use one.)
 
     Raises:
         ValueError: a bad ``steps``, ``every`` or ``inject_nan`` (see :func:`check_demo_options`),
@@ -115,12 +110,7 @@ def run_demo(steps: int = 8000, log_dir: str = "runs/layerwatch-demo", every: in
     """
     check_demo_options(steps, every, inject_nan)
     writable_dir(log_dir)
-    if inject_nan is None:
-        callback = InspectCallback(every_n_steps=every)
-    else:
-        callback = InspectCallback(
-            schedule=Schedule(partial(_every_and, every, inject_nan), f"every_n_steps({every}) and step {inject_nan}")
-        )
+    callback = InspectCallback(every_n_steps=every)
     L.seed_everything(0, verbose=False)
     loader = DataLoader(make_data(20_000), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(0))
     logger = TensorBoardLogger(log_dir, name="demo")
@@ -141,8 +131,9 @@ def run_demo(steps: int = 8000, log_dir: str = "runs/layerwatch-demo", every: in
     if inject_nan is not None:
         found = next((a.message for a in callback.alerts if a.message.startswith("first offender")),
                      "first offender: none found")
-        print(f"a NaN was injected at step {inject_nan} by layer {FAULT} (its first unit's output); layerwatch's "
-              f"{found}. See the LAYERWATCH tab, the layerwatch/first_offender text, "
+        sampled = "a sampled step" if inject_nan % every == 0 else "between samples"
+        print(f"a NaN was injected at step {inject_nan} ({sampled}) by layer {FAULT} (its first unit's output); "
+              f"layerwatch's {found}. See the LAYERWATCH tab, the layerwatch/first_offender text, "
               "layerwatch/first_nonfinite_step, and the grads_nonfinite/ and weights_nonfinite/ cards")
     print(f"view them with:\n  tensorboard --logdir {log_dir}\n(the LAYERWATCH tab shows every layer at every "
           f"sampled step)\nor summarize them (alerts, extreme norms) with:\n  layerwatch report {log_dir}")

@@ -106,7 +106,7 @@ def record_events(record: R.StepRecord) -> dict[str, Any]:
     if record.offender is not None:
         events["first_offender"] = {
             "layer": record.offender.name, "step": record.step, "phase": record.offender.phase,
-            "text": record.offender.describe(record.step),
+            "text": record.offender.describe(record.step), "replayed_from": record.offender.replayed_from,
         }
     if R.FIRST_NONFINITE_STEP in record.scalars:
         events["first_nonfinite_step"] = int(record.scalars[R.FIRST_NONFINITE_STEP])

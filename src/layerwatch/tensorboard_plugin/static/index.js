@@ -922,7 +922,10 @@ function renderEvents(container, events, onSelect) {
         `First NaN/Inf gradients at step ${events.first_nonfinite_step}`),
     ...(offender ? [el('div', {class: 'lw-event lw-event-offender'},
       el('div', {}, 'First offender: ', layerLink(offender.layer), ` @ step ${offender.step}`,
-        offender.phase ? ` (${offender.phase})` : ''),
+        offender.phase ? ` (${offender.phase})` : '',
+        offender.replayed_from != null ? el('span', {class: 'lw-badge lw-badge-replayed',
+          title: 'found by running this step\'s batch again with every probe armed, before the optimizer step'},
+        `replayed from step ${offender.replayed_from}`) : ''),
       offender.text && el('div', {class: 'lw-muted lw-small'}, offender.text))] : []),
     el('div', {class: 'lw-subhead'}, `Alerts (${alerts.length})`),
     el('ul', {id: 'lw-alerts', class: 'lw-alerts'},
@@ -1672,6 +1675,7 @@ code { font-family: "Roboto Mono", ui-monospace, monospace; font-size: 12px; bac
 .lw-block-size { color: var(--lw-muted); font-size: 11px; }
 .lw-badge { font-size: 10px; line-height: 14px; padding: 0 5px; border-radius: 7px; flex: none; }
 .lw-badge-offender { background: var(--lw-accent); color: #fff; }
+.lw-badge-replayed { margin-left: 6px; border: 1px solid var(--lw-accent); color: var(--lw-accent); }
 .lw-badge-alert { color: #424242; border: 1px solid #9e9e9e; }
 .lw-hm-axis { position: relative; height: 18px; font-size: 11px; color: var(--lw-muted); }
 .lw-tick { position: absolute; top: 3px; transform: translateX(-50%); white-space: nowrap; }
