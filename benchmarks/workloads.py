@@ -127,6 +127,7 @@ def _make_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[[
         opt.step()
         return loss.detach()
 
+    step.loss_fn = loss_fn  # the forward and loss alone (what a replay runs again)
     return step
 
 

@@ -50,3 +50,12 @@ def test_a_short_overhead_run_reports_consistent_figures(benchmarks):
     assert r["reported_overhead_ms"] > 0  # the second sample's: the first also records the layer table
     assert math.isclose(r["sampled_delta_ms"], r["sampled_ms"] - r["base_ms"], rel_tol=1e-9, abs_tol=1e-9)
     assert r["bytes_per_sampled_step"] > 0 and r["bytes_per_histogram"] > 0
+
+
+def test_a_short_replay_benchmark_names_the_module_and_reports_ratios(benchmarks):
+    from replay import run
+
+    r = run("stack32", rounds=1, steps=1)
+    assert r["device"].startswith("cpu") and r["base_ms"] > 0
+    assert r["sentinel_ratio"] > 0 and r["replay_ratio"] > 0 and r["replay_step_ms"] > 0
+    assert r["replay_named"]  # the NaN weight's first user, found by the replay

@@ -33,7 +33,7 @@ class FaultAt(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.now != self.step:
             return x
-        return x * torch.where(torch.arange(x.shape[-1]) == 0, math.nan, 1.0)
+        return x * torch.where(torch.arange(x.shape[-1], device=x.device) == 0, math.nan, 1.0)
 
 
 class _NaNGradient(torch.autograd.Function):
