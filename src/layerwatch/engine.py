@@ -714,6 +714,8 @@ class Engine:
         every = "every step" if self._rotation == 1 else f"each gradient at least every {self._rotation} steps"
         if sampled_step is None:
             then = "its batch is run again with every probe armed, before the optimizer step, to find the module that made it"
+        elif finding.step == self._step and self._probes.sees_nonfinite:
+            then = "this step is sampled with every probe armed, so they name the module that made it"
         else:
             which = "the next step" if sampled_step == self._step + 1 else f"step {sampled_step}"
             then = (f"{which} is sampled with every probe armed; it shows what came after the fault, not the module that "

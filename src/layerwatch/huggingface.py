@@ -112,6 +112,8 @@ class InspectTrainerCallback(TrainerCallback):
                 target = {"log_dir": self.log_dir}
                 print(f"layerwatch: no TensorBoardCallback (report_to=['tensorboard']); writing TensorBoard logs to {self.log_dir}")
         self._engine = Engine(model, self._options, **target)
+        self._engine.replay_hint = ("the Hugging Face Trainer hands its callbacks no batch, so the bad step is not "
+                                    "replayed; see docs/huggingface.md")
         self._alerts = self._engine.alerts
         self._engine.start()
 
