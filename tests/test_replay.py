@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+import tempfile
 import warnings
 
 import numpy as np
@@ -88,6 +89,7 @@ def run(fault: FaultAt, *, inspect: bool = True, replay: bool = True, optimizer=
     losses, alerts = [], []
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
+        log_dir = log_dir or tempfile.mkdtemp()
         inspector = Inspector(model, log_dir=log_dir, every_n_steps=50, optimizer=opt).start() if inspect else None
         for k, (x, y) in enumerate(data):
             fault.now = k
@@ -298,14 +300,14 @@ class FaultyModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def fit(callback=None, *, accumulate: int = 1, faulty_micro: int = 0, manual: bool = False):
+def fit(root, callback=None, *, accumulate: int = 1, faulty_micro: int = 0, manual: bool = False):
     L.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(32 * STEPS * accumulate, 8, generator=g),
                                           torch.randn(32 * STEPS * accumulate, 1, generator=g))
     module = FaultyModule(accumulate, faulty_micro, manual)
     trainer = L.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, callbacks=[callback] if callback else [],
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        logger=False, default_root_dir=str(root), enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, accumulate_grad_batches=1 if manual else accumulate)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -317,9 +319,9 @@ def fit(callback=None, *, accumulate: int = 1, faulty_micro: int = 0, manual: bo
 def test_lightning_replays_the_bad_step_and_leaves_training_and_its_logs_unchanged(tmp_path):
     from layerwatch import InspectCallback
 
-    plain = fit()
+    plain = fit(tmp_path)
     callback = InspectCallback(every_n_steps=50)
-    watched = fit(callback)
+    watched = fit(tmp_path, callback)
     (alert,) = offender_alerts(callback.alerts)
     assert (alert.step, alert.name) == (FAULT_STEP, "fault")
     assert alert.message == ("first offender: step 7, forward: fault turned finite inputs into a non-finite output "
@@ -328,35 +330,35 @@ def test_lightning_replays_the_bad_step_and_leaves_training_and_its_logs_unchang
     assert watched[2] == plain[2] == STEPS  # the replay's self.log calls were dropped
 
 
-def test_lightning_with_gradient_accumulation_names_the_micro_batch_that_made_it():
+def test_lightning_with_gradient_accumulation_names_the_micro_batch_that_made_it(tmp_path):
     from layerwatch import InspectCallback
 
-    plain = fit(accumulate=2, faulty_micro=1)
+    plain = fit(tmp_path, accumulate=2, faulty_micro=1)
     callback = InspectCallback(every_n_steps=50)
-    watched = fit(callback, accumulate=2, faulty_micro=1)
+    watched = fit(tmp_path, callback, accumulate=2, faulty_micro=1)
     (alert,) = offender_alerts(callback.alerts)
     assert (alert.step, alert.name) == (FAULT_STEP, "fault")
     assert alert.message.endswith("(replayed from step 7, micro-batch 2 of 2)")
     assert watched[0] == plain[0] and same_tensors(watched[1], plain[1])
 
 
-def test_lightning_manual_optimization_is_not_replayed_and_says_why():
+def test_lightning_manual_optimization_is_not_replayed_and_says_why(tmp_path):
     from layerwatch import InspectCallback
 
-    plain = fit(manual=True)
+    plain = fit(tmp_path, manual=True)
     callback = InspectCallback(every_n_steps=50)
-    watched = fit(callback, manual=True)
+    watched = fit(tmp_path, callback, manual=True)
     assert watched[0] == plain[0] and same_tensors(watched[1], plain[1])
     (alert,) = offender_alerts(callback.alerts)
     assert alert.step == FAULT_STEP + 1 and alert.message.startswith("first module to use a non-finite weight at step 8")
     assert "under manual optimization training_step steps the optimizers itself" in alert.message
 
 
-def test_lightning_replay_can_be_turned_off():
+def test_lightning_replay_can_be_turned_off(tmp_path):
     from layerwatch import InspectCallback
 
     callback = InspectCallback(every_n_steps=50, replay=False)
-    fit(callback)
+    fit(tmp_path, callback)
     (alert,) = offender_alerts(callback.alerts)
     assert alert.step == FAULT_STEP + 1 and "InspectCallback(replay=False)" in alert.message
     with pytest.raises(TypeError, match="replay must be a bool, got str"):
