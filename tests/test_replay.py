@@ -280,11 +280,14 @@ class FaultyModule(L.LightningModule):
         self.automatic_optimization = not manual
         self.losses: list[str] = []
 
-    def training_step(self, batch, batch_idx):
+    def loss_of(self, batch, batch_idx):
         x, y = batch
         at_fault = batch_idx % self.accumulate == self.faulty_micro
         self.fault.now = self.global_step if at_fault else -1
-        loss = nn.functional.mse_loss(self.body(x), y)
+        return nn.functional.mse_loss(self.body(x), y)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss_of(batch, batch_idx)
         self.log("batches_logged", 1.0, on_step=False, on_epoch=True, reduce_fx="sum")
         if not self.automatic_optimization:
             opt = self.optimizers()
@@ -352,6 +355,19 @@ def test_lightning_manual_optimization_is_not_replayed_and_says_why(tmp_path):
     (alert,) = offender_alerts(callback.alerts)
     assert alert.step == FAULT_STEP + 1 and alert.message.startswith("first module to use a non-finite weight at step 8")
     assert "under manual optimization training_step steps the optimizers itself" in alert.message
+    assert "InspectCallback(replay=fn)" in alert.message
+
+
+def test_lightning_manual_optimization_is_replayed_with_the_loss_function_given(tmp_path):
+    from layerwatch import InspectCallback
+
+    plain = fit(tmp_path, manual=True)
+    callback = InspectCallback(every_n_steps=50, replay=lambda module, batch, batch_idx: module.loss_of(batch, batch_idx))
+    watched = fit(tmp_path, callback, manual=True)
+    assert watched[0] == plain[0] and same_tensors(watched[1], plain[1]) and watched[2] == plain[2]
+    (alert,) = offender_alerts(callback.alerts)
+    assert alert.message == ("first offender: step 7, forward: fault turned finite inputs into a non-finite output "
+                             "(replayed from step 7)")
 
 
 def test_lightning_replay_can_be_turned_off(tmp_path):
@@ -361,7 +377,7 @@ def test_lightning_replay_can_be_turned_off(tmp_path):
     fit(tmp_path, callback)
     (alert,) = offender_alerts(callback.alerts)
     assert alert.step == FAULT_STEP + 1 and "InspectCallback(replay=False)" in alert.message
-    with pytest.raises(TypeError, match="replay must be a bool, got str"):
+    with pytest.raises(TypeError, match=r"replay must be a bool or a callable \(module, batch, batch_idx\) -> loss, got str"):
         InspectCallback(replay="yes")
 
 

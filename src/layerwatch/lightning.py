@@ -92,9 +92,11 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
             turn. It leaves RNG states, buffers, gradients and modes as they were, and drops
             the replay's ``self.log`` calls. On a GPU it makes the sentinel's read a device
             sync before each optimizer step; ``replay=False`` keeps it a step later, without
-            a replay. Not with manual optimization (its ``training_step`` steps the optimizers
-            itself), under a GradScaler (its skipped steps are not faults), or with sharded
-            parameters (the ranks agree on a finding a step later).
+            a replay. Under manual optimization ``training_step`` steps the optimizers itself
+            and cannot be run again: pass a callable ``replay(module, batch, batch_idx)``
+            returning the batch's loss without stepping anything (it is used in place of
+            ``training_step`` in either mode). Not under a GradScaler (its skipped steps are
+            not faults) or with sharded parameters (the ranks agree on a finding a step later).
 
     Use one InspectCallback per Trainer: Lightning refuses a second one (or the same
     object twice) when the Trainer is built, because their checkpoint states would collide.
@@ -115,11 +117,12 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         alerts: AlertRules | bool = True,
         modules: Optional[ModuleFilter] = None,
         sentinel: bool = True,
-        replay: bool = True,
+        replay: bool | Callable[[Any, Any, int], Any] = True,
     ) -> None:
         super().__init__()
-        if not isinstance(replay, bool):
-            raise TypeError(f"replay must be a bool, got {type(replay).__name__}")
+        if not (isinstance(replay, bool) or callable(replay)):
+            raise TypeError(f"replay must be a bool or a callable (module, batch, batch_idx) -> loss, got "
+                            f"{type(replay).__name__}")
         self._options = options_from(locals())
         self._replay = replay
         self._replaying = False  # this run's steps can be replayed
@@ -167,17 +170,21 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
             return
         self._engine.start(within=getattr(trainer.strategy, "model", None))  # strategy="fsdp" wraps pl_module itself
         self._engine.track_optimizers(trainer.optimizers)
-        self._replaying = self._replay and pl_module.automatic_optimization and _scaler(trainer) is None
-        if not self._replay:
+        custom = callable(self._replay)
+        self._replaying = bool(self._replay) and (custom or pl_module.automatic_optimization) and _scaler(trainer) is None
+        if self._replay is False:
             self._engine.replay_hint = "InspectCallback(replay=False) turned the replay of the bad step off"
-        elif not pl_module.automatic_optimization:
-            self._engine.replay_hint = ("under manual optimization training_step steps the optimizers itself, so "
-                                        "layerwatch cannot run it again")
+        elif not self._replaying and not pl_module.automatic_optimization:
+            self._engine.replay_hint = (
+                "under manual optimization training_step steps the optimizers itself, so layerwatch cannot run it "
+                "again; InspectCallback(replay=fn), fn(module, batch, batch_idx) returning the loss, replays it"
+            )
         self._begin(trainer.global_step)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._engine is not None and self._replaying:
-            self._engine.replay_with(functools.partial(_training_step_again, trainer, pl_module, batch, batch_idx))
+            step = self._replay if callable(self._replay) else None
+            self._engine.replay_with(functools.partial(_training_step_again, trainer, pl_module, batch, batch_idx, step))
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self._engine is not None:
@@ -228,13 +235,16 @@ def _scaler(trainer: Any) -> Any:
     return getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
 
 
-def _training_step_again(trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> Any:
+def _training_step_again(trainer: Any, pl_module: Any, batch: Any, batch_idx: int, replay: Optional[Callable]) -> Any:
     """``training_step`` on ``batch`` again, as the Trainer calls it (its precision context;
-    ``batch_idx`` when it takes one), its ``self.log`` calls dropped: the replay is not a step."""
-    step = pl_module.training_step
-    parameters = inspect.signature(step).parameters.values()
-    takes_index = len(parameters) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
+    ``batch_idx`` when it takes one), or the user's ``replay(pl_module, batch, batch_idx)``;
+    its ``self.log`` calls dropped: the replay is not a step."""
     with _logging_dropped(pl_module), trainer.precision_plugin.train_step_context():
+        if replay is not None:
+            return replay(pl_module, batch, batch_idx)
+        step = pl_module.training_step
+        parameters = inspect.signature(step).parameters.values()
+        takes_index = len(parameters) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
         return step(batch, batch_idx) if takes_index else step(batch)
 
 
