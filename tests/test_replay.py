@@ -70,6 +70,9 @@ class FiniteSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if closure is not None:  # Lightning's: the forward and backward
+            with torch.enable_grad():
+                closure()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
@@ -272,8 +275,9 @@ class FaultyModule(L.LightningModule):
     """The issue's model under Lightning: ``fault`` makes a NaN at global step ``FAULT_STEP``
     (on the micro-batches with ``batch_idx % accumulate == faulty_micro``)."""
 
-    def __init__(self, accumulate: int = 1, faulty_micro: int = 0, manual: bool = False) -> None:
+    def __init__(self, accumulate: int = 1, faulty_micro: int = 0, manual: bool = False, optimizer=torch.optim.SGD) -> None:
         super().__init__()
+        self.optimizer = optimizer
         self.fault = FaultAt()
         self.body = make_model(self.fault)
         self.accumulate, self.faulty_micro = accumulate, faulty_micro
@@ -300,15 +304,16 @@ class FaultyModule(L.LightningModule):
         self.losses.append(repr(outputs["loss"].item()))
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
+        return self.optimizer(self.parameters(), lr=0.05)
 
 
-def fit(root, callback=None, *, accumulate: int = 1, faulty_micro: int = 0, manual: bool = False):
+def fit(root, callback=None, *, accumulate: int = 1, faulty_micro: int = 0, manual: bool = False,
+        optimizer=torch.optim.SGD):
     L.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(32 * STEPS * accumulate, 8, generator=g),
                                           torch.randn(32 * STEPS * accumulate, 1, generator=g))
-    module = FaultyModule(accumulate, faulty_micro, manual)
+    module = FaultyModule(accumulate, faulty_micro, manual, optimizer)
     trainer = L.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, callbacks=[callback] if callback else [],
                         logger=False, default_root_dir=str(root), enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, accumulate_grad_batches=1 if manual else accumulate)
@@ -319,12 +324,13 @@ def fit(root, callback=None, *, accumulate: int = 1, faulty_micro: int = 0, manu
     return module.losses, state, float(trainer.callback_metrics["batches_logged"]), [str(w.message) for w in seen]
 
 
-def test_lightning_replays_the_bad_step_and_leaves_training_and_its_logs_unchanged(tmp_path):
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, FiniteSGD], ids=["poisoned-weights", "one-bad-batch"])
+def test_lightning_replays_the_bad_step_and_leaves_training_and_its_logs_unchanged(tmp_path, optimizer):
     from layerwatch import InspectCallback
 
-    plain = fit(tmp_path)
+    plain = fit(tmp_path, optimizer=optimizer)
     callback = InspectCallback(every_n_steps=50)
-    watched = fit(tmp_path, callback)
+    watched = fit(tmp_path, callback, optimizer=optimizer)
     (alert,) = offender_alerts(callback.alerts)
     assert (alert.step, alert.name) == (FAULT_STEP, "fault")
     assert alert.message == ("first offender: step 7, forward: fault turned finite inputs into a non-finite output "

@@ -160,7 +160,9 @@ class Inspector(Engine):
         probe armed, calls ``backward()`` on the loss it returns, and names the module that
         made the NaN (``layerwatch/first_offender``, "replayed from step N"). RNG states,
         buffers, gradients and module modes are restored; the optimizer then steps as it
-        would have. The closure is dropped at :meth:`step`.
+        would have. The closure is dropped at :meth:`step`. Not for an optimizer stepped with
+        a closure of its own (``opt.step(closure)``, LBFGS): its pre-hook runs before that
+        closure's backward.
 
         Example:
             >>> for x, y in loader:  # doctest: +SKIP
