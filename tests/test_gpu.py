@@ -221,38 +221,26 @@ def test_sharded_models_on_a_one_rank_cuda_mesh(tmp_path, events, parallel):
 def test_the_replay_on_a_gpu_reads_the_sentinel_before_the_step_and_names_the_module(tmp_path):
     """On a GPU a replayable step waits for the sentinel's check before the optimizer step (the
     one sync it adds), replays the bad step on the device, and leaves training bitwise as it was."""
-    from test_replay import FaultAt, make_model
+    from test_replay import FaultAt, make_model, same_tensors, train_steps
 
     def train(inspected: bool):
         fault = FaultAt(3)
         model = make_model(fault).cuda()
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         g = torch.Generator(device="cuda").manual_seed(1)
+        batches = [(torch.randn(32, 8, device="cuda", generator=g), torch.randn(32, 1, device="cuda", generator=g))
+                   for _ in range(6)]
         inspector = Inspector(model, log_dir=tmp_path, every_n_steps=50, optimizer=opt).start() if inspected else None
-        losses = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for k in range(6):
-                fault.now = k
-                x, y = torch.randn(32, 8, device="cuda", generator=g), torch.randn(32, 1, device="cuda", generator=g)
-                compute_loss = lambda x=x, y=y: torch.nn.functional.mse_loss(model(x), y)
-                if inspector is not None:
-                    inspector.replay_with(compute_loss)
-                loss = compute_loss()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                losses.append(loss.detach())
-                if inspector is not None:
-                    inspector.step()
+            losses = train_steps(model, fault, opt, batches, inspector)
         alerts = [] if inspector is None else [a.message for a in inspector.alerts]
         if inspector is not None:
             inspector.finish()
-        return [repr(v.item()) for v in losses], [p.detach().cpu() for p in model.state_dict().values()], alerts
+        return losses, [t.detach().cpu() for t in model.state_dict().values()], alerts
 
     plain, watched = train(False), train(True)
-    assert watched[0] == plain[0]
-    assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(watched[1], plain[1]))
+    assert watched[0] == plain[0] and same_tensors(watched[1], plain[1])
     assert ("first offender: step 3, forward: 4 turned finite inputs into a non-finite output (replayed from step 3)"
             in watched[2])
 

@@ -89,32 +89,42 @@ def run(fault: FaultAt, *, inspect: bool = True, replay: bool = True, optimizer=
     data = [(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)) for _ in range(steps)]
     random.seed(3)
     np.random.seed(3)
-    losses, alerts = [], []
+    alerts = []
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         log_dir = log_dir or tempfile.mkdtemp()
         inspector = Inspector(model, log_dir=log_dir, every_n_steps=50, optimizer=opt).start() if inspect else None
-        for k, (x, y) in enumerate(data):
-            fault.now = k
-
-            def compute_loss(x=x, y=y):
-                return nn.functional.mse_loss(model(x), y)
-
-            if inspector is not None and replay:
-                inspector.replay_with(compute_loss if closure_wrapper is None else closure_wrapper(compute_loss))
-            loss = compute_loss()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(repr(loss.item()))
-            if inspector is not None:
-                inspector.step()
+        losses = train_steps(model, fault, opt, data, inspector, closure_wrapper, replay)
         if inspector is not None:
             alerts = list(inspector.alerts)
             inspector.finish()
     state = [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
     rng = (torch.get_rng_state(), random.getstate(), repr(np.random.get_state()))
     return losses, state, rng, alerts, [str(w.message) for w in seen]
+
+
+def train_steps(call, fault: FaultAt, opt, batches, inspector=None, closure_wrapper=None, replay: bool = True) -> list[str]:
+    """One step per ``(x, y)`` of ``batches``, the MSE of ``call(x)``; with an inspector, its
+    closure handed to ``inspector.replay_with`` first (through ``closure_wrapper``, when given;
+    not with ``replay=False``) and ``inspector.step()`` after it. Returns the losses, exactly
+    (``repr``)."""
+    losses = []
+    for k, (x, y) in enumerate(batches):
+        fault.now = k
+
+        def compute_loss(x=x, y=y):
+            return nn.functional.mse_loss(call(x), y)
+
+        if inspector is not None and replay:
+            inspector.replay_with(compute_loss if closure_wrapper is None else closure_wrapper(compute_loss))
+        loss = compute_loss()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(repr(loss.item()))
+        if inspector is not None:
+            inspector.step()
+    return losses
 
 
 def same_tensors(a, b) -> bool:
@@ -406,23 +416,8 @@ def ddp_worker(rank: int, world: int, out: str, inspected: bool) -> None:
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(10 + rank)
     inspector = Inspector(model, log_dir=f"{out}/run", every_n_steps=50, optimizer=opt).start() if inspected else None
-    losses = []
-    for k in range(STEPS):
-        fault.now = k
-        x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
-
-        def compute_loss(x=x, y=y):
-            return nn.functional.mse_loss(ddp(x), y)
-
-        if inspector is not None:
-            inspector.replay_with(compute_loss)
-        loss = compute_loss()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(repr(loss.item()))
-        if inspector is not None:
-            inspector.step()
+    batches = [(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)) for _ in range(STEPS)]
+    losses = train_steps(ddp, fault, opt, batches, inspector)
     alerts = [] if inspector is None else [[a.step, a.name, a.message] for a in inspector.alerts]
     if inspector is not None:
         inspector.finish()
