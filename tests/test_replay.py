@@ -400,9 +400,11 @@ def test_lightning_replay_can_be_turned_off(tmp_path):
 # ---------------------------------------------------------------------- DDP
 
 
-def ddp_worker(rank: int, world: int, out: str, inspected: bool) -> None:
+def ddp_worker(rank: int, world: int, out: str, inspected: bool, sampled: bool = False) -> None:
     """The fault strikes on rank 1 only. Every rank checks the same synchronized gradients, so
-    every rank replays, its own batch, and rank 0 writes what rank 1 found."""
+    every rank replays, its own batch, and rank 0 writes what rank 1 found. ``sampled``: the
+    fault's step is sampled: rank 0's probes are armed, so no rank replays (the replay may issue
+    collectives through the closure's DDP forward: every rank replays or none)."""
     import json
 
     from torch.nn.parallel import DistributedDataParallel
@@ -415,7 +417,8 @@ def ddp_worker(rank: int, world: int, out: str, inspected: bool) -> None:
     check_collectives_from_here()  # every group layerwatch makes from here on is checked
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(10 + rank)
-    inspector = Inspector(model, log_dir=f"{out}/run", every_n_steps=50, optimizer=opt).start() if inspected else None
+    schedule = at_steps([0, FAULT_STEP] if sampled else [0])
+    inspector = Inspector(model, log_dir=f"{out}/run", schedule=schedule, optimizer=opt).start() if inspected else None
     batches = [(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)) for _ in range(STEPS)]
     losses = train_steps(ddp, fault, opt, batches, inspector)
     alerts = [] if inspector is None else [[a.step, a.name, a.message] for a in inspector.alerts]
@@ -441,3 +444,19 @@ def test_under_ddp_every_rank_replays_and_rank_0_names_another_ranks_offender(tm
     assert offenders == [[FAULT_STEP, "4", "first offender: step 7, forward: 4 turned finite inputs into a non-finite "
                                            "output (replayed from step 7, rank 1's batch)"]]
     assert result[1, 1]["alerts"] == []  # rank 0 alone reports
+
+
+def test_under_ddp_a_fault_on_a_step_only_rank_0_probes_neither_hangs_nor_misnames(tmp_path):
+    import json
+
+    from ranks import run_ranks
+
+    for inspected in (False, True):
+        run_ranks(ddp_worker, str(tmp_path), inspected, True, tmp=tmp_path, debug="INFO")
+    result = {(r, i): json.loads((tmp_path / f"rank{r}-{i}.json").read_text()) for r in (0, 1) for i in (0, 1)}
+    for rank in (0, 1):
+        assert result[rank, 1]["losses"] == result[rank, 0]["losses"]
+    # no rank replayed (rank 0's probes watched the step itself), and they saw rank 0's batch stay
+    # finite: no first offender is named, only the NaN/Inf the synchronized gradients carried
+    assert [a for a in result[0, 1]["alerts"] if "offender" in a[2]] == []
+    assert {a[0] for a in result[0, 1]["alerts"]} == {FAULT_STEP}

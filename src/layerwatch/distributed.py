@@ -310,21 +310,34 @@ class RankSync:
                 pass
 
 
-def gather_objects(obj: Any, timeout_s: float) -> list[Any]:
-    """``obj`` from every rank, in rank order (every rank calls it, at the same point), over a
-    gloo group made for it and closed after: a rank that never comes makes the others raise
-    after ``timeout_s`` seconds instead of waiting for it."""
-    import datetime
+class Gathering:
+    """A gloo group of every rank, made for a few exchanges of small objects and closed after
+    (a context manager). Every rank makes it at the same point and makes the same exchanges; a
+    rank that never comes makes the others raise after ``timeout_s`` seconds instead of
+    waiting for it."""
 
-    import torch.distributed as dist
+    def __init__(self, timeout_s: float) -> None:
+        import datetime
 
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    try:
+        import torch.distributed as dist
+
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+    def all(self, obj: Any) -> list[Any]:
+        """``obj`` from every rank, in rank order."""
+        import torch.distributed as dist
+
         out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj, group=group)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
-    finally:
-        dist.destroy_process_group(group)
+
+    def __enter__(self) -> "Gathering":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group(self.group)
 
 
 @dataclass

@@ -39,7 +39,7 @@ from layerwatch import record as R
 from layerwatch import stats as S
 from layerwatch.alerts import Alert, HealthCheck
 from layerwatch.distributed import (
-    FAILED_NORM, Ballot, Decision, Layout, RankSync, StepVote, gather_objects, is_writer_rank, local, parameter_layout,
+    FAILED_NORM, Ballot, Decision, Gathering, Layout, RankSync, StepVote, is_writer_rank, local, parameter_layout,
     world_size,
 )
 from layerwatch.failures import FailurePolicy
@@ -265,6 +265,7 @@ class Engine:
             self._health.say_if_too_short(self._samples_written)
         self._drop_sample()
         self._sentinel = None
+        self._micro_batches = []
         self._vote = self._sync = self._params.sync = None  # closed with the hooks, below
         self._param_cache = self._sentinel_watching = None
         self._params.release()
@@ -635,31 +636,44 @@ class Engine:
     def _replay(self, finding: Finding) -> bool:
         """Run the open step's micro-batches again with every probe armed, before its optimizer
         step (see replay.py). Returns whether a module was named: the step is then sampled,
-        with what the replay's probes saw. In a DDP run every rank gets here at the same step
-        (they check the same synchronized gradients), replays its own batch with gradient sync
-        off, and the ranks then share what they found."""
+        with what the replay's probes saw.
+
+        In a DDP run every rank gets here at the same step (they check the same synchronized
+        gradients). The replay may issue collectives of its own (the closure's DDP forward,
+        SyncBatchNorm), so the ranks first agree that every one of them can replay; then each
+        replays its own batch, and they share what they found."""
         model = self._model()
         step = self._step
-        if model is None or "nonfinite" not in self.options.families or not self._probes.runtime_on:
-            return False
-        if self._probes.sees_nonfinite:  # this step's own probes saw it happen
-            return False
-        if is_compiled(model):
+        compiled = model is not None and is_compiled(model)
+        if compiled:
             self.replay_hint = "the model is compiled, and module hooks cannot see inside it, so it is not replayed"
-            return False
-        self.failures.run("report NaN/Inf gradients", lambda: self._on_nonfinite(finding, None), step)
-        started = time.perf_counter()
+        can = (model is not None and not compiled and "nonfinite" in self.options.families
+               and self._probes.runtime_on and not self._probes.sees_nonfinite)  # sees it: sampled, saw it happen
         found: list[tuple[int, ProbeResult]] = []
-        self.failures.run(f"replay step {step}'s batch", lambda: found.extend(self._run_again(model)), step)
-        mine = None if not found else (found[0][0], found[0][1].offender.name, found[0][1].offender.phase)
-        ranks: list[Any] = [mine]
-        if world_size() > 1:  # every rank, whatever its replay did
-            ranks = []
-            self.failures.run("share the replay's findings between ranks",
-                              lambda: ranks.extend(gather_objects(mine, REPLAY_GATHER_TIMEOUT_S)), step)
+        ranks: list[Any] = []
+        started = time.perf_counter()
+
+        def replay_here() -> None:
+            self.failures.run("report NaN/Inf gradients", lambda: self._on_nonfinite(finding, None), step)
+            self.failures.run(f"replay step {step}'s batch", lambda: found.extend(self._run_again(model)), step)
+
+        def mine() -> Any:
+            return None if not found else (found[0][0], found[0][1].offender.name, found[0][1].offender.phase)
+
+        def on_every_rank() -> None:
+            with Gathering(REPLAY_GATHER_TIMEOUT_S) as gathering:
+                if all(gathering.all(can)):
+                    replay_here()
+                    ranks.extend(gathering.all(mine()))
+
+        if world_size() > 1:
+            self.failures.run("replay the bad step on every rank", on_every_rank, step)
+        elif can:
+            replay_here()
+            ranks.append(mine())
         rank = next((r for r, found_there in enumerate(ranks) if found_there is not None), None)
         if rank is None:
-            if is_writer_rank():
+            if ranks and is_writer_rank():
                 self.failures.warn(
                     f"layerwatch: step {step}'s batch, run again with every probe armed, made no NaN/Inf (the fault "
                     "is outside what the replay runs, or does not happen again); the next step is sampled instead"
