@@ -245,6 +245,84 @@ def test_a_fault_the_replay_does_not_make_again_is_said_so():
     assert all("first offender" not in a.message for a in alerts)
 
 
+def test_weights_already_non_finite_are_not_replayed_and_the_fault_is_said_to_come_before(tmp_path):
+    """On the CPU the sentinel checks a rotating share of the gradients: a fault it misses
+    reaches the weights first, and a replay then would only name their first user."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.fault, self.b = nn.Linear(8, 8), FaultAt(3), nn.Linear(8, 1)
+            self.pad = nn.Parameter(torch.zeros(4 << 20))  # 16 MiB, never used: the sentinel's share is a 32nd
+
+        def forward(self, x):
+            return self.b(self.fault(self.a(x)))
+
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    batches = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(40)]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Inspector(net, log_dir=tmp_path, every_n_steps=1000, optimizer=opt) as inspector:
+            train_steps(net, net.fault, opt, batches, inspector)
+    assert offender_alerts(inspector.alerts)  # found, rotations later, at step k: never "first offender"
+    (alert,) = offender_alerts(inspector.alerts)
+    assert alert.message.startswith(f"first module to use a non-finite weight at step {alert.step}: a. The fault "
+                                    f"happened before step {alert.step - 1}, between samples")
+    (sentinel,) = [str(w.message) for w in seen if "the sentinel" in str(w.message)]
+    assert "the weights held NaN/Inf already, so the fault came earlier" in sentinel
+
+
+def test_the_gradients_of_parameters_beyond_the_model_are_put_back_too(tmp_path):
+    """The Inspector watches ``enc``; the optimizer and the closure also reach ``head``."""
+
+    def run(inspect: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        fault = FaultAt(2)
+        enc, head = nn.Sequential(nn.Linear(4, 4), fault), nn.Linear(4, 1)
+        opt = FiniteSGD(list(enc.parameters()) + list(head.parameters()), lr=0.1)
+        batches = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(4)]
+        inspector = Inspector(enc, log_dir=tmp_path, every_n_steps=100, optimizer=opt).start() if inspect else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            train_steps(lambda x: head(enc(x)), fault, opt, batches, inspector)
+        if inspector is not None:
+            assert offender_alerts(inspector.alerts)[0].message.endswith("(replayed from step 2)")
+            inspector.finish()
+        return head.weight.detach().clone()
+
+    assert torch.equal(run(True), run(False))
+
+
+def test_with_two_optimizers_the_second_ones_gradients_are_checked_before_its_step(tmp_path):
+    """A GAN-like loop: G steps, then D's own backward makes the NaN; found at that step."""
+    torch.manual_seed(0)
+    fault = FaultAt(3)
+    g_net, d_net = nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), fault, nn.Linear(4, 1))
+    model = nn.ModuleDict({"G": g_net, "D": d_net})
+    g_opt, d_opt = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (g_net, d_net))
+    inspector = Inspector(model, log_dir=tmp_path, every_n_steps=100, optimizer=g_opt).start()
+    inspector.track_optimizers([d_opt])
+    d_opt.register_step_pre_hook(lambda opt, *_: inspector.before_optimizer_step(opt))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for k in range(6):
+            fault.now = k
+            x = torch.randn(8, 4)
+            inspector.replay_with(lambda x=x: d_net(g_net(x)).pow(2).mean())
+            g_opt.zero_grad()
+            g_net(x).pow(2).mean().backward()
+            g_opt.step()
+            d_opt.zero_grad()
+            d_net(g_net(x).detach()).pow(2).mean().backward()
+            d_opt.step()
+            inspector.step()
+    (alert,) = offender_alerts(inspector.alerts)
+    inspector.finish()
+    assert (alert.step, alert.name) == (3, "D.1") and alert.message.endswith("(replayed from step 3)")
+
+
 def test_replay_with_needs_the_optimizer_and_a_callable(tmp_path):
     model = nn.Linear(2, 1)
     with Inspector(model, log_dir=tmp_path) as inspector:
@@ -460,3 +538,48 @@ def test_under_ddp_a_fault_on_a_step_only_rank_0_probes_neither_hangs_nor_misnam
     # finite: no first offender is named, only the NaN/Inf the synchronized gradients carried
     assert [a for a in result[0, 1]["alerts"] if "offender" in a[2]] == []
     assert {a[0] for a in result[0, 1]["alerts"]} == {FAULT_STEP}
+
+
+def ddp_wrapper_worker(rank: int, world: int, out: str) -> None:
+    """The Inspector watches the DDP wrapper itself, so the replay runs with its gradient sync
+    off; after it DDP's sync flags are as before, and the next forward broadcasts buffers."""
+    import json
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    result = {}
+    for inspected in (False, True):
+        fault = FaultAt()
+        ddp = DistributedDataParallel(make_model(fault))
+        opt = FiniteSGD(ddp.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(10 + rank)
+        batches = [(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)) for _ in range(STEPS)]
+        inspector = Inspector(ddp, log_dir=f"{out}/run", every_n_steps=50, optimizer=opt).start() if inspected else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            losses = train_steps(ddp, fault, opt, batches, inspector)
+        flags = [ddp.require_backward_grad_sync, ddp.require_forward_param_sync]
+        alerts = [] if inspector is None else [a.message for a in inspector.alerts if "offender" in a.message]
+        if inspector is not None:
+            inspector.finish()
+        state = [repr(v) for t in ddp.state_dict().values() for v in t.flatten().tolist()]
+        result[inspected] = {"losses": losses, "state": state, "flags": flags, "alerts": alerts}
+    with open(f"{out}/wrapper{rank}.json", "w") as f:
+        json.dump(result, f)
+
+
+def test_a_replay_through_the_ddp_wrapper_puts_its_sync_flags_back(tmp_path):
+    import json
+
+    from ranks import run_ranks
+
+    run_ranks(ddp_wrapper_worker, str(tmp_path), tmp=tmp_path, debug="INFO")
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"wrapper{rank}.json").read_text())
+        plain, watched = result["false"], result["true"]
+        assert watched["flags"] == plain["flags"] == [True, True]
+        assert watched["losses"] == plain["losses"] and watched["state"] == plain["state"]  # BatchNorm's buffers too
+    assert watched["alerts"] == []  # rank 1's: rank 0 alone reports
+    rank0 = json.loads((tmp_path / "wrapper0.json").read_text())["true"]["alerts"]
+    assert rank0 == ["first offender: step 7, forward: module.4 turned finite inputs into a non-finite output "
+                     "(replayed from step 7)"]

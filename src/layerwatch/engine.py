@@ -48,7 +48,7 @@ from layerwatch.options import Options, writable_dir
 from layerwatch.params import ParameterFamilies, Piece, Snapshot
 from layerwatch.probes import ROOT, Offender, ProbeResult, StepProbes, probe_name, select_modules
 from layerwatch.probes.selection import is_compiled
-from layerwatch.replay import MicroBatch, RngState, SavedState, backward, gradient_sync_off
+from layerwatch.replay import MicroBatch, RngState, SavedState, gradient_sync_off, run_closure
 from layerwatch.sentinel import Finding, NonfiniteSentinel, StepCounter, fused_norms
 from layerwatch.sinks.tensorboard import TensorBoardSink
 from layerwatch.structure import Summary
@@ -150,7 +150,10 @@ class Engine:
         self._micro_batches: list[MicroBatch] = []
         self._sentinel_checked = False
         self._fault_step: Optional[int] = None
-        self._within: Optional[nn.Module] = None
+        self._within: Callable[[], Optional[nn.Module]] = lambda: None  # weakly held, as the model
+        self._optimizers: list[Any] = []  # weak references: whose gradients a replay puts back too
+        self._fault_before = False  # the weights held NaN/Inf when the sentinel found the fault
+        self._reported: Optional[Finding] = None  # the finding _on_nonfinite said, once
         self.replay_hint = (
             "to find it, let layerwatch replay the bad step: Inspector.replay_with(closure) before each step's forward"
         )
@@ -213,7 +216,7 @@ class Engine:
             previous.finish()
         self._layout = parameter_layout(model, within)
         self._params.layout = self._layout
-        self._within = within
+        self._within = (lambda: None) if within is None else weakref.ref(within)
         if self._layout.sharded:  # every rank, at the same point: making a group is collective
             self.failures.run("make the ranks' group for agreeing (no step is sampled)", self._open_vote, 0)
         if self._layout.flat_only and is_writer_rank():
@@ -265,7 +268,7 @@ class Engine:
             self._health.say_if_too_short(self._samples_written)
         self._drop_sample()
         self._sentinel = None
-        self._micro_batches = []
+        self._micro_batches, self._optimizers, self._within = [], [], lambda: None
         self._vote = self._sync = self._params.sync = None  # closed with the hooks, below
         self._param_cache = self._sentinel_watching = None
         self._params.release()
@@ -281,6 +284,7 @@ class Engine:
         """Count these optimizers' steps (a post-hook each, until :meth:`finish`), so that a step
         the optimizer skipped (a GradScaler overflow) is not taken for a model fault."""
         self._counter.track(optimizers)
+        self._optimizers += [weakref.ref(optimizer) for optimizer in optimizers]
 
     def add_sink(self, sink: Callable[[R.StepRecord], None]) -> None:
         """Also hand every record written (rank 0) to ``sink``."""
@@ -339,7 +343,7 @@ class Engine:
         final: read those not read yet this step, and snapshot their weights for the update
         ratios. With several optimizers, call it before each one's step. When the step can be
         replayed (:meth:`replay_with`), the sentinel checks it here, first."""
-        if self._micro_batches and not self._sentinel_checked:
+        if self._micro_batches:  # before each optimizer's step: a later one's gradients may be new
             self._sentinel_checked = True
             self._check_sentinel(before_optimizer_step=True)
         sample = self._sample
@@ -614,7 +618,8 @@ class Engine:
                 break
             self._fault_step = finding.step
             self._force_sample = True
-            self.failures.run("report NaN/Inf gradients", lambda: self._on_nonfinite(finding, step + 1), step)
+            if self._reported is not finding:  # a replay that named nothing has said it already
+                self.failures.run("report NaN/Inf gradients", lambda: self._on_nonfinite(finding, step + 1), step)
             break
 
     def _on_voted_finding(self, decision: Decision, step: int) -> None:
@@ -649,6 +654,10 @@ class Engine:
             self.replay_hint = "the model is compiled, and module hooks cannot see inside it, so it is not replayed"
         can = (model is not None and not compiled and "nonfinite" in self.options.families
                and self._probes.runtime_on and not self._probes.sees_nonfinite)  # sees it: sampled, saw it happen
+        if can:  # weights NaN/Inf already: the fault came earlier, and a replay would name their first user
+            bad: list[str] = []
+            self.failures.run("look for NaN/Inf weights", lambda: bad.extend(nonfinite(self._layout.parameters(model))), step)
+            self._fault_before, can = bool(bad), not bad
         found: list[tuple[int, ProbeResult]] = []
         ranks: list[Any] = []
         started = time.perf_counter()
@@ -698,15 +707,17 @@ class Engine:
         """The micro-batches replayed in order until one's probes name an offender: its index
         and their result (none found: empty). Leaves the model's state as it found it."""
         params = [p for _, p in self._layout.parameters(model)]
-        saved = SavedState(model, copy_gradients=world_size() > 1)
+        within = self._within()
+        beyond = [p for ref in self._optimizers if ref() is not None for group in ref().param_groups for p in group["params"]]
+        saved = SavedState(model, world_size() > 1, beyond + ([] if within is None else list(within.parameters())))
         try:
-            with gradient_sync_off(model, self._within):
+            with gradient_sync_off(model, within):
                 for index, micro in enumerate(self._micro_batches):
                     saved.clear_gradients()
                     micro.rng.restore()
                     self._probes.arm(model, params, self._step, writer=is_writer_rank(), structure=False)
                     try:
-                        backward(micro.closure())
+                        run_closure(micro.closure)
                     finally:
                         _, result = self._probes.take()
                     if result is not None and result.offender is not None:
@@ -718,6 +729,7 @@ class Engine:
     def _on_nonfinite(self, finding: Finding, sampled_step: Optional[int]) -> None:
         """The sentinel's first hit: the step, and a warning saying what comes next: the
         replay of that step (``sampled_step`` None), or every probe armed at ``sampled_step``."""
+        self._reported = finding
         if not is_writer_rank():
             return
         rec = R.StepRecord(finding.step)
@@ -732,8 +744,10 @@ class Engine:
             then = "this step is sampled with every probe armed, so they name the module that made it"
         else:
             which = "the next step" if sampled_step == self._step + 1 else f"step {sampled_step}"
-            then = (f"{which} is sampled with every probe armed; it shows what came after the fault, not the module that "
-                    f"made it ({self.replay_hint})")
+            before = ("the weights held NaN/Inf already, so the fault came earlier, in gradients the sentinel had not "
+                      "checked yet; " if self._fault_before else "")
+            then = (f"{before}{which} is sampled with every probe armed; it shows what came after the fault, not the "
+                    f"module that made it ({self.replay_hint})")
         message = f"NaN/Inf gradients at step {finding.step} (the sentinel, {every}){where}{overflow}; {then}"
         self._emit(rec)
         logger.warning("layerwatch: %s", message)
@@ -750,7 +764,8 @@ class Engine:
         else:
             seen = f"first module with a non-finite {offender.phase} output at step {sample.step}: {offender.name}"
             how = f"step {sample.step} shows what came after it, which need not be where it began"
-        return f"{seen}. The fault happened at step {self._fault_step}, between samples; {how} ({self.replay_hint})"
+        when = "before step" if self._fault_before else "at step"
+        return f"{seen}. The fault happened {when} {self._fault_step}, between samples; {how} ({self.replay_hint})"
 
     def _announce(self, step: int, alerts: list[Alert]) -> None:
         """New alerts to Python logging, one record each, and to warnings, one per step."""

@@ -160,7 +160,9 @@ class Inspector(Engine):
         probe armed, calls ``backward()`` on the loss it returns, and names the module that
         made the NaN (``layerwatch/first_offender``, "replayed from step N"). RNG states,
         buffers, gradients and module modes are restored; the optimizer then steps as it
-        would have. The closure is dropped at :meth:`step`. Not for an optimizer stepped with
+        would have. The closure is dropped at :meth:`step`. It runs with autograd on, in no
+        other context: a forward under ``torch.autocast`` must enter it inside the closure.
+        Not for an optimizer stepped with
         a closure of its own (``opt.step(closure)``, LBFGS): its pre-hook runs before that
         closure's backward.
 

@@ -12,10 +12,11 @@ What a replay leaves as it found it (:class:`SavedState`):
 
 * the RNG states: torch's CPU generator and CUDA generators, Python's and NumPy's;
 * the buffers (BatchNorm running statistics): the tensors the modules hold, and their values;
-* the gradients: the tensors the parameters hold, and in a distributed run their values too
-  (DDP's ``gradient_as_bucket_view`` gradients share storage with what a synchronized
-  backward writes);
-* each module's mode (``training``).
+* the gradients: the tensors the parameters hold (the model's, and those of the optimizers
+  it was given, which a closure may reach beyond the model), and in a distributed run their
+  values too (DDP's ``gradient_as_bucket_view`` gradients share storage with what a
+  synchronized backward writes);
+* each module's mode (``training``), and DDP's sync flags (:func:`gradient_sync_off`).
 
 The optimizer then steps as it would have without layerwatch.
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -62,7 +63,7 @@ class MicroBatch:
 class SavedState:
     """What a replay may change, saved before it; :meth:`restore` puts it back."""
 
-    def __init__(self, model: nn.Module, copy_gradients: bool) -> None:
+    def __init__(self, model: nn.Module, copy_gradients: bool, also: Iterable[torch.Tensor] = ()) -> None:
         self.rng = RngState.capture()
         self.python_rng = random.getstate()
         self.numpy_rng = np.random.get_state()
@@ -71,7 +72,7 @@ class SavedState:
             (module, name, buffer, buffer.detach().clone())
             for module in model.modules() for name, buffer in module._buffers.items() if buffer is not None
         ]
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = [p for p in dict.fromkeys([*model.parameters(), *also]) if p.requires_grad]
         self.gradients = [
             (p, p.grad, p.grad.detach().clone() if copy_gradients and p.grad is not None else None) for p in params
         ]
@@ -107,6 +108,17 @@ def loss_of(output: Any) -> Optional[torch.Tensor]:
     return None
 
 
+def run_closure(closure: Callable[[], Any]) -> None:
+    """A replay closure, with autograd on (an optimizer's pre-hook may run without it), and its
+    loss's backward.
+
+    Raises:
+        TypeError: it returned no loss tensor that needs a gradient.
+    """
+    with torch.enable_grad():
+        backward(closure())
+
+
 def backward(output: Any) -> None:
     """The replayed backward of what a closure returned.
 
@@ -122,17 +134,23 @@ def backward(output: Any) -> None:
     loss.backward()
 
 
+SYNC_FLAGS = ("require_backward_grad_sync", "require_forward_param_sync")
+
+
 @contextlib.contextmanager
 def gradient_sync_off(*models: Optional[nn.Module]) -> Iterator[None]:
     """Inside: no ``DistributedDataParallel`` among ``models`` (and their submodules) reduces
-    gradients, so a replay on one rank issues no gradient collective."""
+    gradients. Its sync flags are put back after, both of them: a forward under ``no_sync()``
+    also turns off the buffer broadcast of the next forward."""
     from torch.nn.parallel import DistributedDataParallel
 
-    with contextlib.ExitStack() as stack:
-        seen: set[int] = set()
-        for model in models:
-            for module in () if model is None else model.modules():
-                if isinstance(module, DistributedDataParallel) and id(module) not in seen:
-                    seen.add(id(module))
-                    stack.enter_context(module.no_sync())
+    found = {id(m): m for model in models if model is not None for m in model.modules()
+             if isinstance(m, DistributedDataParallel)}
+    flags = [(m, name, getattr(m, name)) for m in found.values() for name in SYNC_FLAGS if hasattr(m, name)]
+    for module in found.values():
+        module.require_backward_grad_sync = False
+    try:
         yield
+    finally:
+        for module, name, value in flags:
+            setattr(module, name, value)
