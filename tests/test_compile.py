@@ -88,5 +88,45 @@ def test_a_compiled_model_keeps_the_parameter_families_without_a_recompile(tmp_p
     said = layerwatch_messages(messages)
     assert len(said) == 1 and "torch.compile'd" in said[0]
     acc = events(tmp_path / "watched")
-    assert [e.step for e in acc.Scalars("weights_norm/_orig_mod.fc1.weight")] == [0, 3, 6]
+    assert [e.step for e in acc.Scalars("weights_norm/fc1.weight")] == [0, 3, 6]
     assert not [t for t in acc.Tags()["scalars"] if t.startswith("fwd_ms/")]
+
+
+L = pytest.importorskip("lightning.pytorch")
+
+
+class CompilesItsNet(L.LightningModule):
+    """A LightningModule that compiles its network in ``configure_model``, as Lightning advises."""
+
+    def __init__(self, compiled: bool) -> None:
+        super().__init__()
+        self.compiled = compiled
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def configure_model(self) -> None:
+        if self.compiled:
+            self.net = torch.compile(self.net, backend="aot_eager")
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_layer_has_one_name_compiled_or_not(tmp_path, events, compiled):
+    from layerwatch import InspectCallback
+
+    torch.manual_seed(0)
+    dynamo.reset()
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 4))
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, default_root_dir=str(tmp_path),
+                        callbacks=[InspectCallback(every_n_steps=2)], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(CompilesItsNet(compiled), torch.utils.data.DataLoader(data, batch_size=16))
+    tags = events(tmp_path / "layerwatch").Tags()["scalars"]
+    assert {"weights_norm/net.0.weight", "grads_norm/net.2.bias", "update_ratio/net.0.weight"} <= set(tags)
+    assert not [t for t in tags if "_orig_mod" in t]

@@ -18,6 +18,7 @@ DTensor, or an FSDP1 flat parameter). Then every rank takes part in every sample
 from __future__ import annotations
 
 import functools
+import sys
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
@@ -30,8 +31,9 @@ from layerwatch.rankings import ROOT  # the model itself: named_modules() names 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 Group = tuple[Any, list[str], list[torch.Tensor]]  # (process group or None, names, local tensors)
 
-# What module wrappers put into qualified names; FSDP's own state dict leaves them out too.
-WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+# What module wrappers put into qualified names; FSDP's own state dict leaves them out too, and
+# torch.compile's OptimizedModule holds the module it compiled as ``_orig_mod``.
+WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
 
 def _initialized() -> bool:
@@ -108,8 +110,9 @@ def spread(tensor: torch.Tensor) -> Optional[Spread]:
 
 def clean_name(name: str) -> str:
     """A qualified name without the wrappers' parts (``_fsdp_wrapped_module``,
-    ``_checkpoint_wrapped_module``), as FSDP's state dict spells it: ``layers.0.weight``."""
-    if "_wrapped_module" not in name:
+    ``_checkpoint_wrapped_module``, torch.compile's ``_orig_mod``), as FSDP's state dict spells
+    it: ``layers.0.weight``, compiled or not."""
+    if "_wrapped_module" not in name and "_orig_mod" not in name:
         return name
     return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
 
@@ -133,8 +136,14 @@ def _wrapper_types() -> tuple[type, ...]:
 
 
 def is_wrapper(module: nn.Module) -> bool:
-    """An FSDP1 or checkpoint wrapper: its wrapped module is the layer, under the same name."""
-    return isinstance(module, _wrapper_types())
+    """An FSDP1, checkpoint or torch.compile wrapper: its wrapped module is the layer, under the
+    same name."""
+    return isinstance(module, _wrapper_types()) or _is_compile_wrapper(module)
+
+
+def _is_compile_wrapper(module: nn.Module) -> bool:
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # imported once anything was compiled
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
 def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
