@@ -583,3 +583,52 @@ def test_a_replay_through_the_ddp_wrapper_puts_its_sync_flags_back(tmp_path):
     rank0 = json.loads((tmp_path / "wrapper0.json").read_text())["true"]["alerts"]
     assert rank0 == ["first offender: step 7, forward: module.4 turned finite inputs into a non-finite output "
                      "(replayed from step 7)"]
+
+
+# ---------------------------------------------------------------------- compiled code
+
+
+@pytest.mark.parametrize("how, backend", [("torch.compile(model)", "aot_eager"), ("model.compile()", "aot_eager"),
+                                          ("torch.compile(loss_fn)", "aot_eager"), ("torch.compile(model)", "inductor")])
+def test_a_compiled_model_is_replayed_eagerly_with_no_recompile_and_bitwise_losses(tmp_path, how, backend):
+    """The replay runs compiled code eagerly (``torch.compiler.set_stance("force_eager")``), so
+    the probes see every module; the compiled graphs are neither remade nor thrown away. With
+    Inductor too: its dropout draws its seeds from torch's generator, which the replay puts back."""
+    dynamo = pytest.importorskip("torch._dynamo")
+    from torch._dynamo.utils import counters
+
+    if not hasattr(torch.compiler, "set_stance"):
+        pytest.skip("torch.compiler.set_stance needs torch 2.6")
+
+    def run(inspect: bool):
+        dynamo.reset()
+        counters.clear()
+        fault = FaultAt()
+        model = make_model(fault)
+        call = model
+        if how == "torch.compile(model)":
+            call = torch.compile(model, backend=backend)
+        elif how == "model.compile()":
+            model.compile(backend=backend)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)) for _ in range(STEPS)]
+        inspector = Inspector(call, log_dir=tmp_path, every_n_steps=50, optimizer=opt).start() if inspect else None
+        forward = call
+        if how == "torch.compile(loss_fn)":
+            forward = torch.compile(lambda x: model(x), backend=backend)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            losses = train_steps(forward, fault, opt, batches, inspector)
+        alerts = [] if inspector is None else [a.message for a in offender_alerts(inspector.alerts)]
+        if inspector is not None:
+            inspector.finish()
+        counts = (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"],
+                  sum(counters["recompiles"].values()) if "recompiles" in counters else 0)
+        return losses, [t.detach().clone() for t in model.state_dict().values()], alerts, counts
+
+    plain, watched = run(False), run(True)
+    assert watched[0] == plain[0] and same_tensors(watched[1], plain[1])
+    assert watched[3] == plain[3]  # graph breaks, graphs, recompiles: as without layerwatch
+    assert watched[2] == ["first offender: step 7, forward: 4 turned finite inputs into a non-finite output "
+                          "(replayed from step 7)"]

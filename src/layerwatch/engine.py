@@ -48,7 +48,7 @@ from layerwatch.options import Options, writable_dir
 from layerwatch.params import ParameterFamilies, Piece, Snapshot
 from layerwatch.probes import ROOT, Offender, ProbeResult, StepProbes, probe_name, select_modules
 from layerwatch.probes.selection import is_compiled
-from layerwatch.replay import MicroBatch, RngState, SavedState, gradient_sync_off, run_closure
+from layerwatch.replay import MicroBatch, RngState, SavedState, gradient_sync_off, run_closure, run_eagerly
 from layerwatch.sentinel import Finding, NonfiniteSentinel, StepCounter, fused_norms
 from layerwatch.sinks.tensorboard import TensorBoardSink
 from layerwatch.structure import Summary
@@ -649,11 +649,13 @@ class Engine:
         replays its own batch, and they share what they found."""
         model = self._model()
         step = self._step
-        compiled = model is not None and is_compiled(model)
+        compiled = model is not None and is_compiled(model) and not hasattr(torch.compiler, "set_stance")
         if compiled:
-            self.replay_hint = "the model is compiled, and module hooks cannot see inside it, so it is not replayed"
+            self.replay_hint = ("the model is compiled, and this torch (before 2.6) cannot run it eagerly for the "
+                                "probes to see inside, so it is not replayed")
         can = (model is not None and not compiled and "nonfinite" in self.options.families
-               and self._probes.runtime_on and not self._probes.sees_nonfinite)  # sees it: sampled, saw it happen
+               and (self._probes.runtime_on or self._probes.off_for_compiled)
+               and not self._probes.sees_nonfinite)  # sees it: sampled, saw it happen
         if can:  # weights NaN/Inf already: the fault came earlier, and a replay would name their first user
             bad: list[str] = []
             self.failures.run("look for NaN/Inf weights", lambda: bad.extend(nonfinite(self._layout.parameters(model))), step)
@@ -711,11 +713,11 @@ class Engine:
         beyond = [p for ref in self._optimizers if ref() is not None for group in ref().param_groups for p in group["params"]]
         saved = SavedState(model, world_size() > 1, beyond + ([] if within is None else list(within.parameters())))
         try:
-            with gradient_sync_off(model, within):
+            with gradient_sync_off(model, within), run_eagerly():
                 for index, micro in enumerate(self._micro_batches):
                     saved.clear_gradients()
                     micro.rng.restore()
-                    self._probes.arm(model, params, self._step, writer=is_writer_rank(), structure=False)
+                    self._probes.arm(model, params, self._step, writer=is_writer_rank(), structure=False, eager=True)
                     try:
                         run_closure(micro.closure)
                     finally:

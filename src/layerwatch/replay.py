@@ -18,6 +18,9 @@ What a replay leaves as it found it (:class:`SavedState`):
   synchronized backward writes);
 * each module's mode (``training``), and DDP's sync flags (:func:`gradient_sync_off`).
 
+Compiled code runs eagerly during a replay (:func:`run_eagerly`), so a compiled model is
+replayed with every probe too.
+
 The optimizer then steps as it would have without layerwatch.
 """
 
@@ -132,6 +135,14 @@ def backward(output: Any) -> None:
             f"{type(output).__name__}" + ("" if loss is None else " that requires no gradient")
         )
     loss.backward()
+
+
+def run_eagerly() -> contextlib.AbstractContextManager:
+    """Inside: compiled code (a compiled model, ``model.compile()``, a compiled loss function)
+    runs eagerly, so that the probes' module hooks see every module; no graph is made or
+    thrown away (``torch.compiler.set_stance("force_eager")``, torch 2.6 and later)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return contextlib.nullcontext() if set_stance is None else set_stance("force_eager")
 
 
 SYNC_FLAGS = ("require_backward_grad_sync", "require_forward_param_sync")

@@ -32,6 +32,7 @@ class StepProbes:
         self.zeros, self.centered = "zero_frac" in stats, "std" in stats
         self.structure_pending = "structure" in families
         self.runtime_on = any(family in families for family in PROBE_FAMILIES)
+        self.off_for_compiled = False  # turned off because the model runs compiled: a replay still can
         self._structure: Optional[StructureProbe] = None
         self._runtime: Optional[RuntimeProbe] = None
         self._forward_guard: Optional[FailedForwardGuard] = None
@@ -40,13 +41,16 @@ class StepProbes:
         self._cuda_events: list[Any] = []  # the runtime probes' clock marks on a GPU, idem
 
     def arm(self, model: nn.Module, parameters: Sequence[nn.Parameter], step: int, writer: bool = True,
-            structure: bool = True) -> None:
+            structure: bool = True, eager: bool = False) -> None:
         """Arm this step's hooks: the layer table's (the first time, on the rank that writes,
-        unless ``structure`` is False) and the runtime probes'."""
+        unless ``structure`` is False) and the runtime probes'. ``eager``: compiled code runs
+        eagerly for this forward (a replay), so the hooks see inside a compiled model."""
         writer = writer and structure
-        if not ((self.structure_pending and writer) or self.runtime_on):
+        runtime = self.runtime_on or (eager and self.off_for_compiled)
+        if not ((self.structure_pending and writer) or runtime):
             return
-        if is_compiled(model):
+        if is_compiled(model) and not eager:
+            self.off_for_compiled = self.runtime_on
             self.structure_pending = self.runtime_on = False
             self.failures.warn_once(
                 "compiled",
@@ -58,7 +62,7 @@ class StepProbes:
             return
         if self.structure_pending and writer:
             self.failures.run("record the layer table", lambda: self._arm_structure(model), step)
-        if self.runtime_on:
+        if runtime:
             self.failures.run("arm the runtime probes", lambda: self._arm_runtime(model, parameters), step)
         if self._structure is not None or self._runtime is not None:
             self.failures.run("guard the forward", lambda: self._guard(model), step)
@@ -143,6 +147,7 @@ class StepProbes:
             if self._forward_guard is not None:  # compiled code is guarded on forward too
                 self._inert.append(self._forward_guard)
             self._structure = self._runtime = self._forward_guard = None
+            self.off_for_compiled = self.runtime_on or self.off_for_compiled
             self.structure_pending = self.runtime_on = False
             self.failures.warn_once(
                 "compiled-caller",
