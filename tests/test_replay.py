@@ -632,3 +632,41 @@ def test_a_compiled_model_is_replayed_eagerly_with_no_recompile_and_bitwise_loss
     assert watched[3] == plain[3]  # graph breaks, graphs, recompiles: as without layerwatch
     assert watched[2] == ["first offender: step 7, forward: 4 turned finite inputs into a non-finite output "
                           "(replayed from step 7)"]
+
+
+@pytest.mark.parametrize("how", ["torch.compile(model)", "torch.compile(loss_fn)"])
+def test_a_compiled_models_layer_table_comes_from_one_eager_forward_of_its_batch(tmp_path, events, how):
+    """Where layerwatch can run a sampled step's batch again, a compiled model gets its layer
+    table (names as uncompiled, MACs), with no recompile and bitwise losses."""
+    dynamo = pytest.importorskip("torch._dynamo")
+    from torch._dynamo.utils import counters
+
+    if not hasattr(torch.compiler, "set_stance"):
+        pytest.skip("torch.compiler.set_stance needs torch 2.6")
+
+    def run(log_dir):
+        dynamo.reset()
+        counters.clear()
+        model = make_model(FaultAt(-1))
+        call = torch.compile(model, backend="aot_eager") if how == "torch.compile(model)" else model
+        forward = torch.compile(lambda x: model(x), backend="aot_eager") if how == "torch.compile(loss_fn)" else call
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)) for _ in range(4)]
+        inspector = None if log_dir is None else Inspector(call, log_dir=log_dir, every_n_steps=2, optimizer=opt).start()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            losses = train_steps(forward, FaultAt(-1), opt, batches, inspector)
+        if inspector is not None:
+            inspector.finish()
+        return losses, (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"],
+                        sum(counters["recompiles"].values()) if "recompiles" in counters else 0)
+
+    plain, watched = run(None), run(tmp_path)
+    assert watched == plain
+    acc = events(tmp_path)
+    (table,) = acc.Tensors("layerwatch/structure/text_summary")
+    text = table.tensor_proto.string_val[0].decode()
+    assert table.step == 0 and "Sequential" in text and "  0 (Linear)  " in text and "4 (FaultAt)" in text
+    assert "_orig_mod" not in text and "OptimizedModule" not in text
+    assert [e.value for e in acc.Scalars("layerwatch/macs_per_step")][0] > 0

@@ -335,7 +335,7 @@ class Engine:
         self._check_running("replay_with")
         if not callable(closure):
             raise TypeError(f"closure must be callable, got {type(closure).__name__}")
-        if self._sentinel is not None and not self._layout.sharded:
+        if (self._sentinel is not None or self._probes.table_waits) and not self._layout.sharded:
             self._micro_batches.append(MicroBatch(closure, RngState.capture()))
 
     def before_optimizer_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -387,7 +387,7 @@ class Engine:
         written. Returns the step written, or None."""
         self._check_running("end_step")
         self._check_sentinel()
-        self._micro_batches = []
+        micro_batches, self._micro_batches = self._micro_batches, []
         sample, self._sample = self._sample, None
         if sample is None:
             self._off_steps.append(time.perf_counter() - self._opened_at)
@@ -396,6 +396,8 @@ class Engine:
         sample.overhead_s += self._probes.hook_seconds
         structure, probes = self._probes.take(self._sync)
         probes = sample.replay or probes
+        if structure is None and self._probes.table_waits and micro_batches and world_size() == 1:
+            structure = self._table_eagerly(micro_batches[0])
         self._read_grads(sample, sample.unread(sample.grads_read, None))
         for _, snapshot in sample.snapshots:
             self.failures.run("measure updates", lambda: self._measure_update(sample, snapshot), sample.step)
@@ -727,6 +729,28 @@ class Engine:
             return []
         finally:
             saved.restore()
+
+    def _table_eagerly(self, micro: MicroBatch) -> Optional[Summary]:
+        """The layer table of a compiled model: one forward of the step's first micro-batch,
+        compiled code run eagerly, its graph dropped, the model's state put back after. Not in
+        a distributed run: the forward may issue collectives (DDP's buffer broadcast), and
+        only rank 0 records the table."""
+        model = self._model()
+        tables: list[Summary] = []
+
+        def forward() -> None:
+            saved = SavedState(model, copy_gradients=False)
+            try:
+                with run_eagerly(), torch.enable_grad():
+                    micro.rng.restore()
+                    micro.closure()
+            finally:
+                saved.restore()
+
+        if model is not None:
+            self.failures.run("record the layer table eagerly",
+                              lambda: tables.append(self._probes.table_eagerly(model, self._step, forward)), self._step)
+        return tables[0] if tables else None
 
     def _on_nonfinite(self, finding: Finding, sampled_step: Optional[int]) -> None:
         """The sentinel's first hit: the step, and a warning saying what comes next: the

@@ -343,7 +343,7 @@ class StructureProbe:
     """
 
     def __init__(self, model: nn.Module, *, training_only: bool) -> None:
-        self.model_type = type(model).__name__
+        self.model_type = type(getattr(model, "_orig_mod", model)).__name__  # torch.compile's wrapper: the model's
         self.training_only = training_only
         modules = named_modules(model)  # wrappers (FSDP1, checkpointing) left out, names clean
         self.layers = [_Layer(name, type(m).__name__, name.count(".") + 1 if name else 0) for name, m in modules]

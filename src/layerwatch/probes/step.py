@@ -3,7 +3,7 @@ probe's."""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
 
@@ -33,6 +33,7 @@ class StepProbes:
         self.structure_pending = "structure" in families
         self.runtime_on = any(family in families for family in PROBE_FAMILIES)
         self.off_for_compiled = False  # turned off because the model runs compiled: a replay still can
+        self.table_waits = False  # the layer table of a compiled model waits for an eager forward (table_eagerly)
         self._structure: Optional[StructureProbe] = None
         self._runtime: Optional[RuntimeProbe] = None
         self._forward_guard: Optional[FailedForwardGuard] = None
@@ -50,13 +51,16 @@ class StepProbes:
         if not ((self.structure_pending and writer) or runtime):
             return
         if is_compiled(model) and not eager:
-            self.off_for_compiled = self.runtime_on
-            self.structure_pending = self.runtime_on = False
+            self.off_for_compiled = self.runtime_on or self.off_for_compiled
+            self.table_waits = self.structure_pending and writer
+            self.runtime_on = False
             self.failures.warn_once(
                 "compiled",
                 "layerwatch: the model (or part of it) is torch.compile'd; module hooks cannot see inside a compiled "
-                "graph, so the layer table and the per-module families (latency, memory, activations, nonfinite) are "
-                "not recorded. Parameter families and the NaN sentinel go on. For the table call "
+                "graph, so the per-module families (latency, memory, activations, nonfinite) are not recorded on "
+                "sampled steps. Parameter families and the NaN sentinel go on, and a NaN's step is replayed eagerly. "
+                "The layer table comes from one eager forward of a sampled step's batch where layerwatch can run it "
+                "again (Lightning's callback, Inspector.replay_with); else call "
                 "layerwatch.summarize(model._orig_mod, batch).",
             )
             return
@@ -66,6 +70,24 @@ class StepProbes:
             self.failures.run("arm the runtime probes", lambda: self._arm_runtime(model, parameters), step)
         if self._structure is not None or self._runtime is not None:
             self.failures.run("guard the forward", lambda: self._guard(model), step)
+
+    def table_eagerly(self, model: nn.Module, step: int, forward: Callable[[], Any]) -> Optional[Summary]:
+        """The layer table of a compiled model, recorded while ``forward()`` runs its compiled
+        code eagerly (the caller's doing); None when it could not be. Tried once."""
+        self.structure_pending = self.table_waits = False
+        self.failures.run("record the layer table", lambda: self._arm_structure(model), step)
+        structure, self._structure = self._structure, None
+        if structure is None:
+            return None
+        try:
+            forward()
+        finally:
+            structure.remove()
+        if structure.error is not None:
+            self.failures.warn_once("fail:structure", f"layerwatch: could not record the layer table: {structure.error!r}; skipped")
+        if structure.error is not None or not structure.windows:
+            return None
+        return structure.summary()
 
     def _guard(self, model: nn.Module) -> None:
         # The model's forward raised: nothing of this step stays on the model (the exception
@@ -148,6 +170,7 @@ class StepProbes:
                 self._inert.append(self._forward_guard)
             self._structure = self._runtime = self._forward_guard = None
             self.off_for_compiled = self.runtime_on or self.off_for_compiled
+            self.table_waits = structure is not None
             self.structure_pending = self.runtime_on = False
             self.failures.warn_once(
                 "compiled-caller",
