@@ -327,7 +327,9 @@ class Engine:
         name the module that made the NaN. RNG states, buffers, gradients and module modes are
         restored after it (see :mod:`~layerwatch.replay`). The front door must call
         ``before_optimizer_step`` after the backward and only when the optimizer will step (a
-        GradScaler's skipped step is not a fault). Nothing is kept past the step.
+        GradScaler's skipped step is not a fault). Nothing is kept past the step. On compiled
+        code the first sampled step's closure also gives the layer table (one more forward,
+        run eagerly, after the step; see :meth:`_table_eagerly`).
 
         Raises:
             TypeError: ``closure`` is not callable.
