@@ -209,3 +209,44 @@ class LitParallel(L.LightningModule):
 
     def train_dataloader(self):
         return DataLoader(TensorDataset(torch.randn(64, 8, generator=torch.Generator().manual_seed(0))), batch_size=4)
+
+
+class NaNOnRankOne(nn.Module):
+    """Identity, except on rank 1 at global step ``step``: its output turns to NaN."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step, self.now, self.rank = step, -1, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * float("nan") if self.rank == 1 and self.now == self.step else x
+
+
+class LitFaultOnRankOne(L.LightningModule):
+    """A NaN made by ``fault`` on rank 1 only, at global step 3, with Dropout and BatchNorm
+    around it; each rank writes its losses and final state to ``record_dir``."""
+
+    def __init__(self, record_dir: str, tag: str) -> None:
+        super().__init__()
+        self.fault = NaNOnRankOne(3)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), self.fault, nn.BatchNorm1d(16), nn.Linear(16, 1))
+        self.record_dir, self.tag = record_dir, tag
+        self.losses: list[str] = []
+
+    def training_step(self, batch, batch_idx):
+        self.fault.now, self.fault.rank = self.global_step, self.global_rank
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.losses.append(repr(outputs["loss"].item()))
+
+    def on_train_end(self) -> None:
+        state = [repr(v) for t in self.state_dict().values() for v in t.flatten().tolist()]
+        Path(self.record_dir, f"{self.tag}{self.global_rank}.json").write_text(json.dumps({"losses": self.losses, "state": state}))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return DataLoader(dataset(256, seed=3), batch_size=16, shuffle=False)

@@ -670,3 +670,40 @@ def test_a_compiled_models_layer_table_comes_from_one_eager_forward_of_its_batch
     assert table.step == 0 and "Sequential" in text and "  0 (Linear)  " in text and "4 (FaultAt)" in text
     assert "_orig_mod" not in text and "OptimizedModule" not in text
     assert [e.value for e in acc.Scalars("layerwatch/macs_per_step")][0] > 0
+
+
+LIGHTNING_DDP = """
+import lightning.pytorch as L
+from lightning.pytorch.loggers import TensorBoardLogger
+from pathlib import Path
+
+from conftest import tolerate_abort_at_exit
+from layerwatch import InspectCallback
+from lightning_models import LitFaultOnRankOne
+
+if __name__ == "__main__":
+    out = Path({out!r})
+    for tag, callbacks in (("plain", []), ("watched", [InspectCallback(every_n_steps=50)])):
+        L.seed_everything(0, verbose=False)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=6, callbacks=callbacks,
+            logger=TensorBoardLogger(out, name=tag, version=0), enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+        )
+        with tolerate_abort_at_exit(out / f"{{tag}}0.json", out / f"{{tag}}1.json"):
+            trainer.fit(LitFaultOnRankOne(str(out), tag))
+"""
+
+
+def test_lightning_ddp_replays_on_every_rank_and_names_rank_ones_module(tmp_path, events):
+    import json
+
+    from ranks import run_python
+
+    run_python(LIGHTNING_DDP.format(out=str(tmp_path)))
+    for rank in (0, 1):
+        plain, watched = (json.loads((tmp_path / f"{tag}{rank}.json").read_text()) for tag in ("plain", "watched"))
+        assert watched == plain  # losses and final state (BatchNorm's buffers too), bitwise, on both ranks
+    (text,) = events(tmp_path / "watched" / "version_0").Tensors("layerwatch/first_offender/text_summary")
+    assert text.step == 3 and text.tensor_proto.string_val[0].decode() == (
+        "step 3, forward: fault turned finite inputs into a non-finite output (replayed from step 3, rank 1's batch)")
