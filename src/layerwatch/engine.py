@@ -48,8 +48,8 @@ from layerwatch.options import Options, writable_dir
 from layerwatch.params import ParameterFamilies, Piece, Snapshot
 from layerwatch.probes import ROOT, Offender, ProbeResult, StepProbes, probe_name, select_modules
 from layerwatch.probes.selection import is_compiled
-from layerwatch.replay import MicroBatch, RngState, SavedState, gradient_sync_off, run_closure, run_eagerly
-from layerwatch.sentinel import Finding, NonfiniteSentinel, StepCounter, fused_norms
+from layerwatch.replay import MicroBatch, RngState, forward_again, replay_until_named
+from layerwatch.sentinel import Finding, NonfiniteSentinel, StepCounter, nonfinite_names
 from layerwatch.sinks.tensorboard import TensorBoardSink
 from layerwatch.structure import Summary
 
@@ -309,7 +309,7 @@ class Engine:
         sample = self._sample = _Sample(step, self._layout.parameters(model), self._counter.count)
         self._param_cache = sample.params
         if self._fault_step is not None and not self._offender_found and is_writer_rank():
-            self.failures.run("look for NaN/Inf weights", lambda: sample.nonfinite_weights.update(nonfinite(sample.params)), step)
+            self.failures.run("look for NaN/Inf weights", lambda: sample.nonfinite_weights.update(self._nonfinite(sample.params)), step)
         if model is not None and (is_writer_rank() or self._layout.sharded):
             self._probes.arm(model, [p for _, p in sample.params], step, writer=is_writer_rank())
             self._collector.attach()
@@ -662,7 +662,7 @@ class Engine:
                and not self._probes.sees_nonfinite)  # sees it: sampled, saw it happen
         if can:  # weights NaN/Inf already: the fault came earlier, and a replay would name their first user
             bad: list[str] = []
-            self.failures.run("look for NaN/Inf weights", lambda: bad.extend(nonfinite(self._layout.parameters(model))), step)
+            self.failures.run("look for NaN/Inf weights", lambda: bad.extend(self._nonfinite(self._layout.parameters(model))), step)
             self._fault_before, can = bool(bad), not bad
         found: list[tuple[int, ProbeResult]] = []
         ranks: list[Any] = []
@@ -710,48 +710,26 @@ class Engine:
         return True
 
     def _run_again(self, model: nn.Module) -> list[tuple[int, ProbeResult]]:
-        """The micro-batches replayed in order until one's probes name an offender: its index
-        and their result (none found: empty). Leaves the model's state as it found it."""
-        params = [p for _, p in self._layout.parameters(model)]
+        """The micro-batches replayed until one's probes name an offender (replay.py): its
+        index and their result; empty when none did."""
         within = self._within()
         beyond = [p for ref in self._optimizers if ref() is not None for group in ref().param_groups for p in group["params"]]
-        saved = SavedState(model, world_size() > 1, beyond + ([] if within is None else list(within.parameters())))
-        try:
-            with gradient_sync_off(model, within), run_eagerly():
-                for index, micro in enumerate(self._micro_batches):
-                    saved.clear_gradients()
-                    micro.rng.restore()
-                    self._probes.arm(model, params, self._step, writer=is_writer_rank(), structure=False, eager=True)
-                    try:
-                        run_closure(micro.closure)
-                    finally:
-                        _, result = self._probes.take()
-                    if result is not None and result.offender is not None:
-                        return [(index, result)]
-            return []
-        finally:
-            saved.restore()
+        found = replay_until_named(
+            model, self._micro_batches, self._probes, self._step, writer=is_writer_rank(),
+            params=[p for _, p in self._layout.parameters(model)], within=within,
+            also=beyond + ([] if within is None else list(within.parameters())), copy_gradients=world_size() > 1,
+        )
+        return [] if found is None else [found]
 
     def _table_eagerly(self, micro: MicroBatch) -> Optional[Summary]:
-        """The layer table of a compiled model: one forward of the step's first micro-batch,
-        compiled code run eagerly, its graph dropped, the model's state put back after. Not in
-        a distributed run: the forward may issue collectives (DDP's buffer broadcast), and
-        only rank 0 records the table."""
+        """The layer table of a compiled model, from one forward of the step's first
+        micro-batch run again eagerly (replay.py). Not in a distributed run: that forward may
+        issue collectives (DDP's buffer broadcast), and only rank 0 records the table."""
         model = self._model()
         tables: list[Summary] = []
-
-        def forward() -> None:
-            saved = SavedState(model, copy_gradients=False)
-            try:
-                with run_eagerly(), torch.enable_grad():
-                    micro.rng.restore()
-                    micro.closure()
-            finally:
-                saved.restore()
-
         if model is not None:
-            self.failures.run("record the layer table eagerly",
-                              lambda: tables.append(self._probes.table_eagerly(model, self._step, forward)), self._step)
+            self.failures.run("record the layer table eagerly", lambda: tables.append(
+                self._probes.table_eagerly(model, self._step, lambda: forward_again(model, micro))), self._step)
         return tables[0] if tables else None
 
     def _on_nonfinite(self, finding: Finding, sampled_step: Optional[int]) -> None:
@@ -781,6 +759,11 @@ class Engine:
         logger.warning("layerwatch: %s", message)
         self.failures.warn(f"layerwatch: {message}")
 
+    @staticmethod
+    def _nonfinite(params: Sequence[tuple[str, nn.Parameter]]) -> list[str]:
+        """The parameters whose values (this rank's) hold NaN/Inf."""
+        return nonfinite_names([(name, local(p)) for name, p in params])
+
     def _after_fault(self, sample: _Sample, offender: Offender) -> str:
         """What an offender seen after an unreplayed fault is: never "the first offender"."""
         uses = offender.phase == "forward" and any(
@@ -802,14 +785,3 @@ class Engine:
         if alerts:
             lines = "\n".join(f"  {a.kind} {a.name}: {a.message}" for a in alerts)
             self.failures.warn(f"layerwatch: {len(alerts)} new alert(s) at step {step}:\n{lines}")
-
-
-
-def nonfinite(params: Sequence[tuple[str, nn.Parameter]]) -> list[str]:
-    """The names of the parameters whose (local) values hold a NaN or Inf: one fused pass."""
-    named = [(name, local(p)) for name, p in params if p.numel() > 0]
-    out = []
-    for indices, norms in fused_norms([t.detach() for _, t in named]):
-        bad = (~torch.isfinite(norms)).nonzero().flatten().tolist()
-        out += [named[indices[i]][0] for i in bad]
-    return out

@@ -5,8 +5,10 @@ A front door hands the engine each micro-batch of the open step as a closure tha
 loss again (:meth:`~layerwatch.engine.Engine.replay_with`), before that micro-batch's forward;
 the engine notes the RNG state it starts from (:class:`MicroBatch`). When the NaN sentinel
 finds non-finite gradients at that step, still before the optimizer step, the engine runs
-those micro-batches again in order, each from its own RNG state (the same dropout masks) and
-with fresh gradients, until one shows the first module that made a NaN or Inf.
+those micro-batches again in order (:func:`replay_until_named`), each from its own RNG state
+(the same dropout masks) and with fresh gradients, until one shows the first module that made
+a NaN or Inf. On compiled code, one forward of the first sampled step's batch run again
+(:func:`forward_again`) also gives the layer table.
 
 What a replay leaves as it found it (:class:`SavedState`):
 
@@ -29,11 +31,14 @@ from __future__ import annotations
 import contextlib
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from layerwatch.probes import ProbeResult, StepProbes
 
 
 @dataclass
@@ -165,3 +170,40 @@ def gradient_sync_off(*models: Optional[nn.Module]) -> Iterator[None]:
     finally:
         for module, name, value in flags:
             setattr(module, name, value)
+
+
+def replay_until_named(model: nn.Module, micro_batches: Sequence[MicroBatch], probes: "StepProbes", step: int, *,
+                       writer: bool, params: Sequence[nn.Parameter], within: Optional[nn.Module],
+                       also: Iterable[torch.Tensor], copy_gradients: bool) -> Optional[tuple[int, "ProbeResult"]]:
+    """Run ``micro_batches`` again in order, each from its RNG state, with fresh gradients and
+    ``probes`` armed, compiled code eager and DDP's gradient sync off, until one's probes name
+    an offender: its index and their result (None: none did). The state is put back after,
+    whatever happened (``also``: parameters beyond ``model`` whose gradients a closure may reach)."""
+    saved = SavedState(model, copy_gradients, also)
+    try:
+        with gradient_sync_off(model, within), run_eagerly():
+            for index, micro in enumerate(micro_batches):
+                saved.clear_gradients()
+                micro.rng.restore()
+                probes.arm(model, params, step, writer=writer, structure=False, eager=True)
+                try:
+                    run_closure(micro.closure)
+                finally:
+                    _, result = probes.take()
+                if result is not None and result.offender is not None:
+                    return index, result
+        return None
+    finally:
+        saved.restore()
+
+
+def forward_again(model: nn.Module, micro: MicroBatch) -> None:
+    """One forward of ``micro`` again, from its RNG state, compiled code eager, its graph
+    dropped; the state put back after (the layer table of a compiled model)."""
+    saved = SavedState(model, copy_gradients=False)
+    try:
+        with run_eagerly(), torch.enable_grad():
+            micro.rng.restore()
+            micro.closure()
+    finally:
+        saved.restore()

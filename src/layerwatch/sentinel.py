@@ -205,3 +205,13 @@ def fused_norms(tensors: Sequence[torch.Tensor], ord: int = 2) -> list[tuple[lis
             dtype = None if members[0].element_size() >= 4 or members[0].is_complex() else torch.float32
             out.append((indices, torch.stack(torch._foreach_norm(members, ord, dtype=dtype)).float()))
     return out
+
+
+def nonfinite_names(named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of the tensors that hold a NaN or Inf: one fused pass (:func:`fused_norms`),
+    whose float32 sums also read as non-finite past ~1.8e19."""
+    named = [(name, t.detach()) for name, t in named if t.numel() > 0]
+    out = []
+    for indices, norms in fused_norms([t for _, t in named]):
+        out += [named[indices[i]][0] for i in (~torch.isfinite(norms)).nonzero().flatten().tolist()]
+    return out
