@@ -290,14 +290,19 @@ def fingerprint(names: Sequence[str]) -> int:
 
 
 class RankSync:
-    """What the ranks of a sharded run agree on, over a CPU group of the whole world (gloo: no
-    device sync, whatever the training's backend). Made by every rank, at the start of a run:
-    making a group is itself collective."""
+    """A CPU group of the whole world (gloo: no device sync, whatever the training's backend)
+    where the ranks agree: a sharded run's, made at its start and kept; or one made for a few
+    exchanges and closed after (a context manager). Every rank makes it at the same point:
+    making a group is itself collective. With ``timeout_s``, a rank that never comes to an
+    exchange makes the others raise after that long instead of waiting for it."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: Optional[float] = None) -> None:
+        import datetime
+
         import torch.distributed as dist
 
-        self.group = dist.new_group(backend="gloo")
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
 
     def same(self, values: Sequence[int]) -> bool:
         """Whether every rank passed the same ``values`` (as many on every rank): one all_reduce."""
@@ -307,6 +312,14 @@ class RankSync:
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         n = len(values)
         return bool((both[:n] == -both[n:]).all())
+
+    def all(self, obj: Any) -> list[Any]:
+        """``obj`` (a small picklable object) from every rank, in rank order."""
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -318,35 +331,11 @@ class RankSync:
             except Exception:  # the run's own group is gone already: so is this one
                 pass
 
-
-class Gathering:
-    """A gloo group of every rank, made for a few exchanges of small objects and closed after
-    (a context manager). Every rank makes it at the same point and makes the same exchanges; a
-    rank that never comes makes the others raise after ``timeout_s`` seconds instead of
-    waiting for it."""
-
-    def __init__(self, timeout_s: float) -> None:
-        import datetime
-
-        import torch.distributed as dist
-
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-
-    def all(self, obj: Any) -> list[Any]:
-        """``obj`` from every rank, in rank order."""
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def __enter__(self) -> "Gathering":
+    def __enter__(self) -> "RankSync":
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        import torch.distributed as dist
-
-        dist.destroy_process_group(self.group)
+        self.close()
 
 
 @dataclass

@@ -39,7 +39,7 @@ from layerwatch import record as R
 from layerwatch import stats as S
 from layerwatch.alerts import Alert, HealthCheck
 from layerwatch.distributed import (
-    FAILED_NORM, Ballot, Decision, Gathering, Layout, RankSync, StepVote, is_writer_rank, local, parameter_layout,
+    FAILED_NORM, Ballot, Decision, Layout, RankSync, StepVote, is_writer_rank, local, parameter_layout,
     world_size,
 )
 from layerwatch.failures import FailurePolicy
@@ -134,7 +134,6 @@ class Engine:
         self._attached.removables += [self._probes, self._counter, self._collector]
         self._release = weakref.finalize(self, self._attached.release)
         self._sentinel: Optional[NonfiniteSentinel] = None
-        self._rotation = 1  # steps the sentinel took to check every gradient once, as it last was
         self._force_sample = False
         # A sharded run (see distributed.py): every rank takes part in every sampled step, and
         # the ranks vote on which steps those are; a sentinel's finding waits for the vote.
@@ -308,7 +307,8 @@ class Engine:
         model = self._model()
         sample = self._sample = _Sample(step, self._layout.parameters(model), self._counter.count)
         self._param_cache = sample.params
-        if self._fault_step is not None and not self._offender_found and is_writer_rank():
+        if self._fault_step is not None and not self._offender_found and "nonfinite" in self.options.families \
+                and is_writer_rank():
             self.failures.run("look for NaN/Inf weights", lambda: sample.nonfinite_weights.update(self._nonfinite(sample.params)), step)
         if model is not None and (is_writer_rank() or self._layout.sharded):
             self._probes.arm(model, [p for _, p in sample.params], step, writer=is_writer_rank())
@@ -617,7 +617,7 @@ class Engine:
             if self._vote is not None:  # the ranks act on it together, once they have voted
                 self._finding = self._finding or finding
                 break
-            self._sentinel, self._rotation = None, sentinel.rotation
+            self._sentinel = None  # before the replay: nothing in it checks again
             if before_optimizer_step and finding.step == step and self._replay(finding):
                 break
             self._fault_step = finding.step
@@ -633,12 +633,12 @@ class Engine:
         if self._finding_reported:
             return
         self._finding_reported = True
-        self._rotation = 1 if self._sentinel is None else self._sentinel.rotation
         self._fault_step = decision.finding_step
         own, self._finding = self._finding, None
         if is_writer_rank():
             tensors = own.tensors if own is not None and own.step == decision.finding_step else []
-            finding = Finding(decision.finding_step, tensors, None, decision.finding_nan)
+            rotation = 1 if self._sentinel is None else self._sentinel.rotation
+            finding = Finding(decision.finding_step, tensors, None, decision.finding_nan, rotation)
             self.failures.run("report NaN/Inf gradients", lambda: self._on_nonfinite(finding, step), step)
         self._sentinel = None
 
@@ -653,33 +653,36 @@ class Engine:
         replays its own batch, and they share what they found."""
         model = self._model()
         step = self._step
-        compiled = model is not None and is_compiled(model) and not hasattr(torch.compiler, "set_stance")
-        if compiled:
+        unseeable = model is not None and is_compiled(model) and not hasattr(torch.compiler, "set_stance")
+        if unseeable:
             self.replay_hint = ("the model is compiled, and this torch (before 2.6) cannot run it eagerly for the "
                                 "probes to see inside, so it is not replayed")
-        can = (model is not None and not compiled and "nonfinite" in self.options.families
+        can = (model is not None and not unseeable and "nonfinite" in self.options.families
                and (self._probes.runtime_on or self._probes.off_for_compiled)
                and not self._probes.sees_nonfinite)  # sees it: sampled, saw it happen
         if can:  # weights NaN/Inf already: the fault came earlier, and a replay would name their first user
             bad: list[str] = []
             self.failures.run("look for NaN/Inf weights", lambda: bad.extend(self._nonfinite(self._layout.parameters(model))), step)
             self._fault_before, can = bool(bad), not bad
-        found: list[tuple[int, ProbeResult]] = []
+        found: list[Optional[tuple[int, ProbeResult]]] = [None]  # the micro-batch that named it, and its probes
         ranks: list[Any] = []
         started = time.perf_counter()
 
+        def run_again() -> None:
+            found[0] = self._run_again(model)
+
         def replay_here() -> None:
             self.failures.run("report NaN/Inf gradients", lambda: self._on_nonfinite(finding, None), step)
-            self.failures.run(f"replay step {step}'s batch", lambda: found.extend(self._run_again(model)), step)
+            self.failures.run(f"replay step {step}'s batch", run_again, step)
 
         def mine() -> Any:
-            return None if not found else (found[0][0], found[0][1].offender.name, found[0][1].offender.phase)
+            return None if found[0] is None else (found[0][0], found[0][1].offender.name, found[0][1].offender.phase)
 
         def on_every_rank() -> None:
-            with Gathering(REPLAY_GATHER_TIMEOUT_S) as gathering:
-                if all(gathering.all(can)):
+            with RankSync(REPLAY_GATHER_TIMEOUT_S) as sync:
+                if all(sync.all(can)):
                     replay_here()
-                    ranks.extend(gathering.all(mine()))
+                    ranks.extend(sync.all(mine()))
 
         if world_size() > 1:
             self.failures.run("replay the bad step on every rank", on_every_rank, step)
@@ -698,7 +701,7 @@ class Engine:
         parts = ([f"micro-batch {index + 1} of {len(self._micro_batches)}"] if len(self._micro_batches) > 1 else []) + (
             [f"rank {rank}'s batch"] if rank != 0 else [])
         offender = Offender(name, phase, replayed_from=step, replayed_what=", ".join(parts))
-        result = found[0][1] if found else ProbeResult([], None)
+        result = ProbeResult([], None) if found[0] is None else found[0][1]
         result.offender = offender
         sample = self._sample
         if sample is None:
@@ -709,17 +712,16 @@ class Engine:
         sample.overhead_s += time.perf_counter() - started
         return True
 
-    def _run_again(self, model: nn.Module) -> list[tuple[int, ProbeResult]]:
+    def _run_again(self, model: nn.Module) -> Optional[tuple[int, ProbeResult]]:
         """The micro-batches replayed until one's probes name an offender (replay.py): its
-        index and their result; empty when none did."""
+        index and their result; None when none did."""
         within = self._within()
         beyond = [p for ref in self._optimizers if ref() is not None for group in ref().param_groups for p in group["params"]]
-        found = replay_until_named(
+        return replay_until_named(
             model, self._micro_batches, self._probes, self._step, writer=is_writer_rank(),
             params=[p for _, p in self._layout.parameters(model)], within=within,
             also=beyond + ([] if within is None else list(within.parameters())), copy_gradients=world_size() > 1,
         )
-        return [] if found is None else [found]
 
     def _table_eagerly(self, micro: MicroBatch) -> Optional[Summary]:
         """The layer table of a compiled model, from one forward of the step's first
@@ -743,7 +745,7 @@ class Engine:
         names = ", ".join(finding.tensors[:5]) + (f" and {len(finding.tensors) - 5} more" if len(finding.tensors) > 5 else "")
         where = f" in {names}" if names else " in gradient shards held by another rank"
         overflow = "" if finding.nan else " (or finite gradients whose norm passes ~1.8e19: an explosion)"
-        every = "every step" if self._rotation == 1 else f"each gradient at least every {self._rotation} steps"
+        every = "every step" if finding.rotation == 1 else f"each gradient at least every {finding.rotation} steps"
         if sampled_step is None:
             then = "its batch is run again with every probe armed, before the optimizer step, to find the module that made it"
         elif finding.step == self._step and self._probes.sees_nonfinite:

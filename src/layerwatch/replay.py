@@ -117,29 +117,21 @@ def loss_of(output: Any) -> Optional[torch.Tensor]:
 
 
 def run_closure(closure: Callable[[], Any]) -> None:
-    """A replay closure, with autograd on (an optimizer's pre-hook may run without it), and its
-    loss's backward.
+    """A replay closure, with autograd on (an optimizer's pre-hook may run without it), and the
+    backward of the loss it returns.
 
     Raises:
         TypeError: it returned no loss tensor that needs a gradient.
     """
     with torch.enable_grad():
-        backward(closure())
-
-
-def backward(output: Any) -> None:
-    """The replayed backward of what a closure returned.
-
-    Raises:
-        TypeError: it returned no loss tensor that needs a gradient.
-    """
-    loss = loss_of(output)
-    if loss is None or not loss.requires_grad:
-        raise TypeError(
-            "the replay closure must return the loss (a tensor that requires grad, or a dict with a 'loss'), got "
-            f"{type(output).__name__}" + ("" if loss is None else " that requires no gradient")
-        )
-    loss.backward()
+        output = closure()
+        loss = loss_of(output)
+        if loss is None or not loss.requires_grad:
+            raise TypeError(
+                "the replay closure must return the loss (a tensor that requires grad, or a dict with a 'loss'), got "
+                f"{type(output).__name__}" + ("" if loss is None else " that requires no gradient")
+            )
+        loss.backward()
 
 
 def run_eagerly() -> contextlib.AbstractContextManager:

@@ -36,6 +36,7 @@ class Finding:
     tensors: list[str]  # the parameters whose gradient held them
     stepped: Optional[bool]  # whether the optimizer stepped (False: a GradScaler skip); None: unknown
     nan: bool  # some norm was NaN; else only infinite, which finite values past ~1.8e19 also give
+    rotation: int = 1  # steps the sentinel took to check every gradient once (see NonfiniteSentinel.rotation)
 
 
 CPU_ROTATION = 32  # a 32nd of the bytes: about 0.3 ms of a 45 ms CPU step, read from memory
@@ -132,7 +133,7 @@ class NonfiniteSentinel:
             if bad:
                 nan = bool(torch.isnan(peaks).any())
                 hit = dict.fromkeys(name for i, name in enumerate(names) if i in bad)  # a parameter's slices: once
-                found.append(Finding(step, list(hit), stepped, nan))
+                found.append(Finding(step, list(hit), stepped, nan, self.rotation))
         return found
 
     def clear(self) -> None:
