@@ -234,3 +234,50 @@ class Poison(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         return x * math.nan if self.calls - 1 == self.step else x
+
+
+class Spoiler(nn.Module):
+    """Identity times a buffer: 1 until a test fills it with NaN. A buffer, not a Python flag,
+    so that compiled code runs the same graph either way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+class _NaNGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, spoil):
+        ctx.save_for_backward(spoil)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (spoil,) = ctx.saved_tensors
+        return grad * spoil, None
+
+
+class GradientSpoiler(Spoiler):
+    """Identity whose gradient is multiplied by the buffer (NaN: a fault made in backward)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _NaNGradient.apply(x, self.scale)
+
+
+class Chain(nn.Sequential):
+    """``nn.Sequential`` with a forward of user code, as most models' is: ``module.compile()``
+    starts compiling there (from ``torch.nn``'s own ``forward`` it does not)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for module in self:
+            x = module(x)
+        return x
+
+
+def spoilable(spoiler: nn.Module) -> Chain:
+    """Linear, Tanh, the spoiler, Linear, ReLU, Linear (8 -> 4)."""
+    torch.manual_seed(0)
+    return Chain(nn.Linear(8, 16), nn.Tanh(), spoiler, nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))

@@ -2,6 +2,7 @@
 attaching it adds no graph break, no graph and no recompile (counted by Dynamo itself).
 The ``aot_eager`` backend needs no C++ compiler."""
 
+import math
 import warnings
 
 import pytest
@@ -9,87 +10,190 @@ import torch
 from torch import nn
 
 from layerwatch import Inspector
-from models import MLP, hook_count, layerwatch_messages
+from models import MLP, GradientSpoiler, Spoiler, hook_count, layerwatch_messages, spoilable
 
 dynamo = pytest.importorskip("torch._dynamo")
 from torch._dynamo.utils import counters  # noqa: E402
 
 
-def run(log_dir, *, watch, compile_loss=False, compile_step=False, compile_model=False, steps=9):
-    """Losses, Dynamo's counters and layerwatch's warnings of a small Adam run."""
+HOWS = ["torch.compile(model)", "model.compile()", "torch.compile(loss_fn)"]
+
+
+def run(log_dir, *, how, watch=True, steps=8, every=2, spoil_at=None, spoiler=None, backend="aot_eager",
+        early_step=False, **options):
+    """A small SGD run compiled ``how``; returns its losses (exact), final state, graphs (Dynamo's
+    count), frames compiled after its first two steps (by Dynamo's counting backend), graph
+    breaks and layerwatch's warnings. ``spoil_at``: the step from which the spoiler's buffer
+    holds NaN. ``early_step``: one compiled training step runs before the Inspector exists."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    dynamo.reset()
+    counters.clear()
+    counter = CompileCounterWithBackend(backend)
+    spoiler = spoiler if spoiler is not None else Spoiler()
+    model = spoilable(spoiler)
+    call = model
+    if how == "torch.compile(model)":
+        call = torch.compile(model, backend=counter)
+    elif how == "model.compile()":
+        model.compile(backend=counter)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    forward = torch.compile(lambda x: call(x), backend=counter) if how == "torch.compile(loss_fn)" else call
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)) for _ in range(steps + 1)]
+
+    def train_step(x, y):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(forward(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    if early_step:
+        train_step(*batches.pop())
+    losses, after_two = [], 0
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        inspector = Inspector(call, log_dir=log_dir, every_n_steps=every, optimizer=opt, **options).start() if watch else None
+        for k, (x, y) in enumerate(batches[:steps]):
+            if k == spoil_at:
+                spoiler.scale.fill_(math.nan)
+            losses.append(repr(train_step(x, y).item()))
+            if inspector is not None:
+                inspector.step()
+            if k == 1:
+                after_two = counter.frame_count
+        alerts = [] if inspector is None else [a.message for a in inspector.alerts]
+        if inspector is not None:
+            inspector.finish()
+    assert hook_count(model, opt) == 0
+    return {
+        "losses": losses, "state": [t.clone() for t in model.state_dict().values()],
+        "graphs": counters["stats"]["unique_graphs"],
+        "new_graphs": counter.frame_count - after_two, "breaks": sum(counters["graph_break"].values()),
+        "said": layerwatch_messages(seen), "alerts": alerts,
+    }
+
+
+def same_run(watched, plain):
+    assert watched["losses"] == plain["losses"]  # bitwise, sampled steps too
+    assert all(torch.equal(a, b) for a, b in zip(watched["state"], plain["state"]))
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_a_compiled_model_is_measured_inside_its_graph_with_one_graph_more_and_bitwise_losses(tmp_path, events, how):
+    plain, watched = run(None, how=how, watch=False), run(tmp_path, how=how)
+    same_run(watched, plain)
+    assert watched["breaks"] == plain["breaks"] == 0
+    assert plain["graphs"] <= watched["graphs"] <= plain["graphs"] + 1  # the armed variant
+    assert watched["new_graphs"] == 0  # none after the first sampled step and the first between samples
+    assert len(watched["said"]) == 1 and "compiled" in watched["said"][0]
+    acc = events(tmp_path)
+    tags = set(acc.Tags()["scalars"])
+    for name in ("0", "1", "2", "3", "4", "5"):  # every module inside, at every sampled step
+        assert [e.step for e in acc.Scalars(f"activations_norm/{name}")] == [0, 2, 4, 6], name
+        assert f"activations/{name}" in acc.Tags()["histograms"], name
+    assert [e.step for e in acc.Scalars("grads_norm/0.weight")] == [0, 2, 4, 6]
+    assert not [t for t in tags if "_orig_mod" in t]
+    latency = sorted(t for t in tags if t.startswith(("fwd_ms/", "bwd_ms/")))
+    assert latency == (["bwd_ms/(root)", "fwd_ms/(root)"] if how == "torch.compile(model)" else [])
+
+
+def test_the_statistics_made_in_the_graph_are_the_eager_probes_statistics(tmp_path, events):
+    """Step 0 (same weights, same batch): the compiled model's activation statistics and
+    histograms against the eager run's."""
+    every_stat = ("mean", "std", "min", "max", "norm", "zero_frac", "nonfinite")
+    run(tmp_path / "eager", how="eager", steps=1, stats=every_stat)
+    run(tmp_path / "compiled", how="torch.compile(model)", steps=1, stats=every_stat)
+    eager, compiled = events(tmp_path / "eager"), events(tmp_path / "compiled")
+    stats = [t for t in eager.Tags()["scalars"] if t.startswith("activations_") and not t.endswith("(root)")]
+    assert len(stats) == 6 * 6  # nonfinite is a card of its own
+    for tag in stats:
+        assert compiled.Scalars(tag)[0].value == pytest.approx(eager.Scalars(tag)[0].value, rel=1e-5, abs=1e-6), tag
+    for tag in [t for t in eager.Tags()["histograms"] if t.startswith("activations/")]:
+        a, b = eager.Histograms(tag)[0].histogram_value, compiled.Histograms(tag)[0].histogram_value
+        assert (a.min, a.max, a.num) == pytest.approx((b.min, b.max, b.num), rel=1e-6), tag
+        assert sum(abs(x - y) for x, y in zip(a.bucket, b.bucket)) <= 0.01 * a.num, tag  # a value on an edge may move
+
+
+def test_the_traced_row_is_the_reference_row():
+    from layerwatch import stats as S
+
+    torch.manual_seed(0)
+    big = torch.randn(100_003) * 3 + 1
+    spoilt = torch.randn(500)
+    spoilt[[3, 77]] = math.nan
+    spoilt[5] = math.inf
+    for t in (torch.randn(700), big, spoilt, torch.zeros(10), torch.full((4,), 2.5)):
+        made = S.traced_row(t, 32, zeros=True, centered=True)
+        reference = S.reduce([t], 32, zeros=True, centered=True, fast=False, histogram_values=S.HISTOGRAM_VALUES)[0]
+        assert torch.allclose(made[: S.HIST], reference[: S.HIST], rtol=1e-5, atol=1e-3, equal_nan=True)
+        assert (made[S.HIST :] - reference[S.HIST :]).abs().sum() <= 1e-3 * t.numel() + 1e-6
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_a_nan_made_inside_compiled_code_on_a_sampled_step_names_its_module(tmp_path, how):
+    watched = run(tmp_path, how=how, spoil_at=4, steps=5)
+    assert "first offender: step 4, forward: 2 turned finite inputs into a non-finite output" in watched["alerts"]
+
+
+def test_a_nan_made_in_the_compiled_backward_is_a_backward_offender(tmp_path):
+    watched = run(tmp_path, how="torch.compile(model)", spoil_at=4, steps=5, spoiler=GradientSpoiler())
+    assert ("first offender: step 4, backward: 2 turned finite gradient with respect to its outputs into a non-finite "
+            "gradient with respect to its inputs (or parameters)") in watched["alerts"]
+
+
+def test_hooks_attached_after_the_first_compiled_call_are_said_to_be_late_and_nothing_breaks(tmp_path, events):
+    how = "torch.compile(model)"
+    plain, watched = run(None, how=how, watch=False, early_step=True), run(tmp_path, how=how, early_step=True)
+    same_run(watched, plain)
+    said = [m for m in watched["said"] if "torch._dynamo.reset()" in m]
+    assert len(said) == 1 and "compiled before layerwatch attached" in said[0], watched["said"]
+    assert not [t for t in events(tmp_path).Tags()["scalars"] if t.startswith("activations_norm/0")]
+
+
+def test_a_compiled_caller_that_ran_before_layerwatch_compiles_again_with_its_hooks(tmp_path, events):
+    """The sampled step's forward guard replaces the model's ``forward``, which compiled code is
+    guarded on: it compiles again, with the hooks (one graph, as attaching before would)."""
+    how = "torch.compile(loss_fn)"
+    plain, watched = run(None, how=how, watch=False, early_step=True), run(tmp_path, how=how, early_step=True)
+    same_run(watched, plain)
+    assert not [m for m in watched["said"] if "torch._dynamo.reset()" in m]
+    assert [e.step for e in events(tmp_path).Scalars("activations_norm/0")] == [0, 2, 4, 6]
+
+
+def test_inductor_compiled_model_is_measured_with_bitwise_losses(tmp_path, events):
+    plain, watched = run(None, how="torch.compile(model)", watch=False, backend="inductor", steps=4), \
+        run(tmp_path, how="torch.compile(model)", backend="inductor", steps=4)
+    same_run(watched, plain)
+    assert watched["breaks"] == 0 and watched["graphs"] == plain["graphs"] + 1 and watched["new_graphs"] == 0
+    assert [e.step for e in events(tmp_path).Scalars("activations_norm/3")] == [0, 2]
+
+
+def test_a_compiled_optimizer_step_is_not_traced_into(tmp_path, events):
     torch.manual_seed(0)
     dynamo.reset()
     counters.clear()
     model = MLP()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    step = torch.compile(opt.step, backend="aot_eager")
     x, y = torch.randn(32, 8), torch.randn(32, 4)
-    forward = torch.compile(model, backend="aot_eager") if compile_model else model
-
-    def loss_fn(x, y):
-        return nn.functional.mse_loss(forward(x), y)
-
-    loss_of = torch.compile(loss_fn, backend="aot_eager") if compile_loss else loss_fn
-    step = torch.compile(opt.step, backend="aot_eager") if compile_step else opt.step
-    losses = []
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        inspector = Inspector(forward, log_dir=log_dir, every_n_steps=3, optimizer=opt).start() if watch else None
-        for _ in range(steps):
+        inspector = Inspector(model, log_dir=tmp_path, every_n_steps=3, optimizer=opt).start()
+        for _ in range(9):
             opt.zero_grad()
-            loss = loss_of(x, y)
-            loss.backward()
+            nn.functional.mse_loss(model(x), y).backward()
             step()
-            losses.append(loss.item())
-            if inspector is not None:
-                inspector.step()
-        if inspector is not None:
-            inspector.finish()
-    dynamo_counts = {
-        "graph_breaks": sum(counters["graph_break"].values()),
-        "unique_graphs": counters["stats"]["unique_graphs"],
-        "recompiles": sum(v for k, v in counters["recompiles"].items()) if "recompiles" in counters else 0,
-    }
-    assert hook_count(model, opt) == 0
-    return losses, dynamo_counts, [str(w.message) for w in seen]
-
-
-def test_a_compiled_loss_function_calling_the_model_runs_no_hook_and_compiles_the_same(tmp_path, events):
-    plain, plain_counts, _ = run(tmp_path / "plain", watch=False, compile_loss=True)
-    watched, counts, messages = run(tmp_path / "watched", watch=True, compile_loss=True)
-    assert watched == plain  # bitwise
-    assert counts == plain_counts and counts["graph_breaks"] == 0 and counts["unique_graphs"] == 1
-    assert not [m for m in messages if "Dynamo" in m or "trace" in m.lower() and "layerwatch" not in m]
-    said = layerwatch_messages(messages)
-    assert len(said) == 1 and "runs inside compiled code" in said[0]
-    acc = events(tmp_path / "watched")
-    assert [e.step for e in acc.Scalars("grads_norm/fc1.weight")] == [0, 3, 6]  # parameter families go on
-    assert [e.step for e in acc.Scalars("update_ratio/fc1.weight")] == [0, 3, 6]
-    assert not [t for t in acc.Tags()["scalars"] if t.startswith("fwd_ms/")]
-
-
-def test_a_compiled_optimizer_step_is_not_traced_into(tmp_path, events):
-    plain, plain_counts, _ = run(tmp_path / "plain", watch=False, compile_step=True)
-    watched, counts, messages = run(tmp_path / "watched", watch=True, compile_step=True)
-    assert watched == plain
-    assert counts == plain_counts and counts["unique_graphs"] == 1
-    assert not [m for m in messages if not m.startswith("layerwatch")]  # Dynamo warns of nothing
-    said = layerwatch_messages(messages)
+            inspector.step()
+        inspector.finish()
+    assert not [str(w.message) for w in seen if not str(w.message).startswith("layerwatch")]  # Dynamo warns of nothing
+    said = layerwatch_messages(seen)
     assert len(said) == 1 and "step hooks did not run" in said[0]
-    acc = events(tmp_path / "watched")
+    assert counters["stats"]["unique_graphs"] == 1
+    acc = events(tmp_path)
     assert [e.step for e in acc.Scalars("grads_norm/fc1.weight")] == [0, 3, 6]  # read in step() instead
     assert [e.step for e in acc.Scalars("fwd_ms/fc1")] == [3, 6]  # probes are eager here (step 0: layer table)
-
-
-def test_a_compiled_model_keeps_the_parameter_families_without_a_recompile(tmp_path, events):
-    plain, plain_counts, _ = run(tmp_path / "plain", watch=False, compile_model=True)
-    watched, counts, messages = run(tmp_path / "watched", watch=True, compile_model=True)
-    assert watched == plain
-    assert counts == plain_counts
-    said = layerwatch_messages(messages)
-    assert len(said) == 1 and "torch.compile'd" in said[0]
-    acc = events(tmp_path / "watched")
-    assert [e.step for e in acc.Scalars("weights_norm/fc1.weight")] == [0, 3, 6]
-    assert not [t for t in acc.Tags()["scalars"] if t.startswith("fwd_ms/")]
 
 
 L = pytest.importorskip("lightning.pytorch")

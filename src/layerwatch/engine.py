@@ -396,7 +396,7 @@ class Engine:
             return None
         started = time.perf_counter()
         sample.overhead_s += self._probes.hook_seconds
-        structure, probes = self._probes.take(self._sync)
+        structure, probes = self._probes.take(self._sync, sample.step)
         probes = sample.replay or probes
         if structure is None and self._probes.table_waits and micro_batches and world_size() == 1:
             structure = self._table_eagerly(micro_batches[0])
@@ -658,7 +658,7 @@ class Engine:
             self.replay_hint = ("the model is compiled, and this torch (before 2.6) cannot run it eagerly for the "
                                 "probes to see inside, so it is not replayed")
         can = (model is not None and not unseeable and "nonfinite" in self.options.families
-               and (self._probes.runtime_on or self._probes.off_for_compiled)
+               and self._probes.runtime_on
                and not self._probes.sees_nonfinite)  # sees it: sampled, saw it happen
         if can:  # weights NaN/Inf already: the fault came earlier, and a replay would name their first user
             bad: list[str] = []

@@ -34,7 +34,21 @@ try:
 except ImportError:  # torch < 2.3
     from torch._dynamo import is_compiling  # type: ignore[no-redef]
 
-__all__ = ["Attachments", "CollectorClock", "claim", "is_compiling"]
+__all__ = ["Attachments", "CollectorClock", "claim", "inlined_only", "is_compiling"]
+
+
+def inlined_only(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, which Dynamo traces where compiled code calls it but never compiles as a
+    frame of its own, nor anything it calls: run from a frame Dynamo skipped (a ``torch.nn``
+    forward under ``module.compile()``), it runs eagerly instead of becoming graphs of its own.
+    As is on a torch without frame strategies (before 2.6)."""
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:
+        return function
+    set_code_exec_strategy(function.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    return function
 
 
 class Attachments:

@@ -95,8 +95,15 @@ class RuntimeProbe:
         parameters: Sequence[nn.Parameter],
         workspace: Optional[S.Workspace] = None,
         cuda_events: Optional[list[Any]] = None,
+        traced: Any = None,
+        regions: Optional[Collection[str]] = None,
     ) -> None:
         self.error: Optional[BaseException] = None
+        # The modules inside compiled code. ``traced`` measures them: the modules inside the
+        # model's compiled parts when ``regions`` is given (the names of those parts, hooked
+        # here from outside: their hooks run around the compiled call), else the modules whose
+        # hooks Dynamo traces (these hooks call it then: the model runs in a compiled caller).
+        self._traced, self._regions = traced, regions
         self.compiled = False  # a hook was traced by Dynamo: the model runs inside compiled code
         self.inert = False  # hooks left in place only so that compiled code keeps its guards
         self._host_ns = 0
@@ -198,7 +205,11 @@ class RuntimeProbe:
         spread_rows = self._outputs.spread_rows(together)
         if error is not None:
             raise error
-        slot_pieces, rows_host = self._outputs.rows(self._slots.pieces(), spread_rows)
+        traced = self._traced if self._traced is not None and (self.compiled or self._regions is not None) else None
+        inside = traced.pieces() if traced is not None else []
+        slot_pieces, rows_host = self._outputs.rows(self._slots.pieces() + inside, spread_rows)
+        if inside:
+            inside, slot_pieces = slot_pieces[-len(inside):], slot_pieces[: -len(inside)]
         flagged = self._slots.flagged(slot_pieces)
         nonfinite = [bool(rows_host[-1 - f, S.NONFINITE] > 0) if f < 0 else bool(flagged[f]) for f in self._flags]
         marks = self._clock.resolve([m for pair in zip(self._entered, self._left) for m in pair])
@@ -231,7 +242,8 @@ class RuntimeProbe:
                     trace.nonfinite = trace.nonfinite or bad_out
                     if offender is None and bad_out and not any(nonfinite[f] for f in self._run(inputs)):
                         offender = Offender(trace.name, phase)
-        return ProbeResult([t for t in traces if t.calls], offender)
+        result = ProbeResult([t for t in traces if t.calls], offender)
+        return result if traced is None else merged(result, traced.result(*inside), self._regions or ())
 
     # ------------------------------------------------------------------ hooks
     # Hooks hold the probe (names and indices), never a module or the inspector.
@@ -240,7 +252,7 @@ class RuntimeProbe:
     # its hooks) is passed over.
 
     def _pre_hook(self, module: nn.Module, args: tuple) -> None:
-        if is_compiling():  # traced: note it (a store Dynamo replays), nothing else
+        if is_compiling():  # traced: note it (a store Dynamo replays); the traced probe measures
             self.compiled = True
             return
         index = self._index.get(id(module))
@@ -248,7 +260,11 @@ class RuntimeProbe:
             self._guarded(self._enter, index, args, module)
 
     def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if is_compiling() or self.inert:
+        if is_compiling():
+            if self._traced is not None:
+                self._traced.record(module, args, output)
+            return
+        if self.inert:
             return
         index = self._index.get(id(module))
         if index is None:
@@ -542,3 +558,15 @@ def on_gradients(tensors: list[torch.Tensor], probe: "RuntimeProbe", call: int, 
     if len(tensors) > 1:
         return torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="all" if done else "any")
     return tensors[0].register_hook(hook)
+
+
+def merged(outside: ProbeResult, inside: ProbeResult, regions: Collection[str]) -> ProbeResult:
+    """The eager probe's result (``outside``: the modules outside compiled code, and the
+    compiled ``regions`` as wholes) with the traced probe's (``inside`` them). An offender inside
+    a region is more precise than the region itself, or than a backward offender."""
+    offender = outside.offender
+    if inside.offender is not None and (
+        offender is None or offender.name in regions or (offender.phase == "backward" and inside.offender.phase == "forward")
+    ):
+        offender = inside.offender
+    return ProbeResult(outside.modules + inside.modules, offender)

@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence, Union
 
 from torch import nn
 
-from layerwatch.distributed import named_modules
+from layerwatch.distributed import clean_name, is_wrapper, named_modules
 from layerwatch.rankings import ROOT  # the model itself: named_modules() names it ""
 
 PROBE_FAMILIES = ("latency", "memory", "activations", "nonfinite")
@@ -58,3 +58,40 @@ def is_compiled(model: nn.Module) -> bool:
     see inside the compiled graph, and adding them forces a recompile)."""
     return any(hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 
+
+
+def split_at_compiled(model: nn.Module, selected: Sequence[tuple[str, nn.Module]]
+                      ) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]], list[str]]:
+    """The ``selected`` modules of a model with compiled parts, as (outside, inside, regions):
+    the modules whose hooks run eagerly, those that run inside compiled code (their hooks are
+    traced), and the names of the compiled parts hooked from outside.
+
+    A ``torch.compile(module)`` wrapper runs its hooks eagerly around the compiled call: it is
+    hooked, under its module's name, in place of that module, whose hooks run eagerly or are
+    traced depending on its class. ``module.compile()`` compiles the module's call, and Dynamo
+    starts at its ``forward``: its own hooks run under the compiler as frames of their own,
+    each compiled apart (graphs and breaks of ours): it is in none of the three."""
+    inside_ids: set[int] = set()
+    wrappers: dict[int, tuple[str, nn.Module]] = {}
+    unhooked: set[int] = set()
+    for name, module in model.named_modules():
+        compiled = None
+        if is_wrapper(module) and hasattr(module, "_orig_mod"):
+            compiled = module._orig_mod
+            wrappers[id(compiled)] = (clean_name(name), module)
+            inside_ids.update(id(m) for m in compiled.modules() if m is not compiled)
+        elif getattr(module, "_compiled_call_impl", None) is not None:
+            inside_ids.update(id(m) for m in module.modules() if m is not module)
+            unhooked.add(id(module))
+    outside, inside, regions = [], [], []
+    for name, module in selected:
+        if id(module) in unhooked:
+            continue
+        if id(module) in inside_ids:
+            inside.append((name, module))
+        elif id(module) in wrappers:
+            outside.append((name, wrappers[id(module)][1]))
+            regions.append(probe_name(name))
+        else:
+            outside.append((name, module))
+    return outside, inside, regions

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
+import torch
 from torch import nn
 
 from layerwatch import stats as S
@@ -12,19 +13,30 @@ from layerwatch.distributed import RankSync
 from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import FailedForwardGuard
 from layerwatch.probes.runtime import ProbeResult, RuntimeProbe
-from layerwatch.probes.selection import PROBE_FAMILIES, ModuleFilter, is_compiled, select_modules
+from layerwatch.probes.selection import PROBE_FAMILIES, ModuleFilter, is_compiled, select_modules, split_at_compiled
+from layerwatch.probes.traced import TracedProbe
 from layerwatch.structure import StructureProbe, Summary
 
 
 class StepProbes:
-    """The module hooks of one sampled step: the layer table (the first time) and the
-    runtime probes. Neither is armed on a compiled model (hooks would force a recompile
-    and see nothing inside the graph); that is said once.
+    """The module hooks of one sampled step: the layer table (the first time) and the runtime
+    probes.
 
-    A model called from compiled code (``torch.compile`` of a function that calls it) is
-    found when Dynamo traces the first armed hooks. Those hooks then stay, inert, until
-    :meth:`remove`: compiled code is guarded on the model's hooks, so removing them at the
-    end of the step, or arming new ones later, would recompile it."""
+    Modules that run inside compiled code are measured by the traced probe (see
+    :mod:`~layerwatch.probes.traced`), whose hooks are compiled into the graph and stay, gated,
+    until :meth:`remove`. Two ways it is found:
+
+    * the model holds ``torch.compile``'d parts (``torch.compile(module)``, ``module.compile()``):
+      at the first sampled step, before the first compiled call, the modules inside them get
+      the traced probe's hooks; the rest, and each compiled part as a whole, the runtime
+      probe's, every sampled step;
+    * the model is called from compiled code (``torch.compile`` of a function that calls it):
+      Dynamo traces the runtime probe's hooks, which then call the traced probe. Those hooks
+      stay, inert when run eagerly, and later sampled steps arm the traced probe alone.
+
+    Neither sees inside compiled code for the layer table, which waits for an eager forward
+    (:meth:`table_eagerly`).
+    """
 
     def __init__(self, families: Sequence[str], modules: Optional[ModuleFilter], stats: Sequence[str], bins: int,
                  failures: FailurePolicy) -> None:
@@ -32,12 +44,15 @@ class StepProbes:
         self.zeros, self.centered = "zero_frac" in stats, "std" in stats
         self.structure_pending = "structure" in families
         self.runtime_on = any(family in families for family in PROBE_FAMILIES)
-        self.off_for_compiled = False  # turned off because the model runs compiled: a replay still can
         self.table_waits = False  # the layer table of a compiled model waits for an eager forward (table_eagerly)
         self._structure: Optional[StructureProbe] = None
         self._runtime: Optional[RuntimeProbe] = None
         self._forward_guard: Optional[FailedForwardGuard] = None
         self._inert: list[Any] = []
+        self._traced: Optional[TracedProbe] = None
+        self._outside: Optional[tuple[list[tuple[str, nn.Module]], list[str]]] = None  # compiled parts: (modules, regions)
+        self._caller_compiled = False  # the model runs inside a compiled caller: the traced probe alone
+        self._traced_alone = False  # armed, this step, without a runtime probe
         self.workspace = S.Workspace()  # kept from one sampled step to the next
         self._cuda_events: list[Any] = []  # the runtime probes' clock marks on a GPU, idem
 
@@ -45,31 +60,62 @@ class StepProbes:
             structure: bool = True, eager: bool = False) -> None:
         """Arm this step's hooks: the layer table's (the first time, on the rank that writes,
         unless ``structure`` is False) and the runtime probes'. ``eager``: compiled code runs
-        eagerly for this forward (a replay), so the hooks see inside a compiled model."""
+        eagerly for this forward (a replay), so the eager hooks see every module."""
         writer = writer and structure
-        runtime = self.runtime_on or (eager and self.off_for_compiled)
+        runtime = self.runtime_on
         if not ((self.structure_pending and writer) or runtime):
             return
-        if is_compiled(model) and not eager:
-            self.off_for_compiled = self.runtime_on or self.off_for_compiled
+        if not eager and (self._caller_compiled or is_compiled(model)):
             self.table_waits = self.structure_pending and writer
-            self.runtime_on = False
-            self.failures.warn_once(
-                "compiled",
-                "layerwatch: the model (or part of it) is torch.compile'd; module hooks cannot see inside a compiled "
-                "graph, so the per-module families (latency, memory, activations, nonfinite) are not recorded on "
-                "sampled steps. Parameter families and the NaN sentinel go on, and a NaN's step is replayed eagerly. "
-                "The layer table comes from one eager forward of a sampled step's batch where layerwatch can run it "
-                "again (Lightning's callback, Inspector.replay_with); else call "
-                "layerwatch.summarize(model._orig_mod, batch).",
-            )
+            if runtime:
+                self.failures.run("arm the traced probes", lambda: self._arm_traced(model, parameters), step)
             return
         if self.structure_pending and writer:
             self.failures.run("record the layer table", lambda: self._arm_structure(model), step)
         if runtime:
-            self.failures.run("arm the runtime probes", lambda: self._arm_runtime(model, parameters), step)
+            self.failures.run("arm the runtime probes", lambda: self._arm_runtime(model, parameters, eager), step)
         if self._structure is not None or self._runtime is not None:
             self.failures.run("guard the forward", lambda: self._guard(model), step)
+
+    def _arm_traced(self, model: nn.Module, parameters: Sequence[nn.Parameter]) -> None:
+        if self._caller_compiled:
+            self._traced.arm()
+            self._traced_alone = True
+            return
+        if self._outside is None:
+            outside, inside, regions = split_at_compiled(model, self._selected(model))
+            self._traced = self._traced_probe(inside, parameters)
+            self._traced.attach([module for _, module in inside])
+            self._outside = (outside, regions)
+            self.failures.warn_once(
+                "compiled",
+                "layerwatch: the model (or part of it) is torch.compile'd; on sampled steps, hooks compiled into its graph "
+                f"measure the modules inside ({len(inside)}): activations, NaN/Inf and bytes. Per-module latency has no "
+                "meaning inside fused kernels: each compiled part's time is logged as a whole, under its own name "
+                f"({', '.join(regions) or 'none: module.compile() runs its hooks inside the graph'}).",
+            )
+        outside, regions = self._outside
+        self._traced.arm()
+        self._runtime = RuntimeProbe(
+            outside, families=self.families, bins=self.bins, zeros=self.zeros, centered=self.centered,
+            parameters=parameters, workspace=self.workspace, cuda_events=self._cuda_events,
+            traced=self._traced, regions=regions,
+        )
+
+    def _selected(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        modules = select_modules(model, self.modules)
+        if not modules:
+            self.runtime_on = False
+            self.failures.warn_once(
+                "no-modules", f"layerwatch: modules={list(self.modules or ())!r} matches no module of the model; "
+                "the per-module families are off",
+            )
+        return modules
+
+    def _traced_probe(self, modules: Sequence[tuple[str, nn.Module]], parameters: Sequence[nn.Parameter]) -> TracedProbe:
+        device = next((p.device for p in parameters), torch.device("cpu"))
+        return TracedProbe(modules, families=self.families, bins=self.bins, zeros=self.zeros, centered=self.centered,
+                           device=device)
 
     def table_eagerly(self, model: nn.Module, step: int, forward: Callable[[], Any]) -> Optional[Summary]:
         """The layer table of a compiled model, recorded while ``forward()`` runs its compiled
@@ -98,27 +144,28 @@ class StepProbes:
     def _arm_structure(self, model: nn.Module) -> None:
         self._structure = StructureProbe(model, training_only=True)
 
-    def _arm_runtime(self, model: nn.Module, parameters: Sequence[nn.Parameter]) -> None:
-        modules = select_modules(model, self.modules)
+    def _arm_runtime(self, model: nn.Module, parameters: Sequence[nn.Parameter], eager: bool) -> None:
+        modules = self._selected(model)
         if not modules:
-            self.runtime_on = False
-            self.failures.warn_once(
-                "no-modules", f"layerwatch: modules={list(self.modules or ())!r} matches no module of the model; "
-                "the per-module families are off",
-            )
             return
         families = self.families
         if self._structure is not None:  # FlopCounterMode slows every op of this step: its times would mislead
             families = tuple(f for f in families if f != "latency")
+        traced = None
+        if not eager:  # for a compiled caller, should Dynamo trace these hooks; armed before it does
+            if self._traced is None:
+                self._traced = self._traced_probe(modules, parameters)
+            traced = self._traced
+            traced.arm()
         self._runtime = RuntimeProbe(
             modules, families=families, bins=self.bins, zeros=self.zeros, centered=self.centered, parameters=parameters,
-            workspace=self.workspace, cuda_events=self._cuda_events,
+            workspace=self.workspace, cuda_events=self._cuda_events, traced=traced,
         )
 
     @property
     def sees_nonfinite(self) -> bool:
         """Whether this step's runtime probes are armed and flag NaN/Inf."""
-        return self._runtime is not None and "nonfinite" in self.families
+        return (self._runtime is not None or self._traced_alone) and "nonfinite" in self.families
 
     @property
     def hook_seconds(self) -> float:
@@ -126,20 +173,25 @@ class StepProbes:
         return 0.0 if self._runtime is None else self._runtime.hook_seconds
 
     def disarm(self) -> None:
-        """Remove this step's hooks (not the inert ones)."""
+        """Remove this step's hooks (not the inert or traced ones, which only stop recording)."""
         for probe in (self._structure, self._runtime, self._forward_guard):
             if probe is not None:
                 probe.remove()
         self._structure = self._runtime = self._forward_guard = None
+        if self._traced is not None:
+            self._traced.disarm()
+        self._traced_alone = False
 
     def remove(self) -> None:
-        """Remove every hook, the inert ones too (the engine is finishing)."""
+        """Remove every hook, the inert and traced ones too (the engine is finishing)."""
         self.disarm()
         for probe in self._inert:
             probe.remove()
         self._inert = []
+        if self._traced is not None:
+            self._traced.remove()
 
-    def take(self, sync: Optional[RankSync] = None) -> tuple[Optional[Summary], Optional[ProbeResult]]:
+    def take(self, sync: Optional[RankSync] = None, step: int = -1) -> tuple[Optional[Summary], Optional[ProbeResult]]:
         """Remove the hooks; the layer table (when a whole forward was seen) and the runtime
         measurements (when no probe failed).
 
@@ -148,37 +200,28 @@ class StepProbes:
         then do they combine them. Where they do not, every rank turns its probes off alike,
         so none waits for another at a later step either.
         """
+        if self._traced_alone:
+            traced = self._traced
+            self.disarm()
+            if sync is not None:
+                sync.same([int(self.runtime_on), 1, 0, 0, 0, 0, 0])  # what a runtime probe with no spread work says
+            return None, self._traced_result(traced, step)
         structure, runtime = self._structure, self._runtime
         armed = [probe for probe in (structure, runtime) if probe is not None]
         compiled = any(probe.compiled for probe in armed)
         together = False
         if sync is not None:  # every rank, on every sampled step, whatever its own probes did
-            healthy = runtime is not None and runtime.error is None and not compiled
-            work = runtime.spread_work() if healthy else [0] * 5
+            healthy = runtime is not None and runtime.error is None
+            work = runtime.spread_work() if healthy and not compiled else [0] * 5
             together = sync.same([int(self.runtime_on), int(healthy)] + work) and healthy
-            if not together and self.runtime_on and not compiled:  # every rank alike: all turn them off
+            if not together and self.runtime_on:  # every rank alike: all turn them off
                 self.runtime_on = False
                 if runtime is None:
                     self.failures.warn_once("fail:probes", "layerwatch: the runtime probes could not be armed; the per-module families are off")
                 elif runtime.error is None:
                     runtime.error = RuntimeError("the runtime probes failed on another rank")
         if compiled:
-            for probe in armed:
-                probe.inert = True
-            self._inert += armed
-            if self._forward_guard is not None:  # compiled code is guarded on forward too
-                self._inert.append(self._forward_guard)
-            self._structure = self._runtime = self._forward_guard = None
-            self.off_for_compiled = self.runtime_on or self.off_for_compiled
-            self.table_waits = structure is not None
-            self.structure_pending = self.runtime_on = False
-            self.failures.warn_once(
-                "compiled-caller",
-                "layerwatch: the model runs inside compiled code (torch.compile of a function that calls it), where "
-                "module hooks do not run; the layer table and the per-module families (latency, memory, "
-                "activations, nonfinite) are not recorded. Parameter families and the NaN sentinel go on.",
-            )
-            return None, None
+            return self._caller_found(structure, runtime, step)
         self.disarm()
         summary = result = None
         if structure is not None:
@@ -194,8 +237,65 @@ class StepProbes:
                     result = runtime.result(together)
                 except Exception as e:
                     runtime.error = e
-
             if runtime.error is not None:
                 self.runtime_on = False
                 self.failures.warn_once("fail:probes", f"layerwatch: a runtime probe failed: {runtime.error!r}; the per-module families are off")
+        if result is not None and self._outside is not None:
+            self._check_traced_ran(result, step)
+        elif result is not None and not result.modules and self.runtime_on:
+            self.failures.warn_once(
+                "no-hook-ran",
+                f"layerwatch: no module hook ran on sampled step {step}. If the model is called from code compiled (torch.compile) "
+                "before layerwatch attached, compiled code never runs hooks added later: attach layerwatch before the first "
+                "compiled call, or call torch._dynamo.reset() before the next one so that it compiles again with them.",
+            )
         return summary, result
+
+    def _caller_found(self, structure: Optional[StructureProbe], runtime: Optional[RuntimeProbe], step: int
+                      ) -> tuple[None, Optional[ProbeResult]]:
+        """Dynamo traced this step's hooks: the model runs inside a compiled caller. The hooks stay
+        (compiled code runs them, and is guarded on them), inert when run eagerly; from now on
+        the traced probe they call is armed alone."""
+        armed = [probe for probe in (structure, runtime) if probe is not None]
+        for probe in armed:
+            probe.inert = True
+        self._inert += armed
+        if self._forward_guard is not None:  # compiled code is guarded on forward too
+            self._inert.append(self._forward_guard)
+        self._structure = self._runtime = self._forward_guard = None
+        self.table_waits = structure is not None
+        self.structure_pending = False
+        self._caller_compiled = True
+        traced, self._traced_alone = self._traced, False
+        self.failures.warn_once(
+            "compiled-caller",
+            "layerwatch: the model runs inside compiled code (torch.compile of a function that calls it); its hooks are "
+            "compiled into the graph and measure activations, NaN/Inf and bytes on sampled steps. Per-module latency has "
+            "no meaning inside fused kernels and is not recorded; the layer table waits for an eager forward.",
+        )
+        if traced is None or runtime is None or not self.runtime_on:
+            return None, None
+        return None, self._traced_result(traced, step)
+
+    def _traced_result(self, traced: TracedProbe, step: int) -> Optional[ProbeResult]:
+        traced.disarm()
+        try:
+            result = traced.result(*S.to_host(traced.pieces()))
+        except Exception as e:
+            self.runtime_on = False
+            self.failures.warn_once("fail:probes", f"layerwatch: a traced probe failed: {e!r}; the per-module families are off")
+            return None
+        self._check_traced_ran(result, step)
+        return result
+
+    def _check_traced_ran(self, result: ProbeResult, step: int) -> None:
+        """Armed hooks inside compiled code that recorded nothing were attached too late."""
+        inside = set(self._traced.names) if self._traced is not None else set()
+        if inside and not any(trace.name in inside for trace in result.modules):
+            self.failures.warn_once(
+                "compiled-late",
+                f"layerwatch: the hooks inside compiled code recorded nothing on sampled step {step}: the model's forward was "
+                "compiled before layerwatch attached them, and compiled code never runs hooks added later (Dynamo does not "
+                "recompile for them). Attach layerwatch (Inspector(...).start(), or the callback) before the model's first "
+                "forward, or call torch._dynamo.reset() before the next one so that it compiles again with them.",
+            )
