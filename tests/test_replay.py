@@ -629,7 +629,8 @@ def test_a_compiled_model_is_replayed_eagerly_with_no_recompile_and_bitwise_loss
 
     plain, watched = run(False), run(True)
     assert watched[0] == plain[0] and same_tensors(watched[1], plain[1])
-    assert watched[3] == plain[3]  # graph breaks, graphs, recompiles: as without layerwatch
+    assert watched[3][0] == plain[3][0] and watched[3][2] == plain[3][2]  # graph breaks, recompiles: as without layerwatch
+    assert watched[3][1] <= plain[3][1] + 1  # graphs: the traced probe's armed variant at most
     assert watched[2] == ["first offender: step 7, forward: 4 turned finite inputs into a non-finite output "
                           "(replayed from step 7)"]
 
@@ -663,7 +664,9 @@ def test_a_compiled_models_layer_table_comes_from_one_eager_forward_of_its_batch
                         sum(counters["recompiles"].values()) if "recompiles" in counters else 0)
 
     plain, watched = run(None), run(tmp_path)
-    assert watched == plain
+    assert watched[0] == plain[0]
+    breaks, graphs, recompiles = watched[1]
+    assert breaks == plain[1][0] and recompiles == plain[1][2] and graphs <= plain[1][1] + 1  # the traced probe's armed graph
     acc = events(tmp_path)
     (table,) = acc.Tensors("layerwatch/structure/text_summary")
     text = table.tensor_proto.string_val[0].decode()

@@ -238,6 +238,8 @@ class Engine:
                                 "bad step is not replayed")
         self._state = "running"
         model = self._model()
+        if model is not None and not is_compiled(model) and (is_writer_rank() or self._layout.sharded):
+            self.failures.run("prepare the probes", lambda: self._probes.prepare(model, [p for _, p in self._layout.parameters(model)]), 0)
         names = [name for name, _ in self._layout.parameters(model)]
         if not names:
             self.failures.warn_once("no-params", "layerwatch: the model has no parameters; there is nothing to log")
@@ -396,7 +398,8 @@ class Engine:
             return None
         started = time.perf_counter()
         sample.overhead_s += self._probes.hook_seconds
-        structure, probes = self._probes.take(self._sync, sample.step)
+        trained = any(p.grad is not None for _, p in sample.params)
+        structure, probes = self._probes.take(self._sync, sample.step, trained)
         probes = sample.replay or probes
         if structure is None and self._probes.table_waits and micro_batches and world_size() == 1:
             structure = self._table_eagerly(micro_batches[0])

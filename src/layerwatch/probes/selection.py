@@ -70,7 +70,10 @@ def split_at_compiled(model: nn.Module, selected: Sequence[tuple[str, nn.Module]
     hooked, under its module's name, in place of that module, whose hooks run eagerly or are
     traced depending on its class. ``module.compile()`` compiles the module's call, and Dynamo
     starts at its ``forward``: its own hooks run under the compiler as frames of their own,
-    each compiled apart (graphs and breaks of ours): it is in none of the three."""
+    each compiled apart (graphs and breaks of ours): it is in none of the three. Where that
+    ``forward`` is torch's own (an ``nn.Sequential``), Dynamo starts nowhere there but at the
+    user code below, and a hook on a module makes its ``forward`` a compiled frame of its own:
+    no module of it is hooked."""
     inside_ids: set[int] = set()
     wrappers: dict[int, tuple[str, nn.Module]] = {}
     unhooked: set[int] = set()
@@ -81,8 +84,11 @@ def split_at_compiled(model: nn.Module, selected: Sequence[tuple[str, nn.Module]
             wrappers[id(compiled)] = (clean_name(name), module)
             inside_ids.update(id(m) for m in compiled.modules() if m is not compiled)
         elif getattr(module, "_compiled_call_impl", None) is not None:
-            inside_ids.update(id(m) for m in module.modules() if m is not module)
             unhooked.add(id(module))
+            if starts_no_frame(module):  # nothing compiled at this level: a hook would make frames compile
+                unhooked.update(id(m) for m in module.modules())
+            else:
+                inside_ids.update(id(m) for m in module.modules() if m is not module)
     outside, inside, regions = [], [], []
     for name, module in selected:
         if id(module) in unhooked:
@@ -95,3 +101,13 @@ def split_at_compiled(model: nn.Module, selected: Sequence[tuple[str, nn.Module]
         else:
             outside.append((name, module))
     return outside, inside, regions
+
+
+def starts_no_frame(module: nn.Module) -> bool:
+    """Whether Dynamo, compiling ``module``'s call, skips its ``forward`` (torch's own code)."""
+    try:
+        from torch._dynamo import trace_rules
+
+        return bool(trace_rules.check(module.forward))
+    except Exception:
+        return False

@@ -13,7 +13,8 @@ from layerwatch.distributed import RankSync
 from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import FailedForwardGuard
 from layerwatch.probes.runtime import ProbeResult, RuntimeProbe
-from layerwatch.probes.selection import PROBE_FAMILIES, ModuleFilter, is_compiled, select_modules, split_at_compiled
+from layerwatch.probes.selection import (PROBE_FAMILIES, ModuleFilter, is_compiled, probe_name, select_modules,
+                                         split_at_compiled)
 from layerwatch.probes.traced import TracedProbe
 from layerwatch.structure import StructureProbe, Summary
 
@@ -102,6 +103,12 @@ class StepProbes:
             traced=self._traced, regions=regions,
         )
 
+    def prepare(self, model: nn.Module, parameters: Sequence[nn.Parameter]) -> None:
+        """Before the first sampled step (arming it then reads no tensor): the traced probe the
+        runtime probe's hooks call should Dynamo trace them (a compiled caller)."""
+        if self.runtime_on and self._outside is None and not self._caller_compiled:
+            self._traced = self._traced_probe(select_modules(model, self.modules), parameters)
+
     def _selected(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         modules = select_modules(model, self.modules)
         if not modules:
@@ -152,11 +159,11 @@ class StepProbes:
         if self._structure is not None:  # FlopCounterMode slows every op of this step: its times would mislead
             families = tuple(f for f in families if f != "latency")
         traced = None
-        if not eager:  # for a compiled caller, should Dynamo trace these hooks; armed before it does
-            if self._traced is None:
-                self._traced = self._traced_probe(modules, parameters)
+        if not eager:  # for a compiled caller, should Dynamo trace these hooks: clear until it does
+            if self._traced is None or self._traced.names != [probe_name(name) for name, _ in modules]:
+                self.prepare(model, parameters)
             traced = self._traced
-            traced.arm()
+            traced.armed = True
         self._runtime = RuntimeProbe(
             modules, families=families, bins=self.bins, zeros=self.zeros, centered=self.centered, parameters=parameters,
             workspace=self.workspace, cuda_events=self._cuda_events, traced=traced,
@@ -191,9 +198,11 @@ class StepProbes:
         if self._traced is not None:
             self._traced.remove()
 
-    def take(self, sync: Optional[RankSync] = None, step: int = -1) -> tuple[Optional[Summary], Optional[ProbeResult]]:
+    def take(self, sync: Optional[RankSync] = None, step: int = -1, trained: bool = False
+             ) -> tuple[Optional[Summary], Optional[ProbeResult]]:
         """Remove the hooks; the layer table (when a whole forward was seen) and the runtime
-        measurements (when no probe failed).
+        measurements (when no probe failed). ``trained``: the step computed gradients (so the
+        model ran: hooks that saw nothing were not run).
 
         With ``sync`` (a sharded run: every rank calls this on every sampled step), the ranks
         first agree that each one's probes are on, worked and saw the same spread tensors; only
@@ -242,7 +251,7 @@ class StepProbes:
                 self.failures.warn_once("fail:probes", f"layerwatch: a runtime probe failed: {runtime.error!r}; the per-module families are off")
         if result is not None and self._outside is not None:
             self._check_traced_ran(result, step)
-        elif result is not None and not result.modules and self.runtime_on:
+        elif result is not None and not result.modules and self.runtime_on and trained:
             self.failures.warn_once(
                 "no-hook-ran",
                 f"layerwatch: no module hook ran on sampled step {step}. If the model is called from code compiled (torch.compile) "

@@ -70,6 +70,7 @@ class TracedProbe:
         # Counters are 1-d: Dynamo (2.13) did not write back an in-place add to a 0-d tensor attribute
         self.clock = torch.zeros(1, dtype=torch.float64, device=device)
         self._handles: list[Any] = []
+        self._clear()
 
     def attach(self, modules: Sequence[nn.Module]) -> None:
         """Hook ``modules`` (of those this probe was made for) until :meth:`remove`."""
@@ -82,12 +83,15 @@ class TracedProbe:
 
     def arm(self) -> None:
         """Clear the buffers (device ops outside the graph) and turn recording on."""
+        self._clear()
+        self.armed = True
+
+    def _clear(self) -> None:
         with torch.no_grad():
             self.facts.zero_()
             self.facts[:, FIRST_FORWARD] = NEVER
             self.clock.zero_()
             torch._foreach_zero_(self._grad_outputs + self._grad_inputs)
-        self.armed = True
 
     def disarm(self) -> None:
         self.armed = False
