@@ -3,6 +3,12 @@
     python benchmarks/overhead.py [--workloads gpt,cnn,stack32,tfm,tfm-tiny] [--configs wgu,defaults]
                                   [--rounds 15] [--naive-rounds 0] [--wandb-rounds 3] [--json]
                                   [--families weights,grads,...] [--no-sentinel] [--device cuda]
+                                  [--compile]
+
+With ``--compile`` each workload's model is compiled in place (``model.compile()``, Inductor)
+before its warm-up steps, so every ratio is to the compiled uninstrumented step; the per-module
+families are then measured by hooks compiled into the graph (``layerwatch/probes/traced.py``),
+whose armed variant is compiled on the first sampled step: "first sampled" holds that compile.
 
 With ``--device cuda`` the workloads train on the GPU and every time is taken with CUDA
 events, with a synchronize only before and after each timed block (``timing.Clock``): inside
@@ -164,10 +170,12 @@ def wandb_times(wandb, model: torch.nn.Module, step, rounds: int, tmp: str, cloc
 
 def run(
     name: str, config: str, rounds: int, naive_rounds: int, wandb_rounds: int, families: tuple, sentinel: bool,
-    device: str = "cpu",
+    device: str = "cpu", compiled: bool = False,
 ) -> dict:
     clock = Clock(device)
     model, opt, step = WORKLOADS[name](device=clock.device)
+    if compiled:
+        model.compile()
     params = [p for p in model.parameters()]
     for _ in range(2):
         step()
@@ -238,7 +246,7 @@ def run(
     reported_ms = statistics.median(reported) if reported else None  # a median, as the delta is
     delta_ms = 1e3 * (statistics.median(times["sampled"]) - base_median)
     return {
-        "workload": name,
+        "workload": name + (" (compiled)" if compiled else ""),
         "config": config,
         "device": clock.name(),
         "families": logged_families,
@@ -275,6 +283,7 @@ def main() -> None:
     parser.add_argument("--families", default=",".join(FAMILIES), help="families of the custom config (default: all)")
     parser.add_argument("--no-sentinel", action="store_true", help="turn the sentinel off in the custom config")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (timed with CUDA events)")
+    parser.add_argument("--compile", action="store_true", help="model.compile() each workload first (Inductor)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.rounds < 1:
@@ -296,7 +305,7 @@ def main() -> None:
     for name in args.workloads.split(","):
         for config in configs:
             results.append(run(name, config, args.rounds, args.naive_rounds, args.wandb_rounds, families, not args.no_sentinel,
-                               args.device))
+                               args.device, args.compile))
             if args.json:
                 print(json.dumps(results[-1]), flush=True)
     wandb = import_wandb() if args.wandb_rounds > 0 else None

@@ -231,6 +231,10 @@ def test_a_layer_has_one_name_compiled_or_not(tmp_path, events, compiled):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(CompilesItsNet(compiled), torch.utils.data.DataLoader(data, batch_size=16))
-    tags = events(tmp_path / "layerwatch").Tags()["scalars"]
+    acc = events(tmp_path / "layerwatch")
+    tags = acc.Tags()["scalars"]
     assert {"weights_norm/net.0.weight", "grads_norm/net.2.bias", "update_ratio/net.0.weight"} <= set(tags)
     assert not [t for t in tags if "_orig_mod" in t]
+    for name in ("net", "net.0", "net.1", "net.2"):  # measured inside the compiled net too
+        assert [e.step for e in acc.Scalars(f"activations_norm/{name}")] == [0, 2], name
+    assert "fwd_ms/net" in tags and ("fwd_ms/net.0" in tags) is not compiled  # a compiled part is timed whole

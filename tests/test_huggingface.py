@@ -218,3 +218,26 @@ def test_without_transformers_the_adapter_says_what_to_install():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert 'pip install "layerwatch[huggingface]"' in out.stdout, out.stdout + out.stderr
+
+
+def test_torch_compile_true_is_measured_inside_the_graph_with_bitwise_losses(tmp_path, events):
+    """``TrainingArguments(torch_compile=True)``: the Trainer compiles the model it hands the
+    callback, after the callback attached; the hooks are compiled into its graph."""
+    dynamo = pytest.importorskip("torch._dynamo")
+    settings = dict(torch_compile=True, torch_compile_backend="aot_eager")
+    dynamo.reset()
+    plain_model = tiny("gpt2")
+    _, plain = train(plain_model, tmp_path / "plain", **settings)
+    dynamo.reset()
+    model = tiny("gpt2")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer, watched = train(model, tmp_path / "watched", [InspectTrainerCallback(every_n_steps=2)], **settings)
+    assert watched == plain  # bitwise
+    assert all(torch.equal(a, b) for a, b in zip(plain_model.state_dict().values(), model.state_dict().values()))
+    assert hook_count(model, trainer.optimizer.optimizer) == 0
+    said = layerwatch_messages(seen)
+    assert len(said) == 1 and "compiled" in said[0], said
+    (run,) = event_dirs(tmp_path / "watched")
+    scalars = set(events(run).Tags()["scalars"])
+    assert [e.step for e in events(run).Scalars("activations_norm/transformer.h.0.mlp")] == [2, 4, 6]

@@ -212,7 +212,8 @@ CASES = [
     Case("gradient accumulation", MLP, _accumulation_step),
     Case("several optimizers", MLP, plain_step(lambda m: m(torch.randn(16, 8)).pow(2).mean()), _two_optimizers),
     Case("torch.compile", _compiled, plain_step(lambda m: m(torch.randn(16, 8)).pow(2).mean()),
-         messages=(r"torch.compile'd; module hooks cannot see inside a compiled graph",)),
+         # the plain run compiled MLP.forward first: this instance's hooks are never run, and that is said
+         messages=(r"torch.compile'd; on sampled steps, hooks compiled into its graph", r"another instance of its class")),
     Case("complex parameter", ComplexWeights, plain_step(lambda m: m(torch.randn(16, 8)).pow(2).mean())),
     Case("a parameter the statistics cannot handle", WithExoticParameter,
          plain_step(lambda m: m(torch.randn(16, 8)).pow(2).mean()), messages=(r"could not measure the weights of 'ghost' \(Exotic",)),

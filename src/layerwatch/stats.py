@@ -66,6 +66,13 @@ HISTOGRAM_VALUES = 1 << 14
 MAX_BINS = 254  # the largest histogram_bins (the option's documented range)
 
 
+def host_reads_free(device: torch.device) -> bool:
+    """Whether the host reads a value on ``device`` without waiting for it (the CPU): code that
+    reads one where that is free, and masks instead elsewhere, asks this, so a test can take the
+    accelerator's way on the CPU."""
+    return device.type == "cpu"
+
+
 def row_width(bins: int) -> int:
     return HIST + (bins + 2 if bins else 0)
 
@@ -760,7 +767,7 @@ class _Batch:
         On the CPU the unmasked ops run first, and a chunk whose sum is not finite is done
         again masked (the CPU reads the sum freely); an accelerator masks every chunk."""
         c = self.plan.chunks[index]
-        masked = self.device.type != "cpu"
+        masked = not host_reads_free(self.device)
         stride = self.plan.strides[c.first]
         if c.single:
             t = self.tensors[c.first].reshape(-1)
@@ -852,7 +859,7 @@ def _to_device(values: list | torch.Tensor, dtype: torch.dtype, device: torch.de
 
 def _bincount(index: torch.Tensor, size: int) -> torch.Tensor:
     """Counts of each value in ``[0, size)``; on an accelerator without a host sync."""
-    if index.device.type == "cpu":
+    if host_reads_free(index.device):
         return torch.bincount(index, minlength=size)
     return torch.zeros(size, dtype=torch.int64, device=index.device).scatter_add_(
         0, index, torch.ones((), dtype=torch.int64, device=index.device).expand_as(index)

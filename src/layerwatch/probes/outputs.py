@@ -157,7 +157,7 @@ class Outputs:
         if n <= HISTOGRAM_VALUES:
             return self._keep(flat, copy=True)
         sample = flat[:: S.prime_stride(n, HISTOGRAM_VALUES)]
-        stats, extremes = self._read_at_once(flat) if flat.device.type == "cpu" else self._masked(flat)
+        stats, extremes = self._read_at_once(flat) if S.host_reads_free(flat.device) else self._masked(flat)
         row = self._keep(sample, copy=True, extremes=extremes)
         self.exact[row] = (stats, n)
         return row

@@ -93,7 +93,9 @@ class StepProbes:
                 "layerwatch: the model (or part of it) is torch.compile'd; on sampled steps, hooks compiled into its graph "
                 f"measure the modules inside ({len(inside)}): activations, NaN/Inf and bytes. Per-module latency has no "
                 "meaning inside fused kernels: each compiled part's time is logged as a whole, under its own name "
-                f"({', '.join(regions) or 'none: module.compile() runs its hooks inside the graph'}).",
+                f"({', '.join(regions) or 'none: module.compile() runs its hooks inside the graph'}). The layer table "
+                "comes from one eager forward of a sampled step's batch where layerwatch can run it again (Lightning's "
+                "callback, Inspector.replay_with); else call layerwatch.summarize(model._orig_mod, batch).",
             )
         outside, regions = self._outside
         self._traced.arm()
@@ -303,8 +305,8 @@ class StepProbes:
         if inside and not any(trace.name in inside for trace in result.modules):
             self.failures.warn_once(
                 "compiled-late",
-                f"layerwatch: the hooks inside compiled code recorded nothing on sampled step {step}: the model's forward was "
-                "compiled before layerwatch attached them, and compiled code never runs hooks added later (Dynamo does not "
-                "recompile for them). Attach layerwatch (Inspector(...).start(), or the callback) before the model's first "
+                f"layerwatch: the hooks inside compiled code recorded nothing on sampled step {step}: the model's forward (or "
+                "that of another instance of its class) was compiled before layerwatch attached them, and compiled code "
+                "never runs hooks added later (Dynamo does not recompile for them). Attach layerwatch (Inspector(...).start(), or the callback) before the model's first "
                 "forward, or call torch._dynamo.reset() before the next one so that it compiles again with them.",
             )
