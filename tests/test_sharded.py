@@ -625,3 +625,33 @@ def test_what_sets_one_rank_apart_leaves_no_rank_waiting(tmp_path, events, case)
         assert [(e.step, e.value) for e in acc.Scalars("layerwatch/first_nonfinite_step")] == [(1, 1.0)]
         assert any("NaN/Inf gradients at step 1" in w and "held by another rank" in w and "step 3 is sampled" in w for w in said)
         assert [e.step for e in acc.Scalars("fwd_ms/fc1")] == [3]  # every rank armed it
+
+
+def fsdp2_compiled_worker(rank: int, world: int, out: str) -> None:
+    """Per-layer FSDP2 units, then ``torch.compile`` of the whole model (aot_eager): FSDP's
+    hooks run between compiled pieces, the traced probe's inside them."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch._dynamo.reset()
+
+    def build() -> nn.Module:
+        model = Stack()
+        shard_stack(model, "per_layer", mesh)
+        return torch.compile(model, backend="aot_eager")
+
+    def loss_of(model: nn.Module, step: int) -> torch.Tensor:
+        torch.manual_seed(100 + 10 * step + rank)  # each rank its own data
+        return model(torch.randn(4, 6)).pow(2).mean()
+
+    train_both_ways(build, loss_of, out, every_n_steps=EVERY)
+
+
+def test_fsdp2_per_layer_and_compiled_never_hangs_and_measures_inside(tmp_path, events):
+    run_ranks(fsdp2_compiled_worker, str(tmp_path), tmp=tmp_path)
+    one_writer(tmp_path / "run")
+    acc = events(tmp_path / "run")
+    scalars = set(acc.Tags()["scalars"])
+    assert {"weights_norm/inp.weight", "grads_norm/blocks.1.fc2.bias"} <= scalars
+    assert not [t for t in scalars if "_orig_mod" in t or "_wrapped_module" in t]
+    assert {f"activations/{m}" for m in ("inp", "blocks.0.fc1", "blocks.1", "out")} <= set(acc.Tags()["histograms"])
