@@ -194,7 +194,7 @@ class Engine:
         """Whether the open step is sampled."""
         return self._sample is not None
 
-    def start(self, *, within: Optional[nn.Module] = None) -> "Engine":
+    def start(self, *, within: Optional[nn.Module] = None, compiled_by_caller: bool = False) -> "Engine":
         """Open the writer (rank 0) and write the chart layout. Opens no step. A model still
         watched by an earlier engine that was never finished is taken from it: that engine
         is finished first (its hooks removed, its writer flushed).
@@ -202,7 +202,12 @@ class Engine:
         ``within``: a module the model is wrapped in, whose FSDP units may hold some of its
         parameters (Lightning's ``strategy="fsdp"`` wraps the LightningModule itself). In a
         distributed run, call it on every rank at the same point: a sharded run makes the
-        ranks' group for agreeing here, which is collective."""
+        ranks' group for agreeing here, which is collective.
+
+        ``compiled_by_caller``: the caller will run the model under ``torch.compile`` (the Hugging
+        Face Trainer's ``torch_compile=True``), so its modules get the traced probe's hooks now,
+        before the first compiled forward.
+        """
         if self._state != "new":
             raise RuntimeError(f"start() called on an {type(self).__name__.lower()} that is {self._state}")
         model = self._model()
@@ -239,7 +244,8 @@ class Engine:
         self._state = "running"
         model = self._model()
         if model is not None and not is_compiled(model) and (is_writer_rank() or self._layout.sharded):
-            self.failures.run("prepare the probes", lambda: self._probes.prepare(model, [p for _, p in self._layout.parameters(model)]), 0)
+            params = [p for _, p in self._layout.parameters(model)]
+            self.failures.run("prepare the probes", lambda: self._probes.prepare(model, params, compiled_by_caller), 0)
         names = [name for name, _ in self._layout.parameters(model)]
         if not names:
             self.failures.warn_once("no-params", "layerwatch: the model has no parameters; there is nothing to log")

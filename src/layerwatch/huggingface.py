@@ -115,7 +115,7 @@ class InspectTrainerCallback(TrainerCallback):
         self._engine.replay_hint = ("the Hugging Face Trainer hands its callbacks no batch, so the bad step is not "
                                     "replayed; see docs/huggingface.md")
         self._alerts = self._engine.alerts
-        self._engine.start()
+        self._engine.start(compiled_by_caller=bool(getattr(args, "torch_compile", False)))
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._engine is not None:

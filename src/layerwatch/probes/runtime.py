@@ -105,7 +105,7 @@ class RuntimeProbe:
         # hooks Dynamo traces (these hooks call it then: the model runs in a compiled caller).
         self._traced, self._regions = traced, regions
         self.compiled = False  # a hook was traced by Dynamo: the model runs inside compiled code
-        self.inert = False  # hooks left in place only so that compiled code keeps its guards
+        self.inert = False  # hooks kept for compiled code: they only call the traced probe
         self._host_ns = 0
         self._latency = "latency" in families
         self._memory = "memory" in families
@@ -173,10 +173,14 @@ class RuntimeProbe:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def remove(self) -> None:
-        for handle in self._handles + self._grad_handles:
+    def remove(self, keep_module_hooks: bool = False) -> None:
+        """Remove the hooks, but the module hooks with ``keep_module_hooks`` (compiled code runs them)."""
+        handles = self._grad_handles if keep_module_hooks else self._handles + self._grad_handles
+        for handle in handles:
             handle.remove()
-        self._handles, self._grad_handles = [], []
+        self._grad_handles = []
+        if not keep_module_hooks:
+            self._handles = []
         self._saved.exit()
         self._stack = []
         self._seen_ref, self._seen_key = {}, {}
@@ -190,12 +194,12 @@ class RuntimeProbe:
         flags, rows = self._slots.spread_counts, self._outputs.spread_counts
         return [len(flags), len(rows), sum(flags), sum(rows), fingerprint([str(flags), str(rows)])]
 
-    def result(self, together: bool = False) -> ProbeResult:
+    def result(self, together: bool = False, keep_module_hooks: bool = False) -> ProbeResult:
         """The step's measurements: one host transfer for every flag and stats row. With
         ``together`` (every rank calls it, once they agreed on :meth:`spread_work`) the flags
         and rows of spread tensors are combined with the other ranks', first: every collective
         is issued before anything of this rank's alone can fail."""
-        self.remove()
+        self.remove(keep_module_hooks)
         error = None
         try:
             if together:
@@ -260,11 +264,9 @@ class RuntimeProbe:
             self._guarded(self._enter, index, args, module)
 
     def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if is_compiling():
+        if is_compiling() or self.inert:  # traced, or kept for compiled code and run eagerly (a graph break)
             if self._traced is not None:
                 self._traced.record(module, args, output)
-            return
-        if self.inert:
             return
         index = self._index.get(id(module))
         if index is None:

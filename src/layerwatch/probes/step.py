@@ -66,7 +66,7 @@ class StepProbes:
         runtime = self.runtime_on
         if not ((self.structure_pending and writer) or runtime):
             return
-        if not eager and (self._caller_compiled or is_compiled(model)):
+        if not eager and (self._caller_compiled or self._outside is not None or is_compiled(model)):
             self.table_waits = self.structure_pending and writer
             if runtime:
                 self.failures.run("arm the traced probes", lambda: self._arm_traced(model, parameters), step)
@@ -99,17 +99,33 @@ class StepProbes:
             )
         outside, regions = self._outside
         self._traced.arm()
+        if not outside:
+            self._traced_alone = True
+            return
         self._runtime = RuntimeProbe(
             outside, families=self.families, bins=self.bins, zeros=self.zeros, centered=self.centered,
             parameters=parameters, workspace=self.workspace, cuda_events=self._cuda_events,
             traced=self._traced, regions=regions,
         )
 
-    def prepare(self, model: nn.Module, parameters: Sequence[nn.Parameter]) -> None:
+    def prepare(self, model: nn.Module, parameters: Sequence[nn.Parameter], compiled_by_caller: bool = False) -> None:
         """Before the first sampled step (arming it then reads no tensor): the traced probe the
-        runtime probe's hooks call should Dynamo trace them (a compiled caller)."""
-        if self.runtime_on and self._outside is None and not self._caller_compiled:
-            self._traced = self._traced_probe(select_modules(model, self.modules), parameters)
+        runtime probe's hooks call should Dynamo trace them (a compiled caller). With
+        ``compiled_by_caller`` (the caller says it will compile the model), its hooks go on every
+        module now, before the first compiled forward, whichever step is sampled first."""
+        if not self.runtime_on or self._outside is not None or self._caller_compiled:
+            return
+        modules = select_modules(model, self.modules)
+        self._traced = self._traced_probe(modules, parameters)
+        if compiled_by_caller:
+            self._traced.attach([module for _, module in modules])
+            self._outside = ([], [])
+            self.failures.warn_once(
+                "compiled-caller",
+                "layerwatch: the model runs compiled (torch.compile); its hooks are compiled into the graph and measure "
+                "activations, NaN/Inf and bytes on sampled steps. Per-module latency has no meaning inside fused kernels "
+                "and is not recorded; the layer table waits for an eager forward.",
+            )
 
     def _selected(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         modules = select_modules(model, self.modules)
@@ -264,9 +280,18 @@ class StepProbes:
 
     def _caller_found(self, structure: Optional[StructureProbe], runtime: Optional[RuntimeProbe], step: int
                       ) -> tuple[None, Optional[ProbeResult]]:
-        """Dynamo traced this step's hooks: the model runs inside a compiled caller. The hooks stay
-        (compiled code runs them, and is guarded on them), inert when run eagerly; from now on
-        the traced probe they call is armed alone."""
+        """Dynamo traced this step's hooks: the model runs inside a compiled caller. The runtime
+        probe's module hooks stay (compiled code runs them, and is guarded on them), and only
+        call the traced probe from now on, which is armed alone: where compiled code falls back
+        to eager (a graph break it cannot resume from), its eager ops measure those modules. This
+        step's measurements are what either saw."""
+        result = None
+        if runtime is not None and runtime.error is None and self.runtime_on:
+            try:
+                result = runtime.result(keep_module_hooks=True)
+            except Exception as e:
+                self.failures.warn_once("fail:probes", f"layerwatch: a runtime probe failed: {e!r}; the per-module families are off")
+                self.runtime_on = False
         armed = [probe for probe in (structure, runtime) if probe is not None]
         for probe in armed:
             probe.inert = True
@@ -284,9 +309,11 @@ class StepProbes:
             "compiled into the graph and measure activations, NaN/Inf and bytes on sampled steps. Per-module latency has "
             "no meaning inside fused kernels and is not recorded; the layer table waits for an eager forward.",
         )
-        if traced is None or runtime is None or not self.runtime_on:
-            return None, None
-        return None, self._traced_result(traced, step)
+        if traced is not None:
+            traced.disarm()
+        if result is not None:
+            self._check_traced_ran(result, step)
+        return None, result
 
     def _traced_result(self, traced: TracedProbe, step: int) -> Optional[ProbeResult]:
         traced.disarm()
