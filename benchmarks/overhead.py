@@ -177,8 +177,9 @@ def run(
     if compiled:
         model.compile()
     params = [p for p in model.parameters()]
-    for _ in range(2):
-        step()
+    warm_up = lambda: [step() for _ in range(2)]  # noqa: E731
+    if not compiled:  # compiled: after the inspector starts, so that the first compiled forward has its hooks
+        warm_up()
     times: dict[str, list[float]] = {
         "base": [], "off": [], "off_call": [], "arm_call": [], "sampled": [], "after": [], "read_once": [], "naive": [],
         "wandb": []
@@ -193,6 +194,8 @@ def run(
             **config_kwargs(config, families, sentinel),
         )
         with inspector:
+            if compiled:
+                warm_up()
             logged_families = ",".join(sorted(inspector.families, key=FAMILIES.index))
             empty_size = read_events(f"{tmp}/lw")["size"]
 

@@ -243,7 +243,7 @@ class Engine:
                                 "bad step is not replayed")
         self._state = "running"
         model = self._model()
-        if model is not None and not is_compiled(model) and (is_writer_rank() or self._layout.sharded):
+        if model is not None and (is_writer_rank() or self._layout.sharded):
             params = [p for _, p in self._layout.parameters(model)]
             self.failures.run("prepare the probes", lambda: self._probes.prepare(model, params, compiled_by_caller), 0)
         names = [name for name, _ in self._layout.parameters(model)]

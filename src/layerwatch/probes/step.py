@@ -83,20 +83,8 @@ class StepProbes:
             self._traced.arm()
             self._traced_alone = True
             return
-        if self._outside is None:
-            outside, inside, regions = split_at_compiled(model, self._selected(model))
-            self._traced = self._traced_probe(inside, parameters)
-            self._traced.attach([module for _, module in inside])
-            self._outside = (outside, regions)
-            self.failures.warn_once(
-                "compiled",
-                "layerwatch: the model (or part of it) is torch.compile'd; on sampled steps, hooks compiled into its graph "
-                f"measure the modules inside ({len(inside)}): activations, NaN/Inf and bytes. Per-module latency has no "
-                "meaning inside fused kernels: each compiled part's time is logged as a whole, under its own name "
-                f"({', '.join(regions) or 'none: module.compile() runs its hooks inside the graph'}). The layer table "
-                "comes from one eager forward of a sampled step's batch where layerwatch can run it again (Lightning's "
-                "callback, Inspector.replay_with); else call layerwatch.summarize(model._orig_mod, batch).",
-            )
+        if self._outside is None:  # compiled since the run started
+            self._attach_traced(model, parameters)
         outside, regions = self._outside
         self._traced.arm()
         if not outside:
@@ -108,12 +96,33 @@ class StepProbes:
             traced=self._traced, regions=regions,
         )
 
+    def _attach_traced(self, model: nn.Module, parameters: Sequence[nn.Parameter]) -> None:
+        """The traced probe's hooks on the modules inside the model's compiled parts, for good."""
+        outside, inside, regions = split_at_compiled(model, self._selected(model))
+        self._traced = self._traced_probe(inside, parameters)
+        self._traced.attach([module for _, module in inside])
+        self._outside = (outside, regions)
+        self.failures.warn_once(
+                "compiled",
+                "layerwatch: the model (or part of it) is torch.compile'd; on sampled steps, hooks compiled into its graph "
+                f"measure the modules inside ({len(inside)}): activations, NaN/Inf and bytes. Per-module latency has no "
+                "meaning inside fused kernels: each compiled part's time is logged as a whole, under its own name "
+                f"({', '.join(regions) or 'none: module.compile() runs its hooks inside the graph'}). The layer table "
+                "comes from one eager forward of a sampled step's batch where layerwatch can run it again (Lightning's "
+                "callback, Inspector.replay_with); else call layerwatch.summarize(model._orig_mod, batch).",
+            )
+
     def prepare(self, model: nn.Module, parameters: Sequence[nn.Parameter], compiled_by_caller: bool = False) -> None:
-        """Before the first sampled step (arming it then reads no tensor): the traced probe the
-        runtime probe's hooks call should Dynamo trace them (a compiled caller). With
-        ``compiled_by_caller`` (the caller says it will compile the model), its hooks go on every
-        module now, before the first compiled forward, whichever step is sampled first."""
+        """When the run starts, before the first forward (arming a sampled step then reads no
+        tensor): a model with compiled parts gets the traced probe's hooks inside them; another,
+        the traced probe the runtime probe's hooks call should Dynamo trace them (a compiled
+        caller), or, with ``compiled_by_caller`` (the caller says it will compile the model), its
+        hooks on every module. Hooks put on before the first compiled forward run in it, whichever
+        step is sampled first."""
         if not self.runtime_on or self._outside is not None or self._caller_compiled:
+            return
+        if is_compiled(model):  # before its first compiled forward, whichever step is sampled first
+            self._attach_traced(model, parameters)
             return
         modules = select_modules(model, self.modules)
         self._traced = self._traced_probe(modules, parameters)
