@@ -3,10 +3,10 @@
     python benchmarks/overhead.py [--workloads gpt,cnn,stack32,tfm,tfm-tiny] [--configs wgu,defaults]
                                   [--rounds 15] [--naive-rounds 0] [--wandb-rounds 3] [--json]
                                   [--families weights,grads,...] [--no-sentinel] [--device cuda]
-                                  [--compile]
+                                  [--compile [BACKEND]]
 
-With ``--compile`` each workload's model is compiled in place (``model.compile()``, Inductor)
-before its warm-up steps, so every ratio is to the compiled uninstrumented step; the per-module
+With ``--compile`` each workload's model is compiled in place (``model.compile()``, Inductor
+unless a backend is named) before its warm-up steps, so every ratio is to the compiled uninstrumented step; the per-module
 families are then measured by hooks compiled into the graph (``layerwatch/probes/traced.py``),
 whose armed variant is compiled on the first sampled step: "first sampled" holds that compile.
 
@@ -170,12 +170,12 @@ def wandb_times(wandb, model: torch.nn.Module, step, rounds: int, tmp: str, cloc
 
 def run(
     name: str, config: str, rounds: int, naive_rounds: int, wandb_rounds: int, families: tuple, sentinel: bool,
-    device: str = "cpu", compiled: bool = False,
+    device: str = "cpu", compiled: Optional[str] = None,
 ) -> dict:
     clock = Clock(device)
     model, opt, step = WORKLOADS[name](device=clock.device)
     if compiled:
-        model.compile()
+        model.compile(backend=compiled)
     params = [p for p in model.parameters()]
     warm_up = lambda: [step() for _ in range(2)]  # noqa: E731
     if not compiled:  # compiled: after the inspector starts, so that the first compiled forward has its hooks
@@ -286,7 +286,8 @@ def main() -> None:
     parser.add_argument("--families", default=",".join(FAMILIES), help="families of the custom config (default: all)")
     parser.add_argument("--no-sentinel", action="store_true", help="turn the sentinel off in the custom config")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (timed with CUDA events)")
-    parser.add_argument("--compile", action="store_true", help="model.compile() each workload first (Inductor)")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                        help="model.compile() each workload first (default backend: inductor)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.rounds < 1:

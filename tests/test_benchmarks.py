@@ -52,6 +52,19 @@ def test_a_short_overhead_run_reports_consistent_figures(benchmarks):
     assert r["bytes_per_sampled_step"] > 0 and r["bytes_per_histogram"] > 0
 
 
+def test_a_short_compiled_overhead_run_measures_inside_the_graph(benchmarks):
+    from overhead import run
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        r = run("tfm-tiny", "defaults", rounds=1, naive_rounds=0, wandb_rounds=0, families=(), sentinel=True,
+                compiled="aot_eager")
+    assert r["workload"] == "tfm-tiny (compiled)" and r["base_ms"] > 0 and r["sampled"] > 0
+    said = [str(w.message) for w in seen if str(w.message).startswith("layerwatch")]
+    assert any("hooks compiled into its graph" in m for m in said)
+    assert not any("recorded nothing" in m for m in said)  # attached before the first compiled forward
+
+
 def test_a_short_replay_benchmark_names_the_module_and_reports_ratios(benchmarks):
     from replay import run
 

@@ -71,6 +71,7 @@ def run(log_dir, *, how, watch=True, steps=8, every=2, spoil_at=None, spoiler=No
         "losses": losses, "state": [t.clone() for t in model.state_dict().values()],
         "graphs": counters["stats"]["unique_graphs"],
         "new_graphs": counter.frame_count - after_two, "breaks": sum(counters["graph_break"].values()),
+        "graph_sizes": sorted(len(g.graph.nodes) for g in counter.graphs if len(g.graph.nodes)),
         "said": layerwatch_messages(seen), "alerts": alerts,
     }
 
@@ -87,6 +88,7 @@ def test_a_compiled_model_is_measured_inside_its_graph_with_one_graph_more_and_b
     assert watched["breaks"] == plain["breaks"] == 0
     assert plain["graphs"] <= watched["graphs"] <= plain["graphs"] + 1  # the armed variant
     assert watched["new_graphs"] == 0  # none after the first sampled step and the first between samples
+    assert set(plain["graph_sizes"]) <= set(watched["graph_sizes"])  # between samples: the graph it would run anyway
     assert len(watched["said"]) == 1 and "compiled" in watched["said"][0]
     acc = events(tmp_path)
     tags = set(acc.Tags()["scalars"])

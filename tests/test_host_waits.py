@@ -46,10 +46,10 @@ def test_a_sampled_step_makes_the_host_wait_nowhere_but_its_one_transfer(tmp_pat
     """The CPU reads values freely, and layerwatch does there (``stats.host_reads_free``); the
     test takes the accelerator's way instead, so that what it sees is what a GPU run does. The
     sampled step (forward, backward, optimizer step, with every hook of ours) waits nowhere;
-    closing it (``inspector.step()``) brings its measurements to the host in two transfers per
-    device, the probes' (the traced probe's buffers ride with the eager probe's rows and flags)
-    and the parameter families', and reads the NaN sentinel's peaks (on a GPU: a pinned copy
-    behind an event, read a step later)."""
+    closing it (``inspector.step()``) brings its measurements to the host, one transfer per
+    device for each of: the eager probes, the traced probe (where the model runs compiled), the
+    parameter families; and reads the NaN sentinel's peaks (on a GPU: a pinned copy behind an
+    event, read a step later)."""
     from layerwatch import stats
 
     monkeypatch.setattr(stats, "host_reads_free", lambda device: False)
@@ -84,5 +84,6 @@ def test_a_sampled_step_makes_the_host_wait_nowhere_but_its_one_transfer(tmp_pat
         inspector.finish()
     assert in_step == []  # no hook of ours (nor the model) made the host wait
     assert all(where.startswith("sentinel.py:") for _, where in closing), closing  # its CPU reads of the peaks
-    assert len(transfers) == 2  # the probes' rows and flags; the parameters' rows
+    # eager: the probes', the parameters'; a compiled model: the wrapper's eager probe too
+    assert len(transfers) == {"eager": 2, "torch.compile(model)": 3, "torch.compile(loss_fn)": 2}[how]
     assert math.isfinite(loss.item())

@@ -1,5 +1,5 @@
-"""The module hooks of one sampled step: the layer table's, the first time, and the runtime
-probe's."""
+"""The module hooks of one sampled step: the layer table's, the first time, the runtime
+probe's, and the traced probe's inside compiled code."""
 
 from __future__ import annotations
 
@@ -25,15 +25,17 @@ class StepProbes:
 
     Modules that run inside compiled code are measured by the traced probe (see
     :mod:`~layerwatch.probes.traced`), whose hooks are compiled into the graph and stay, gated,
-    until :meth:`remove`. Two ways it is found:
+    until :meth:`remove`. They must be on before the first compiled forward (:meth:`prepare`,
+    when the run starts). Three ways the model is found to run compiled:
 
-    * the model holds ``torch.compile``'d parts (``torch.compile(module)``, ``module.compile()``):
-      at the first sampled step, before the first compiled call, the modules inside them get
-      the traced probe's hooks; the rest, and each compiled part as a whole, the runtime
-      probe's, every sampled step;
-    * the model is called from compiled code (``torch.compile`` of a function that calls it):
-      Dynamo traces the runtime probe's hooks, which then call the traced probe. Those hooks
-      stay, inert when run eagerly, and later sampled steps arm the traced probe alone.
+    * it holds ``torch.compile``'d parts (``torch.compile(module)``, ``module.compile()``): the
+      modules inside them get the traced probe's hooks; the rest, and each compiled part as a
+      whole, the runtime probe's, every sampled step;
+    * the caller says it will compile it (the Hugging Face Trainer's ``torch_compile``): every
+      module gets the traced probe's hooks;
+    * it is called from compiled code (``torch.compile`` of a function that calls it): Dynamo
+      traces the runtime probe's hooks, which then call the traced probe. Those hooks stay,
+      calling only the traced probe, and later sampled steps arm it alone.
 
     Neither sees inside compiled code for the layer table, which waits for an eager forward
     (:meth:`table_eagerly`).
@@ -103,14 +105,14 @@ class StepProbes:
         self._traced.attach([module for _, module in inside])
         self._outside = (outside, regions)
         self.failures.warn_once(
-                "compiled",
-                "layerwatch: the model (or part of it) is torch.compile'd; on sampled steps, hooks compiled into its graph "
-                f"measure the modules inside ({len(inside)}): activations, NaN/Inf and bytes. Per-module latency has no "
-                "meaning inside fused kernels: each compiled part's time is logged as a whole, under its own name "
-                f"({', '.join(regions) or 'none: module.compile() runs its hooks inside the graph'}). The layer table "
-                "comes from one eager forward of a sampled step's batch where layerwatch can run it again (Lightning's "
-                "callback, Inspector.replay_with); else call layerwatch.summarize(model._orig_mod, batch).",
-            )
+            "compiled",
+            "layerwatch: the model (or part of it) is torch.compile'd; on sampled steps, hooks compiled into its graph "
+            f"measure the modules inside ({len(inside)}): activations, NaN/Inf and bytes. Per-module latency has no "
+            "meaning inside fused kernels: each compiled part's time is logged as a whole, under its own name "
+            f"({', '.join(regions) or 'none: module.compile() runs its hooks inside the graph'}). The layer table "
+            "comes from one eager forward of a sampled step's batch where layerwatch can run it again (Lightning's "
+            "callback, Inspector.replay_with); else call layerwatch.summarize(model._orig_mod, batch).",
+        )
 
     def prepare(self, model: nn.Module, parameters: Sequence[nn.Parameter], compiled_by_caller: bool = False) -> None:
         """When the run starts, before the first forward (arming a sampled step then reads no
@@ -327,7 +329,7 @@ class StepProbes:
     def _traced_result(self, traced: TracedProbe, step: int) -> Optional[ProbeResult]:
         traced.disarm()
         try:
-            result = traced.result(*S.to_host(traced.pieces()))
+            result = traced.result()
         except Exception as e:
             self.runtime_on = False
             self.failures.warn_once("fail:probes", f"layerwatch: a traced probe failed: {e!r}; the per-module families are off")

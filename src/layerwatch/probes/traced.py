@@ -23,6 +23,7 @@ graph break) the same ops run eagerly, and write the same rows.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -31,18 +32,9 @@ from torch import nn
 
 from layerwatch import stats as S
 from layerwatch.hooks import inlined_only, tensors_in
-from layerwatch.probes.outputs import is_float
+from layerwatch.probes.outputs import Outputs, is_float, nonfinite_sum
 from layerwatch.probes.runtime import ModuleTrace, Offender, ProbeResult
 from layerwatch.probes.selection import probe_name
-
-# Columns of a module's facts row (float64: one transfer with the stats rows).
-CALLS = 0
-ORDER = 1  # the forward clock at its first call
-FIRST_FORWARD = 2  # the earliest call (forward clock) that turned finite inputs into a non-finite output
-OUTPUT_NONFINITE = 3  # NaN/Inf values in its outputs, over its calls
-BYTES = 4  # the bytes its outputs hold, over its calls
-FACTS = 5
-NEVER = float(2**52)  # a forward clock value no step reaches
 
 
 class TracedProbe:
@@ -57,19 +49,17 @@ class TracedProbe:
         self._nonfinite = "nonfinite" in families
         self._memory = "memory" in families
         self._bins, self._zeros, self._centered = bins, zeros, centered
-        count = len(modules)
-        self.facts = torch.zeros(count, FACTS, dtype=torch.float64, device=device)
+        self._workspace = S.Workspace()
         # NaN/Inf values in the gradients of each module's outputs and of its inputs, over its calls:
         # a tensor each, written by one gradient hook only. A buffer two hooks share fails
         # autograd's version check when one hook runs outside compiled backward code (on a
-        # graph output) and the other inside it (which saved the buffer).
+        # graph output) and the other inside it (which saved the buffer). 1-d: Dynamo (2.13)
+        # did not write back an in-place add to a 0-d tensor.
         self._grad_outputs = [torch.zeros(1, dtype=torch.float64, device=device) for _ in modules]
         self._grad_inputs = [torch.zeros(1, dtype=torch.float64, device=device) for _ in modules]
-        width = S.row_width(bins) if self._activations else 0
-        self.rows = torch.zeros(count, width, dtype=torch.float64, device=device)
-        # Counters are 1-d: Dynamo (2.13) did not write back an in-place add to a 0-d tensor attribute
-        self.clock = torch.zeros(1, dtype=torch.float64, device=device)
+        self.clock = torch.zeros(1, dtype=torch.float64, device=device)  # what the operator says it mutates
         self._handles: list[Any] = []
+        _PROBES[id(self)] = self
         self._clear()
 
     def attach(self, modules: Sequence[nn.Module]) -> None:
@@ -82,58 +72,37 @@ class TracedProbe:
             handle.remove()
 
     def arm(self) -> None:
-        """Clear the buffers (device ops outside the graph) and turn recording on."""
+        """Clear what the last sampled step recorded and turn recording on."""
         self._clear()
         self.armed = True
-
-    def _clear(self) -> None:
-        with torch.no_grad():
-            self.facts.zero_()
-            self.facts[:, FIRST_FORWARD] = NEVER
-            self.clock.zero_()
-            torch._foreach_zero_(self._grad_outputs + self._grad_inputs)
 
     def disarm(self) -> None:
         self.armed = False
 
-    def pieces(self) -> list[torch.Tensor]:
-        """What :meth:`result` reads, for the step's one transfer."""
-        return [self.facts, torch.stack(self._grad_outputs + self._grad_inputs), self.rows]
+    def _clear(self) -> None:
+        self._call_module: list[int] = []  # per call, in order: its module
+        self._evidence: list[torch.Tensor] = []  # per call: its inputs' and its outputs' nonfinite_sum
+        self._calls = [0] * len(self.names)  # per module
+        self._bytes = [0] * len(self.names)
+        self._row_of: dict[int, int] = {}  # module -> the row of its first call's outputs
+        self._outputs = Outputs(self._bins, self._zeros, self._centered, self._workspace)
+        with torch.no_grad():
+            torch._foreach_zero_(self._grad_outputs + self._grad_inputs)
 
     # ------------------------------------------------------------------ in the graph
-    # No host read, no Python state changed: Dynamo would replay a mutation of a list on every
-    # call, and recompile for it.
+    # No host read, no Python state changed where Dynamo traces: it would replay a mutation of
+    # a list on every call, and recompile for it. The operator's body is not traced.
 
     @inlined_only
     def record(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self.armed:
+        if not self.armed or measure_call is None:  # a torch before 2.4: nothing inside compiled code
             return
         index = self._index.get(id(module))
         if index is None:
             return
         outputs = [t for t in tensors_in(output) if is_float(t)]
         inputs = [t for t in tensors_in(args) if is_float(t)]
-        with torch.no_grad():
-            facts = self.facts[index]
-            first_call = facts[CALLS] == 0
-            facts[ORDER].copy_(torch.where(first_call, self.clock[0], facts[ORDER]))
-            bad_in = sum_nonfinite(inputs, facts)
-            if self._activations and outputs:
-                flat = [t.detach().reshape(-1).float() for t in outputs]
-                row = S.traced_row(flat[0] if len(flat) == 1 else torch.cat(flat), self._bins, self._zeros, self._centered)
-                self.rows[index].copy_(torch.where(first_call, row, self.rows[index]))
-                bad_out = row[S.NONFINITE]
-            else:
-                bad_out = sum_nonfinite(outputs, facts)
-            clock = self.clock[0]
-            if self._nonfinite:
-                offends = (bad_out > 0) & (bad_in == 0)
-                facts[FIRST_FORWARD].copy_(torch.minimum(facts[FIRST_FORWARD], torch.where(offends, clock, NEVER)))
-                facts[OUTPUT_NONFINITE].add_(bad_out)
-            if self._memory:
-                facts[BYTES].add_(sum(t.numel() * t.element_size() for t in outputs))
-            facts[CALLS].add_(1)
-            clock.add_(1)
+        measure_call([t.detach() for t in outputs], [t.detach() for t in inputs], self.clock, id(self), index)
         if self._nonfinite and torch.is_grad_enabled():
             needing = [t for t in outputs if t.requires_grad]
             if needing:  # its backward starts
@@ -142,45 +111,85 @@ class TracedProbe:
             if needing:  # its backward is done
                 needing[0].register_hook(functools.partial(count_nonfinite_into, self._grad_inputs[index]))
 
+    def measure(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], index: int) -> None:
+        """One call of module ``index``, eagerly: the operator's body, which compiled code runs.
+        Device work is enqueued, nothing is read."""
+        with torch.no_grad():
+            self._call_module.append(index)
+            none = self.clock[0] * 0
+            self._evidence += [sum(map(nonfinite_sum, inputs), none), sum(map(nonfinite_sum, outputs), none)]
+            if self._activations and outputs and index not in self._row_of:
+                flat = outputs[0].reshape(-1) if len(outputs) == 1 else torch.cat([S.as_real_values(t) for t in outputs])
+                self._row_of[index] = self._outputs.add(flat)
+            self._bytes[index] += sum(t.numel() * t.element_size() for t in outputs)
+            self._calls[index] += 1
+            self.clock.add_(1)
+
     # ------------------------------------------------------------------ after the step
 
-    @staticmethod
-    def wrote(facts: np.ndarray) -> bool:
-        """Whether any hook recorded a call (host facts)."""
-        return bool(facts[:, CALLS].any())
+    def result(self) -> ProbeResult:
+        """The step's measurements: one batched reduction of the outputs, then one transfer.
 
-    def result(self, facts: np.ndarray, gradients: np.ndarray, rows: np.ndarray) -> ProbeResult:
-        """The step's measurements from the host copies of :meth:`pieces`.
-
-        The backward's first offender is the module whose outputs' gradient was finite and whose
-        inputs' gradient was not, latest in the forward's order: the backward runs the graph
-        in reverse, and this is its order wherever a module's gradient depends on the modules
-        after it."""
+        The forward's first offender is the first call whose inputs were finite and whose
+        outputs were not, in execution order, as in eager. In backward the graph runs as one
+        node: its first offender is the module whose outputs' gradient was finite and whose
+        inputs' gradient was not, latest in the forward's order (the backward's order wherever
+        a module's gradient depends on the modules after it)."""
+        self.armed = False
         count = len(self.names)
-        facts, rows = facts.reshape(count, FACTS), rows.reshape(count, self.rows.shape[1])
-        grad_outputs, grad_inputs = gradients[:count], gradients[count : 2 * count]
-        failed = S.failed_rows(rows) if self._activations else np.zeros(count, bool)
-        traces = []
-        for index, name in enumerate(self.names):
-            calls = int(facts[index, CALLS])
-            if not calls:
-                continue
-            trace = ModuleTrace(name, calls)
-            if self._memory:
-                trace.activation_bytes = int(facts[index, BYTES])
-            if self._nonfinite:
-                trace.nonfinite = bool(facts[index, OUTPUT_NONFINITE] > 0 or grad_inputs[index] > 0)
-            if self._activations and not failed[index]:
-                trace.activation_row = rows[index]
-            traces.append(trace)
-        offender = None
-        if self._nonfinite and facts[:, FIRST_FORWARD].min() < NEVER:
-            offender = Offender(self.names[int(np.argmin(facts[:, FIRST_FORWARD]))], "forward")
-        elif self._nonfinite:
-            offends = (grad_inputs > 0) & (grad_outputs == 0) & (facts[:, CALLS] > 0)
-            if offends.any():
-                offender = Offender(self.names[int(np.argmax(np.where(offends, facts[:, ORDER], -1.0)))], "backward")
-        return ProbeResult(traces, offender)
+        evidence = torch.stack(self._evidence).double() if self._evidence else self.clock[:0]
+        (flags, gradients), rows = self._outputs.rows([evidence, torch.cat(self._grad_outputs + self._grad_inputs)])
+        bad = ~np.isfinite(flags)
+        grad_outputs, grad_inputs = gradients[:count], gradients[count:]
+        failed = S.failed_rows(rows)
+        traces: dict[int, ModuleTrace] = {}
+        for index, calls in enumerate(self._calls):
+            if calls:
+                trace = traces[index] = ModuleTrace(self.names[index], calls)
+                trace.activation_bytes = self._bytes[index] if self._memory else None
+                trace.nonfinite = bool(grad_inputs[index] > 0) if self._nonfinite else None
+                row = self._row_of.get(index)
+                if row is not None and not failed[row]:
+                    trace.activation_row = rows[row]
+        offender: Optional[Offender] = None
+        first_call: dict[int, int] = {}
+        for call, index in enumerate(self._call_module):
+            first_call.setdefault(index, call)
+            if self._nonfinite and bad[2 * call + 1]:
+                traces[index].nonfinite = True
+                if offender is None and not bad[2 * call]:
+                    offender = Offender(self.names[index], "forward")
+        if offender is None and self._nonfinite:
+            offends = [i for i in traces if grad_inputs[i] > 0 and grad_outputs[i] == 0]
+            if offends:
+                offender = Offender(self.names[max(offends, key=first_call.__getitem__)], "backward")
+        return ProbeResult([traces[i] for i in sorted(traces)], offender)
+
+
+_PROBES: "weakref.WeakValueDictionary[int, TracedProbe]" = weakref.WeakValueDictionary()
+
+
+def _measure_call(outputs: list[torch.Tensor], inputs: list[torch.Tensor], clock: torch.Tensor, probe: int,
+                  index: int) -> None:
+    """One call of module ``index``, measured by traced probe ``probe`` (:meth:`TracedProbe.measure`)."""
+    traced = _PROBES.get(probe)
+    if traced is not None:
+        traced.measure(outputs, inputs, index)
+
+
+def _as_one_op(function: Any) -> Any:
+    """``function`` as one opaque operator of the graph (``torch.library.custom_op``, torch 2.4
+    and later): Dynamo traces a call of it as one node, and compiled code calls its Python body
+    eagerly with the real tensors. The probe's work is then the eager probes' (a copy of the
+    output, reduced with all the others after the step) for one node; the same work traced
+    op by op made the armed graph's compile minutes long (``docs/performance.md``). It says it
+    mutates ``clock``, so that the graph keeps it."""
+    if not hasattr(torch.library, "custom_op"):
+        return None
+    return torch.library.custom_op("layerwatch::measure_call", function, mutates_args=("clock",))
+
+
+measure_call = _as_one_op(_measure_call)
 
 
 @inlined_only
@@ -188,11 +197,3 @@ def count_nonfinite_into(total: torch.Tensor, grad: torch.Tensor) -> None:
     """A gradient hook: adds the NaN/Inf values of ``grad`` to ``total``."""
     with torch.no_grad():
         total.add_((~torch.isfinite(grad.detach())).sum())
-
-
-def sum_nonfinite(tensors: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """How many NaN/Inf values ``tensors`` hold, as a float64 0-d tensor on ``like``'s device."""
-    total = torch.zeros((), dtype=torch.float64, device=like.device)
-    for t in tensors:
-        total = total + (~torch.isfinite(t.detach())).sum()
-    return total
