@@ -200,41 +200,6 @@ def _reduce_generic(
     return torch.cat([torch.stack([v.to(torch.float64) for v in head]), counts])
 
 
-def traced_row(t: torch.Tensor, bins: int, zeros: bool, centered: bool) -> torch.Tensor:
-    """The row of ``t`` (``t.detach()`` of one flat float tensor) made of ops that compile into
-    the model's own graph: no host read, no data-dependent shape, no ``scatter``. Its statistics
-    are exact; its histogram counts, against each bucket, a strided sample of at most
-    ``HISTOGRAM_VALUES`` values plus the extremes, scaled to the finite count (as :func:`reduce`
-    does). Counting by comparison fuses into one reduction under Inductor, where a
-    ``bucketize`` and ``scatter_add_`` cost several times more (``benchmarks/overhead.py
-    --compile``)."""
-    finite = torch.isfinite(t)
-    zero = torch.zeros((), dtype=t.dtype, device=t.device)
-    x = torch.where(finite, t, zero)
-    count = finite.sum()
-    total = x.sum()
-    mn, mx = _finite_extremes(t, finite)
-    nan = torch.full((), math.nan, dtype=torch.float64, device=t.device)
-    n_zeros = (t.numel() - torch.count_nonzero(t)) if zeros else nan
-    csumsq = nan
-    if centered:
-        dev = torch.where(finite, t - total / count.clamp(min=1), zero)
-        csumsq = (dev * dev).sum()
-    head = [count, t.numel() - count, mn, mx, total, (x * x).sum(), n_zeros, csumsq]
-    if not bins:
-        return torch.stack([v.to(torch.float64) for v in head + [nan] * (HIST - len(head))])
-    scale, anchor, zero_point = grid(mn, mx, bins)
-    n = t.numel()
-    sample = t if n <= HISTOGRAM_VALUES else torch.cat([t[:: _prime_at_least(-(-n // HISTOGRAM_VALUES))], torch.stack([mn, mx])])
-    in_sample = torch.isfinite(sample)
-    q = torch.floor((torch.where(in_sample, sample, zero) - anchor) / scale + 0.5) + zero_point
-    q = torch.where(in_sample, q.clamp(0, bins + 1), torch.full_like(q, -1))
-    counts = (q.unsqueeze(-1) == torch.arange(bins + 2, device=t.device, dtype=q.dtype)).sum(0).to(torch.float64)
-    if sample is not t:
-        counts = counts * (count / in_sample.sum().clamp(min=1))
-    return torch.cat([torch.stack([v.to(torch.float64) for v in head + [scale, anchor, zero_point]]), counts])
-
-
 def _histogram_sample(t: torch.Tensor, limit: Optional[int], extremes: torch.Tensor) -> torch.Tensor:
     """``t`` itself when it has at most ``limit`` values (or no limit), else every p-th value,
     p the smallest prime that keeps at most ``limit`` of them, followed by ``extremes``."""
@@ -252,11 +217,6 @@ def prime_stride(n: int, limit: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _next_prime(n: int) -> int:
-    return _prime_at_least(n)
-
-
-def _prime_at_least(n: int) -> int:
-    """Uncached: Dynamo traces this one (a cache would be bypassed, with a warning)."""
     n = max(n, 2)
     while any(n % d == 0 for d in range(2, math.isqrt(n) + 1)):
         n += 1

@@ -4,20 +4,24 @@ Module hooks that Dynamo traces become part of the compiled graph. A :class:`Tra
 hook starts with a plain Python bool, ``armed``: Dynamo guards on it, so compiled code has
 two variants, the one it would have without layerwatch (unarmed, every step between samples)
 and the armed one (sampled steps), and switches between them with no recompile. Armed, the
-hook writes its module's output row (:func:`~layerwatch.stats.traced_row`), NaN/Inf counts
-and call order into buffers allocated once, in place; nothing is read on the host until the
-step is over (:meth:`TracedProbe.pieces`, one transfer with the rest of the step).
+hook adds one node per module call to the graph, an opaque operator (:data:`measure_call`)
+whose Python body compiled code runs eagerly with the real tensors: the eager probes' own
+work, a copy of the output (or of a sample of it) into the stash of
+:class:`~layerwatch.probes.outputs.Outputs` and the NaN/Inf evidence of its inputs and outputs,
+all enqueued device work. One batched reduction after the step makes the rows, and one
+transfer brings them to the host (:meth:`TracedProbe.result`). A gradient hook on a module's
+output and on its input counts the NaN/Inf values of their gradients in backward.
 
 Compiled code keeps the hooks it was traced with: hooks added after the first compiled call
 never run (Dynamo does not guard on them, ``skip_nnmodule_hook_guards``), and removing them
 would not stop them either. So these hooks are attached once, before the first compiled
-forward, and stay until the engine finishes; a step whose armed hooks wrote nothing is how
-a late attachment shows (:attr:`TracedProbe.wrote`).
+forward, and stay until the engine finishes; a sampled step whose armed hooks recorded
+nothing is how a late attachment shows.
 
 Two ways in, one probe: as the hooks of the modules inside a ``torch.compile``'d module
-(:meth:`attach`), or called by the eager runtime probe's hooks when Dynamo traces them (a
-model called from a compiled function). Called eagerly (``set_stance("force_eager")``, a
-graph break) the same ops run eagerly, and write the same rows.
+(:meth:`TracedProbe.attach`), or called by the eager runtime probe's hooks when Dynamo traces
+them (a model called from a compiled function). Run eagerly (``set_stance("force_eager")``,
+a graph break), the same operator runs, and records the same.
 """
 
 from __future__ import annotations
