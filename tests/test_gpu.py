@@ -250,3 +250,42 @@ def test_the_replay_benchmark_runs_on_cuda(benchmarks):
 
     r = run("tfm-tiny", rounds=2, steps=3, device="cuda")
     assert r["device"] == torch.cuda.get_device_name() and r["replay_named"]
+
+
+def test_a_model_compiled_with_inductor_on_cuda_is_measured_inside_and_its_hooks_never_sync(tmp_path, events):
+    """Triton kernels: bitwise losses against the same compiled run without layerwatch, the
+    modules inside measured on sampled steps, and no hook of ours making the host wait on a
+    sampled step's forward and backward (CUDA's own sync debug mode)."""
+    from models import Spoiler, spoilable
+
+    def run(log_dir):
+        torch._dynamo.reset()
+        model = spoilable(Spoiler()).cuda()
+        call = torch.compile(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(16, 8, generator=g).cuda(), torch.randn(16, 4, generator=g).cuda()) for _ in range(6)]
+        inspector = None if log_dir is None else Inspector(call, log_dir=log_dir, every_n_steps=2, optimizer=opt).start()
+        losses = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for k, (x, y) in enumerate(batches):
+                opt.zero_grad()
+                if k == 4 and inspector is not None:  # sampled, its graphs made
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    loss = torch.nn.functional.mse_loss(call(x), y)
+                    loss.backward()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                opt.step()
+                losses.append(loss.item())
+                if inspector is not None:
+                    inspector.step()
+        if inspector is not None:
+            inspector.finish()
+        return losses
+
+    assert run(tmp_path) == run(None)
+    assert [e.step for e in events(tmp_path).Scalars("activations_norm/3")] == [0, 2, 4]
