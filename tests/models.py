@@ -281,3 +281,13 @@ def spoilable(spoiler: nn.Module) -> Chain:
     """Linear, Tanh, the spoiler, Linear, ReLU, Linear (8 -> 4)."""
     torch.manual_seed(0)
     return Chain(nn.Linear(8, 16), nn.Tanh(), spoiler, nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def compile_as(model: nn.Module, how: str, backend) -> nn.Module:
+    """What to call for ``model`` compiled ``how``: "torch.compile(model)" (its wrapper),
+    "model.compile()" (the model, compiled in place), or anything else (the model as is)."""
+    if how == "torch.compile(model)":
+        return torch.compile(model, backend=backend)
+    if how == "model.compile()":
+        model.compile(backend=backend)
+    return model

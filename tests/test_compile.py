@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from layerwatch import Inspector
-from models import MLP, GradientSpoiler, Spoiler, hook_count, layerwatch_messages, spoilable
+from models import MLP, GradientSpoiler, Spoiler, compile_as, hook_count, layerwatch_messages, spoilable
 
 dynamo = pytest.importorskip("torch._dynamo")
 from torch._dynamo.utils import counters  # noqa: E402
@@ -32,11 +32,7 @@ def run(log_dir, *, how, watch=True, steps=8, every=2, spoil_at=None, spoiler=No
     counter = CompileCounterWithBackend(backend)
     spoiler = spoiler if spoiler is not None else Spoiler()
     model = spoilable(spoiler)
-    call = model
-    if how == "torch.compile(model)":
-        call = torch.compile(model, backend=counter)
-    elif how == "model.compile()":
-        model.compile(backend=counter)
+    call = compile_as(model, how, counter)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     forward = torch.compile(lambda x: call(x), backend=counter) if how == "torch.compile(loss_fn)" else call
     g = torch.Generator().manual_seed(1)

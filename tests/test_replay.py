@@ -17,6 +17,7 @@ from torch import nn
 from layerwatch import Inspector
 from layerwatch.replay import SavedState
 from layerwatch.schedule import at_steps
+from models import compile_as
 
 FAULT_STEP = 7
 STEPS = 10
@@ -605,11 +606,7 @@ def test_a_compiled_model_is_replayed_eagerly_with_no_recompile_and_bitwise_loss
         counters.clear()
         fault = FaultAt()
         model = make_model(fault)
-        call = model
-        if how == "torch.compile(model)":
-            call = torch.compile(model, backend=backend)
-        elif how == "model.compile()":
-            model.compile(backend=backend)
+        call = compile_as(model, how, backend)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         g = torch.Generator().manual_seed(1)
         batches = [(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)) for _ in range(STEPS)]
