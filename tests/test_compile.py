@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from layerwatch import Inspector
-from models import MLP, GradientSpoiler, Spoiler, compile_as, hook_count, layerwatch_messages, spoilable
+from models import MLP, GradientSpoiler, Spoiler, compile_as, hook_count, layerwatch_messages, spoilable, tab_values
 
 dynamo = pytest.importorskip("torch._dynamo")
 from torch._dynamo.utils import counters  # noqa: E402
@@ -95,6 +95,12 @@ def test_a_compiled_model_is_measured_inside_its_graph_with_one_graph_more_and_b
     assert not [t for t in tags if "_orig_mod" in t]
     latency = sorted(t for t in tags if t.startswith(("fwd_ms/", "bwd_ms/")))
     assert latency == (["bwd_ms/(root)", "fwd_ms/(root)"] if how == "torch.compile(model)" else [])
+    tab = tab_values(acc)
+    assert all(tab[f"activation_bytes/{name}"][6] == 16 * (16 if name in "01234" else 4) * 4 for name in "012345")
+    saved = sorted(series for series in tab if series.startswith("saved_bytes/"))
+    assert saved == (["saved_bytes/(root)"] if how == "torch.compile(model)" else [])  # the compiled part's, as a whole
+    if saved:
+        assert tab["saved_bytes/(root)"][6] > 0
 
 
 def test_the_statistics_made_in_the_graph_are_the_eager_probes_statistics(tmp_path, events):
