@@ -209,7 +209,6 @@ class RuntimeProbe:
         spread_rows = self._outputs.spread_rows(together)
         if error is not None:
             raise error
-        traced = self._traced if self._traced is not None and (self.compiled or self._regions is not None) else None
         slot_pieces, rows_host = self._outputs.rows(self._slots.pieces(), spread_rows)
         flagged = self._slots.flagged(slot_pieces)
         nonfinite = [bool(rows_host[-1 - f, S.NONFINITE] > 0) if f < 0 else bool(flagged[f]) for f in self._flags]
@@ -244,7 +243,9 @@ class RuntimeProbe:
                     if offender is None and bad_out and not any(nonfinite[f] for f in self._run(inputs)):
                         offender = Offender(trace.name, phase)
         result = ProbeResult([t for t in traces if t.calls], offender)
-        return result if traced is None else merged(result, traced.result(), self._regions or ())
+        if self._traced is None or not (self.compiled or self._regions is not None):
+            return result
+        return merged(result, self._traced.result(), self._regions or ())
 
     # ------------------------------------------------------------------ hooks
     # Hooks hold the probe (names and indices), never a module or the inspector.

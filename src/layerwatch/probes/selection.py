@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence, Union
 
 from torch import nn
 
-from layerwatch.distributed import clean_name, is_wrapper, named_modules
+from layerwatch.distributed import is_wrapper, named_modules
 from layerwatch.rankings import ROOT  # the model itself: named_modules() names it ""
 
 PROBE_FAMILIES = ("latency", "memory", "activations", "nonfinite")
@@ -59,7 +59,6 @@ def is_compiled(model: nn.Module) -> bool:
     return any(hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 
 
-
 def split_at_compiled(model: nn.Module, selected: Sequence[tuple[str, nn.Module]]
                       ) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]], list[str]]:
     """The ``selected`` modules of a model with compiled parts, as (outside, inside, regions):
@@ -75,13 +74,12 @@ def split_at_compiled(model: nn.Module, selected: Sequence[tuple[str, nn.Module]
     user code below, and a hook on a module makes its ``forward`` a compiled frame of its own:
     no module of it is hooked."""
     inside_ids: set[int] = set()
-    wrappers: dict[int, tuple[str, nn.Module]] = {}
+    wrappers: dict[int, nn.Module] = {}  # id of a compiled module -> its torch.compile wrapper
     unhooked: set[int] = set()
-    for name, module in model.named_modules():
-        compiled = None
+    for module in model.modules():
         if is_wrapper(module) and hasattr(module, "_orig_mod"):
             compiled = module._orig_mod
-            wrappers[id(compiled)] = (clean_name(name), module)
+            wrappers[id(compiled)] = module
             inside_ids.update(id(m) for m in compiled.modules() if m is not compiled)
         elif getattr(module, "_compiled_call_impl", None) is not None:
             unhooked.add(id(module))
@@ -96,7 +94,7 @@ def split_at_compiled(model: nn.Module, selected: Sequence[tuple[str, nn.Module]
         if id(module) in inside_ids:
             inside.append((name, module))
         elif id(module) in wrappers:
-            outside.append((name, wrappers[id(module)][1]))
+            outside.append((name, wrappers[id(module)]))
             regions.append(probe_name(name))
         else:
             outside.append((name, module))

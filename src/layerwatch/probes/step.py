@@ -242,7 +242,7 @@ class StepProbes:
             traced = self._traced
             self.disarm()
             if sync is not None:
-                sync.same([int(self.runtime_on), 1, 0, 0, 0, 0, 0])  # what a runtime probe with no spread work says
+                sync.same([int(self.runtime_on), 1] + [0] * 5)  # what a healthy runtime probe with no spread work says
             return None, self._traced_result(traced, step)
         structure, runtime = self._structure, self._runtime
         armed = [probe for probe in (structure, runtime) if probe is not None]
@@ -313,21 +313,20 @@ class StepProbes:
         self.table_waits = structure is not None
         self.structure_pending = False
         self._caller_compiled = True
-        traced, self._traced_alone = self._traced, False
+        self._traced_alone = False
         self.failures.warn_once(
             "compiled-caller",
             "layerwatch: the model runs inside compiled code (torch.compile of a function that calls it); its hooks are "
             "compiled into the graph and measure activations, NaN/Inf and bytes on sampled steps. Per-module latency has "
             "no meaning inside fused kernels and is not recorded; the layer table waits for an eager forward.",
         )
-        if traced is not None:
-            traced.disarm()
+        if self._traced is not None:  # not disarmed by a result (none, or a failed one)
+            self._traced.disarm()
         if result is not None:
             self._check_traced_ran(result, step)
         return None, result
 
     def _traced_result(self, traced: TracedProbe, step: int) -> Optional[ProbeResult]:
-        traced.disarm()
         try:
             result = traced.result()
         except Exception as e:
@@ -345,6 +344,7 @@ class StepProbes:
                 "compiled-late",
                 f"layerwatch: the hooks inside compiled code recorded nothing on sampled step {step}: the model's forward (or "
                 "that of another instance of its class) was compiled before layerwatch attached them, and compiled code "
-                "never runs hooks added later (Dynamo does not recompile for them). Attach layerwatch (Inspector(...).start(), or the callback) before the model's first "
-                "forward, or call torch._dynamo.reset() before the next one so that it compiles again with them.",
+                "never runs hooks added later (Dynamo does not recompile for them). Attach layerwatch "
+                "(Inspector(...).start(), or the callback) before the model's first forward, or call "
+                "torch._dynamo.reset() before the next one so that it compiles again with them.",
             )
