@@ -250,3 +250,33 @@ class LitFaultOnRankOne(L.LightningModule):
 
     def train_dataloader(self):
         return DataLoader(dataset(256, seed=3), batch_size=16, shuffle=False)
+
+
+class ScriptedBudget(L.Callback):
+    """Scripts what each rank's overhead budget measures (``Pacer.ideal``: rank ``r`` wants
+    ``ideals[r]``), and writes which steps each rank sampled, and the InspectCallback's state at
+    the end, to ``record_dir/sampled<rank>.json``. Put it before the InspectCallback."""
+
+    def __init__(self, ideals: list[float], record_dir: str) -> None:
+        self.ideals = ideals
+        self.record_dir = record_dir
+        self.sampled: list[int] = []
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        from layerwatch.budget import Pacer
+
+        wanted = self.ideals[trainer.global_rank]
+        Pacer.ideal = lambda pacer: None if not pacer._costs_s else wanted
+
+    def _inspect(self, trainer):
+        from layerwatch import InspectCallback
+
+        return next(cb for cb in trainer.callbacks if isinstance(cb, InspectCallback))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._inspect(trainer)._engine.sampled:
+            self.sampled.append(trainer.global_step)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        seen = {"sampled": self.sampled, "state": self._inspect(trainer).state_dict()}
+        Path(self.record_dir, f"sampled{trainer.global_rank}.json").write_text(json.dumps(seen))

@@ -52,3 +52,36 @@ def test_ddp_spawn_rank_zero_writes_each_sample_once_with_synchronized_grads(tmp
         on_rank = [r["grad_norms"][str(step)]["net.0.weight"] for r in ranks]
         assert on_rank[0] == pytest.approx(on_rank[1], rel=1e-6)  # ...yet holds the all-reduced gradient
         assert logged[step] == pytest.approx(on_rank[0], rel=1e-5)
+
+
+BUDGET_FIT = """
+import lightning.pytorch as L
+from lightning.pytorch.loggers import TensorBoardLogger
+from pathlib import Path
+
+from conftest import tolerate_abort_at_exit
+from layerwatch import InspectCallback
+from lightning_models import LitMLP, ScriptedBudget
+
+if __name__ == "__main__":
+    out = Path({out!r})
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=23,
+        logger=TensorBoardLogger(out, name="ddp", version=0),
+        callbacks=[ScriptedBudget([3.0, 1.0], str(out)), InspectCallback()], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1, default_root_dir=out,
+    )
+    with tolerate_abort_at_exit(out / "sampled0.json", out / "sampled1.json"):
+        trainer.fit(LitMLP())
+"""
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+def test_ddp_spawn_under_the_overhead_budget_every_rank_samples_rank_zeros_steps(tmp_path, events):
+    # Rank 0's pacer wants every 5th step, rank 1's every step (scripted): rank 0's choice is shared.
+    run_python(BUDGET_FIT.format(out=str(tmp_path)))
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"sampled{rank}.json").read_text())
+        assert seen == {"sampled": [0, 1, 5, 10, 15, 20], "state": {"last_written_step": 20, "sample_interval": 5}}
+    logged = {e.step: e.value for e in events(tmp_path / "ddp" / "version_0").Scalars("layerwatch/sample_interval")}
+    assert logged == {0: 1, 1: 5, 5: 5, 10: 5, 15: 5, 20: 5}

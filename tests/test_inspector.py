@@ -375,7 +375,7 @@ def test_a_failing_probe_warns_once_and_training_goes_on(tmp_path, monkeypatch):
         (dict(model="not a model"), TypeError, "model must be a torch.nn.Module, got str"),
         (dict(every_n_steps=0), ValueError, "every_n_steps must be an int >= 1, got 0"),
         (dict(every_n_steps=-5), ValueError, "got -5"),
-        (dict(every_n_steps=2, schedule=[1]), ValueError, "not both"),
+        (dict(every_n_steps=2, schedule=[1]), ValueError, "every_n_steps=2, schedule=\\[1\\]"),
         (dict(writer="w", log_dir="x"), ValueError, "pass writer or log_dir, not both"),
         (dict(writer=object()), TypeError, "writer must be a SummaryWriter, got object"),
         (dict(optimizer="adam"), TypeError, "optimizer must be a torch.optim.Optimizer, got str"),

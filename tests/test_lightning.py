@@ -10,6 +10,7 @@ import lightning.pytorch as L
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from layerwatch import InspectCallback
+from layerwatch.budget import Pacer
 from lightning_models import LitMLP, TwoOptimizers, dataset
 
 
@@ -111,6 +112,24 @@ def test_resume_continues_the_schedule_without_repeats(tmp_path, events):
     second.fit(LitMLP(), ckpt_path=ckpt)
     steps = sorted(e.step for e in events(second.logger.log_dir).Scalars("weights_norm/net.0.weight"))
     assert steps == [0, 2, 4, 6, 8]
+
+
+def test_a_resumed_run_goes_on_with_the_overhead_budgets_interval(tmp_path, events, monkeypatch):
+    monkeypatch.setattr(Pacer, "ideal", lambda pacer: None if not pacer._costs_s else 3.0)  # every 5 steps
+    first = make_trainer(tmp_path, [InspectCallback()], max_steps=12)
+    first.fit(LitMLP())
+    ckpt = tmp_path / "mid.ckpt"
+    first.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]["InspectCallback"]
+    assert saved == {"last_written_step": 10, "sample_interval": 5}
+
+    monkeypatch.setattr(Pacer, "ideal", lambda pacer: None if not pacer._costs_s else 15.0)  # now every 20
+    second = make_trainer(tmp_path, [InspectCallback()], max_steps=30)
+    second.fit(LitMLP(), ckpt_path=ckpt)
+    logged = {e.step: e.value for e in events(second.logger.log_dir).Scalars("layerwatch/sample_interval")}
+    # Resumed at 12 with its interval: no early samples (12, 13), and 15's cost is left out (the
+    # first sample of a run pays one-off costs), so 20 is where the new measurements count.
+    assert logged == {0: 1, 1: 5, 5: 5, 10: 5, 15: 5, 20: 20}
 
 
 def test_a_resumed_callback_never_rewrites_a_written_step(tmp_path, events):

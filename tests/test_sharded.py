@@ -655,3 +655,47 @@ def test_fsdp2_per_layer_and_compiled_never_hangs_and_measures_inside(tmp_path, 
     assert {"weights_norm/inp.weight", "grads_norm/blocks.1.fc2.bias"} <= scalars
     assert not [t for t in scalars if "_orig_mod" in t or "_wrapped_module" in t]
     assert {f"activations/{m}" for m in ("inp", "blocks.0.fc1", "blocks.1", "out")} <= set(acc.Tags()["histograms"])
+
+
+def budget_worker(rank: int, world: int, out: str) -> None:
+    """FSDP2 per layer at the default schedule, the overhead budget. Its measurements are
+    scripted apart on purpose: rank 0's pacer wants every 5th step and rank 1's every step, so
+    that only rank 0's choice, shared, keeps the ranks (and their collectives) together. Rank 1
+    alone is short of memory for the update ratios' snapshot: every rank estimates them."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from layerwatch.budget import Pacer
+
+    wanted = 3.0 if rank == 0 else 1.0
+    Pacer.ideal = lambda pacer: None if not pacer._costs_s else wanted
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = Stack()
+    shard_stack(model, "per_layer", mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    inspector = Inspector(model, log_dir=f"{out}/run", optimizer=opt, memory_budget=0 if rank == 1 else None).start()
+    sampled = [inspector.current_step] if inspector.sampled else []
+    for step in range(23):
+        torch.manual_seed(100 + 10 * step + rank)
+        loss = model(torch.randn(4, 6)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        inspector.step()
+        if inspector.sampled:
+            sampled.append(inspector.current_step)
+    state = inspector.state_dict()
+    inspector.finish()
+    record(out, f"sampled{rank}.json", {"sampled": sampled, "state": state})
+
+
+def test_fsdp2_per_layer_under_the_overhead_budget_samples_rank_zeros_steps_on_every_rank(tmp_path, events):
+    run_ranks(budget_worker, str(tmp_path), tmp=tmp_path)
+    ranks = [json.loads((tmp_path / f"sampled{rank}.json").read_text()) for rank in (0, 1)]
+    for seen in ranks:
+        assert seen == {"sampled": [0, 1, 5, 10, 15, 20], "state": {"step": 23, "sample_interval": 5}}
+    acc = events(tmp_path / "run")
+    logged = {e.step: e.value for e in acc.Scalars("layerwatch/sample_interval")}
+    assert logged == {0: 1, 1: 5, 5: 5, 10: 5, 15: 5, 20: 5}
+    ratios = [tag for tag in acc.Tags()["scalars"] if tag.startswith("update_ratio")]
+    assert "update_ratio_estimate/inp.weight" in ratios and not [t for t in ratios if t.startswith("update_ratio/")]

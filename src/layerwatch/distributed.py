@@ -313,6 +313,14 @@ class RankSync:
         n = len(values)
         return bool((both[:n] == -both[n:]).all())
 
+    def broadcast(self, value: int) -> int:
+        """Global rank 0's ``value`` on every rank: one broadcast of one int."""
+        import torch.distributed as dist
+
+        shared = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(shared, src=0, group=self.group)
+        return int(shared.item())
+
     def all(self, obj: Any) -> list[Any]:
         """``obj`` (a small picklable object) from every rank, in rank order."""
         import torch.distributed as dist
@@ -330,6 +338,8 @@ class RankSync:
                 dist.destroy_process_group(group)
             except Exception:  # the run's own group is gone already: so is this one
                 pass
+
+    remove = close  # as the engine's attachments release what they hold
 
     def __enter__(self) -> "RankSync":
         return self
@@ -352,12 +362,14 @@ class Ballot:
 
 @dataclass
 class Decision:
-    """What the ranks decided for one step: sampled or not, and the earliest NaN/Inf finding of
-    any rank (its step; NaN, or only Inf), if one came in."""
+    """What the ranks decided for one step: sampled or not, whether a rank asked for it beyond
+    the schedule (``forced``), and the earliest NaN/Inf finding of any rank (its step; NaN, or
+    only Inf), if one came in."""
 
     sampled: bool
     finding_step: Optional[int] = None
     finding_nan: bool = False
+    forced: bool = False
 
 
 _NO_FINDING = 1 << 62
@@ -415,5 +427,5 @@ class StepVote:
             return None
         scheduled, forced, finding = votes.tolist()
         if -finding == _NO_FINDING:
-            return Decision(bool(scheduled or forced))
-        return Decision(True, -finding // 2, -finding % 2 == 0)
+            return Decision(bool(scheduled or forced), forced=bool(forced))
+        return Decision(True, -finding // 2, -finding % 2 == 0, forced=True)

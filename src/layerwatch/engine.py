@@ -38,6 +38,7 @@ from torch import nn
 from layerwatch import record as R
 from layerwatch import stats as S
 from layerwatch.alerts import Alert, HealthCheck
+from layerwatch.budget import Pacer
 from layerwatch.distributed import (
     FAILED_NORM, Ballot, Decision, Layout, RankSync, StepVote, is_writer_rank, local, parameter_layout,
     world_size,
@@ -45,6 +46,7 @@ from layerwatch.distributed import (
 from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import Attachments, CollectorClock, claim
 from layerwatch.options import Options, writable_dir
+from layerwatch.schedule import Schedule, every_n_steps
 from layerwatch.params import ParameterFamilies, Piece, Snapshot
 from layerwatch.probes import ROOT, Offender, ProbeResult, StepProbes, probe_name, select_modules
 from layerwatch.probes.selection import is_compiled
@@ -56,6 +58,7 @@ from layerwatch.structure import Summary
 logger = logging.getLogger("layerwatch")
 
 EXCESS_LIMIT = 2.0  # see Engine._overhead_s
+UNSHARED_INTERVAL = 50  # the interval of a distributed run whose ranks cannot share the budget's
 REPLAY_GATHER_TIMEOUT_S = 300.0  # how long the ranks of a DDP run wait for each other's replay
 logger.addHandler(logging.NullHandler())  # a library logs; the application decides where it goes
 
@@ -73,6 +76,7 @@ class _Sample:
     grads: list[Piece] = field(default_factory=list)
     weights: list[Piece] = field(default_factory=list)
     update: list[Piece] = field(default_factory=list)
+    update_estimate: list[Piece] = field(default_factory=list)  # from strided samples: the snapshot did not fit
     grads_read: set[int] = field(default_factory=set)  # id() of the parameters read so far
     weights_read: set[int] = field(default_factory=set)
     snapshots: list[tuple[Optional[int], Snapshot]] = field(default_factory=list)  # (id of the optimizer, ...)
@@ -158,6 +162,14 @@ class Engine:
         )
         self._samples_written = 0
         self._schedule_checked = False
+        # The overhead budget (budget.py), when it is the schedule: rank 0 chooses the interval
+        # and every rank takes it from rank 0, at the steps it schedules (interval_sync).
+        self._pacer = None if options.budget is None else Pacer(options.budget)
+        self._schedule: Schedule | Pacer = options.schedule if self._pacer is None else self._pacer
+        self._interval_sync: Optional[RankSync] = None
+        self._proposed_interval: Optional[int] = None  # rank 0's choice at this step, not shared yet
+        self._own_s = 0.0  # layerwatch's time in the open step, while it is unsampled
+        self._last_off_own_s: Optional[float] = None  # the previous step's, when it was unsampled
         # Wall time of the open step since begin_step, and of recent unsampled steps: a sampled
         # step's cost beyond its neighbours' includes what no timer of ours sees (the module
         # hooks' dispatch in torch, the garbage collector, page faults).
@@ -223,6 +235,12 @@ class Engine:
         self._within = (lambda: None) if within is None else weakref.ref(within)
         if self._layout.sharded:  # every rank, at the same point: making a group is collective
             self.failures.run("make the ranks' group for agreeing (no step is sampled)", self._open_vote, 0)
+        if self._pacer is not None and world_size() > 1:
+            self._interval_sync = self._sync
+            if not self._layout.sharded and not self.failures.run(
+                    f"make the ranks' group for sharing the sampling interval (every {UNSHARED_INTERVAL} steps instead)",
+                    self._open_interval_sync, 0):
+                self._pacer, self._schedule = None, every_n_steps(UNSHARED_INTERVAL)
         if self._layout.flat_only and is_writer_rank():
             self.failures.warn(
                 f"layerwatch: FSDP wraps {', '.join(self._layout.flat_only)} with use_orig_params=False, so their "
@@ -261,6 +279,10 @@ class Engine:
         self._vote = StepVote(self._sync)
         self._attached.removables.append(self._vote)  # waits for its ballot, then closes the group
 
+    def _open_interval_sync(self) -> None:
+        self._interval_sync = RankSync(REPLAY_GATHER_TIMEOUT_S)
+        self._attached.removables.append(self._interval_sync)
+
     def _open_writer(self) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -276,7 +298,7 @@ class Engine:
         self._drop_sample()
         self._sentinel = None
         self._micro_batches, self._optimizers, self._within = [], [], lambda: None
-        self._vote = self._sync = self._params.sync = None  # closed with the hooks, below
+        self._vote = self._sync = self._params.sync = self._interval_sync = None  # closed with the hooks, below
         self._param_cache = self._sentinel_watching = None
         self._params.release()
         self._probes.workspace.clear()
@@ -305,12 +327,17 @@ class Engine:
         self._check_running("begin_step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
-        started = self._opened_at = time.perf_counter()
+        started = time.perf_counter()
+        if self._last_off_own_s is not None and self._pacer is not None:
+            self._pacer.off_step(started - self._opened_at, self._last_off_own_s)
+        self._opened_at = started
+        self._last_off_own_s = None
         self._drop_sample()
         self._step = step
         self._micro_batches = []
         self._sentinel_checked = False
         if not self._sampled(step, may_sample):
+            self._own_s = time.perf_counter() - started
             return False
         model = self._model()
         sample = self._sample = _Sample(step, self._layout.parameters(model), self._counter.count)
@@ -353,13 +380,14 @@ class Engine:
         final: read those not read yet this step, and snapshot their weights for the update
         ratios. With several optimizers, call it before each one's step. When the step can be
         replayed (:meth:`replay_with`), the sentinel checks it here, first."""
+        started = time.perf_counter()
         if self._micro_batches:  # before each optimizer's step: a later one's gradients may be new
             self._sentinel_checked = True
             self._check_sentinel(before_optimizer_step=True)
         sample = self._sample
         if sample is None:
+            self._own_s += time.perf_counter() - started
             return
-        started = time.perf_counter()
         params = sample.unread(sample.grads_read, optimizer)
         if params:
             sample.before_calls += 1
@@ -396,11 +424,17 @@ class Engine:
         """Close the open step: the sentinel's check; a sampled step is read to the end and
         written. Returns the step written, or None."""
         self._check_running("end_step")
+        entered = time.perf_counter()
         self._check_sentinel()
         micro_batches, self._micro_batches = self._micro_batches, []
         sample, self._sample = self._sample, None
         if sample is None:
-            self._off_steps.append(time.perf_counter() - self._opened_at)
+            ended = time.perf_counter()
+            self._off_steps.append(ended - self._opened_at)
+            if self._pacer is not None:
+                if self._pacer(self._step):
+                    self._share_interval()
+                self._last_off_own_s = self._own_s + time.perf_counter() - entered
             return None
         started = time.perf_counter()
         sample.overhead_s += self._probes.hook_seconds
@@ -416,6 +450,8 @@ class Engine:
         if is_writer_rank():
             self.failures.run("write the sampled step", lambda: self._write(sample, started, structure, probes), sample.step)
         self._collector.remove()
+        if self._pacer is not None and self._pacer(sample.step):
+            self._share_interval()
         return sample.step
 
     def _sampled(self, step: int, may_sample: bool) -> bool:
@@ -437,6 +473,8 @@ class Engine:
         # taken now is asked for again.
         self._force_sample = decision.sampled and not may_sample and (self._force_sample or decision.finding_step is not None)
         vote.send(step + 1, self._ballot(step + 1))
+        if self._pacer is not None and not decision.forced:  # the ballot went out before the interval last changed
+            return may_sample and decision.sampled and self._pacer(step)
         return may_sample and decision.sampled
 
     def _ballot(self, step: int) -> Ballot:
@@ -449,7 +487,7 @@ class Engine:
         """The schedule's answer for ``step``. Its first call is its check: what it raises then
         is raised, with the schedule named; later it is warned about once and the step is
         not sampled (a training run is never stopped by it)."""
-        schedule = self.options.schedule
+        schedule = self._schedule
         if self._schedule_checked:
             try:
                 return schedule(step)
@@ -486,23 +524,28 @@ class Engine:
             self.failures.run("read weights", lambda: sample.weights.extend(self._params.weights(params)), sample.step)
 
     def _snapshot(self, sample: _Sample, params: list[tuple[str, nn.Parameter]], key: Optional[int]) -> None:
-        sample.snapshots.append((key, self._params.snapshot(params, f"snapshot{len(sample.snapshots)}.")))
+        if not sample.snapshots:  # what a memory_budget given as a share is a share of
+            self._params.param_bytes = sum(local(p).numel() * local(p).element_size() for _, p in sample.params)
+        sample.snapshots.append((key, self._params.snapshot(params, sample.step, f"snapshot{len(sample.snapshots)}.")))
 
     def _measure_update(self, sample: _Sample, snapshot: Snapshot) -> None:
         weight_norms = "weights" not in self.options.families
-        sample.update += self._params.updates(snapshot, sample.params, weight_norms=weight_norms)
+        pieces = self._params.updates(snapshot, sample.params, weight_norms=weight_norms)
+        (sample.update_estimate if snapshot.estimated else sample.update).extend(pieces)
 
     # ------------------------------------------------------------------ writing
 
     def _write(self, sample: _Sample, started: float, structure: Optional[Summary], probes: Optional[ProbeResult]) -> None:
         options = self.options
-        families = {"grads": sample.grads, "weights": sample.weights, "update": sample.update}
+        families = {"grads": sample.grads, "weights": sample.weights, "update": sample.update,
+                    "update_estimate": sample.update_estimate}
         arrays = iter(S.to_host([rows for pieces in families.values() for _, rows in pieces]))
         host = {
-            family: [(names, next(arrays).reshape(len(names) if family != "update" else 2, -1)) for names, _ in pieces]
+            family: [(names, next(arrays).reshape(2 if family.startswith("update") else len(names), -1))
+                     for names, _ in pieces]
             for family, pieces in families.items()
         }
-        for family in ("grads", "weights", "update"):
+        for family in families:
             host[family] = [self._measured(family, names, rows, sample.step) for names, rows in host[family]]
         rec = R.StepRecord(sample.step)
         for family in R.TENSOR_FAMILIES:
@@ -516,6 +559,8 @@ class Engine:
                 if weight_norms:
                     norms = np.array([weight_norms.get(name, np.nan) for name in names])
                 rec.add_update_ratios(names, deltas, norms)
+        for names, (deltas, norms) in host["update_estimate"]:  # both norms of the same sample
+            rec.add_update_ratios(names, deltas, norms, estimated=True)
         if structure is not None:
             rec.add_structure(structure)
         new_alerts = []
@@ -540,7 +585,10 @@ class Engine:
                 name for name, p in sample.params if p.requires_grad and not (p.grad is not None and p.grad.is_sparse)
             ]
             new_alerts += self._health.judge(rec, host, "grads" in options.families, trainable, stepped)
-        rec.scalars[R.OVERHEAD_MS] = 1e3 * self._overhead_s(sample, started)
+        cost_s = self._overhead_s(sample, started)
+        rec.scalars[R.OVERHEAD_MS] = 1e3 * cost_s
+        if self._pacer is not None:
+            rec.scalars[R.SAMPLE_INTERVAL] = self._choose_interval(sample.step, cost_s)
         rec.alerts = new_alerts
         self._samples_written += 1
         writing = time.perf_counter()
@@ -551,16 +599,16 @@ class Engine:
     def _measured(self, family: str, names: list[str], rows: np.ndarray, step: int) -> tuple[list[str], np.ndarray]:
         """``names`` and their rows (update pieces: their two rows of columns) less the sharded
         tensors a rank could not help measure, or snapshot (said once)."""
-        failed = rows[0] == FAILED_NORM if family == "update" else S.failed_rows(rows)
+        failed = rows[0] == FAILED_NORM if family.startswith("update") else S.failed_rows(rows)
         if not failed.any():
             return names, rows
         left_out = [name for name, bad in zip(names, failed) if bad]
         which = ", ".join(left_out[:5]) + (f" and {len(left_out) - 5} more" if len(left_out) > 5 else "")
-        what = ("snapshot its shards of {} for the update ratios; their update ratios are left out" if family == "update"
+        what = ("snapshot its shards of {} for the update ratios; their update ratios are left out" if family.startswith("update")
                 else f"measure its shards of {{}} ({family}); they are left out")
         self.failures.warn_once(f"failed-rows:{family}", f"layerwatch: a rank could not {what.format(which)} of step {step}")
         kept = [name for name, bad in zip(names, failed) if not bad]
-        return kept, rows[:, ~failed] if family == "update" else rows[~failed]
+        return kept, rows[:, ~failed] if family.startswith("update") else rows[~failed]
 
     def _overhead_s(self, sample: _Sample, started: float) -> float:
         """What sampling added to this step: the time measured in our own code, plus the step's
@@ -578,6 +626,55 @@ class Engine:
             return measured
         excess = now - self._opened_at + self._last_write_s - statistics.median(self._off_steps)
         return min(max(measured, excess), (1 + EXCESS_LIMIT) * measured + collected)
+
+    # ------------------------------------------------------------------ the overhead budget
+
+    def _choose_interval(self, step: int, cost_s: float) -> int:
+        """Rank 0, at a sampled step: the interval from here on (proposed to the ranks by
+        :meth:`_share_interval`); its measurements count when the budget scheduled the step."""
+        pacer = self._pacer
+        if pacer(step):
+            pacer.sampled(cost_s, time.perf_counter() - self._opened_at)
+            self._proposed_interval = pacer.decide()
+        return self._proposed_interval or pacer.interval or 1
+
+    def _share_interval(self) -> None:
+        """At each step the budget schedules, sampled or not, on every rank alike: take rank
+        0's interval (a broadcast in a distributed run) and say so when it changed."""
+        proposed, self._proposed_interval = self._proposed_interval, None
+        sync = self._interval_sync
+        if sync is not None:
+            shared: list[int] = []
+            if not self.failures.run("share the sampling interval", lambda: shared.append(sync.broadcast(proposed or 0)), self._step):
+                return
+            proposed = shared[0] or None
+        pacer = self._pacer
+        if proposed is None or proposed == pacer.interval:
+            return
+        previous, pacer.interval = pacer.interval, proposed
+        if is_writer_rank():
+            self.failures.say(pacer.message(previous))
+
+    def state_dict(self) -> dict[str, int]:
+        """What a resumed run needs to sample as this one would: the overhead budget's interval
+        (empty under a fixed schedule, or before the interval is chosen)."""
+        if self._pacer is None or self._pacer.interval is None:
+            return {}
+        return {"sample_interval": self._pacer.interval}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on with a saved :meth:`state_dict` (ignored under a fixed schedule).
+
+        Raises:
+            ValueError: ``sample_interval`` is not an int >= 1.
+        """
+        interval = state.get("sample_interval")
+        if interval is None:
+            return
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"state['sample_interval'] must be an int >= 1, got {interval!r}")
+        if self._pacer is not None:
+            self._pacer.interval = interval
 
     def _stepped(self, sample: _Sample) -> Optional[bool]:
         """Whether the optimizer stepped during the sample: counted when the optimizers are

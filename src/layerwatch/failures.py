@@ -4,7 +4,8 @@ An inspector never raises into the training loop and never stops it: a probe, a 
 or a write that fails is named in one ``RuntimeWarning`` (the first time that kind of
 failure happens) and left out; training goes on unchanged.
 
-Every warning of a run goes through :meth:`FailurePolicy.warn`, which points it at the
+Every warning of a run goes through :meth:`FailurePolicy.warn` (and every line of news through
+:meth:`FailurePolicy.say`), which points it at the
 user's own line (the first frame outside layerwatch and the frameworks that call it), and
 prints it inside ``around_warning``: a front door sets that to pause a progress bar.
 """
@@ -12,6 +13,7 @@ prints it inside ``around_warning``: a front door sets that to pause a progress 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import warnings
@@ -51,6 +53,13 @@ class FailurePolicy:
         """A ``RuntimeWarning`` pointing at the user's line."""
         with self.around_warning():
             warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
+
+    def say(self, message: str) -> None:
+        """One plain line on stderr (and an INFO record of the ``layerwatch`` logger) for news
+        that is not a fault, such as the sampling interval the overhead budget chose."""
+        logging.getLogger("layerwatch").info("%s", message)
+        with self.around_warning():
+            print(message, file=sys.stderr, flush=True)
 
     def warn_once(self, key: str, message: str) -> None:
         """Warn with ``message`` the first time ``key`` comes up."""

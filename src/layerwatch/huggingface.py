@@ -51,11 +51,12 @@ class InspectTrainerCallback(TrainerCallback):
         >>> from transformers import Trainer, TrainingArguments
         >>> from layerwatch.huggingface import InspectTrainerCallback
         >>> trainer = Trainer(model=model, args=TrainingArguments("out", report_to=["tensorboard"]),
-        ...                   train_dataset=data, callbacks=[InspectTrainerCallback(every_n_steps=100)])
+        ...                   train_dataset=data, callbacks=[InspectTrainerCallback()])
         >>> trainer.train()  # doctest: +SKIP
 
     The step is HF's global step after the optimizer step (see the module's docstring), so
-    the default ``every_n_steps=50`` samples steps 50, 100, ... With HF's
+    the default overhead budget samples steps 1 and 2, then the multiples of the interval it
+    chooses, and ``every_n_steps=50`` samples steps 50, 100, ... With HF's
     ``TensorBoardCallback`` (``report_to=["tensorboard"]``) its writer is reused, so
     everything is one run; otherwise the logs go to ``<output_dir>/runs/layerwatch``, said
     once. Under a distributed launch only rank 0 writes; with sharded parameters (FSDP2)
@@ -65,8 +66,9 @@ class InspectTrainerCallback(TrainerCallback):
     ``max_grad_norm`` (Lightning's ``InspectCallback`` reads them before clipping).
 
     Args: the options of :class:`~layerwatch.Inspector` (``every_n_steps``, ``schedule``,
-        ``families``, ``stats``, ``histograms``, ``histogram_bins``, ``alerts``, ``modules``,
-        ``sentinel``), with the same meaning and checks.
+        ``overhead_budget``, ``families``, ``stats``, ``histograms``, ``histogram_bins``,
+        ``alerts``, ``modules``, ``sentinel``, ``memory_budget``), with the same meaning and
+        checks.
 
     Raises:
         ValueError, TypeError: A bad option, at construction.
@@ -77,6 +79,7 @@ class InspectTrainerCallback(TrainerCallback):
         every_n_steps: Optional[int] = None,
         *,
         schedule: Optional[ScheduleLike] = None,
+        overhead_budget: Optional[float] = None,
         families: Collection[str] = R.FAMILIES,
         stats: Sequence[str] = DEFAULT_STATS,
         histograms: bool = True,
@@ -84,6 +87,7 @@ class InspectTrainerCallback(TrainerCallback):
         alerts: AlertRules | bool = True,
         modules: Optional[ModuleFilter] = None,
         sentinel: bool = True,
+        memory_budget: Optional[int | float] = None,
     ) -> None:
         self._options = options_from(locals())
         self._engine: Optional[Engine] = None

@@ -27,8 +27,9 @@ class Inspector(Engine):
     """Logs per-parameter weight and gradient statistics and histograms to TensorBoard.
 
     Call :meth:`step` once per optimizer step, after ``optimizer.step()``. The first
-    call closes step 0; step ``k`` is sampled when the schedule says so (by default
-    ``k % every_n_steps == 0``).
+    call closes step 0; step ``k`` is sampled when the schedule says so. By default the
+    overhead budget chooses: steps 0 and 1, then every ``n``-th step, ``n`` on a 1-2-5 grid,
+    as often as keeps sampling within 1% of the training time.
 
     Example:
         >>> import torch
@@ -48,9 +49,14 @@ class Inspector(Engine):
             with ``log_dir``.
         log_dir: Directory for a ``SummaryWriter`` the inspector owns and closes.
             With neither, ``SummaryWriter()``'s default ``runs/...`` directory.
-        every_n_steps: Sample step ``k`` when ``k % every_n_steps == 0``. Default 50.
+        every_n_steps: Sample step ``k`` when ``k % every_n_steps == 0``: a fixed interval, the
+            same on every machine (for run-to-run comparisons).
         schedule: Instead of ``every_n_steps``: a :class:`~layerwatch.schedule.Schedule`,
             a list of steps, or a callable ``step -> bool``.
+        overhead_budget: The share of the training time sampling may add, in (0, 1]; the
+            default schedule, with ``0.01`` when none of these three is given. The interval
+            it chooses is logged as ``layerwatch/sample_interval`` and said on stderr when
+            it changes (see docs/usage.md, "The overhead budget").
         optimizer: When given, gradients are read just before ``optimizer.step()`` and
             weights just after it, and ``update_ratio/<param>`` is logged, by its step
             hooks (until :meth:`finish`; they return at once on unsampled steps). A
@@ -83,12 +89,18 @@ class Inspector(Engine):
             probe armed when :meth:`replay_with` gave it (else sample the next step with every
             probe armed: it shows what came after the fault). Pass ``optimizer=`` when a
             GradScaler may skip steps, so its overflow steps are told apart from faults.
+        memory_budget: The most memory a sampled step may hold for exact update ratios (their
+            snapshot copies every trainable weight): an int of bytes, or a float share of
+            the parameters' bytes (``0.5``: half). Beyond it, and on a GPU beyond its free
+            memory less 5%, the ratios are estimated from a strided sample of each weight
+            (``update_ratio_estimate/<param>``, said once). Default: no limit but the GPU's.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer,
             or ``writer`` lacks the ``SummaryWriter`` interface.
         ValueError: A bad option value, both ``writer`` and ``log_dir``, both
-            ``every_n_steps`` and ``schedule``, or a ``log_dir`` that cannot be written.
+            of ``every_n_steps``, ``schedule`` and ``overhead_budget``, or a ``log_dir`` that
+            cannot be written.
     """
 
     def __init__(
@@ -99,6 +111,7 @@ class Inspector(Engine):
         log_dir: Optional[str | os.PathLike] = None,
         every_n_steps: Optional[int] = None,
         schedule: Optional[ScheduleLike] = None,
+        overhead_budget: Optional[float] = None,
         optimizer: Optional[torch.optim.Optimizer] = None,
         families: Collection[str] = R.FAMILIES,
         stats: Sequence[str] = DEFAULT_STATS,
@@ -107,6 +120,7 @@ class Inspector(Engine):
         alerts: AlertRules | bool = True,
         modules: Optional[ModuleFilter] = None,
         sentinel: bool = True,
+        memory_budget: Optional[int | float] = None,
     ) -> None:
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -117,7 +131,9 @@ class Inspector(Engine):
 
     @property
     def schedule(self):
-        return self.options.schedule
+        """What chooses the sampled steps: the :class:`~layerwatch.schedule.Schedule` given, or
+        the overhead budget's pacer (its ``interval``)."""
+        return self._schedule
 
     @property
     def families(self) -> tuple[str, ...]:
@@ -208,13 +224,15 @@ class Inspector(Engine):
         self.finish()
 
     def state_dict(self) -> dict[str, int]:
-        """The schedule position, so a resumed run continues it."""
-        return {"step": self.current_step}
+        """The schedule position and the overhead budget's interval, so a resumed run
+        continues them."""
+        return {"step": self.current_step, **super().state_dict()}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         step = state.get("step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"state['step'] must be an int >= 0, got {step!r}")
+        super().load_state_dict(state)
         if self._state == "running":
             self.begin_step(step)
         else:

@@ -46,8 +46,9 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
     """Logs per-parameter weight and gradient statistics and histograms during ``Trainer.fit``.
 
     The same engine and options as :class:`~layerwatch.Inspector`. The step is
-    ``trainer.global_step`` (optimizer steps); step ``k`` is sampled when
-    ``k % every_n_steps == 0`` (or when ``schedule`` says so). Gradients are read in
+    ``trainer.global_step`` (optimizer steps); by default the overhead budget chooses the
+    sampled steps (see :class:`~layerwatch.Inspector`), else ``every_n_steps`` or
+    ``schedule``; a resumed run goes on with the interval it had. Gradients are read in
     ``on_before_optimizer_step``, before Lightning clips them and before the optimizer
     changes the weights; weights and update ratios once the optimizer step is done.
     With gradient accumulation only the step's last micro-batch counts; with several
@@ -64,13 +65,15 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
     Example:
         >>> from lightning.pytorch import Trainer
         >>> from layerwatch import InspectCallback
-        >>> trainer = Trainer(max_steps=200, callbacks=[InspectCallback(every_n_steps=50)])
+        >>> trainer = Trainer(max_steps=200, callbacks=[InspectCallback()])
         >>> trainer.fit(model)  # doctest: +SKIP
         >>> # tensorboard --logdir lightning_logs
 
     Args:
-        every_n_steps: Sample global step ``k`` when ``k % every_n_steps == 0``. Default 50.
+        every_n_steps: Sample global step ``k`` when ``k % every_n_steps == 0`` (a fixed interval).
         schedule: Instead of ``every_n_steps``: a Schedule, a list of steps, or a callable.
+        overhead_budget: The share of the training time sampling may add, in (0, 1]; the
+            default schedule, with ``0.01`` when none of these three is given.
         families: Which families to log, all by default: ``"weights"``, ``"grads"``,
             ``"updates"``, ``"structure"`` (the layer table, once, from the first sampled
             step's training forward), and the per-module ``"latency"``, ``"memory"``,
@@ -85,6 +88,11 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         sentinel: Check the gradients for NaN/Inf between samples (on a GPU all of them every
             step, on the CPU a rotating share) and, on the first hit, log
             ``layerwatch/first_nonfinite_step`` and find the module that made it.
+        memory_budget: The most memory a sampled step may hold for exact update ratios (their
+            snapshot copies every trainable weight): an int of bytes, or a float share of
+            the parameters' bytes (``0.5``: half). Beyond it, and on a GPU beyond its free
+            memory less 5%, the ratios are estimated from a strided sample of each weight
+            (``update_ratio_estimate/<param>``, said once). Default: no limit but the GPU's.
         replay: On the sentinel's first hit, run that step's batch again (``training_step``,
             then backward) with every probe armed, before the optimizer step, so the first
             offender is the module that made the NaN, not merely the first to use a poisoned
@@ -110,6 +118,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         every_n_steps: Optional[int] = None,
         *,
         schedule: Optional[ScheduleLike] = None,
+        overhead_budget: Optional[float] = None,
         families: Collection[str] = R.FAMILIES,
         stats: Sequence[str] = DEFAULT_STATS,
         histograms: bool = True,
@@ -117,6 +126,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         alerts: AlertRules | bool = True,
         modules: Optional[ModuleFilter] = None,
         sentinel: bool = True,
+        memory_budget: Optional[int | float] = None,
         replay: bool | Callable[[Any, Any, int], Any] = True,
     ) -> None:
         super().__init__()
@@ -129,6 +139,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         self._engine: Optional[Engine] = None
         self._alerts: list[Alert] = []
         self._last_written_step = -1
+        self._engine_state: dict[str, Any] = {}  # the engine's part of the checkpoint: loaded, or kept at the end
         self.log_dir: Optional[str] = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -169,6 +180,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         if self._engine is None:
             return
         self._engine.start(within=getattr(trainer.strategy, "model", None))  # strategy="fsdp" wraps pl_module itself
+        self._engine.load_state_dict(self._engine_state)
         self._engine.track_optimizers(trainer.optimizers)
         custom = callable(self._replay)
         self._replaying = bool(self._replay) and (custom or pl_module.automatic_optimization) and _scaler(trainer) is None
@@ -210,13 +222,15 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         self._finish()
 
     def state_dict(self) -> dict[str, int]:
-        return {"last_written_step": self._last_written_step}
+        engine = self._engine_state if self._engine is None else self._engine.state_dict()
+        return {"last_written_step": self._last_written_step, **engine}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         step = state_dict.get("last_written_step", -1)
         if isinstance(step, bool) or not isinstance(step, int):
             raise ValueError(f"last_written_step must be an int, got {step!r}")
         self._last_written_step = step
+        self._engine_state = {key: value for key, value in state_dict.items() if key != "last_written_step"}
 
     # ------------------------------------------------------------------ helpers
 
@@ -226,6 +240,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
 
     def _finish(self) -> None:
         if self._engine is not None:
+            self._engine_state = self._engine.state_dict()  # a checkpoint saved after fit still holds it
             self._engine.finish()
             self._engine = None
 

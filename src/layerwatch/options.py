@@ -13,10 +13,11 @@ from typing import Any, Collection, Optional, Sequence
 from layerwatch import record as R
 from layerwatch import stats as S
 from layerwatch.alerts import AlertRules
+from layerwatch.budget import check_fraction
 from layerwatch.probes import ModuleFilter, check_module_filter
 from layerwatch.schedule import Schedule, ScheduleLike, as_schedule, every_n_steps as every_n
 
-DEFAULT_EVERY_N_STEPS = 50
+DEFAULT_OVERHEAD_BUDGET = 0.01  # the schedule when neither every_n_steps nor schedule is given
 DEFAULT_STATS = ("norm", "nonfinite")
 
 
@@ -24,13 +25,15 @@ DEFAULT_STATS = ("norm", "nonfinite")
 class Options:
     """What to measure and when; build it with :func:`validate_options`."""
 
-    schedule: Schedule
+    schedule: Optional[Schedule]  # None: the overhead budget chooses the steps
+    budget: Optional[float]  # the overhead budget, when it is the schedule
     families: tuple[str, ...]
     stats: tuple[str, ...]
     bins: int  # 0: no histograms
     rules: Optional[AlertRules]  # None: no alerts
     modules: Optional[tuple[Any, ...]]  # None: every module
     sentinel: bool
+    memory_budget: Optional[int | float]  # bytes (int) or a share of the parameters' bytes (float); None: no limit
 
     @property
     def zeros(self) -> bool:
@@ -45,6 +48,7 @@ def validate_options(
     *,
     every_n_steps: Optional[int] = None,
     schedule: Optional[ScheduleLike] = None,
+    overhead_budget: Optional[float] = None,
     families: Collection[str] = R.FAMILIES,
     stats: Sequence[str] = DEFAULT_STATS,
     histograms: bool = True,
@@ -52,17 +56,25 @@ def validate_options(
     alerts: AlertRules | bool = True,
     modules: Optional[ModuleFilter] = None,
     sentinel: bool = True,
+    memory_budget: Optional[int | float] = None,
 ) -> Options:
     """Check every option; raises with a message that names the bad value.
 
     The keyword arguments and their defaults are those of :class:`~layerwatch.Inspector`.
     """
-    if every_n_steps is not None and schedule is not None:
-        raise ValueError(f"pass every_n_steps or schedule, not both (got {every_n_steps!r} and {schedule!r})")
+    given = {name: value for name, value in
+             (("every_n_steps", every_n_steps), ("schedule", schedule), ("overhead_budget", overhead_budget))
+             if value is not None}
+    if len(given) > 1:
+        raise ValueError(f"pass one of every_n_steps, schedule and overhead_budget, not several (got "
+                         f"{', '.join(f'{name}={value!r}' for name, value in given.items())})")
+    chosen, budget = None, None
     if schedule is not None:
         chosen = as_schedule(schedule)
+    elif every_n_steps is not None:
+        chosen = every_n(every_n_steps)
     else:
-        chosen = every_n(DEFAULT_EVERY_N_STEPS if every_n_steps is None else every_n_steps)
+        budget = check_fraction("overhead_budget", DEFAULT_OVERHEAD_BUDGET if overhead_budget is None else overhead_budget)
     if not isinstance(histograms, bool):
         raise TypeError(f"histograms must be a bool, got {histograms!r}")
     if isinstance(histogram_bins, bool) or not isinstance(histogram_bins, int) or not 2 <= histogram_bins <= S.MAX_BINS:
@@ -71,14 +83,22 @@ def validate_options(
         raise TypeError(f"alerts must be True, False or an AlertRules, got {alerts!r}")
     if not isinstance(sentinel, bool):
         raise TypeError(f"sentinel must be a bool, got {sentinel!r}")
+    if memory_budget is not None and (
+            isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
+            or (isinstance(memory_budget, int) and memory_budget < 0)
+            or (isinstance(memory_budget, float) and not 0 < memory_budget < float("inf"))):
+        raise ValueError("memory_budget must be an int of bytes >= 0 or a float > 0 (a share of the parameters' bytes), "
+                         f"got {memory_budget!r}")
     return Options(
         schedule=chosen,
+        budget=budget,
         families=_check_choice("families", families, R.FAMILIES),
         stats=_check_choice("stats", stats, S.STATS),
         bins=histogram_bins if histograms else 0,
         rules=AlertRules() if alerts is True else alerts or None,
         modules=check_module_filter(modules),
         sentinel=sentinel,
+        memory_budget=memory_budget,
     )
 
 

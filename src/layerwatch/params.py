@@ -3,31 +3,43 @@
 Every tensor of one device goes through one batched :func:`layerwatch.stats.reduce`; the
 rows stay on the device until the step's single transfer. Histograms of a tensor above
 ``HISTOGRAM_VALUES`` values come from a strided sample of it (its statistics stay exact).
+
+Exact update ratios copy every trainable weight before the optimizer step. When that copy
+does not fit (the ``memory_budget`` option; on a GPU, its free memory less a margin), the
+snapshot holds a fixed strided sample of each weight instead, and the ratios of that step are
+estimates (``update_ratio_estimate/<param>``), said once; they are exact again once it fits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
 
 from layerwatch import stats as S
-from layerwatch.distributed import Layout, NamedTensors, RankSync, fingerprint, local_tensors, norms, parameter_layout, this_ranks_groups
+from layerwatch.distributed import (
+    Layout, NamedTensors, RankSync, fingerprint, is_writer_rank, local_tensors, norms, parameter_layout, this_ranks_groups,
+)
 from layerwatch.failures import FailurePolicy
 from layerwatch.options import Options
 
 HISTOGRAM_VALUES = S.HISTOGRAM_VALUES
+SNAPSHOT_VALUES = S.HISTOGRAM_VALUES  # values of each weight an estimated update ratio samples
+CUDA_MARGIN = 0.05  # of the device's memory, left free when a snapshot is taken on a GPU
 
 Piece = tuple[list[str], torch.Tensor]  # names, and their packed rows on one device
 
 
 @dataclass
 class Snapshot:
-    """The trainable weights just before the optimizer step."""
+    """The trainable weights just before the optimizer step: whole, or (``estimated``) a
+    strided sample of each, ``strides[i]`` of group ``i``'s tensors."""
 
-    groups: list[tuple[Any, list[str], list[torch.Tensor]]]
+    groups: list[tuple[Any, list[str], Optional[list[torch.Tensor]]]]
+    estimated: bool = False
+    strides: list[list[int]] = field(default_factory=list)
 
 
 class ParameterFamilies:
@@ -46,6 +58,9 @@ class ParameterFamilies:
         self.layout = Layout()  # how the parameters lie over the ranks (set by the engine at start)
         self.sync: Optional[RankSync] = None  # where the ranks of a sharded run agree
         self._unmeasurable: set[tuple[str, str]] = set()  # (weights|gradients, name) whose statistics failed
+        self.param_bytes = 0  # this rank's share of the model's parameters (set at each sample)
+        self._held_bytes = 0  # what this step's snapshots hold so far
+        self._estimating_since: Optional[int] = None  # the step since which snapshots are samples
 
     def release(self) -> None:
         self.workspace.clear()
@@ -73,22 +88,80 @@ class ParameterFamilies:
     def weights(self, params: NamedTensors) -> list[Piece]:
         return self.reduce(params, "weights")
 
-    def snapshot(self, params: Sequence[tuple[str, nn.Parameter]], slot: str = "snapshot") -> Snapshot:
+    def snapshot(self, params: Sequence[tuple[str, nn.Parameter]], step: int, slot: str = "snapshot") -> Snapshot:
         """Copies of the trainable weights, in workspace buffers named ``slot`` + a number
-        (several snapshots alive at once need different slots). Never raises: a group that
-        cannot be copied is left out (plain tensors) or kept without copies (sharded ones,
-        whose update norms every rank still reduces: they read as failed)."""
-        groups = []
+        (several snapshots alive at once need different slots); strided samples of them when
+        the copies do not fit (:meth:`_fits`). Never raises: a group that cannot be copied is
+        left out (plain tensors) or kept without copies (sharded ones, whose update norms
+        every rank still reduces: they read as failed)."""
         with torch.no_grad():
             trainable = [(n, p) for n, p in params if p.requires_grad]
-            for i, (group, names, tensors) in enumerate(self._groups(trainable, "snapshot")):
+            found = self._groups(trainable, "snapshot")
+            estimated = not self._fits([t for _, _, tensors in found for t in tensors])
+            if self.sync is not None and any(group is not None for group, _, _ in found):
+                agreed = self.sync.same([int(estimated)])  # on every rank, whatever it found
+                estimated = estimated or not agreed  # a rank short of memory: all sample
+            self._say_estimating(estimated, step)
+            snapshot = Snapshot([], estimated)
+            for i, (group, names, tensors) in enumerate(found):
+                strides = [S.prime_stride(t.numel(), SNAPSHOT_VALUES) if estimated else 1 for t in tensors]
                 try:
-                    groups.append((group, names, self._copies(tensors, f"{slot}{i}")))
+                    copies = self._samples(tensors, strides) if estimated else self._copies(tensors, f"{slot}{i}")
                 except Exception as e:
                     self.failures.warn_once("fail:snapshot", f"layerwatch: could not snapshot weights for update ratios: {e!r}; skipped")
-                    if group is not None:
-                        groups.append((group, names, None))
-        return Snapshot(groups)
+                    if group is None:
+                        continue
+                    copies = None
+                snapshot.groups.append((group, names, copies))
+                snapshot.strides.append(strides)
+        self._held_bytes += sum(t.numel() * t.element_size() for _, _, copies in snapshot.groups for t in copies or [])
+        return snapshot
+
+    def _fits(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether whole copies of ``tensors`` fit: within ``memory_budget`` with what this
+        step's snapshots hold already, and on each GPU within its free memory (and what its
+        caching allocator holds unused) less a margin."""
+        needed: dict[torch.device, int] = {}
+        for t in tensors:
+            needed[t.device] = needed.get(t.device, 0) + t.numel() * t.element_size()
+        limit = self.options.memory_budget
+        if limit is not None:
+            allowed = limit if isinstance(limit, int) else limit * self.param_bytes
+            if self._held_bytes + sum(needed.values()) > allowed:
+                return False
+        for device, size in needed.items():
+            if device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(device)
+                unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+                if size > free + unused - CUDA_MARGIN * total:
+                    return False
+        return True
+
+    def _say_estimating(self, estimated: bool, step: int) -> None:
+        """Said once when update ratios become estimates, and each time they are exact again."""
+        if estimated and self._estimating_since is None:
+            self._estimating_since = step
+            if is_writer_rank():
+                self.failures.warn(
+                    f"layerwatch: from step {step} the weights' snapshot for exact update ratios does not fit in memory "
+                    f"({self._budget_text()}); update ratios are estimated from a strided sample of at most "
+                    f"{SNAPSHOT_VALUES} values of each weight and logged as update_ratio_estimate/<param>, until it fits"
+                )
+        elif not estimated and self._estimating_since is not None:
+            self._estimating_since = None
+            if is_writer_rank():
+                self.failures.say(f"layerwatch: update ratios are exact again from step {step}: the snapshot fits")
+
+    def _budget_text(self) -> str:
+        limit = self.options.memory_budget
+        if limit is None:
+            return f"a GPU's free memory, less {CUDA_MARGIN:.0%} of it"
+        return f"memory_budget={limit!r}" + ("" if isinstance(limit, int) else f" of {self.param_bytes} parameter bytes")
+
+    @staticmethod
+    def _samples(tensors: list[torch.Tensor], strides: list[int]) -> list[torch.Tensor]:
+        """Copies of a strided sample of each tensor: the same values :meth:`updates` reads."""
+        return [t.reshape(-1)[::stride].clone() for t, stride in zip(tensors, strides)]
 
     def _copies(self, tensors: list[torch.Tensor], slot: str) -> list[torch.Tensor]:
         """Copies of ``tensors`` in one buffer of the workspace, kept for the next sample on the
@@ -106,19 +179,24 @@ class ParameterFamilies:
     def _release_snapshots(self) -> None:
         """Give an accelerator's snapshot memory back (its caching allocator reuses it anyway)."""
         self.workspace.drop("snapshot", keep_cpu=True)
+        self._held_bytes = 0
 
     def updates(self, snapshot: Snapshot, params: Sequence[tuple[str, nn.Parameter]], weight_norms: bool) -> list[Piece]:
         """Rows ``[‖Δw‖, ‖w‖]`` of each snapshotted parameter (two rows per piece), ``w`` after
-        the step; ``‖w‖`` is NaN unless ``weight_norms`` (the weights' own rows hold it)."""
+        the step; ``‖w‖`` is NaN unless ``weight_norms`` (the weights' own rows hold it), or
+        the snapshot is ``estimated`` (both norms then come from the same strided sample)."""
         current = dict(params)
         pieces = []
         with torch.no_grad():
-            for group, names, before in snapshot.groups:
+            for (group, names, before), strides in zip(snapshot.groups, snapshot.strides):
                 after = local_tensors([current[name] for name in names])
+                if snapshot.estimated:
+                    after = [t.reshape(-1)[::stride] for t, stride in zip(after, strides)]
                 if before is not None:
                     torch._foreach_sub_(before, after)
                 deltas = norms(before, group, len(names), after[0].device)
-                after_norms = norms(after, group) if weight_norms else torch.full_like(deltas, float("nan"))
+                measure = weight_norms or snapshot.estimated
+                after_norms = norms(after, group) if measure else torch.full_like(deltas, float("nan"))
                 pieces.append((names, torch.stack([deltas, after_norms])))
         self._release_snapshots()
         return pieces

@@ -24,6 +24,7 @@ FAMILIES = TENSOR_FAMILIES + ("updates", "structure") + PROBE_FAMILIES
 RUN_WIDE = "layerwatch/"  # the prefix of the run-wide tags below
 GRAD_NORM = "layerwatch/grad_norm"
 OVERHEAD_MS = "layerwatch/overhead_ms"
+SAMPLE_INTERVAL = "layerwatch/sample_interval"  # the overhead budget's interval from this sample on
 STRUCTURE = "layerwatch/structure"
 PARAMS_TOTAL = "layerwatch/params_total"
 PARAMS_LEARNABLE = "layerwatch/params_learnable"
@@ -66,8 +67,9 @@ def stat_tag(family: str, stat: str, name: str) -> str:
     return stat_prefix(family, stat) + name
 
 
-def update_ratio_tag(name: str) -> str:
-    return f"update_ratio/{name}"
+def update_ratio_tag(name: str, estimated: bool = False) -> str:
+    """``update_ratio/<param>``; ``update_ratio_estimate/<param>`` for a ratio of strided samples."""
+    return f"update_ratio_estimate/{name}" if estimated else f"update_ratio/{name}"
 
 
 @dataclass
@@ -126,14 +128,16 @@ class StepRecord:
         nonfinite = rows[:, S.NONFINITE].sum() > 0
         self.scalars[GRAD_NORM] = float("nan") if nonfinite else float(np.sqrt(rows[:, S.SUMSQ].sum()))
 
-    def add_update_ratios(self, names: Sequence[str], deltas: np.ndarray, norms: np.ndarray) -> None:
+    def add_update_ratios(self, names: Sequence[str], deltas: np.ndarray, norms: np.ndarray, estimated: bool = False) -> None:
         """``update_ratio/<param>``: ‖Δw‖ / ‖w‖, ``w`` the weights after the step; 0 where the step
         did not change them, 1 where it set them to zero (never inf: a weight that was zero
-        before the step, as BatchNorm biases and LoRA's B start, has a finite ratio)."""
+        before the step, as BatchNorm biases and LoRA's B start, has a finite ratio).
+        ``estimated``: the norms are of a strided sample of each weight, under
+        ``update_ratio_estimate/<param>``."""
         with np.errstate(divide="ignore", invalid="ignore"):
             ratios = np.where(deltas == 0, 0.0, np.where(norms == 0, 1.0, deltas / norms))
         for name, ratio in zip(names, ratios.tolist()):
-            self.scalars[update_ratio_tag(name)] = ratio
+            self.scalars[update_ratio_tag(name, estimated)] = ratio
 
 
 class ScalarTags:

@@ -1,0 +1,133 @@
+"""The default schedule: sample as often as an overhead budget allows.
+
+A :class:`Pacer` answers "is step ``k`` sampled?" as a schedule does (``k % interval == 0``)
+and chooses the interval from what the engine measures:
+
+- ``C``, the added cost of a sampled step (``overhead_ms``; the first sample of a run, which
+  pays one-off costs such as plans and the layer table, is left out);
+- ``T``, the base step time: the wall time from one step's start to the next one's, over
+  recent unsampled steps (a median);
+- ``s``, what an unsampled step costs layerwatch itself (the NaN sentinel, the schedule).
+
+Sampling every ``n`` steps costs ``C / n + s`` per step, so the interval is the smallest value
+of the 1-2-5 grid (1, 2, 5, 10, 20, 50, ...) with ``C / n + s <= budget * T``. Until the first
+cost is known every step is sampled (the first two steps of a run). The interval is
+re-evaluated at each sampled step it scheduled. It grows at once when the budget is
+exceeded, and shrinks only when the ideal has moved two grid steps below it, so a chart's
+cadence does not flap with the noise of the measurements. Sampled steps are multiples of the
+interval: two runs on the same hardware sample the same steps.
+
+Deciding on an unsampled step is a modulo and two appends: plain Python, O(1).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from typing import Optional
+
+MAX_INTERVAL = 10_000  # sampling less often than this is not worth a budget: say so instead
+WINDOW = 32  # recent measurements each median is taken over
+
+
+def check_fraction(name: str, value: object) -> float:
+    """``value`` as a float in (0, 1]; ValueError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be a number in (0, 1] (0.01 is 1% of the training time), got {value!r}")
+    return float(value)
+
+
+def grid_value(index: int) -> int:
+    """The ``index``-th value of the 1-2-5 grid: 1, 2, 5, 10, 20, 50, 100, ..."""
+    return (1, 2, 5)[index % 3] * 10 ** (index // 3)
+
+
+def grid_index(value: float) -> int:
+    """The index of the smallest grid value >= ``value`` (0 for anything up to 1)."""
+    if value <= 1:
+        return 0
+    index = 3 * max(0, int(math.log10(value)) - 1)
+    while grid_value(index) < value:
+        index += 1
+    return index
+
+
+class Pacer:
+    """The overhead budget as a schedule (see the module's docstring).
+
+    Args:
+        budget: The share of the training time sampling may add, in (0, 1].
+    """
+
+    def __init__(self, budget: float) -> None:
+        self.budget = check_fraction("overhead_budget", budget)
+        self.interval: Optional[int] = None  # None: not chosen yet, every step is sampled
+        self._base_s: deque[float] = deque(maxlen=WINDOW)  # wall time of unsampled steps
+        self._own_s: deque[float] = deque(maxlen=WINDOW)  # layerwatch's own time in them
+        self._costs_s: deque[float] = deque(maxlen=WINDOW)  # added cost of sampled steps
+        self._samples_seen = 0
+
+    def __call__(self, step: int) -> bool:
+        interval = self.interval
+        return interval is None or step % interval == 0
+
+    def __repr__(self) -> str:
+        every = "not chosen yet" if self.interval is None else f"every {self.interval} steps"
+        return f"overhead_budget({self.budget:g}): {every}"
+
+    def off_step(self, wall_s: float, own_s: float) -> None:
+        """An unsampled step took ``wall_s`` from its start to the next step's, ``own_s`` of it
+        in layerwatch."""
+        self._base_s.append(wall_s)
+        self._own_s.append(own_s)
+
+    def sampled(self, cost_s: Optional[float], step_s: float) -> None:
+        """A step this pacer scheduled was sampled: it added ``cost_s`` (None: not measured)
+        and ran ``step_s`` from its start to its end, cost included."""
+        self._samples_seen += 1
+        if self._samples_seen == 1 or cost_s is None:
+            return  # the first sample pays for plans and the layer table once
+        self._costs_s.append(cost_s)
+        if len(self._base_s) < 3:  # no unsampled step yet (the first samples): the sample's own
+            self._base_s.append(max(step_s - cost_s, 1e-9))
+
+    def ideal(self) -> Optional[float]:
+        """The interval that spends exactly the budget (inf: none does); None before a cost."""
+        if not self._costs_s:
+            return None
+        spare = self.budget * statistics.median(self._base_s) - statistics.median(self._own_s or [0.0])
+        return math.inf if spare <= 0 else statistics.median(self._costs_s) / spare
+
+    def decide(self) -> Optional[int]:
+        """The interval from here on: a new one, or None when it stays."""
+        ideal = self.ideal()
+        if ideal is None:
+            return None
+        wanted = MAX_INTERVAL if ideal > MAX_INTERVAL else grid_value(grid_index(ideal))
+        if self.interval is not None:
+            now = grid_index(self.interval)
+            if not (grid_index(wanted) > now or grid_index(wanted) <= now - 2):
+                return None
+        if wanted == self.interval:
+            return None
+        return wanted
+
+    def expected_share(self, interval: int) -> float:
+        """What sampling every ``interval`` steps costs, as a share of the base step time."""
+        base = statistics.median(self._base_s)
+        own = statistics.median(self._own_s or [0.0])
+        cost = statistics.median(self._costs_s) if self._costs_s else 0.0
+        return (cost / interval + own) / base
+
+    def message(self, previous: Optional[int]) -> str:
+        """The one line that tells the user the interval (after a change to it)."""
+        interval = self.interval
+        budget = f"{100 * self.budget:g}%"
+        was = "" if previous is None else f" (was every {previous})"
+        if interval == MAX_INTERVAL and self.expected_share(interval) > self.budget:
+            return (f"layerwatch: sampling every {interval} steps{was}, the longest interval, which still costs "
+                    f"~{100 * self.expected_share(interval):.1f}% of the training time, over the {budget} overhead "
+                    "budget; pass every_n_steps= to fix the interval, or sentinel=False")
+        return (f"layerwatch: sampling every {interval} steps{was} to stay within a {budget} overhead budget; "
+                "pass every_n_steps= to fix the interval")

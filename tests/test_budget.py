@@ -1,0 +1,270 @@
+"""The overhead budget, the default schedule: the interval's arithmetic, its hysteresis, and the
+engine sampling multiples of it, saying it, logging it and resuming it.
+
+The engine tests script what the pacer measures (``Pacer.ideal``), so that which steps are
+sampled does not depend on this machine's timings; one test lets the real measurements choose.
+"""
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from layerwatch import Inspector
+from layerwatch.budget import MAX_INTERVAL, Pacer, grid_index, grid_value
+from layerwatch.options import validate_options
+from layerwatch.params import ParameterFamilies
+from models import MLP, train
+
+INTERVAL_TAG = "layerwatch/sample_interval"
+
+
+def test_the_grid_is_1_2_5_and_its_index_rounds_up():
+    assert [grid_value(i) for i in range(10)] == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
+    for value, expected in [(0.2, 1), (1, 1), (1.01, 2), (2, 2), (2.1, 5), (7, 10), (150, 200), (200, 200),
+                            (201, 500), (999, 1000), (12_345, 20_000)]:
+        assert grid_value(grid_index(value)) == expected, value
+
+
+def measured(pacer: Pacer, *, base_ms: float, own_ms: float, cost_ms: float, samples: int = 2) -> None:
+    for _ in range(8):
+        pacer.off_step(base_ms / 1e3, own_ms / 1e3)
+    for _ in range(samples):
+        pacer.sampled(cost_ms / 1e3, (base_ms + cost_ms) / 1e3)
+
+
+def test_the_interval_is_the_smallest_grid_value_within_the_budget():
+    pacer = Pacer(0.01)
+    measured(pacer, base_ms=10, own_ms=0, cost_ms=20)  # 20 ms / n <= 0.1 ms: n >= 200
+    assert pacer.ideal() == pytest.approx(200) and pacer.decide() == 200
+    pacer = Pacer(0.01)
+    measured(pacer, base_ms=10, own_ms=0.05, cost_ms=20)  # the unsampled steps' own cost leaves 0.05 ms: n >= 400
+    assert pacer.decide() == 500
+    pacer = Pacer(0.05)
+    measured(pacer, base_ms=10, own_ms=0, cost_ms=20)  # 0.5 ms a step to spend: n >= 40
+    assert pacer.decide() == 50
+    pacer = Pacer(1.0)
+    measured(pacer, base_ms=10, own_ms=0, cost_ms=5)  # a sample costs less than the budget of one step
+    assert pacer.decide() == 1
+
+
+def test_the_first_sample_is_left_out_and_every_step_is_sampled_until_a_cost_is_known():
+    pacer = Pacer(0.01)
+    assert [k for k in range(5) if pacer(k)] == [0, 1, 2, 3, 4]
+    pacer.sampled(5.0, 6.0)  # the first sample: plans, the layer table, a compile
+    assert pacer.ideal() is None and pacer.decide() is None
+    pacer.sampled(0.002, 0.012)  # no unsampled step yet: the sample's own step, less its cost, is the base
+    assert pacer.ideal() == pytest.approx(0.002 / (0.01 * 0.010))
+    pacer.interval = pacer.decide()
+    assert pacer.interval == 20
+    assert [k for k in range(100) if pacer(k)] == [0, 20, 40, 60, 80]  # multiples: the same steps on every run
+
+
+def test_the_interval_grows_at_once_and_shrinks_only_two_grid_steps_below():
+    pacer = Pacer(0.01)
+    pacer.interval = 200
+    ideals = iter([150, 101, 100, 201, 90, 60])
+    pacer.ideal = lambda: next(ideals)
+    assert pacer.decide() is None  # 150 and 101: one grid step below, kept (no flapping 200 <-> 100)
+    assert pacer.decide() is None
+    assert pacer.decide() is None  # 100 is still one grid step (200 -> 100); 50 would be two
+    assert pacer.decide() == 500  # over the budget: at once
+    pacer.interval = 500
+    assert pacer.decide() == 100  # 90 rounds up to 100, two grid steps below 500
+    pacer.interval = 100
+    assert pacer.decide() is None
+
+
+def test_a_per_step_cost_over_the_budget_takes_the_longest_interval_and_says_so():
+    pacer = Pacer(0.01)
+    measured(pacer, base_ms=1, own_ms=0.2, cost_ms=10)  # the sentinel alone: 20% of a step
+    assert pacer.ideal() == math.inf
+    pacer.interval = pacer.decide()
+    assert pacer.interval == MAX_INTERVAL
+    assert "the longest interval" in pacer.message(None) and "sentinel=False" in pacer.message(None)
+
+
+def test_the_message_is_one_plain_line():
+    pacer = Pacer(0.01)
+    pacer.interval = 200
+    assert pacer.message(None) == ("layerwatch: sampling every 200 steps to stay within a 1% overhead budget; "
+                                   "pass every_n_steps= to fix the interval")
+    pacer.interval = 500
+    assert "every 500 steps (was every 200)" in pacer.message(200)
+
+
+# ---------------------------------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize("bad", [0, -0.5, 1.5, math.nan, True, "1%"])
+def test_a_budget_outside_0_1_is_a_value_error_naming_it(bad):
+    with pytest.raises(ValueError, match=f"overhead_budget must be a number in \\(0, 1\\].*got {bad!r}"):
+        validate_options(overhead_budget=bad)
+
+
+@pytest.mark.parametrize("other", [{"every_n_steps": 10}, {"schedule": [1, 2]}])
+def test_a_budget_with_a_fixed_schedule_is_an_error_naming_both(other):
+    ((name, value),) = other.items()
+    with pytest.raises(ValueError, match=f"overhead_budget=0.05.*{name}=|{name}=.*overhead_budget=0.05"):
+        Inspector(MLP(), overhead_budget=0.05, **other)
+
+
+def test_the_budget_is_the_default_and_a_fixed_schedule_keeps_todays_behaviour():
+    assert validate_options().budget == 0.01 and validate_options().schedule is None
+    assert validate_options(overhead_budget=1).budget == 1.0
+    fixed = validate_options(every_n_steps=50)
+    assert fixed.budget is None and [k for k in range(120) if fixed.schedule(k)] == [0, 50, 100]
+
+
+def test_every_front_door_offers_the_budget_with_the_same_default():
+    from layerwatch import InspectCallback
+    from layerwatch.huggingface import InspectTrainerCallback
+
+    for door in (Inspector, InspectCallback, InspectTrainerCallback, validate_options):
+        parameter = inspect.signature(door).parameters["overhead_budget"]
+        assert parameter.default is None, door  # None: 0.01 unless every_n_steps or schedule is given
+
+
+# ---------------------------------------------------------------------------------------- the engine
+
+
+def run(tmp_path, steps, *, ideal_at, monkeypatch, nan_at=None, state=None, **options):
+    """Train an MLP under the default schedule with ``Pacer.ideal`` scripted per step; returns
+    the inspector, the steps written and their logged intervals."""
+    current = {"step": 0}
+
+    def ideal(self):
+        return None if not self._costs_s else ideal_at(current["step"])
+
+    monkeypatch.setattr(Pacer, "ideal", ideal)
+    model = MLP()
+    written = {}
+    inspector = Inspector(model, log_dir=tmp_path, **options)
+    if state is not None:
+        inspector.load_state_dict(state)
+    inspector.add_sink(lambda record: written.__setitem__(record.step, record.scalars.get(INTERVAL_TAG)))
+
+    def before(k):
+        current["step"] = k + (0 if state is None else state["step"])
+        if nan_at is not None and current["step"] == nan_at:
+            model.fc1.weight.data[0, 0] = math.nan
+
+    with inspector:
+        train(model, steps, inspector, before_step=before)
+    return inspector, written
+
+
+def test_the_engine_samples_0_and_1_then_multiples_logging_the_interval(tmp_path, monkeypatch, capfd):
+    inspector, written = run(tmp_path, 130, ideal_at=lambda k: 15 if k < 60 else 35, monkeypatch=monkeypatch)
+    # 15 -> every 20 from step 1; at 60 the ideal 35 -> 50 (over the budget: at once); 100 is a multiple of 50.
+    assert list(written) == [0, 1, 20, 40, 60, 100]
+    assert written == {0: 1, 1: 20, 20: 20, 40: 20, 60: 50, 100: 50}
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if "sampling every" in line]
+    assert lines == [
+        "layerwatch: sampling every 20 steps to stay within a 1% overhead budget; pass every_n_steps= to fix the interval",
+        "layerwatch: sampling every 50 steps (was every 20) to stay within a 1% overhead budget; pass every_n_steps= "
+        "to fix the interval",
+    ]
+    assert inspector.state_dict() == {"step": 130, "sample_interval": 50}
+
+
+def test_a_nan_between_samples_still_samples_the_next_step(tmp_path, monkeypatch, recwarn):
+    _, written = run(tmp_path, 40, ideal_at=lambda k: 150, monkeypatch=monkeypatch, nan_at=7)
+    assert 0 in written and 1 in written
+    assert [k for k in written if 7 < k < 40]  # the sentinel's finding samples a step soon after, not the 200th
+
+
+def test_a_resumed_inspector_goes_on_with_its_interval(tmp_path, monkeypatch, capfd):
+    _, written = run(tmp_path, 60, ideal_at=lambda k: 15, monkeypatch=monkeypatch,
+                     state={"step": 1000, "sample_interval": 20})
+    assert list(written) == [1000, 1020, 1040]  # no early samples: the interval is known
+    assert "sampling every" not in capfd.readouterr().err  # unchanged, so not said again
+
+
+def test_a_fixed_schedule_logs_no_interval_and_says_nothing(tmp_path, monkeypatch, capfd):
+    _, written = run(tmp_path, 12, ideal_at=lambda k: 15, monkeypatch=monkeypatch, every_n_steps=5)
+    assert written == {0: None, 5: None, 10: None}
+    assert "sampling every" not in capfd.readouterr().err
+
+
+def test_bad_resume_state_names_the_value(tmp_path):
+    with pytest.raises(ValueError, match=r"sample_interval.*got 0"):
+        Inspector(MLP(), log_dir=tmp_path).load_state_dict({"step": 3, "sample_interval": 0})
+
+
+def test_the_real_measurements_choose_a_grid_interval_that_keeps_the_budget(tmp_path, capfd):
+    model = MLP(d_in=64, hidden=256, d_out=64)
+    written = {}
+    inspector = Inspector(model, log_dir=tmp_path, overhead_budget=0.05, sentinel=False)
+    inspector.add_sink(lambda record: written.__setitem__(record.step, record.scalars[INTERVAL_TAG]))
+    with inspector:
+        train(model, 300, inspector, d_in=64)
+    pacer = inspector.schedule
+    grid = {grid_value(i) for i in range(grid_index(MAX_INTERVAL) + 1)}
+    assert pacer.interval in grid and written[0] == 1
+    steps = list(written)
+    assert steps[:2] == [0, 1]
+    for before, step in zip(steps[1:], steps[2:]):  # each a multiple of the interval chosen at the sample before it
+        assert step % written[before] == 0 and written[before] in grid
+    assert pacer.expected_share(pacer.interval) <= 0.05 or pacer.interval == MAX_INTERVAL
+    assert f"sampling every {written[1]} steps to stay within a 5% overhead budget" in capfd.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------- memory
+
+
+def update_ratios(tmp_path, monkeypatch=None, fits=None, **options):
+    """Every update ratio an Adam-trained 256-wide MLP logs at steps 0, 3, 6: {(step, tag): value}."""
+    if fits is not None:
+        monkeypatch.setattr(ParameterFamilies, "_fits", lambda self, tensors: fits(self._estimating_since))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ratios = {}
+    inspector = Inspector(model, log_dir=tmp_path, optimizer=opt, every_n_steps=3, **options)
+    inspector.add_sink(lambda r: ratios.update({(r.step, t): v for t, v in r.scalars.items() if t.startswith("update_ratio")}))
+    with inspector:
+        for _ in range(7):
+            loss = model(torch.randn(32, 256)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            inspector.step()
+    return ratios
+
+
+@pytest.mark.parametrize("bad", [-1, 0.0, -0.5, math.inf, True, "1GB"])
+def test_a_bad_memory_budget_names_it(bad):
+    with pytest.raises(ValueError, match=f"memory_budget must be .*got {bad!r}"):
+        validate_options(memory_budget=bad)
+
+
+def test_a_snapshot_over_the_memory_budget_estimates_update_ratios_under_their_own_tag(tmp_path, recwarn):
+    exact = update_ratios(tmp_path / "exact")
+    estimated = update_ratios(tmp_path / "estimated", memory_budget=0.5)  # half the parameters: no whole copy
+    assert not [key for key in estimated if key[1].startswith("update_ratio/")]  # never a silent switch
+    assert {(step, tag.replace("update_ratio/", "update_ratio_estimate/")) for step, tag in exact} == set(estimated)
+    for (step, tag), value in exact.items():
+        got = estimated[step, tag.replace("update_ratio/", "update_ratio_estimate/")]
+        if tag == "update_ratio/0.weight":  # 65,536 values: a strided sample of ~13,000
+            assert got == pytest.approx(value, rel=0.02) and got != pytest.approx(value, rel=1e-6)
+        else:  # at most 16,384 values: the sample is the whole weight
+            assert got == pytest.approx(value, rel=1e-5)
+    said = [w for w in recwarn if "does not fit in memory" in str(w.message)]
+    assert len(said) == 1 and "memory_budget=0.5 of 271392 parameter bytes" in str(said[0].message)
+
+
+def test_a_memory_budget_the_snapshot_fits_keeps_update_ratios_exact(tmp_path, recwarn):
+    ratios = update_ratios(tmp_path, memory_budget=271_392)  # the parameters' bytes, to the byte
+    assert ratios and all(tag.startswith("update_ratio/") for _, tag in ratios)
+    assert not [w for w in recwarn if "does not fit" in str(w.message)]
+
+
+def test_update_ratios_are_exact_again_when_memory_allows_and_it_is_said(tmp_path, monkeypatch, capfd):
+    fits = iter([False, True, True])  # steps 0, 3, 6: as a GPU's free memory comes and goes
+    ratios = update_ratios(tmp_path, monkeypatch, fits=lambda _: next(fits))
+    assert {step for step, tag in ratios if tag.startswith("update_ratio_estimate/")} == {0}
+    assert {step for step, tag in ratios if tag.startswith("update_ratio/")} == {3, 6}
+    assert "layerwatch: update ratios are exact again from step 3: the snapshot fits" in capfd.readouterr().err
