@@ -45,7 +45,7 @@ def main() -> None:
     timed("walk the parameters", lambda: parameters(model))
     timed("gradients", lambda: families.gradients(params, 0))
     timed("weights", lambda: families.weights(params))
-    timed("snapshot + updates", lambda: families.updates(families.snapshot(params), params, weight_norms=False))
+    timed("snapshot + updates", lambda: families.updates(families.snapshot(params, 0), params, weight_norms=False))
     pieces = families.gradients(params, 0) + families.weights(params)
     timed("transfer", lambda: S.to_host([rows for _, rows in pieces]))
     host = S.to_host([rows for _, rows in pieces])

@@ -38,7 +38,7 @@ def python_calls(count: int, size: int) -> int:
     families = ParameterFamilies(validate_options(), FailurePolicy())
 
     def sample() -> None:
-        snapshot = families.snapshot(params)
+        snapshot = families.snapshot(params, 0)
         families.gradients(params, 0)
         families.weights(params)
         families.updates(snapshot, params, weight_norms=False)

@@ -13,6 +13,9 @@ small protocol, and nothing private::
         engine.end_step()                # the NaN sentinel; a sampled step is written
     engine.finish()
 
+``state_dict()`` / ``load_state_dict()`` carry what a resumed run needs (the overhead budget's
+interval); the front doors put it into their own state.
+
 ``before_optimizer_step`` and ``after_optimizer_step`` may be left out: ``end_step`` reads
 whatever the step has not read yet. Off-steps cost a schedule lookup (and the sentinel's
 fused check, when it is on). The data flow of a sampled step is one way: device rows
@@ -40,7 +43,7 @@ from layerwatch import stats as S
 from layerwatch.alerts import Alert, HealthCheck
 from layerwatch.budget import Pacer
 from layerwatch.distributed import (
-    FAILED_NORM, Ballot, Decision, Layout, RankSync, StepVote, is_writer_rank, local, parameter_layout,
+    FAILED_NORM, Ballot, Decision, Layout, RankSync, StepVote, is_writer_rank, local, local_tensors, parameter_layout,
     world_size,
 )
 from layerwatch.failures import FailurePolicy
@@ -524,8 +527,9 @@ class Engine:
             self.failures.run("read weights", lambda: sample.weights.extend(self._params.weights(params)), sample.step)
 
     def _snapshot(self, sample: _Sample, params: list[tuple[str, nn.Parameter]], key: Optional[int]) -> None:
-        if not sample.snapshots:  # what a memory_budget given as a share is a share of
-            self._params.param_bytes = sum(local(p).numel() * local(p).element_size() for _, p in sample.params)
+        if not sample.snapshots:  # the step's first: what a memory_budget given as a share is a share of
+            tensors = local_tensors([p for _, p in sample.params])
+            self._params.start_snapshots(sum([t.numel() * t.element_size() for t in tensors]))
         sample.snapshots.append((key, self._params.snapshot(params, sample.step, f"snapshot{len(sample.snapshots)}.")))
 
     def _measure_update(self, sample: _Sample, snapshot: Snapshot) -> None:

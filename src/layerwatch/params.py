@@ -58,7 +58,7 @@ class ParameterFamilies:
         self.layout = Layout()  # how the parameters lie over the ranks (set by the engine at start)
         self.sync: Optional[RankSync] = None  # where the ranks of a sharded run agree
         self._unmeasurable: set[tuple[str, str]] = set()  # (weights|gradients, name) whose statistics failed
-        self.param_bytes = 0  # this rank's share of the model's parameters (set at each sample)
+        self.param_bytes = 0  # this rank's share of the model's parameters (see start_snapshots)
         self._held_bytes = 0  # what this step's snapshots hold so far
         self._estimating_since: Optional[int] = None  # the step since which snapshots are samples
 
@@ -88,6 +88,12 @@ class ParameterFamilies:
     def weights(self, params: NamedTensors) -> list[Piece]:
         return self.reduce(params, "weights")
 
+    def start_snapshots(self, param_bytes: int) -> None:
+        """A sampled step's first snapshot comes: none is held yet, and ``param_bytes`` (this
+        rank's share of the model's parameters) is what a ``memory_budget`` share is of."""
+        self.param_bytes = param_bytes
+        self._held_bytes = 0
+
     def snapshot(self, params: Sequence[tuple[str, nn.Parameter]], step: int, slot: str = "snapshot") -> Snapshot:
         """Copies of the trainable weights, in workspace buffers named ``slot`` + a number
         (several snapshots alive at once need different slots); strided samples of them when
@@ -98,7 +104,7 @@ class ParameterFamilies:
             trainable = [(n, p) for n, p in params if p.requires_grad]
             found = self._groups(trainable, "snapshot")
             estimated = not self._fits([t for _, _, tensors in found for t in tensors])
-            if self.sync is not None and any(group is not None for group, _, _ in found):
+            if self.sync is not None and [group for group, _, _ in found if group is not None]:
                 agreed = self.sync.same([int(estimated)])  # on every rank, whatever it found
                 estimated = estimated or not agreed  # a rank short of memory: all sample
             self._say_estimating(estimated, step)
@@ -114,7 +120,7 @@ class ParameterFamilies:
                     copies = None
                 snapshot.groups.append((group, names, copies))
                 snapshot.strides.append(strides)
-        self._held_bytes += sum(t.numel() * t.element_size() for _, _, copies in snapshot.groups for t in copies or [])
+        self._held_bytes += sum([t.numel() * t.element_size() for _, _, copies in snapshot.groups for t in copies or []])
         return snapshot
 
     def _fits(self, tensors: list[torch.Tensor]) -> bool:
@@ -122,8 +128,8 @@ class ParameterFamilies:
         step's snapshots hold already, and on each GPU within its free memory (and what its
         caching allocator holds unused) less a margin."""
         needed: dict[torch.device, int] = {}
-        for t in tensors:
-            needed[t.device] = needed.get(t.device, 0) + t.numel() * t.element_size()
+        for device, size in [(t.device, t.numel() * t.element_size()) for t in tensors]:
+            needed[device] = needed.get(device, 0) + size
         limit = self.options.memory_budget
         if limit is not None:
             allowed = limit if isinstance(limit, int) else limit * self.param_bytes
