@@ -1,22 +1,29 @@
 """The overhead budget's amortized cost at the defaults: no schedule argument at all.
 
     python benchmarks/budget.py [--workloads gpt,cnn,tfm,stack32,tfm-tiny] [--budgets default,0.05]
-                                [--steps 600] [--block 50] [--warmup 20] [--device cuda] [--json]
+                                [--steps 600] [--block 2] [--warmup 20] [--device cuda] [--json]
 
 For each workload and budget, two copies of the model are built from the same seed: one
 trained under ``Inspector(model, optimizer=opt)`` (``default``: no schedule argument, so the
 1% overhead budget; a number: ``overhead_budget=`` that number), the other uninstrumented.
-The inspected copy first runs ``--warmup`` steps (its first samples, steps 0 and 1, choose
-the interval there, and pay the one-off costs: plans, the layer table), and the base copy as
-many. Then blocks of ``--block`` inspected steps alternate with blocks of ``--block`` base
-steps, in one process, until at least ``--steps`` inspected steps have run and their number
-is a whole multiple of the interval (so the window holds exactly as many samples as the
-interval gives, wherever it starts). The ratio is the inspected blocks' total time over the
-base blocks' total time: every off-step, every sample and the sentinel, as a long run pays
-them. On a GPU each block is timed with CUDA events (``timing.Clock``).
 
-Columns: the interval the budget chose (and the ones it went through), the samples in the
-measured window, the base step, and the amortized ratio; the target at the default budget
+The inspected copy first trains alone, as in a real run, until the budget has chosen its
+interval and a later check has kept it (at least ``--warmup`` steps): its first
+samples pay the one-off costs (plans, the layer table), and its own clock sees only its own
+steps. The interval is then held (the pacer decides nothing more), because the base steps
+interleaved from here on would enter the budget's clock: it reads the wall time between step
+calls, which would now hold base steps too. Blocks of ``--block`` inspected steps then
+alternate with blocks of as many base steps (which of the two comes first alternates too), in
+one process, until at least ``--steps`` inspected steps have run and their number is a whole
+multiple of the interval (so the window holds exactly as many samples as the interval gives).
+The ratio is the inspected blocks' total time over the base blocks' total time: every
+off-step, every sample and the sentinel, as a long run pays them. Short blocks pair
+neighbouring steps, so the machine's drift cancels (this VM's step time moves by 10% within
+minutes). On a GPU each block is timed with CUDA events (``timing.Clock``), which synchronize
+at each block's end: pass ``--block 25`` there.
+
+Columns: the interval the budget chose (and the ones it went through while warming up), the
+steps it warmed up for, the steps and samples of the measured window, the base step, and the amortized ratio; the target at the default budget
 is <= 1.01.
 """
 
@@ -42,7 +49,7 @@ from layerwatch import Inspector  # noqa: E402
 INTERVAL_TAG = "layerwatch/sample_interval"
 
 
-def run(workload: str, budget: Optional[float], *, steps: int = 600, block: int = 50, warmup: int = 20,
+def run(workload: str, budget: Optional[float], *, steps: int = 600, block: int = 2, warmup: int = 20,
         device: str = "cpu") -> dict[str, Any]:
     """One workload at one budget (None: the default); see the module's docstring."""
     clock = Clock(device)
@@ -65,22 +72,30 @@ def run(workload: str, budget: Optional[float], *, steps: int = 600, block: int 
                 base_step()
 
         with inspector:
-            inspected_block(warmup)
+            pacer, chosen = inspector.schedule, None
+            while chosen is None or pacer.interval != chosen:  # until a check past the first keeps it
+                chosen = pacer.interval
+                while inspector.current_step <= max(warmup, chosen or 1):
+                    inspected_block(1)
+            pacer.decide = lambda: None  # held: the base steps below would enter its clock
             base_block(warmup)
             first = inspector.current_step
-            interval = inspector.schedule.interval or 1
+            interval = pacer.interval
             total = max(steps, interval * math.ceil(steps / interval))
             inspected_s = base_s = 0.0
             done = 0
             while done < total:
                 n = min(block, total - done)
-                inspected, base = clock.times(lambda: inspected_block(n), lambda: base_block(n))
+                if (done // block) % 2:  # the order alternates: a drift of the machine cancels out
+                    base, inspected = clock.times(lambda: base_block(n), lambda: inspected_block(n))
+                else:
+                    inspected, base = clock.times(lambda: inspected_block(n), lambda: base_block(n))
                 inspected_s, base_s, done = inspected_s + inspected, base_s + base, done + n
-            final = inspector.schedule.interval
     in_window = [s for s in intervals if first <= s < first + total]
+    warmed = sorted({int(v) for s, v in intervals.items() if s < first})
     return {
         "workload": workload, "device": clock.name(), "budget": 0.01 if budget is None else budget,
-        "interval": final, "intervals": sorted({int(v) for v in intervals.values()}), "warmup": warmup,
+        "interval": interval, "intervals": warmed, "warmup": first,
         "steps": total, "samples": len(in_window), "base_ms": 1e3 * base_s / total,
         "amortized": inspected_s / base_s,
     }
@@ -91,7 +106,7 @@ def main() -> None:
     parser.add_argument("--workloads", default="gpt,cnn,tfm,stack32,tfm-tiny")
     parser.add_argument("--budgets", default="default,0.05", help="comma-separated: default or a number in (0, 1]")
     parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--block", type=int, default=50)
+    parser.add_argument("--block", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", action="store_true", help="one JSON object per run, as it finishes")
@@ -106,11 +121,11 @@ def main() -> None:
                 print(json.dumps(r), flush=True)
     if not args.json:
         print(f"device: {rows[0]['device']}\n")
-        print("| workload | budget | interval (went through) | steps | samples | base step | amortized |")
-        print("|---|---|---|---|---|---|---|")
+        print("| workload | budget | interval (went through) | warm-up | steps | samples | base step | amortized |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['workload']} | {r['budget']:g} | {r['interval']} ({', '.join(map(str, r['intervals']))}) | "
-                  f"{r['steps']} | {r['samples']} | {r['base_ms']:.1f} ms | {r['amortized']:.4f}x |")
+                  f"{r['warmup']} | {r['steps']} | {r['samples']} | {r['base_ms']:.1f} ms | {r['amortized']:.4f}x |")
 
 
 if __name__ == "__main__":

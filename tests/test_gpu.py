@@ -289,3 +289,39 @@ def test_a_model_compiled_with_inductor_on_cuda_is_measured_inside_and_its_hooks
 
     assert run(tmp_path) == run(None)
     assert [e.step for e in events(tmp_path).Scalars("activations_norm/3")] == [0, 2, 4]
+
+
+def test_a_snapshot_that_does_not_fit_in_the_gpus_free_memory_is_estimated_then_exact_again(tmp_path, events):
+    """The GPU nearly full (a filler tensor leaves less than the weights' bytes beyond the 5%
+    margin): update ratios are estimates, under their own tag; freed, exact again."""
+    from layerwatch.params import CUDA_MARGIN
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 8)).cuda()  # 64 MiB
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    holder = {}
+
+    def fill(step):
+        if step == 0:
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info()
+            holder["filler"] = torch.empty(int(free - CUDA_MARGIN * total - weights // 2), dtype=torch.uint8, device="cuda")
+        if step == 2:
+            del holder["filler"]
+            torch.cuda.empty_cache()
+
+    with warnings.catch_warnings(record=True) as seen, Inspector(model, log_dir=tmp_path, optimizer=opt, every_n_steps=2) as ins:
+        warnings.simplefilter("always")
+        for step in range(4):
+            fill(step)
+            loss = model(torch.randn(16, 4096, device="cuda")).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ins.step()
+    tags = events(tmp_path).Tags()["scalars"]
+    assert [e.step for e in events(tmp_path).Scalars("update_ratio_estimate/0.weight")] == [0]
+    assert [e.step for e in events(tmp_path).Scalars("update_ratio/0.weight")] == [2]
+    assert "update_ratio_estimate/2.weight" in tags
+    assert len([w for w in seen if "does not fit in memory" in str(w.message)]) == 1

@@ -83,6 +83,16 @@ def test_same_losses_and_weights_one_run_and_no_hook_left(kind, tmp_path, events
     assert any(t.startswith("fwd_ms/") for t in scalars)
 
 
+def test_the_default_overhead_budget_samples_hfs_first_two_steps_then_multiples(tmp_path, events, monkeypatch):
+    from layerwatch.budget import Pacer
+
+    monkeypatch.setattr(Pacer, "ideal", lambda pacer: None if not pacer._costs_s else 3.0)  # every 5 steps
+    train(tiny("gpt2"), tmp_path, [InspectTrainerCallback()], max_steps=11)
+    (run,) = event_dirs(tmp_path)
+    logged = {e.step: e.value for e in events(run).Scalars("layerwatch/sample_interval")}
+    assert logged == {1: 1, 2: 5, 5: 5, 10: 5}  # HF's steps start at 1
+
+
 def test_gradients_are_read_after_hfs_clipping(tmp_path, events):
     trainer, _ = train(tiny("gpt2"), tmp_path, [InspectTrainerCallback(every_n_steps=1)], max_grad_norm=0.01)
     (run,) = event_dirs(tmp_path)

@@ -49,11 +49,11 @@ from layerwatch.distributed import (
 from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import Attachments, CollectorClock, claim
 from layerwatch.options import Options, writable_dir
-from layerwatch.schedule import Schedule, every_n_steps
 from layerwatch.params import ParameterFamilies, Piece, Snapshot
 from layerwatch.probes import ROOT, Offender, ProbeResult, StepProbes, probe_name, select_modules
 from layerwatch.probes.selection import is_compiled
 from layerwatch.replay import MicroBatch, RngState, forward_again, replay_until_named
+from layerwatch.schedule import Schedule, every_n_steps
 from layerwatch.sentinel import Finding, NonfiniteSentinel, StepCounter, nonfinite_names
 from layerwatch.sinks.tensorboard import TensorBoardSink
 from layerwatch.structure import Summary
@@ -603,16 +603,17 @@ class Engine:
     def _measured(self, family: str, names: list[str], rows: np.ndarray, step: int) -> tuple[list[str], np.ndarray]:
         """``names`` and their rows (update pieces: their two rows of columns) less the sharded
         tensors a rank could not help measure, or snapshot (said once)."""
-        failed = rows[0] == FAILED_NORM if family.startswith("update") else S.failed_rows(rows)
+        update = family.startswith("update")  # update and update_estimate: two rows of columns
+        failed = rows[0] == FAILED_NORM if update else S.failed_rows(rows)
         if not failed.any():
             return names, rows
         left_out = [name for name, bad in zip(names, failed) if bad]
         which = ", ".join(left_out[:5]) + (f" and {len(left_out) - 5} more" if len(left_out) > 5 else "")
-        what = ("snapshot its shards of {} for the update ratios; their update ratios are left out" if family.startswith("update")
+        what = ("snapshot its shards of {} for the update ratios; their update ratios are left out" if update
                 else f"measure its shards of {{}} ({family}); they are left out")
         self.failures.warn_once(f"failed-rows:{family}", f"layerwatch: a rank could not {what.format(which)} of step {step}")
         kept = [name for name, bad in zip(names, failed) if not bad]
-        return kept, rows[:, ~failed] if family.startswith("update") else rows[~failed]
+        return kept, rows[:, ~failed] if update else rows[~failed]
 
     def _overhead_s(self, sample: _Sample, started: float) -> float:
         """What sampling added to this step: the time measured in our own code, plus the step's

@@ -83,12 +83,9 @@ def validate_options(
         raise TypeError(f"alerts must be True, False or an AlertRules, got {alerts!r}")
     if not isinstance(sentinel, bool):
         raise TypeError(f"sentinel must be a bool, got {sentinel!r}")
-    if memory_budget is not None and (
-            isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
-            or (isinstance(memory_budget, int) and memory_budget < 0)
-            or (isinstance(memory_budget, float) and not 0 < memory_budget < float("inf"))):
-        raise ValueError("memory_budget must be an int of bytes >= 0 or a float > 0 (a share of the parameters' bytes), "
-                         f"got {memory_budget!r}")
+    if memory_budget is not None and not _memory_budget_ok(memory_budget):
+        raise ValueError("memory_budget must be an int of bytes >= 0 or a finite float > 0 (a share of the parameters' "
+                         f"bytes), got {memory_budget!r}")
     return Options(
         schedule=chosen,
         budget=budget,
@@ -107,6 +104,14 @@ def options_from(arguments: dict[str, Any]) -> Options:
     doors keep explicit signatures (help, completion) and pass them on without listing them
     again."""
     return validate_options(**{name: arguments[name] for name in OPTION_NAMES})
+
+
+def _memory_budget_ok(value: object) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return value >= 0
+    return isinstance(value, float) and 0 < value < float("inf")
 
 
 def _check_choice(option: str, values: Collection[str], allowed: Sequence[str]) -> tuple[str, ...]:

@@ -108,6 +108,8 @@ class ParameterFamilies:
                 agreed = self.sync.same([int(estimated)])  # on every rank, whatever it found
                 estimated = estimated or not agreed  # a rank short of memory: all sample
             self._say_estimating(estimated, step)
+            if estimated:  # the whole copy a CPU run keeps between samples does not fit either
+                self.workspace.drop("snapshot")
             snapshot = Snapshot([], estimated)
             for i, (group, names, tensors) in enumerate(found):
                 strides = [S.prime_stride(t.numel(), SNAPSHOT_VALUES) if estimated else 1 for t in tensors]
