@@ -77,6 +77,6 @@ def test_a_short_replay_benchmark_names_the_module_and_reports_ratios(benchmarks
 def test_a_short_budget_run_measures_the_amortized_ratio_at_the_interval_it_chose(benchmarks):
     from budget import run
 
-    r = run("tfm-tiny", 1.0, steps=4, block=2, warmup=3)  # the whole budget: a sample every step or two
+    r = run("tfm-tiny", 1.0, steps=4, block=2, warmup=3, calibrate=2)  # the whole budget: a sample every step or two
     assert r["budget"] == 1.0 and r["interval"] in (1, 2, 5) and r["steps"] % r["interval"] == 0
     assert 1 <= r["samples"] <= r["steps"] and r["base_ms"] > 0 and r["amortized"] > 0

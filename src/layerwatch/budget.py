@@ -10,7 +10,8 @@ and chooses the interval from what the engine measures:
 - ``s``, what an unsampled step costs layerwatch itself (the NaN sentinel, the schedule).
 
 Sampling every ``n`` steps costs ``C / n + s`` per step, so the interval is the smallest value
-of the 1-2-5 grid (1, 2, 5, 10, 20, 50, ...) with ``C / n + s <= budget * T``. Until the first
+of the 1-2-5 grid (1, 2, 5, 10, 20, 50, ...) with ``C / n + s <= HEADROOM * budget * T``: ``C``
+is known to within 20%, and the budget is a ceiling. Until the first
 cost is known every step is sampled (the first two steps of a run). The interval is
 re-evaluated at each sampled step it scheduled. It grows at once when the budget is
 exceeded, and shrinks only when the ideal has moved two grid steps below it, so a chart's
@@ -28,6 +29,7 @@ from collections import deque
 from typing import Optional
 
 MAX_INTERVAL = 10_000  # sampling less often than this is not worth a budget: say so instead
+HEADROOM = 0.8  # overhead_ms reads within 20% of a sample's measured cost: plan for 80% of the budget
 WINDOW = 32  # recent measurements each median is taken over
 
 
@@ -93,10 +95,11 @@ class Pacer:
             self._base_s.append(max(step_s - cost_s, 1e-9))
 
     def ideal(self) -> Optional[float]:
-        """The interval that spends exactly the budget (inf: none does); None before a cost."""
+        """The interval that spends exactly ``HEADROOM`` of the budget (inf: none does); None
+        before a cost is known."""
         if not self._costs_s:
             return None
-        spare = self.budget * statistics.median(self._base_s) - statistics.median(self._own_s or [0.0])
+        spare = HEADROOM * self.budget * statistics.median(self._base_s) - statistics.median(self._own_s or [0.0])
         return math.inf if spare <= 0 else statistics.median(self._costs_s) / spare
 
     def decide(self) -> Optional[int]:
@@ -105,12 +108,8 @@ class Pacer:
         if ideal is None:
             return None
         wanted = MAX_INTERVAL if ideal > MAX_INTERVAL else grid_value(grid_index(ideal))
-        if self.interval is not None:
-            now = grid_index(self.interval)
-            if not (grid_index(wanted) > now or grid_index(wanted) <= now - 2):
-                return None
-        if wanted == self.interval:
-            return None
+        if self.interval is not None and grid_index(self.interval) - 2 < grid_index(wanted) <= grid_index(self.interval):
+            return None  # within the budget, and not two grid steps below: kept
         return wanted
 
     def expected_share(self, interval: int) -> float:
