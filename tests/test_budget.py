@@ -118,13 +118,16 @@ def test_the_budget_is_the_default_and_a_fixed_schedule_keeps_todays_behaviour()
     assert fixed.budget is None and [k for k in range(120) if fixed.schedule(k)] == [0, 50, 100]
 
 
-def test_every_front_door_offers_the_budget_with_the_same_default():
+def test_every_front_door_offers_both_budgets_with_the_same_defaults():
     from layerwatch import InspectCallback
+
+    pytest.importorskip("transformers")
     from layerwatch.huggingface import InspectTrainerCallback
 
     for door in (Inspector, InspectCallback, InspectTrainerCallback, validate_options):
-        parameter = inspect.signature(door).parameters["overhead_budget"]
-        assert parameter.default is None, door  # None: 0.01 unless every_n_steps or schedule is given
+        parameters = inspect.signature(door).parameters
+        assert parameters["overhead_budget"].default is None, door  # None: 0.01 unless every_n_steps or schedule is given
+        assert parameters["memory_budget"].default is None, door  # None: no limit but a GPU's free memory
 
 
 # ---------------------------------------------------------------------------------------- the engine
@@ -227,12 +230,7 @@ def update_ratios(tmp_path, monkeypatch=None, fits=None, **options):
     inspector = Inspector(model, log_dir=tmp_path, optimizer=opt, every_n_steps=3, **options)
     inspector.add_sink(lambda r: ratios.update({(r.step, t): v for t, v in r.scalars.items() if t.startswith("update_ratio")}))
     with inspector:
-        for _ in range(7):
-            loss = model(torch.randn(32, 256)).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            inspector.step()
+        train(model, 7, inspector, optimizer=opt, d_in=256)
     return ratios
 
 
