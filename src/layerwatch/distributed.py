@@ -12,7 +12,8 @@ agree on what follows (:meth:`RankSync.same`), and all of them skip it when they
 A run is *sharded* when it is distributed and some parameter is spread over the ranks (a
 DTensor, or an FSDP1 flat parameter). Then every rank takes part in every sampled step
 (probes, reductions), and the ranks decide together which steps are sampled
-(:class:`StepVote`). Under DDP, rank 0 alone measures: no sampled step issues a collective.
+(:class:`StepVote`). Under DDP, rank 0 alone measures: no sampled step issues a collective
+for its measurements (the overhead budget shares rank 0's interval: :meth:`RankSync.broadcast`).
 """
 
 from __future__ import annotations
