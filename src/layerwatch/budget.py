@@ -84,11 +84,11 @@ class Pacer:
         self._base_s.append(wall_s)
         self._own_s.append(own_s)
 
-    def sampled(self, cost_s: Optional[float], step_s: float) -> None:
-        """A step this pacer scheduled was sampled: it added ``cost_s`` (None: not measured)
-        and ran ``step_s`` from its start to its end, cost included."""
+    def sampled(self, cost_s: float, step_s: float) -> None:
+        """A step this pacer scheduled was sampled: it added ``cost_s`` and ran ``step_s`` from
+        its start to its end, cost included."""
         self._samples_seen += 1
-        if self._samples_seen == 1 or cost_s is None:
+        if self._samples_seen == 1:
             return  # the first sample pays for plans and the layer table once
         self._costs_s.append(cost_s)
         if len(self._base_s) < 3:  # no unsampled step yet (the first samples): the sample's own
