@@ -62,6 +62,16 @@ def test_the_first_sample_is_left_out_and_every_step_is_sampled_until_a_cost_is_
     assert [k for k in range(200) if pacer(k)] == [0, 50, 100, 150]  # multiples: the same steps on every run
 
 
+def test_a_first_sample_that_seems_all_cost_takes_a_tenth_of_its_time_as_the_base():
+    # timers read a cost as long as the step itself (noise, a write): a base near zero would
+    # choose the longest interval, not corrected before its next sample, 10,000 steps on
+    pacer = Pacer(0.05)
+    pacer.sampled(5.0, 6.0)
+    pacer.sampled(0.013, 0.012)
+    assert pacer.ideal() == pytest.approx(0.013 / (0.8 * 0.05 * 0.0012))
+    assert pacer.decide() == 500
+
+
 def test_the_interval_grows_at_once_and_shrinks_only_two_grid_steps_below():
     pacer = Pacer(0.01)
     pacer.interval = 200

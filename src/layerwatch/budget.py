@@ -30,6 +30,7 @@ from typing import Optional
 
 MAX_INTERVAL = 10_000  # sampling less often than this is not worth a budget: say so instead
 HEADROOM = 0.8  # overhead_ms reads within 20% of a sample's measured cost: plan for 80% of the budget
+FIRST_BASE_SHARE = 0.1  # the least share of a first sample's time taken as the base step
 WINDOW = 32  # recent measurements each median is taken over
 
 
@@ -91,8 +92,11 @@ class Pacer:
         if self._samples_seen == 1:
             return  # the first sample pays for plans and the layer table once
         self._costs_s.append(cost_s)
-        if len(self._base_s) < 3:  # no unsampled step yet (the first samples): the sample's own
-            self._base_s.append(max(step_s - cost_s, 1e-9))
+        if len(self._base_s) < 3:  # no unsampled step yet (the first samples): the sample's own time
+            # less its cost, and at least a tenth of it: a base read too short would choose an
+            # interval too long to be corrected before its next sample; one read too long is
+            # corrected there, since the interval grows at once
+            self._base_s.append(max(step_s - cost_s, FIRST_BASE_SHARE * step_s))
 
     def ideal(self) -> Optional[float]:
         """The interval that spends exactly ``HEADROOM`` of the budget (inf: none does); None

@@ -638,8 +638,8 @@ class Engine:
         """Rank 0, at a sampled step: the interval from here on (proposed to the ranks by
         :meth:`_share_interval`); its measurements count when the budget scheduled the step."""
         pacer = self._pacer
-        if pacer(step):
-            pacer.sampled(cost_s, time.perf_counter() - self._opened_at)
+        if pacer(step):  # the step's time counts the write as the cost does: the previous sample's
+            pacer.sampled(cost_s, time.perf_counter() - self._opened_at + self._last_write_s)
             self._proposed_interval = pacer.decide()
         return self._proposed_interval or pacer.interval or 1
 
