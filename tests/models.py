@@ -115,6 +115,31 @@ def train_through_scaler_overflow(model: nn.Module, optimizer: torch.optim.Optim
         scaler.update()
         inspector.step()
 
+class Amplifier(nn.Module):
+    """Multiplies by ``gain``: its backward overflows a gradient that reaches it finite, as an
+    fp16 matmul does under a GradScaler's first, too large, scale."""
+
+    def __init__(self, gain: float = 1e6) -> None:
+        super().__init__()
+        self.gain = gain
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+def train_through_overflow_in_a_module(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, inspector) -> None:
+    """Steps under a CPU GradScaler whose first scale (2**120) makes a finite loss gradient
+    overflow inside ``model``'s backward (an :class:`Amplifier`), so the optimizer skips step 0."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**120, backoff_factor=2.0**-60)
+    for _ in range(steps):
+        loss = model(torch.randn(16, 8)).mean()
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        inspector.step()
+
+
 class SmallCNN(nn.Module):
     """The edge-deployment tool's reference model: input 1x28x28, ten classes."""
 

@@ -12,7 +12,10 @@ from torch import nn
 
 from layerwatch import Inspector, at_steps
 from layerwatch.probes import RuntimeProbe, select_modules
-from models import InPlaceCheckpointed, MLP, Poison, SharedLayer, hook_count, tab_values, train, train_through_scaler_overflow
+from models import (
+    Amplifier, InPlaceCheckpointed, MLP, Poison, SharedLayer, hook_count, tab_values, train, train_through_overflow_in_a_module,
+    train_through_scaler_overflow,
+)
 
 NO_TABLE = ("weights", "grads", "latency", "memory", "activations", "nonfinite")  # timed from the first sample
 
@@ -214,6 +217,21 @@ def test_a_grad_scaler_skip_does_not_fire_the_sentinel(tmp_path, events):
     with Inspector(model, log_dir=tmp_path, schedule=at_steps([3]), optimizer=opt) as inspector:
         train_through_scaler_overflow(model, opt, 3, inspector)
     assert "layerwatch/first_nonfinite_step" not in events(tmp_path).Tags()["scalars"]
+
+
+def test_a_module_whose_backward_overflows_on_a_grad_scaler_skip_is_no_offender(tmp_path, events):
+    # an fp16 matmul's overflow under a GradScaler's first scale, as seen on a GPU: the probes see
+    # a module turn a finite gradient non-finite, but the optimizer skips the step: no fault
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Amplifier(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, optimizer=opt) as inspector:
+        train_through_overflow_in_a_module(model, opt, 4, inspector)
+    assert inspector.alerts == []
+    acc = events(tmp_path)
+    assert [e.step for e in acc.Scalars("layerwatch/optimizer_skipped")][:1] == [0]
+    assert "layerwatch/first_nonfinite_step" not in acc.Tags()["scalars"]
+    assert not [t for t in acc.Tags().get("tensors", []) if "first_offender" in t]
 
 
 def test_in_place_ops_and_checkpointing_keep_bitwise_losses_and_get_backward_times(tmp_path, events):

@@ -568,10 +568,14 @@ class Engine:
         if structure is not None:
             rec.add_structure(structure)
         new_alerts = []
+        stepped = self._stepped(sample)
         if probes is not None:
             rec.add_probes(probes, options.stats, options.bins)
             offender = probes.offender
-            if offender is not None and not self._offender_found:
+            if offender is not None and offender.replayed_from is None and stepped is False:
+                logger.info("layerwatch: step %d: %s made a non-finite %s value and no optimizer step followed "
+                            "(a GradScaler skip): not a fault", rec.step, offender.name, offender.phase)
+            elif offender is not None and not self._offender_found:
                 self._offender_found = True  # raised before the rules, whose alert on the same layer says less
                 if offender.replayed_from is None and self._fault_step is not None and rec.step > self._fault_step:
                     message = self._after_fault(sample, offender)
@@ -584,7 +588,6 @@ class Engine:
                 else:
                     new_alerts += self._health.report(rec, "nonfinite", offender.name, message)
         if self._health is not None:
-            stepped = self._stepped(sample)
             trainable = [  # a sparse gradient exists but is not measured: not "no gradient"
                 name for name, p in sample.params if p.requires_grad and not (p.grad is not None and p.grad.is_sparse)
             ]
