@@ -25,6 +25,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from layerwatch.distributed import is_dtensor
 from layerwatch.hooks import is_compiling
 
 
@@ -44,12 +45,14 @@ CPU_MIN_BYTES = 1 << 18
 
 
 Piece = tuple[str, torch.nn.Parameter, Optional[slice]]  # a parameter's gradient, or the slice of its values to check
+Group = tuple[list[torch.nn.Parameter], list[str]]  # whole gradients of one device and dtype, and their names
 
 
 class NonfiniteSentinel:
     def __init__(self) -> None:
-        self._pending: deque[tuple[int, list[str], list[tuple[torch.Tensor, Any]], Optional[bool]]] = deque()
+        self._pending: deque[tuple[int, list[list[str]], list[tuple[torch.Tensor, Any]], Optional[bool]]] = deque()
         self._shares: list[list[Piece]] = []
+        self._plans: list[Optional[list[Group]]] = []  # per share, when it is whole plain gradients
         self._next = 0
 
     def watch(self, params: Sequence[tuple[str, torch.nn.Parameter]], local: Any) -> None:
@@ -76,6 +79,7 @@ class NonfiniteSentinel:
                 size += piece_bytes
         if share:
             self._shares.append(share)
+        self._plans = [_plan(share) for share in self._shares]
 
     @property
     def rotation(self) -> int:
@@ -86,8 +90,15 @@ class NonfiniteSentinel:
         """Enqueue the check of this step's share of the gradients."""
         if not self._shares:
             return
-        share = self._shares[self._next % len(self._shares)]
+        index = self._next % len(self._shares)
         self._next += 1
+        plan = self._plans[index]
+        if plan is not None:  # the host's cost independent of the number of gradients but for one attribute read each
+            grads = [[p.grad for p in params] for params, _ in plan]
+            if True not in [g is None or g.is_sparse for group in grads for g in group]:  # (`None in` calls Tensor.__eq__)
+                self._enqueue(step, [names for _, names in plan], [_norms(group) for group in grads], stepped)
+                return
+        share = self._shares[index]
         local = self._local
         named = [(n, local(p.grad), values) for n, p, values in share if p.grad is not None and not p.grad.is_sparse]
         self.check(step, [(n, g if values is None else g.reshape(-1)[values]) for n, g, values in named], stepped)
@@ -97,11 +108,14 @@ class NonfiniteSentinel:
         if not named_grads:
             return
         groups = fused_norms([grad for _, grad in named_grads])
-        order = [i for indices, _ in groups for i in indices]
-        names = [named_grads[i][0] for i in order]  # in the order the peaks come back
+        names = [[named_grads[i][0] for i in indices] for indices, _ in groups]
+        self._enqueue(step, names, [peaks for _, peaks in groups], stepped)
+
+    def _enqueue(self, step: int, names: list[list[str]], norms: list[torch.Tensor], stepped: Optional[bool]) -> None:
+        """Start the copy of each group's ``norms`` (of the gradients ``names``) to the host."""
         copies: list[tuple[torch.Tensor, Any]] = []
         clean = True  # nothing to look at later: every check ran on the CPU and found no NaN/Inf
-        for _, peaks in groups:
+        for peaks in norms:
             if peaks.device.type == "cuda":
                 clean = False
                 host = torch.empty(peaks.shape, dtype=peaks.dtype, pin_memory=True)
@@ -132,7 +146,8 @@ class NonfiniteSentinel:
             bad = set((~torch.isfinite(peaks)).nonzero().flatten().tolist())
             if bad:
                 nan = bool(torch.isnan(peaks).any())
-                hit = dict.fromkeys(name for i, name in enumerate(names) if i in bad)  # a parameter's slices: once
+                flat = [name for group in names for name in group]  # in the order of the peaks
+                hit = dict.fromkeys(name for i, name in enumerate(flat) if i in bad)  # a parameter's slices: once
                 found.append(Finding(step, list(hit), stepped, nan, self.rotation))
         return found
 
@@ -190,6 +205,27 @@ class StepCounter:
         self._handles = []
 
 
+def _plan(share: list[Piece]) -> Optional[list[Group]]:
+    """``share``'s parameters grouped by device and dtype, when each is checked whole and is
+    a plain tensor (no DTensor to take the local part of); else None."""
+    if any(values is not None or is_dtensor(p) for _, p, values in share):
+        return None
+    groups: dict[tuple[torch.device, torch.dtype], Group] = {}
+    for name, p, _ in share:
+        params, names = groups.setdefault((p.device, p.dtype), ([], []))
+        params.append(p)
+        names.append(name)
+    return list(groups.values())
+
+
+def _norms(tensors: list[torch.Tensor], ord: int = 2) -> torch.Tensor:
+    """The ``ord``-norms of ``tensors`` of one device and dtype, accumulated in float32 at
+    least, as one float32 tensor: one ``torch._foreach_norm``."""
+    dtype = None if tensors[0].element_size() >= 4 or tensors[0].is_complex() else torch.float32
+    with torch.no_grad():
+        return torch.stack(torch._foreach_norm(tensors, ord, dtype=dtype)).float()
+
+
 def fused_norms(tensors: Sequence[torch.Tensor], ord: int = 2) -> list[tuple[list[int], torch.Tensor]]:
     """The ``ord``-norms of ``tensors``, one ``torch._foreach_norm`` per device and dtype,
     accumulated in float32 at least: per group, the indices of its tensors and their norms
@@ -200,12 +236,7 @@ def fused_norms(tensors: Sequence[torch.Tensor], ord: int = 2) -> list[tuple[lis
         indices, members = groups.setdefault((t.device, t.dtype), ([], []))
         indices.append(i)
         members.append(t)
-    out = []
-    with torch.no_grad():
-        for indices, members in groups.values():
-            dtype = None if members[0].element_size() >= 4 or members[0].is_complex() else torch.float32
-            out.append((indices, torch.stack(torch._foreach_norm(members, ord, dtype=dtype)).float()))
-    return out
+    return [(indices, _norms(members, ord)) for indices, members in groups.values()]
 
 
 def nonfinite_names(named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
