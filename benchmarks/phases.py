@@ -51,10 +51,8 @@ def main() -> None:
     host = S.to_host([rows for _, rows in pieces])
 
     def record() -> R.StepRecord:
-        rec = R.StepRecord(1)
-        for family, (names, _), rows in zip(("grads", "weights"), pieces, host):
-            rec.add_tensor_family(family, names, rows.reshape(len(names), -1), options.stats, options.bins)
-        return rec
+        rows = {family: [(names, rows.reshape(len(names), -1))] for family, (names, _), rows in zip(("grads", "weights"), pieces, host)}
+        return R.build(1, rows, stats=options.stats, bins=options.bins)
 
     timed("record", record)
     with tempfile.TemporaryDirectory() as tmp:

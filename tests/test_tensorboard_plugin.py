@@ -168,14 +168,15 @@ def test_a_run_resumed_into_the_same_directory_reads_each_step_with_its_own_layo
 
 
 def test_the_run_wide_nonfinite_count_adds_every_piece():
-    from layerwatch.record import StepRecord, nonfinite_total_tag
+    from layerwatch.record import build, nonfinite_total_tag
     from layerwatch import stats as S
 
-    record = StepRecord(0)
+    pieces = []
     for name, count in (("a", 0.0), ("b", 3.0)):  # two optimizers' reads of one step
         row = np.zeros((1, S.HIST + 2))
         row[0, S.COUNT], row[0, S.NONFINITE] = 4.0, count
-        record.add_tensor_family("grads", [name], row, ("nonfinite",), 0)
+        pieces.append(([name], row))
+    record = build(0, {"grads": pieces}, stats=("nonfinite",))
     assert record.scalars[nonfinite_total_tag("grads")] == 3.0
 
 

@@ -104,9 +104,6 @@ class AlertRules:
                 raise ValueError(f"AlertRules.{name}: low must be below high, got {value!r}")
 
 
-_FINGERPRINT = [S.COUNT, S.NONFINITE, S.MIN, S.MAX, S.SUM, S.SUMSQ]  # equal rows: unchanged weights
-
-
 class HealthMonitor:
     """Applies :class:`AlertRules` to the sampled steps; raises each (kind, layer) once.
 
@@ -126,7 +123,7 @@ class HealthMonitor:
         self._zero_weights = np.zeros(size, dtype=int)
         self._unchanged = np.zeros(size, dtype=int)
         self._no_grad = np.zeros(size, dtype=int)
-        self._last_weights = np.full((size, len(_FINGERPRINT)), np.nan)
+        self._last_weights = np.full((size, S.FINGERPRINT_WIDTH), np.nan)
         self._moved = np.zeros(size, dtype=bool)  # the weights changed between two samples, ever
         self._windows = {"weights": LayerWindows(rules, "weights"), "grads": LayerWindows(rules, "grads")}
 
@@ -163,9 +160,10 @@ class HealthMonitor:
         found: dict[str, list[str]] = {}  # layer -> what holds NaN/Inf, gradients first
         first_param: dict[str, str] = {}
         for what, idx, rows in families:
-            for i in np.flatnonzero(rows[:, S.NONFINITE] > 0):
+            counts = rows.nonfinite
+            for i in np.flatnonzero(counts > 0):
                 name = self._names[idx[i]]
-                found.setdefault(owner(name), []).append(f"{what} of {name} ({int(rows[i, S.NONFINITE]):,})")
+                found.setdefault(owner(name), []).append(f"{what} of {name} ({int(counts[i]):,})")
                 first_param.setdefault(owner(name), name)
         for layer, parts in found.items():
             more = f" and {len(parts) - 3} more" if len(parts) > 3 else ""
@@ -173,11 +171,11 @@ class HealthMonitor:
 
     def _norms(self, step: int, family: str, idx: np.ndarray, rows: np.ndarray, new: list[Alert]) -> None:
         """The absolute bounds, per tensor; the window rules, per layer (:class:`LayerWindows`)."""
-        finite = rows[:, S.NONFINITE] == 0  # the nonfinite alert speaks for the others
+        finite = rows.finite  # the nonfinite alert speaks for the others
         idx, rows = idx[finite], rows[finite]
         if not len(idx):
             return
-        norms = np.sqrt(rows[:, S.SUMSQ])
+        norms = rows.norm
         low, high = self.rules.weight_norm_bounds if family == "weights" else self.rules.grad_norm_bounds
         label, option = ("weight", "weight_norm_bounds") if family == "weights" else ("gradient", "grad_norm_bounds")
         for i in np.flatnonzero(norms > high) if high is not None else ():
@@ -195,16 +193,16 @@ class HealthMonitor:
         self,
         step: int,
         w_idx: np.ndarray,
-        w_rows: np.ndarray,
+        w_rows: S.Rows,
         g_idx: Optional[np.ndarray],
-        g_rows: np.ndarray,
+        g_rows: S.Rows,
         t_idx: np.ndarray,
         new: list[Alert],
     ) -> None:
         n = self.rules.dead_samples
         trainable = np.zeros(len(self._names), dtype=bool)
         trainable[t_idx] = True
-        zero = all_zero(w_rows) & trainable[w_idx]  # training cannot revive a frozen weight: not a dead layer
+        zero = w_rows.all_zero & trainable[w_idx]  # training cannot revive a frozen weight: not a dead layer
         self._zero_weights[w_idx] = np.where(zero, self._zero_weights[w_idx] + 1, 0)
         for i in np.flatnonzero(self._zero_weights[w_idx] >= n):
             name = self._names[w_idx[i]]
@@ -213,7 +211,7 @@ class HealthMonitor:
         if g_idx is None or not len(g_idx):
             return
         layers = [owner(self._names[i]) for i in g_idx]
-        zero = all_zero(g_rows)
+        zero = g_rows.all_zero
         layer_zero = {layer: True for layer in layers}
         for layer, z in zip(layers, zero):
             layer_zero[layer] = layer_zero[layer] and bool(z)  # a layer is dead when all its gradients are
@@ -231,8 +229,8 @@ class HealthMonitor:
         self,
         step: int,
         w_idx: np.ndarray,
-        w_rows: np.ndarray,
-        grads: Optional[tuple[np.ndarray, np.ndarray]],
+        w_rows: S.Rows,
+        grads: Optional[tuple[np.ndarray, S.Rows]],
         t_idx: np.ndarray,
         new: list[Alert],
     ) -> None:
@@ -243,7 +241,7 @@ class HealthMonitor:
         if grads is not None and len(grads[0]):  # with no gradient anywhere the loop, not the model, is wrong
             g_idx, g_rows = grads
             has_grad[g_idx] = True
-            moving_grad[g_idx] = ~all_zero(g_rows) & (g_rows[:, S.NONFINITE] == 0)
+            moving_grad[g_idx] = ~g_rows.all_zero & g_rows.finite
             self._no_grad[t_idx] = np.where(has_grad[t_idx], 0, self._no_grad[t_idx] + 1)
             for i in t_idx[self._no_grad[t_idx] >= n]:
                 name = self._names[i]
@@ -251,9 +249,9 @@ class HealthMonitor:
                             f"(AlertRules.stuck_samples is {n}): does the loss use it, or is its path detached?")
         trainable = np.zeros(size, dtype=bool)
         trainable[t_idx] = True
-        fingerprint = w_rows[:, _FINGERPRINT]
+        fingerprint = w_rows.fingerprint
         seen = ~np.isnan(self._last_weights[w_idx, 0])
-        same = np.all(fingerprint == self._last_weights[w_idx], axis=1) & (w_rows[:, S.NONFINITE] == 0)
+        same = np.all(fingerprint == self._last_weights[w_idx], axis=1) & w_rows.finite
         self._moved[w_idx] |= seen & ~same
         # Only weights that never moved: a schedule that ends at lr 0, or Adam on a vanishing
         # gradient, legitimately stops weights that moved before.
@@ -285,14 +283,13 @@ class HealthMonitor:
         extra = max(size, 2 * len(self._unchanged)) - len(self._unchanged)
         for attr in ("_zero_grads", "_zero_weights", "_unchanged", "_no_grad"):
             setattr(self, attr, np.concatenate([getattr(self, attr), np.zeros(extra, dtype=int)]))
-        self._last_weights = np.concatenate([self._last_weights, np.full((extra, len(_FINGERPRINT)), np.nan)])
+        self._last_weights = np.concatenate([self._last_weights, np.full((extra, S.FINGERPRINT_WIDTH), np.nan)])
         self._moved = np.concatenate([self._moved, np.zeros(extra, dtype=bool)])
 
-    def _stack(self, rows: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    def _stack(self, rows: dict[str, np.ndarray]) -> tuple[np.ndarray, S.Rows]:
         """Indices and stacked rows of ``rows`` (name -> row)."""
         idx = np.array([self._slot(name) for name in rows], dtype=int)
-        stacked = np.stack(list(rows.values())) if rows else np.zeros((0, S.HIST))
-        return idx, stacked
+        return idx, S.Rows.stack(list(rows.values()))
 
     def report(self, kind: str, layer: str, step: int, message: str) -> list[Alert]:
         """Raise an alert found outside the rules (the runtime probes); [] when already raised."""
@@ -352,13 +349,13 @@ class LayerWindows:
         self._share_peak = np.zeros(size)  # the highest median share of a window before the current one
         self._peak_at = np.zeros(size, dtype=int)  # the step that window ended at
 
-    def observe(self, step: int, params: np.ndarray, names: list[str], rows: np.ndarray) -> list[tuple[str, str, str]]:
+    def observe(self, step: int, params: np.ndarray, names: list[str], rows: S.Rows) -> list[tuple[str, str, str]]:
         """``(kind, layer, message)`` of each rule broken at this sample, given the finite rows of
         the parameters ``params`` (indices into ``names``)."""
         idx = self._layers_of(params, names)
         present = np.unique(idx)
-        sumsq = np.bincount(idx, rows[:, S.SUMSQ], minlength=len(self._names))[present]
-        count = np.bincount(idx, rows[:, S.COUNT], minlength=len(self._names))[present]
+        sumsq = np.bincount(idx, rows.sumsq, minlength=len(self._names))[present]
+        count = np.bincount(idx, rows.count, minlength=len(self._names))[present]
         rms = np.sqrt(sumsq / np.maximum(count, 1))
         largest = rms.max()
         shares = rms / largest if largest > 0 else np.zeros_like(rms)
@@ -445,8 +442,8 @@ class LayerWindows:
 
 
 class HealthCheck:
-    """The rules applied to each sampled step's record: the alert count and, when it changed,
-    the alert table go into the record."""
+    """The rules applied to each sampled step's rows: what they find, as
+    :class:`~layerwatch.record.Findings` for the record (never written into it)."""
 
     def __init__(self, rules: AlertRules, failures: FailurePolicy) -> None:
         self.monitor = HealthMonitor(rules)
@@ -454,38 +451,43 @@ class HealthCheck:
 
     def judge(
         self,
-        rec: R.StepRecord,
-        host: dict[str, list[tuple[list[str], np.ndarray]]],
+        step: int,
+        rows: R.HostRows,
         grads_read: bool,
         trainable: Sequence[str],
         stepped: Optional[bool],
-    ) -> list[Alert]:
-        """The alerts first seen at this step. ``stepped`` is False when the optimizer skipped
-        the step (None: not known)."""
+        found: Sequence[Alert] = (),
+    ) -> R.Findings:
+        """The findings of ``step``: ``found`` (alerts found outside the rules: the first
+        offender) raised first, then the rules' on the weights' and gradients' rows.
+        ``stepped`` is False when the optimizer skipped the step (None: not known)."""
         def by_name(family: str) -> dict[str, np.ndarray]:
-            return {name: row for names, rows in host[family] for name, row in zip(names, rows)}
+            return {name: row for names, family_rows in rows.get(family, ()) for name, row in zip(names, family_rows)}
 
+        new: list[Alert] = []
+        for alert in found:
+            new += self.monitor.report(alert.kind, alert.name, step, alert.message)
         grads = by_name("grads") if grads_read else None
-        if grads and all_zero(np.stack(list(grads.values()))).all():
+        if grads and S.Rows.stack(list(grads.values())).all_zero.all():
             self.failures.warn_once(
                 "zero-grads",
-                f"layerwatch: every gradient is zero at sampled step {rec.step}; call inspector.step() before "
+                f"layerwatch: every gradient is zero at sampled step {step}; call inspector.step() before "
                 "optimizer.zero_grad(). Gradients are not judged by the alerts at such steps.",
             )
             grads = None
-        if grads and stepped is False and any(row[S.NONFINITE] for row in grads.values()):
+        skipped = bool(grads) and stepped is False and bool(S.Rows.stack(list(grads.values())).nonfinite.any())
+        if skipped:
             # GradScaler skips optimizer.step() when the scaled gradients overflow: expected, not a fault.
-            rec.scalars[R.OPTIMIZER_SKIPPED] = 1.0
-            logger.info("layerwatch: step %d: the optimizer skipped a step with NaN/Inf gradients", rec.step)
+            logger.info("layerwatch: step %d: the optimizer skipped a step with NaN/Inf gradients", step)
             self.failures.warn_once(
                 "scaler-skip",
-                f"layerwatch: at step {rec.step} the optimizer skipped its step and the gradients hold NaN/Inf: "
+                f"layerwatch: at step {step} the optimizer skipped its step and the gradients hold NaN/Inf: "
                 "a GradScaler overflow skip, not reported as a model fault (layerwatch/optimizer_skipped)",
             )
             grads = None
-        new = self.monitor.observe(rec.step, weights=by_name("weights"), grads=grads, trainable=trainable)
-        self._count(rec, new)
-        return new
+        new += self.monitor.observe(step, weights=by_name("weights"), grads=grads, trainable=trainable)
+        return R.Findings(alerts=new, alert_count=len(self.monitor.alerts),
+                          alert_table=alerts_markdown(self.monitor.alerts) if new else None, optimizer_skipped=skipped)
 
     def say_if_too_short(self, samples: int) -> None:
         """At the end of a run: say when it had too few samples for the window rules to judge."""
@@ -498,23 +500,6 @@ class HealthCheck:
                 "and could not fire (AlertRules' absolute norm bounds still apply). For a short run, sample more "
                 "often (every_n_steps) or pass alerts=AlertRules(window=...).",
             )
-
-    def report(self, rec: R.StepRecord, kind: str, layer: str, message: str) -> list[Alert]:
-        """An alert found outside the rules (the first offender), into the same table."""
-        new = self.monitor.report(kind, layer, rec.step, message)
-        self._count(rec, new)
-        return new
-
-    def _count(self, rec: R.StepRecord, new: list[Alert]) -> None:
-        rec.scalars[R.ALERTS] = len(self.monitor.alerts)
-        if new:
-            rec.texts[R.ALERTS] = alerts_markdown(self.monitor.alerts)
-
-
-def all_zero(rows: np.ndarray) -> np.ndarray:
-    """Per stats row: the tensor's values are all exactly zero."""
-    return (rows[:, S.COUNT] > 0) & (rows[:, S.NONFINITE] == 0) & (rows[:, S.MIN] == 0) & (rows[:, S.MAX] == 0)
-
 
 
 def alerts_markdown(alerts: Iterable[Alert]) -> str:

@@ -540,74 +540,64 @@ class Engine:
     # ------------------------------------------------------------------ writing
 
     def _write(self, sample: _Sample, started: float, structure: Optional[Summary], probes: Optional[ProbeResult]) -> None:
-        options = self.options
+        """Rank 0: the step's rows to the host, what they and the probes say, then its record
+        (:func:`~layerwatch.record.build`) to the sinks. The record is built and written after
+        the step's cost is taken, so both count in the next sample's (``_overhead_s``)."""
+        rows = self._host_rows(sample)
+        findings = self._findings(sample, rows, probes)
+        cost_s = self._overhead_s(sample, started)
+        interval = None if self._pacer is None else self._choose_interval(sample.step, cost_s)
+        writing = time.perf_counter()
+        rec = R.build(sample.step, rows, probes, structure, findings, stats=self.options.stats, bins=self.options.bins,
+                      overhead_ms=1e3 * cost_s, sample_interval=interval)
+        self._samples_written += 1
+        self._emit(rec)
+        self._last_write_s = time.perf_counter() - writing
+        self._announce(rec.step, findings.alerts)
+
+    def _host_rows(self, sample: _Sample) -> R.HostRows:
+        """The families' rows, on the host in one transfer per device, less the rows a rank
+        could not help measure."""
         families = {"grads": sample.grads, "weights": sample.weights, "update": sample.update,
                     "update_estimate": sample.update_estimate}
         arrays = iter(S.to_host([rows for pieces in families.values() for _, rows in pieces]))
-        host = {
-            family: [(names, next(arrays).reshape(2 if family.startswith("update") else len(names), -1))
-                     for names, _ in pieces]
+        return {
+            family: [self._measured(family, names, next(arrays).reshape(2 if family.startswith("update") else len(names), -1),
+                                    sample.step) for names, _ in pieces]
             for family, pieces in families.items()
         }
-        for family in families:
-            host[family] = [self._measured(family, names, rows, sample.step) for names, rows in host[family]]
-        rec = R.StepRecord(sample.step)
-        for family in R.TENSOR_FAMILIES:
-            for names, rows in host[family]:
-                rec.add_tensor_family(family, names, rows, options.stats, options.bins)
-        if host["grads"]:
-            rec.add_grad_norm(np.concatenate([rows for _, rows in host["grads"]]))
-        if host["update"]:
-            weight_norms = {name: np.sqrt(row[S.SUMSQ]) for names, rows in host["weights"] for name, row in zip(names, rows)}
-            for names, (deltas, norms) in host["update"]:
-                if weight_norms:
-                    norms = np.array([weight_norms.get(name, np.nan) for name in names])
-                rec.add_update_ratios(names, deltas, norms)
-        for names, (deltas, norms) in host["update_estimate"]:  # both norms of the same sample
-            rec.add_update_ratios(names, deltas, norms, estimated=True)
-        if structure is not None:
-            rec.add_structure(structure)
-        new_alerts = []
+
+    def _findings(self, sample: _Sample, rows: R.HostRows, probes: Optional[ProbeResult]) -> R.Findings:
+        """What the probes' first offender and the health rules say of the step."""
         stepped = self._stepped(sample)
-        if probes is not None:
-            rec.add_probes(probes, options.stats, options.bins)
-            offender = probes.offender
-            if offender is not None and offender.replayed_from is None and stepped is False:
-                logger.info("layerwatch: step %d: %s made a non-finite %s value and no optimizer step followed "
-                            "(a GradScaler skip): not a fault", rec.step, offender.name, offender.phase)
-            elif offender is not None and not self._offender_found:
-                self._offender_found = True  # raised before the rules, whose alert on the same layer says less
-                if offender.replayed_from is None and self._fault_step is not None and rec.step > self._fault_step:
-                    message = self._after_fault(sample, offender)
-                else:  # the probes saw the NaN appear: on this step, or on its batch replayed
-                    rec.texts[R.FIRST_OFFENDER] = offender.describe(rec.step)
-                    rec.offender = offender
-                    message = "first offender: " + rec.texts[R.FIRST_OFFENDER]
-                if self._health is None:
-                    new_alerts.append(Alert("nonfinite", offender.name, rec.step, message))
-                else:
-                    new_alerts += self._health.report(rec, "nonfinite", offender.name, message)
-        if self._health is not None:
-            trainable = [  # a sparse gradient exists but is not measured: not "no gradient"
-                name for name, p in sample.params if p.requires_grad and not (p.grad is not None and p.grad.is_sparse)
-            ]
-            new_alerts += self._health.judge(rec, host, "grads" in options.families, trainable, stepped)
-        cost_s = self._overhead_s(sample, started)
-        rec.scalars[R.OVERHEAD_MS] = 1e3 * cost_s
-        if self._pacer is not None:
-            rec.scalars[R.SAMPLE_INTERVAL] = self._choose_interval(sample.step, cost_s)
-        rec.alerts = new_alerts
-        self._samples_written += 1
-        writing = time.perf_counter()
-        self._emit(rec)
-        self._last_write_s = time.perf_counter() - writing
-        self._announce(rec.step, new_alerts)
+        found: list[Alert] = []
+        named = None  # the first offender, when the probes saw the NaN appear (this step, or its batch replayed)
+        offender = None if probes is None else probes.offender
+        if offender is not None and offender.replayed_from is None and stepped is False:
+            logger.info("layerwatch: step %d: %s made a non-finite %s value and no optimizer step followed "
+                        "(a GradScaler skip): not a fault", sample.step, offender.name, offender.phase)
+        elif offender is not None and not self._offender_found:
+            self._offender_found = True  # raised before the rules, whose alert on the same layer says less
+            if offender.replayed_from is None and self._fault_step is not None and sample.step > self._fault_step:
+                message = self._after_fault(sample, offender)
+            else:
+                named = offender
+                message = "first offender: " + offender.describe(sample.step)
+            found.append(Alert("nonfinite", offender.name, sample.step, message))
+        if self._health is None:
+            return R.Findings(alerts=found, offender=named)
+        trainable = [  # a sparse gradient exists but is not measured: not "no gradient"
+            name for name, p in sample.params if p.requires_grad and not (p.grad is not None and p.grad.is_sparse)
+        ]
+        findings = self._health.judge(sample.step, rows, "grads" in self.options.families, trainable, stepped, found)
+        findings.offender = named
+        return findings
 
     def _measured(self, family: str, names: list[str], rows: np.ndarray, step: int) -> tuple[list[str], np.ndarray]:
         """``names`` and their rows (update pieces: their two rows of columns) less the sharded
         tensors a rank could not help measure, or snapshot (said once)."""
         update = family.startswith("update")  # update and update_estimate: two rows of columns
-        failed = rows[0] == FAILED_NORM if update else S.failed_rows(rows)
+        failed = rows[0] == FAILED_NORM if update else S.Rows(rows).failed
         if not failed.any():
             return names, rows
         left_out = [name for name, bad in zip(names, failed) if bad]
@@ -625,8 +615,8 @@ class Engine:
         ``EXCESS_LIMIT`` times the measured time, plus the garbage collector's time during the
         step (collections our allocations bring on, in the user's code as well as ours): a step
         slowed by more than that was slowed by something else (a validation loop, a
-        checkpoint) and is not put down to sampling. The write is counted at the previous
-        sample's duration: it comes after this figure."""
+        checkpoint) and is not put down to sampling. The record's build and write are counted
+        at the previous sample's duration: they come after this figure."""
         now = time.perf_counter()
         measured = sample.overhead_s + now - started + self._last_write_s
         collected = self._collector.seconds
@@ -854,8 +844,7 @@ class Engine:
         self._reported = finding
         if not is_writer_rank():
             return
-        rec = R.StepRecord(finding.step)
-        rec.scalars[R.FIRST_NONFINITE_STEP] = finding.step
+        rec = R.build(finding.step, first_nonfinite_step=finding.step)
         names = ", ".join(finding.tensors[:5]) + (f" and {len(finding.tensors) - 5} more" if len(finding.tensors) > 5 else "")
         where = f" in {names}" if names else " in gradient shards held by another rank"
         overflow = "" if finding.nan else " (or finite gradients whose norm passes ~1.8e19: an explosion)"

@@ -72,9 +72,12 @@ def update_ratio_tag(name: str, estimated: bool = False) -> str:
     return f"update_ratio_estimate/{name}" if estimated else f"update_ratio/{name}"
 
 
+HostRows = dict[str, list[tuple[list[str], np.ndarray]]]  # family -> its pieces' names and rows, on the host
+
+
 @dataclass
 class StepRecord:
-    """Everything one sampled step writes: plain Python data, no tensors."""
+    """Everything one sampled step writes: plain Python data, no tensors. Made by :func:`build`."""
 
     step: int
     scalars: dict[str, float] = field(default_factory=dict)
@@ -83,61 +86,124 @@ class StepRecord:
     alerts: list = field(default_factory=list)  # the alerts.Alert raised at this step
     offender: Optional[Offender] = None  # the first offender, at the step it was found
 
-    def add_structure(self, summary: Summary) -> None:
-        """The layer table as text (a Markdown code block keeps it aligned) and its totals."""
-        self.texts[STRUCTURE] = "\n".join("    " + line for line in summary.to_text().splitlines())
-        self.scalars[PARAMS_TOTAL] = summary.total_params
-        self.scalars[PARAMS_LEARNABLE] = summary.learnable_params
-        self.scalars[PARAMS_FROZEN] = summary.frozen_params
-        self.scalars[MACS_PER_STEP] = summary.total_macs
 
-    def add_probes(self, result: ProbeResult, stats: Sequence[str], bins: int) -> None:
-        """Per-module time, memory, activations and NaN/Inf flags of one step."""
-        for trace in result.modules:
-            for field_name in MODULE_SCALARS:
-                value = getattr(trace, field_name)
-                if value is not None:
-                    self.scalars[module_prefix(field_name) + trace.name] = float(value)
-            if trace.calls > 1:
-                self.scalars[f"calls/{trace.name}"] = trace.calls
-        measured = [t for t in result.modules if t.activation_row is not None]
-        if measured:
-            rows = np.stack([t.activation_row for t in measured])
-            self.add_tensor_family("activations", [t.name for t in measured], rows, stats, bins)
-        flags = [t.nonfinite for t in result.modules if t.nonfinite is not None]
-        if flags:
-            self.scalars[NONFINITE_MODULES] = sum(flags)
+@dataclass
+class Findings:
+    """What was concluded about one sampled step: by the health rules (``alerts.HealthCheck``)
+    and the probes' first offender. Plain data, read by :func:`build`."""
 
-    def add_tensor_family(
-        self, family: str, names: Sequence[str], rows: np.ndarray, stats: Sequence[str], bins: int
-    ) -> None:
-        """Add the histograms (when ``bins``) and per-tensor stats of one family."""
-        for stat, values in S.scalar_stats(rows, stats).items():
-            for name, value in zip(names, values.tolist()):
-                self.scalars[stat_tag(family, stat, name)] = value
-            if stat == "nonfinite":  # a family may come in several pieces (optimizers, devices)
-                total = nonfinite_total_tag(family)
-                self.scalars[total] = self.scalars.get(total, 0.0) + float(values.sum())
-        if bins:
-            for name, hist in zip(names, S.histograms(rows, bins)):
-                if hist is not None:
-                    self.histograms[histogram_tag(family, name)] = hist
+    alerts: list = field(default_factory=list)  # the alerts first seen at this step
+    alert_count: Optional[int] = None  # every alert raised so far; None where no rules run
+    alert_table: Optional[str] = None  # the table of them all, when some are new
+    optimizer_skipped: bool = False  # the optimizer skipped the step, its gradients non-finite
+    offender: Optional[Offender] = None  # the first offender, named at this step
 
-    def add_grad_norm(self, rows: np.ndarray) -> None:
-        """The global gradient norm from the gradients' rows (NaN when any holds a NaN or Inf)."""
-        nonfinite = rows[:, S.NONFINITE].sum() > 0
-        self.scalars[GRAD_NORM] = float("nan") if nonfinite else float(np.sqrt(rows[:, S.SUMSQ].sum()))
 
-    def add_update_ratios(self, names: Sequence[str], deltas: np.ndarray, norms: np.ndarray, estimated: bool = False) -> None:
-        """``update_ratio/<param>``: ‖Δw‖ / ‖w‖, ``w`` the weights after the step; 0 where the step
-        did not change them, 1 where it set them to zero (never inf: a weight that was zero
-        before the step, as BatchNorm biases and LoRA's B start, has a finite ratio).
-        ``estimated``: the norms are of a strided sample of each weight, under
-        ``update_ratio_estimate/<param>``."""
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratios = np.where(deltas == 0, 0.0, np.where(norms == 0, 1.0, deltas / norms))
-        for name, ratio in zip(names, ratios.tolist()):
-            self.scalars[update_ratio_tag(name, estimated)] = ratio
+def build(
+    step: int,
+    rows: Optional[HostRows] = None,
+    probes: Optional[ProbeResult] = None,
+    structure: Optional[Summary] = None,
+    findings: Optional[Findings] = None,
+    *,
+    stats: Sequence[str] = (),
+    bins: int = 0,
+    overhead_ms: Optional[float] = None,
+    sample_interval: Optional[int] = None,
+    first_nonfinite_step: Optional[int] = None,
+) -> StepRecord:
+    """The record of one step, the only place one is made: the tensor families' statistics and
+    histograms from their host ``rows`` (families ``weights``, ``grads``, ``update``,
+    ``update_estimate``), the global gradient norm, the update ratios, the layer table, the
+    probes' per-module values, the ``findings``, and the engine's own figures. A record of the
+    sentinel's first hit alone holds ``first_nonfinite_step``."""
+    rec = StepRecord(step)
+    rows = rows or {}
+    for family in TENSOR_FAMILIES:
+        for names, family_rows in rows.get(family, ()):
+            _add_tensor_family(rec, family, names, family_rows, stats, bins)
+    if rows.get("grads"):
+        rec.scalars[GRAD_NORM] = S.Rows(np.concatenate([r for _, r in rows["grads"]])).total_norm()
+    weight_norms = {name: norm for names, r in rows.get("weights", ()) for name, norm in zip(names, S.Rows(r).norm)}
+    for family, estimated in (("update", False), ("update_estimate", True)):
+        for names, (deltas, after_norms) in rows.get(family, ()):
+            ratios = update_ratios(names, deltas, after_norms, {} if estimated else weight_norms)
+            for name, ratio in zip(names, ratios.tolist()):
+                rec.scalars[update_ratio_tag(name, estimated)] = ratio
+    if structure is not None:
+        _add_structure(rec, structure)
+    if probes is not None:
+        _add_probes(rec, probes, stats, bins)
+    if findings is not None:
+        if findings.offender is not None:
+            rec.texts[FIRST_OFFENDER] = findings.offender.describe(step)
+            rec.offender = findings.offender
+        if findings.optimizer_skipped:
+            rec.scalars[OPTIMIZER_SKIPPED] = 1.0
+        if findings.alert_count is not None:
+            rec.scalars[ALERTS] = findings.alert_count
+        if findings.alert_table is not None:
+            rec.texts[ALERTS] = findings.alert_table
+        rec.alerts = list(findings.alerts)
+    if overhead_ms is not None:
+        rec.scalars[OVERHEAD_MS] = overhead_ms
+    if sample_interval is not None:
+        rec.scalars[SAMPLE_INTERVAL] = sample_interval
+    if first_nonfinite_step is not None:
+        rec.scalars[FIRST_NONFINITE_STEP] = first_nonfinite_step
+    return rec
+
+
+def update_ratios(names: Sequence[str], deltas: np.ndarray, after_norms: np.ndarray, weight_norms: dict[str, float]) -> np.ndarray:
+    """‖Δw‖ / ‖w‖ of each parameter, ``w`` the weights after the step: 0 where the step did
+    not change them, 1 where it set them to zero (never inf: a weight that was zero before the
+    step, as BatchNorm biases and LoRA's B start, has a finite ratio). ‖w‖ comes from the
+    weights' own rows where they were read (``weight_norms``, by name), else from the
+    snapshot's ``after_norms`` (an estimate's: both norms of the same strided sample)."""
+    norms = np.array([weight_norms.get(name, np.nan) for name in names]) if weight_norms else after_norms
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(deltas == 0, 0.0, np.where(norms == 0, 1.0, deltas / norms))
+
+
+def _add_structure(rec: StepRecord, summary: Summary) -> None:
+    """The layer table as text (a Markdown code block keeps it aligned) and its totals."""
+    rec.texts[STRUCTURE] = "\n".join("    " + line for line in summary.to_text().splitlines())
+    rec.scalars[PARAMS_TOTAL] = summary.total_params
+    rec.scalars[PARAMS_LEARNABLE] = summary.learnable_params
+    rec.scalars[PARAMS_FROZEN] = summary.frozen_params
+    rec.scalars[MACS_PER_STEP] = summary.total_macs
+
+
+def _add_probes(rec: StepRecord, result: ProbeResult, stats: Sequence[str], bins: int) -> None:
+    """Per-module time, memory, activations and NaN/Inf flags of one step."""
+    for trace in result.modules:
+        for field_name in MODULE_SCALARS:
+            value = getattr(trace, field_name)
+            if value is not None:
+                rec.scalars[module_prefix(field_name) + trace.name] = float(value)
+        if trace.calls > 1:
+            rec.scalars[f"calls/{trace.name}"] = trace.calls
+    measured = [t for t in result.modules if t.activation_row is not None]
+    if measured:
+        rows = np.stack([t.activation_row for t in measured])
+        _add_tensor_family(rec, "activations", [t.name for t in measured], rows, stats, bins)
+    flags = [t.nonfinite for t in result.modules if t.nonfinite is not None]
+    if flags:
+        rec.scalars[NONFINITE_MODULES] = sum(flags)
+
+
+def _add_tensor_family(rec: StepRecord, family: str, names: Sequence[str], rows: np.ndarray, stats: Sequence[str], bins: int) -> None:
+    """The histograms (when ``bins``) and per-tensor stats of one family."""
+    for stat, values in S.scalar_stats(rows, stats).items():
+        for name, value in zip(names, values.tolist()):
+            rec.scalars[stat_tag(family, stat, name)] = value
+        if stat == "nonfinite":  # a family may come in several pieces (optimizers, devices)
+            total = nonfinite_total_tag(family)
+            rec.scalars[total] = rec.scalars.get(total, 0.0) + float(values.sum())
+    if bins:
+        for name, hist in zip(names, S.histograms(rows, bins)):
+            if hist is not None:
+                rec.histograms[histogram_tag(family, name)] = hist
 
 
 class ScalarTags:

@@ -273,7 +273,7 @@ def combine_shards(heads: Optional[torch.Tensor], samples: Sequence[torch.Tensor
 
     A rank that could not measure its shards passes ``heads=None``, and one whose work between
     the two collectives fails goes on with placeholders: either way it issues both, so no rank
-    waits for it, and every rank's rows then read NaN in ``COUNT`` (see :func:`failed_rows`).
+    waits for it, and every rank's rows then read NaN in ``COUNT`` (see :attr:`Rows.failed`).
     ``group=None``: this rank's shards alone (no collective).
     """
     width = row_width(bins)
@@ -316,9 +316,103 @@ def _all_reduce(tensor: torch.Tensor, op: str, group: Any) -> None:
         dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op), group=group)
 
 
-def failed_rows(rows: np.ndarray) -> np.ndarray:
-    """Which host rows a rank could not help measure (:func:`combine_shards`): no statistic of theirs holds."""
-    return np.isnan(rows[:, COUNT])
+class Rows:
+    """Host rows, one tensor a row, read by name: with the reductions above, the one place that
+    knows the packed columns. ``Rows(array)`` takes an ``(n, width)`` array (or a 1-D row);
+    indexing with a mask, a slice or indices gives ``Rows`` again."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray) -> None:
+        array = np.asarray(array, dtype=np.float64)
+        self.array = array.reshape(1, -1) if array.ndim == 1 else array
+
+    @classmethod
+    def stack(cls, rows: Sequence[np.ndarray]) -> "Rows":
+        """Single rows (1-D) as one ``Rows``; none: an empty one."""
+        return cls(np.stack(rows) if len(rows) else np.zeros((0, HIST)))
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __getitem__(self, index: Any) -> "Rows":
+        return Rows(self.array[index])
+
+    @property
+    def count(self) -> np.ndarray:
+        """Finite values."""
+        return self.array[:, COUNT]
+
+    @property
+    def nonfinite(self) -> np.ndarray:
+        """NaN and Inf values."""
+        return self.array[:, NONFINITE]
+
+    @property
+    def min(self) -> np.ndarray:
+        return self.array[:, MIN]
+
+    @property
+    def max(self) -> np.ndarray:
+        return self.array[:, MAX]
+
+    @property
+    def sum(self) -> np.ndarray:
+        return self.array[:, SUM]
+
+    @property
+    def sumsq(self) -> np.ndarray:
+        """The sum of the squared finite values."""
+        return self.array[:, SUMSQ]
+
+    @property
+    def norm(self) -> np.ndarray:
+        """Each tensor's L2 norm (of its finite values)."""
+        return np.sqrt(self.array[:, SUMSQ])
+
+    def total_norm(self) -> float:
+        """The L2 norm of every tensor together, as one vector; NaN when any holds a NaN or Inf."""
+        return float("nan") if self.nonfinite.sum() > 0 else float(np.sqrt(self.sumsq.sum()))
+
+    @property
+    def finite(self) -> np.ndarray:
+        """The tensors with no NaN or Inf."""
+        return self.array[:, NONFINITE] == 0
+
+    @property
+    def failed(self) -> np.ndarray:
+        """The rows a rank could not help measure (:func:`combine_shards`): no statistic of theirs holds."""
+        return np.isnan(self.array[:, COUNT])
+
+    @property
+    def all_zero(self) -> np.ndarray:
+        """The tensors whose values are all exactly zero."""
+        a = self.array
+        return (a[:, COUNT] > 0) & (a[:, NONFINITE] == 0) & (a[:, MIN] == 0) & (a[:, MAX] == 0)
+
+    @property
+    def fingerprint(self) -> np.ndarray:
+        """The columns that are equal in two rows of a tensor that did not change."""
+        return self.array[:, _FINGERPRINT]
+
+
+_FINGERPRINT = [COUNT, NONFINITE, MIN, MAX, SUM, SUMSQ]
+FINGERPRINT_WIDTH = len(_FINGERPRINT)
+
+
+def exact_row(row: np.ndarray, stats: Sequence[float], n: int, zeros: bool, centered: bool) -> None:
+    """Write into ``row`` (a host row whose histogram counts a sample of a tensor's values) the
+    exact statistics read elsewhere: ``stats`` = finite count, min, max, sum, norm, then the
+    count of non-zero values (when ``zeros``) and the centered variance (when ``centered``), of
+    ``n`` values in all. The histogram's counts are scaled to stand for every finite value."""
+    finite = stats[0]
+    row[HIST:] *= finite / max(row[COUNT], 1.0)
+    row[COUNT], row[NONFINITE] = finite, n - finite
+    row[[MIN, MAX, SUM]] = stats[1:4]
+    row[SUMSQ] = stats[4] ** 2
+    extra = list(stats[5:])
+    row[ZEROS] = finite - extra.pop(0) if zeros else np.nan
+    row[CENTERED_SUMSQ] = extra.pop(0) * finite if centered else np.nan
 
 
 class Workspace:
@@ -553,7 +647,7 @@ class _Plan:
         return x, tails
 
 
-class _Rows:
+class _Partials:
     """Per row of a batch, what its chunk's ops give: min, max, and the float32 sum and norm
     with the padding counted; per tensor of a chunk, the float64 sum and norm of its last row
     less its last value (its padding is then exactly 0); each tensor's last value. The counts of
@@ -686,7 +780,7 @@ class _Batch:
 
     A chunk is a ``(rows, width)`` matrix of whole tensors, each padded to whole rows with
     copies of its own last value, or one large tensor. Per chunk, a few ops write its rows'
-    partial results (:class:`_Rows`) and copy its histogram sample into its wave's buffer.
+    partial results (:class:`_Partials`) and copy its histogram sample into its wave's buffer.
     Per wave: each tensor's range and grid, and one bucket count of the samples. Once for the
     batch: the rows combined per tensor, and the padding taken back out.
     """
@@ -704,7 +798,7 @@ class _Batch:
         self.mn = torch.full((n,), math.inf, dtype=torch.float32, device=device)
         self.mx = torch.full((n,), -math.inf, dtype=torch.float32, device=device)
         self.counts = torch.zeros(n * (bins + 3), dtype=torch.int64, device=device) if bins else None
-        partials = _Rows(plan, self.zeros, self.centered)
+        partials = _Partials(plan, self.zeros, self.centered)
         for wave in plan.waves:
             copied = bins and not wave.direct
             sample = self.workspace.get(device, torch.float32, wave.samples, "sample") if copied else None
@@ -720,7 +814,7 @@ class _Batch:
         out = self._finish(partials)
         return out if plan.inverse is None else out.index_select(0, plan.inverse)
 
-    def _chunk(self, index: int, partials: _Rows, sample: Optional[torch.Tensor]) -> tuple[bool, Optional[torch.Tensor]]:
+    def _chunk(self, index: int, partials: _Partials, sample: Optional[torch.Tensor]) -> tuple[bool, Optional[torch.Tensor]]:
         """Reduce chunk ``index`` into ``partials``, and copy its sample into ``sample`` (unless None);
         whether it was masked, and its matrix (None for a single tensor).
 
@@ -765,7 +859,7 @@ class _Batch:
         index.add_(wave.offsets)
         self.counts += _bincount(index.view(-1), self.counts.numel())
 
-    def _finish(self, rows: _Rows) -> torch.Tensor:
+    def _finish(self, rows: _Partials) -> torch.Tensor:
         """Per-tensor rows from the rows' own sums: sums combined, the sums of squared deviations
         by Chan et al.'s rule; the padding taken back out of the bucket counts."""
         n, device, f64, bins, plan = len(self.tensors), self.device, torch.float64, self.bins, self.plan

@@ -218,15 +218,7 @@ class Outputs:
         for rows_of_group in spread_order:
             rows[rows_of_group] = next(rest).reshape(len(rows_of_group), width)
         for row, (stats, n) in self.exact.items():
-            stats = next(rest) if isinstance(stats, torch.Tensor) else stats
-            finite = stats[0]
-            rows[row, S.HIST :] *= finite / max(rows[row, S.COUNT], 1.0)  # the sample stands for every value
-            rows[row, S.COUNT], rows[row, S.NONFINITE] = finite, n - finite
-            rows[row, [S.MIN, S.MAX, S.SUM]] = stats[1:4]
-            rows[row, S.SUMSQ] = stats[4] ** 2
-            extra_stats = list(stats[5:])
-            rows[row, S.ZEROS] = finite - extra_stats.pop(0) if self.zeros else np.nan
-            rows[row, S.CENTERED_SUMSQ] = extra_stats.pop(0) * finite if self.centered else np.nan
+            S.exact_row(rows[row], next(rest) if isinstance(stats, torch.Tensor) else stats, n, self.zeros, self.centered)
         return extra_host, rows
 
     @property

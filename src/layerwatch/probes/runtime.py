@@ -211,7 +211,8 @@ class RuntimeProbe:
             raise error
         slot_pieces, rows_host = self._outputs.rows(self._slots.pieces(), spread_rows)
         flagged = self._slots.flagged(slot_pieces)
-        nonfinite = [bool(rows_host[-1 - f, S.NONFINITE] > 0) if f < 0 else bool(flagged[f]) for f in self._flags]
+        counts = S.Rows(rows_host).nonfinite
+        nonfinite = [bool(counts[-1 - f] > 0) if f < 0 else bool(flagged[f]) for f in self._flags]
         marks = self._clock.resolve([m for pair in zip(self._entered, self._left) for m in pair])
         entered, left = marks[0::2], marks[1::2]
         # nested[k]: time spent in hooks 0..k-1; a span subtracts the hooks inside it.
@@ -229,7 +230,7 @@ class RuntimeProbe:
                 trace = traces[index]
                 ms = max(entered[end] - left[start] - (nested[end] - nested[start + 1]), 0.0)
                 setattr(trace, attribute, (getattr(trace, attribute) or 0.0) + ms)
-        failed = S.failed_rows(rows_host)
+        failed = S.Rows(rows_host).failed
         for index, row in self._row_of.items():
             if not failed[row]:
                 traces[index].activation_row = rows_host[row]

@@ -145,7 +145,7 @@ class TracedProbe:
         (flags, gradients), rows = self._outputs.rows([evidence, torch.cat(self._grad_outputs + self._grad_inputs)])
         bad = ~np.isfinite(flags)
         grad_outputs, grad_inputs = gradients[:count], gradients[count:]
-        failed = S.failed_rows(rows)
+        failed = S.Rows(rows).failed
         traces: dict[int, ModuleTrace] = {}
         for index, calls in enumerate(self._calls):
             if calls:
