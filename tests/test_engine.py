@@ -92,11 +92,14 @@ def test_overhead_ms_counts_the_time_spent_in_the_hooks(tmp_path, events, monkey
     assert all(ms >= 1e3 * slow * modules for ms in reported), reported
 
 
-@pytest.mark.parametrize("adapter", ["lightning.py", "huggingface.py"])
+@pytest.mark.parametrize("adapter", ["inspector.py", "lightning.py", "huggingface.py"])
 def test_the_front_doors_use_no_private_member_of_the_engine(adapter):
-    """The adapters drive the public protocol: any ``x._name`` on an engine is a defect."""
+    """The adapters hold an engine and drive its public protocol: a subclass of it, or any
+    ``x._engine._name``, is a defect."""
     source = Path(__file__).resolve().parents[1] / "src" / "layerwatch" / adapter
     tree = ast.parse(source.read_text())
+    bases = [ast.unparse(base) for node in ast.walk(tree) if isinstance(node, ast.ClassDef) for base in node.bases]
+    assert "Engine" not in bases
     private = [
         node.attr for node in ast.walk(tree)
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")

@@ -104,6 +104,7 @@ class Engine:
             ``log_dir``.
         log_dir: Directory for a ``SummaryWriter`` the engine owns and closes. With
             neither, ``SummaryWriter()``'s default ``runs/...`` directory.
+        owner: The front door's name, as its messages spell it (``"Inspector"``).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or ``writer`` lacks the
@@ -112,7 +113,8 @@ class Engine:
     """
 
     def __init__(
-        self, model: nn.Module, options: Options, *, writer: Any = None, log_dir: Optional[str | os.PathLike] = None
+        self, model: nn.Module, options: Options, *, writer: Any = None, log_dir: Optional[str | os.PathLike] = None,
+        owner: str = "Engine",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -123,6 +125,7 @@ class Engine:
         if writer is not None and not all(hasattr(writer, m) for m in ("add_scalar", "add_histogram_raw", "flush")):
             raise TypeError(f"writer must be a SummaryWriter, got {type(writer).__name__}")
         self.options = options
+        self.owner = owner
         self.log_dir = None if log_dir is None else writable_dir(log_dir)
         self._model = weakref.ref(model)
         self._writer = writer
@@ -195,6 +198,17 @@ class Engine:
         self._attached.sink = sink
 
     @property
+    def state(self) -> str:
+        """``"new"``, then ``"running"`` from :meth:`start`, then ``"finished"`` from :meth:`finish`."""
+        return self._state
+
+    @property
+    def schedule(self) -> Schedule | Pacer:
+        """What chooses the sampled steps: the schedule given, or the overhead budget's pacer
+        (its ``interval``)."""
+        return self._schedule
+
+    @property
     def alerts(self) -> list[Alert]:
         """Every health alert raised so far, in the order first seen (rank 0; empty elsewhere)."""
         return [] if self._health is None else self._health.monitor.alerts
@@ -224,12 +238,12 @@ class Engine:
         before the first compiled forward.
         """
         if self._state != "new":
-            raise RuntimeError(f"start() called on an {type(self).__name__.lower()} that is {self._state}")
+            raise RuntimeError(f"start() called on an {self.owner.lower()} that is {self._state}")
         model = self._model()
         previous = None if model is None else claim(model, self)
         if previous is not None and previous._state == "running":
             self.failures.warn(
-                f"layerwatch: this {type(model).__name__} was still watched by an earlier {type(previous).__name__} that "
+                f"layerwatch: this {type(model).__name__} was still watched by an earlier {previous.owner} that "
                 "was not finished (a cell run again?); that one is finished now, so its hooks do not stay on the model"
             )
             previous.finish()
@@ -321,6 +335,11 @@ class Engine:
     def add_sink(self, sink: Callable[[R.StepRecord], None]) -> None:
         """Also hand every record written (rank 0) to ``sink``."""
         self._extra_sinks.append(sink)
+
+    def attach(self, handles: Sequence[Any]) -> None:
+        """Hooks a front door put on the user's objects (anything with ``remove()``): removed
+        at :meth:`finish`, or when the engine is garbage-collected."""
+        self._attached.handles += list(handles)
 
     # ------------------------------------------------------------------ the step protocol
 
@@ -511,7 +530,7 @@ class Engine:
 
     def _check_running(self, what: str) -> None:
         if self._state != "running":
-            raise RuntimeError(f"{what}() called on an {type(self).__name__.lower()} that is {self._state}; call start() first")
+            raise RuntimeError(f"{what}() called on an {self.owner.lower()} that is {self._state}; call start() first")
 
     def _drop_sample(self) -> None:
         self._probes.disarm()

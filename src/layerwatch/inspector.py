@@ -1,7 +1,7 @@
 """``Inspector``: the front door for a plain PyTorch training loop.
 
-It drives the :class:`~layerwatch.engine.Engine` protocol from ``step()`` and, when given
-the optimizer, from that optimizer's step hooks (from ``start()`` to ``finish()``; they do
+It holds an :class:`~layerwatch.engine.Engine` and drives its public protocol from
+``step()`` and, when given the optimizer, from that optimizer's step hooks (from ``start()`` to ``finish()``; they do
 nothing on unsampled steps and inside a compiled ``optimizer.step``).
 """
 
@@ -15,15 +15,16 @@ import torch
 from torch import nn
 
 from layerwatch import record as R
-from layerwatch.alerts import AlertRules
+from layerwatch.alerts import Alert, AlertRules
+from layerwatch.budget import Pacer
 from layerwatch.engine import Engine
 from layerwatch.hooks import optimizer_hooks
-from layerwatch.options import DEFAULT_STATS, options_from
+from layerwatch.options import DEFAULT_STATS, Options, options_from
 from layerwatch.probes import ModuleFilter
-from layerwatch.schedule import ScheduleLike
+from layerwatch.schedule import Schedule, ScheduleLike
 
 
-class Inspector(Engine):
+class Inspector:
     """Logs per-parameter weight and gradient statistics and histograms to TensorBoard.
 
     Call :meth:`step` once per optimizer step, after ``optimizer.step()``. The first
@@ -125,47 +126,97 @@ class Inspector(Engine):
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         options = options_from(locals())
-        super().__init__(model, options, writer=writer, log_dir=log_dir)
+        self._engine = Engine(model, options, writer=writer, log_dir=log_dir, owner="Inspector")
         self._optimizer = None if optimizer is None else weakref.ref(optimizer)
         self._optimizer_hook_ran = False
+        self._first_step = 0  # the step start() opens: 0, or a resumed run's
 
     @property
-    def schedule(self):
+    def options(self) -> Options:
+        """The validated options."""
+        return self._engine.options
+
+    @property
+    def log_dir(self) -> Optional[os.PathLike]:
+        return self._engine.log_dir
+
+    @property
+    def schedule(self) -> Schedule | Pacer:
         """What chooses the sampled steps: the :class:`~layerwatch.schedule.Schedule` given, or
         the overhead budget's pacer (its ``interval``)."""
-        return self._schedule
+        return self._engine.schedule
 
     @property
     def families(self) -> tuple[str, ...]:
-        return self.options.families
+        return self._engine.options.families
 
     @property
     def stats(self) -> tuple[str, ...]:
-        return self.options.stats
+        return self._engine.options.stats
+
+    @property
+    def alerts(self) -> list[Alert]:
+        """Every health alert raised so far, in the order first seen."""
+        return self._engine.alerts
+
+    @property
+    def current_step(self) -> int:
+        """The step open now: :meth:`step` closes it."""
+        return self._first_step if self._engine.state == "new" else self._engine.current_step
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the open step is sampled."""
+        return self._engine.sampled
+
+    def add_sink(self, sink: Callable[[R.StepRecord], None]) -> None:
+        """Also hand every record written to ``sink``."""
+        self._engine.add_sink(sink)
+
+    def track_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Count the steps of optimizers besides ``optimizer=`` (see
+        :meth:`~layerwatch.engine.Engine.track_optimizers`)."""
+        self._engine.track_optimizers(optimizers)
+
+    def before_optimizer_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """For an optimizer besides ``optimizer=``: call it just before that optimizer steps (its
+        step pre-hook), so its gradients are read and its step can be replayed."""
+        self._engine.before_optimizer_step(optimizer)
+
+    def after_optimizer_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """For an optimizer besides ``optimizer=``: call it just after that optimizer steps."""
+        self._engine.after_optimizer_step(optimizer)
 
     def start(self) -> "Inspector":
-        """Open the writer, write the chart layout, and open step 0 (armed if it is sampled)."""
-        super().start()
+        """Open the writer, write the chart layout, and open the first step (armed if it is sampled)."""
+        engine = self._engine
+        if engine.state != "new":
+            raise RuntimeError(f"start() called on an inspector that is {engine.state}")
+        engine.start()
         optimizer = self._optimizer() if self._optimizer is not None else None
         if optimizer is not None:
             if self.options.sentinel:  # told apart: a GradScaler's skipped step
-                self.track_optimizers([optimizer])
-            engine = weakref.ref(self)  # the optimizer must not keep the inspector alive
+                engine.track_optimizers([optimizer])
+            inspector = weakref.ref(self)  # the optimizer must not keep the inspector alive
 
             def before(opt: torch.optim.Optimizer) -> None:
-                inspector = engine()
-                if inspector is not None:
-                    inspector._optimizer_hook_ran = True
-                    inspector.before_optimizer_step(opt)
+                me = inspector()
+                if me is not None:
+                    me._optimizer_hook_ran = True
+                    me._engine.before_optimizer_step(opt)
 
             def after(opt: torch.optim.Optimizer) -> None:
-                inspector = engine()
-                if inspector is not None:
-                    inspector.after_optimizer_step(opt)
+                me = inspector()
+                if me is not None:
+                    me._engine.after_optimizer_step(opt)
 
-            self._attached.handles += optimizer_hooks(optimizer, before, after)
-        self.begin_step(self.current_step)
+            engine.attach(optimizer_hooks(optimizer, before, after))
+        engine.begin_step(self._first_step)
         return self
+
+    def finish(self) -> None:
+        """Remove every hook, flush and (if owned) close the writer. Safe to call twice."""
+        self._engine.finish()
 
     def replay_with(self, closure: Callable[[], Any]) -> None:
         """Let this step be replayed if its gradients go NaN/Inf. Call it before the step's
@@ -198,24 +249,25 @@ class Inspector(Engine):
         if self._optimizer is None:
             raise ValueError("replay_with() needs Inspector(..., optimizer=opt): the replay runs in the optimizer's "
                              "step pre-hook, after the backward and before the weights change")
-        super().replay_with(closure)
+        self._engine.replay_with(closure)
 
     def step(self) -> None:
         """Close the current step (after ``optimizer.step()``); open the next one."""
-        if self._state != "running":
+        engine = self._engine
+        if engine.state != "running":
             raise RuntimeError(
-                f"step() called on an inspector that is {self._state}; call start() or use it as a context manager"
+                f"step() called on an inspector that is {engine.state}; call start() or use it as a context manager"
             )
-        if self.sampled and self._optimizer is not None and not self._optimizer_hook_ran:
-            self.failures.warn_once(
+        if engine.sampled and self._optimizer is not None and not self._optimizer_hook_ran:
+            engine.failures.warn_once(
                 "optimizer-hooks",
-                f"layerwatch: the optimizer's step hooks did not run on sampled step {self.current_step} (a compiled "
+                f"layerwatch: the optimizer's step hooks did not run on sampled step {engine.current_step} (a compiled "
                 "optimizer.step runs none, or optimizer.step() was not called before step()); gradients and weights "
                 "are read in step() instead, and update ratios are not logged at such steps",
             )
         self._optimizer_hook_ran = False
-        self.end_step()
-        self.begin_step(self.current_step + 1)
+        engine.end_step()
+        engine.begin_step(engine.current_step + 1)
 
     def __enter__(self) -> "Inspector":
         return self.start()
@@ -226,14 +278,14 @@ class Inspector(Engine):
     def state_dict(self) -> dict[str, int]:
         """The schedule position and the overhead budget's interval, so a resumed run
         continues them."""
-        return {"step": self.current_step, **super().state_dict()}
+        return {"step": self.current_step, **self._engine.state_dict()}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         step = state.get("step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"state['step'] must be an int >= 0, got {step!r}")
-        super().load_state_dict(state)
-        if self._state == "running":
-            self.begin_step(step)
+        self._engine.load_state_dict(state)
+        if self._engine.state == "running":
+            self._engine.begin_step(step)
         else:
-            self._step = step
+            self._first_step = step
