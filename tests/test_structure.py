@@ -399,12 +399,12 @@ def test_compiled_model_skips_the_table_once_and_keeps_the_rest(tmp_path, events
 
 
 def test_a_failing_table_probe_is_warned_once_and_training_goes_on(tmp_path, monkeypatch):
-    from layerwatch import structure
+    from layerwatch.probes import structure
 
     def broken(*args, **kwargs):
         raise ValueError("no shapes today")
 
-    monkeypatch.setattr(structure, "_describe", broken)
+    monkeypatch.setattr(structure, "describe", broken)
     torch.manual_seed(0)
     plain = train(MLP(), 4, seed=1)
     torch.manual_seed(0)

@@ -10,7 +10,8 @@ if TYPE_CHECKING:
     from layerwatch.inspector import Inspector
     from layerwatch.lightning import InspectCallback
     from layerwatch.schedule import Schedule, at_steps, dense_then_every, every_n_steps, windowed
-    from layerwatch.structure import Summary, summarize
+    from layerwatch.structure import summarize
+    from layerwatch.table import Summary
 
 # Where each public name lives. They are imported when first asked for: TensorBoard imports
 # this package to load the LAYERWATCH tab and should not pay for torch (or Lightning) then.
@@ -18,7 +19,7 @@ _HOMES = {
     "Inspector": "layerwatch.inspector",
     "InspectCallback": "layerwatch.lightning",
     "summarize": "layerwatch.structure",
-    "Summary": "layerwatch.structure",
+    "Summary": "layerwatch.table",
     "AlertRules": "layerwatch.alerts",
     "Alert": "layerwatch.alerts",
     "Schedule": "layerwatch.schedule",

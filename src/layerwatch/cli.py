@@ -143,7 +143,8 @@ def _print(text: str) -> None:
 
 
 def _summary(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from layerwatch.structure import as_dtype, summarize
+    from layerwatch.structure import summarize
+    from layerwatch.table import as_dtype
 
     try:
         inputs = [_make_input(spec) for spec in args.input]

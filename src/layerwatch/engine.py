@@ -56,7 +56,7 @@ from layerwatch.replay import MicroBatch, RngState, forward_again, replay_until_
 from layerwatch.schedule import Schedule, every_n_steps
 from layerwatch.sentinel import Finding, NonfiniteSentinel, StepCounter, nonfinite_names
 from layerwatch.sinks.tensorboard import TensorBoardSink
-from layerwatch.structure import Summary
+from layerwatch.table import Summary
 
 logger = logging.getLogger("layerwatch")
 

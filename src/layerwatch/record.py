@@ -16,7 +16,7 @@ import numpy as np
 from layerwatch import stats as S
 from layerwatch.probes import PROBE_FAMILIES, ROOT, Offender, ProbeResult
 from layerwatch.stats import Histogram
-from layerwatch.structure import Summary
+from layerwatch.table import Summary
 
 TENSOR_FAMILIES = ("weights", "grads")
 FAMILIES = TENSOR_FAMILIES + ("updates", "structure") + PROBE_FAMILIES

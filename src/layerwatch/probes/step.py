@@ -16,7 +16,8 @@ from layerwatch.probes.runtime import ProbeResult, RuntimeProbe
 from layerwatch.probes.selection import (PROBE_FAMILIES, ModuleFilter, is_compiled, probe_name, select_modules,
                                          split_at_compiled)
 from layerwatch.probes.traced import TracedProbe
-from layerwatch.structure import StructureProbe, Summary
+from layerwatch.probes.structure import StructureProbe
+from layerwatch.table import Summary
 
 
 class StepProbes:

@@ -1,0 +1,147 @@
+"""The "structure" family's probe: hooks on every module that record its calls, shapes and
+MACs for the layer table (:mod:`layerwatch.table`). :func:`~layerwatch.structure.summarize`
+runs one forward under it; a sampled step arms it on the first forward it sees, so the
+table comes from the real batch with no extra forward."""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from layerwatch.distributed import named_modules
+from layerwatch.flops import extra_flop_formulas
+from layerwatch.hooks import detached, entered_by_its_own_hook, is_compiling, tensors_in
+from layerwatch.table import Layer, Summary, add_parameters, describe
+
+
+class StructureProbe:
+    """Hooks on every module that record calls, shapes and MACs; ``remove()`` is safe twice.
+
+    A window opens when a module is entered with no module running and closes when it
+    returns; FlopCounterMode is active only inside windows. With ``training_only``
+    windows opened with autograd off (validation) are ignored. Calls during backward
+    (activation checkpointing recomputes) are never counted. A hook that fails records
+    the error and the probe goes quiet; it never raises into the forward.
+    """
+
+    def __init__(self, model: nn.Module, *, training_only: bool) -> None:
+        self.model_type = type(getattr(model, "_orig_mod", model)).__name__  # torch.compile's wrapper: the model's
+        self.training_only = training_only
+        modules = named_modules(model)  # wrappers (FSDP1, checkpointing) left out, names clean
+        self.layers = [Layer(name, type(m).__name__, name.count(".") + 1 if name else 0) for name, m in modules]
+        self._model = weakref.ref(model)
+        self.error: Optional[BaseException] = None
+        self.compiled = False  # a hook was traced by Dynamo (see probes.StepProbes)
+        self.inert = False
+        self.failed_in: Optional[str] = None
+        self.windows = 0
+        self.first_input: Optional[tuple[int, ...]] = None  # shape of the first tensor the model received
+        self._stack: list[tuple[Layer, int, Any]] = []  # (layer, FLOPs at entry, error being handled at entry)
+        self._ignored_depth = 0
+        self._counter: Any = None
+        self._handles: list[Any] = []
+        for layer, (_, module) in zip(self.layers, modules):
+            self._handles.append(module.register_forward_pre_hook(self._enter_hook(layer), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._exit_hook(layer), with_kwargs=True, always_call=True))
+
+    def summary(self) -> Summary:
+        """The table of what was recorded, with the parameters as they are now."""
+        model = self._model()
+        if model is not None:
+            add_parameters(model, self.layers)
+        return Summary(self.model_type, self.layers, self.first_input)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._stack = []
+        self._ignored_depth = 0
+        self._close_counter()
+
+    # Hooks hold the layer record, never the module or the inspector.
+    def _enter_hook(self, layer: Layer) -> Any:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if is_compiling():  # traced: note it (a store Dynamo replays), nothing else
+                self.compiled = True
+            elif self.error is None and not self.inert:
+                try:
+                    self._enter(layer, args, kwargs)
+                except Exception as e:  # a probe must never break the forward
+                    self._fail(e)
+
+        return hook
+
+    def _exit_hook(self, layer: Layer) -> Any:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if not is_compiling() and self.error is None and not self.inert:
+                try:
+                    self._exit(layer, output)
+                except Exception as e:
+                    self._fail(e)
+
+        return hook
+
+    def _enter(self, layer: Layer, args: tuple, kwargs: dict) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a recompute inside backward
+        if self._ignored_depth or (not self._stack and self.training_only and not torch.is_grad_enabled()):
+            self._ignored_depth += 1  # a call outside training (validation): not recorded
+            return
+        if not self._stack:
+            self._open_counter()
+            if self.first_input is None:
+                first = next(tensors_in((args, kwargs)), None)
+                self.first_input = None if first is None else describe(first)[0]
+        if layer.calls == 0 and not self._running(layer):
+            layer.inputs = [describe(t) for t in tensors_in((args, kwargs))]
+        self._stack.append((layer, self._counter.get_total_flops(), sys.exc_info()[1]))
+
+    def _exit(self, layer: Layer, output: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return
+        if self._ignored_depth:
+            self._ignored_depth -= 1
+            return
+        if not entered_by_its_own_hook(self._stack[-1][0] if self._stack else None, layer):
+            return
+        entered, flops_at_entry, error_at_entry = self._stack.pop()
+        if entered is not layer:
+            raise RuntimeError(f"module calls out of order: left {layer.name!r} while in {entered.name!r}")
+        error = sys.exc_info()[1]
+        if error is not None and error is not error_at_entry and self.failed_in is None:
+            self.failed_in = layer.name or self.model_type  # the innermost module sees the error first
+        outputs = [describe(t) for t in tensors_in(output)]
+        if layer.calls == 0:
+            layer.outputs = outputs
+        layer.all_outputs += outputs
+        layer.calls += 1
+        if not self._running(layer):  # a recursive call is counted in the outer one
+            layer.flops += self._counter.get_total_flops() - flops_at_entry
+        if not self._stack:
+            self._close_counter()
+            self.windows += 1
+
+    def _running(self, layer: Layer) -> bool:
+        return any(entry[0] is layer for entry in self._stack)
+
+    def _fail(self, error: Exception) -> None:
+        self.error = detached(error)
+        self._stack = []
+        self._ignored_depth = 0
+        self._close_counter()
+
+    def _open_counter(self) -> None:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self._counter = FlopCounterMode(display=False, custom_mapping=extra_flop_formulas())
+        self._counter.__enter__()
+
+    def _close_counter(self) -> None:
+        counter, self._counter = self._counter, None
+        if counter is not None:
+            counter.__exit__(None, None, None)
