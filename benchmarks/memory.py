@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import WORKLOADS  # noqa: E402
 
 from layerwatch import Inspector  # noqa: E402
-from layerwatch.record import FAMILIES  # noqa: E402
+from layerwatch.vocabulary import FAMILIES  # noqa: E402
 
 WARM = 3
 SAMPLED = 2

@@ -96,7 +96,7 @@ from timing import Clock  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 from layerwatch import Inspector  # noqa: E402
-from layerwatch.record import FAMILIES  # noqa: E402
+from layerwatch.vocabulary import FAMILIES  # noqa: E402
 
 OVERHEAD_TAG = "layerwatch/overhead_ms"
 WGU = ("weights", "grads", "updates")

@@ -34,7 +34,8 @@ from timing import Clock  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 from layerwatch import stats as S  # noqa: E402
-from layerwatch.probes import PROBE_FAMILIES, RuntimeProbe, select_modules  # noqa: E402
+from layerwatch.probes import RuntimeProbe, select_modules  # noqa: E402
+from layerwatch.vocabulary import PROBE_FAMILIES  # noqa: E402
 
 
 def measure(name: str, rounds: int, families: tuple[str, ...], clock: Clock) -> dict:

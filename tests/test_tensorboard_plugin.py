@@ -168,7 +168,8 @@ def test_a_run_resumed_into_the_same_directory_reads_each_step_with_its_own_layo
 
 
 def test_the_run_wide_nonfinite_count_adds_every_piece():
-    from layerwatch.record import build, nonfinite_total_tag
+    from layerwatch.record import build
+    from layerwatch.vocabulary import nonfinite_total_tag
     from layerwatch import stats as S
 
     pieces = []

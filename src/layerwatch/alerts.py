@@ -32,8 +32,7 @@ import numpy as np
 from layerwatch import record as R
 from layerwatch import stats as S
 from layerwatch.failures import FailurePolicy
-from layerwatch.rankings import ROOT
-from layerwatch.record import owner
+from layerwatch.vocabulary import ROOT, parent
 
 logger = logging.getLogger("layerwatch")
 
@@ -163,8 +162,8 @@ class HealthMonitor:
             counts = rows.nonfinite
             for i in np.flatnonzero(counts > 0):
                 name = self._names[idx[i]]
-                found.setdefault(owner(name), []).append(f"{what} of {name} ({int(counts[i]):,})")
-                first_param.setdefault(owner(name), name)
+                found.setdefault(parent(name), []).append(f"{what} of {name} ({int(counts[i]):,})")
+                first_param.setdefault(parent(name), name)
         for layer, parts in found.items():
             more = f" and {len(parts) - 3} more" if len(parts) > 3 else ""
             self._raise(new, "nonfinite", first_param[layer], step, "NaN/Inf values in " + ", ".join(parts[:3]) + more)
@@ -210,7 +209,7 @@ class HealthMonitor:
                         f"(AlertRules.dead_samples is {n}): zeroed by a bug, or a mask or an init run in the loop?")
         if g_idx is None or not len(g_idx):
             return
-        layers = [owner(self._names[i]) for i in g_idx]
+        layers = [parent(self._names[i]) for i in g_idx]
         zero = g_rows.all_zero
         layer_zero = {layer: True for layer in layers}
         for layer, z in zip(layers, zero):
@@ -298,7 +297,7 @@ class HealthMonitor:
         return new
 
     def _raise(self, new: list[Alert], kind: str, param: str, step: int, message: str) -> None:
-        self._raise_for(new, kind, owner(param) or param, step, message)
+        self._raise_for(new, kind, parent(param) or param, step, message)
 
     def _raise_for(self, new: list[Alert], kind: str, layer: str, step: int, message: str) -> None:
         if (kind, layer) in self._raised:
@@ -421,7 +420,7 @@ class LayerWindows:
         if len(self._of_param) < len(names):
             self._of_param = np.concatenate([self._of_param, np.full(len(names) - len(self._of_param), -1)])
         for i in params[self._of_param[params] < 0]:
-            self._of_param[i] = self._slot(owner(names[i]) or names[i])
+            self._of_param[i] = self._slot(parent(names[i]) or names[i])
         return self._of_param[params]
 
     def _slot(self, layer: str) -> int:

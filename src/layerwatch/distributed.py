@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from layerwatch.rankings import ROOT  # the model itself: named_modules() names it ""
+from layerwatch.vocabulary import ROOT
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 Group = tuple[Any, list[str], list[torch.Tensor]]  # (process group or None, names, local tensors)

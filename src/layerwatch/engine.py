@@ -50,7 +50,8 @@ from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import Attachments, CollectorClock, claim
 from layerwatch.options import Options, writable_dir
 from layerwatch.params import ParameterFamilies, Piece, Snapshot
-from layerwatch.probes import ROOT, Offender, ProbeResult, StepProbes, probe_name, select_modules
+from layerwatch.vocabulary import ROOT
+from layerwatch.probes import Offender, ProbeResult, StepProbes, probe_name, select_modules
 from layerwatch.probes.selection import is_compiled
 from layerwatch.replay import MicroBatch, RngState, forward_again, replay_until_named
 from layerwatch.schedule import Schedule, every_n_steps

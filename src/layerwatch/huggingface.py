@@ -25,7 +25,7 @@ import os
 import sys
 from typing import Any, Collection, Optional, Sequence
 
-from layerwatch import record as R
+from layerwatch import vocabulary as V
 from layerwatch.alerts import Alert, AlertRules
 from layerwatch.engine import Engine
 from layerwatch.options import DEFAULT_STATS, options_from
@@ -80,7 +80,7 @@ class InspectTrainerCallback(TrainerCallback):
         *,
         schedule: Optional[ScheduleLike] = None,
         overhead_budget: Optional[float] = None,
-        families: Collection[str] = R.FAMILIES,
+        families: Collection[str] = V.FAMILIES,
         stats: Sequence[str] = DEFAULT_STATS,
         histograms: bool = True,
         histogram_bins: int = 32,

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from layerwatch import record as R
+from layerwatch import vocabulary as V
 from layerwatch.alerts import Alert, AlertRules
 from layerwatch.budget import Pacer
 from layerwatch.engine import Engine
@@ -114,7 +115,7 @@ class Inspector:
         schedule: Optional[ScheduleLike] = None,
         overhead_budget: Optional[float] = None,
         optimizer: Optional[torch.optim.Optimizer] = None,
-        families: Collection[str] = R.FAMILIES,
+        families: Collection[str] = V.FAMILIES,
         stats: Sequence[str] = DEFAULT_STATS,
         histograms: bool = True,
         histogram_bins: int = 32,

@@ -16,6 +16,7 @@ import sys
 from typing import Any, Callable, Collection, ContextManager, Optional, Sequence
 
 from layerwatch import record as R
+from layerwatch import vocabulary as V
 from layerwatch.alerts import Alert, AlertRules
 from layerwatch.engine import Engine
 from layerwatch.options import DEFAULT_STATS, options_from
@@ -119,7 +120,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         *,
         schedule: Optional[ScheduleLike] = None,
         overhead_budget: Optional[float] = None,
-        families: Collection[str] = R.FAMILIES,
+        families: Collection[str] = V.FAMILIES,
         stats: Sequence[str] = DEFAULT_STATS,
         histograms: bool = True,
         histogram_bins: int = 32,
@@ -289,6 +290,6 @@ def _progress_bar_pause(trainer: Any) -> Callable[[], ContextManager[object]]:
 
 def _log_run_wide(loggers: Sequence[Any], record: R.StepRecord) -> None:
     """Send the run-wide scalars to loggers that are not TensorBoard (cheap: a few values)."""
-    metrics = {tag: value for tag, value in record.scalars.items() if tag.startswith(R.RUN_WIDE)}
+    metrics = {tag: value for tag, value in record.scalars.items() if tag.startswith(V.RUN_WIDE)}
     for logger in loggers:
         logger.log_metrics(metrics, step=record.step)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Optional, Sequence
 
-from layerwatch import record as R
+from layerwatch import vocabulary as V
 from layerwatch import stats as S
 from layerwatch.alerts import AlertRules
 from layerwatch.budget import check_fraction
@@ -49,7 +49,7 @@ def validate_options(
     every_n_steps: Optional[int] = None,
     schedule: Optional[ScheduleLike] = None,
     overhead_budget: Optional[float] = None,
-    families: Collection[str] = R.FAMILIES,
+    families: Collection[str] = V.FAMILIES,
     stats: Sequence[str] = DEFAULT_STATS,
     histograms: bool = True,
     histogram_bins: int = 32,
@@ -89,8 +89,8 @@ def validate_options(
     return Options(
         schedule=chosen,
         budget=budget,
-        families=_check_choice("families", families, R.FAMILIES),
-        stats=_check_choice("stats", stats, S.STATS),
+        families=_check_choice("families", families, V.FAMILIES),
+        stats=_check_choice("stats", stats, V.STATS),
         bins=histogram_bins if histograms else 0,
         rules=AlertRules() if alerts is True else alerts or None,
         modules=check_module_filter(modules),

@@ -12,7 +12,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-ROOT = "(root)"  # the name layerwatch gives the model itself (here: no torch, for the tab)
+from layerwatch.vocabulary import ROOT
+
 TOP = 5
 
 

@@ -1,7 +1,6 @@
-"""What one sampled step produced, and every TensorBoard tag name, built here and only here.
-
-Tag contract (see ``docs/tags.md``): the family comes first so TensorBoard groups cards
-by it, then the qualified name as ``model.named_parameters()`` spells it.
+"""What one sampled step produced: :func:`build` makes its :class:`StepRecord`, the only place
+one is made; how its scalar tags split into TensorBoard cards and the LAYERWATCH tab's series;
+the Custom Scalars layout. The tag names are :mod:`layerwatch.vocabulary`'s.
 """
 
 from __future__ import annotations
@@ -14,63 +13,15 @@ from typing import Optional, Sequence
 import numpy as np
 
 from layerwatch import stats as S
-from layerwatch.probes import PROBE_FAMILIES, ROOT, Offender, ProbeResult
+from layerwatch.probes import Offender, ProbeResult
 from layerwatch.stats import Histogram
 from layerwatch.table import Summary
-
-TENSOR_FAMILIES = ("weights", "grads")
-FAMILIES = TENSOR_FAMILIES + ("updates", "structure") + PROBE_FAMILIES
-
-RUN_WIDE = "layerwatch/"  # the prefix of the run-wide tags below
-GRAD_NORM = "layerwatch/grad_norm"
-OVERHEAD_MS = "layerwatch/overhead_ms"
-SAMPLE_INTERVAL = "layerwatch/sample_interval"  # the overhead budget's interval from this sample on
-STRUCTURE = "layerwatch/structure"
-PARAMS_TOTAL = "layerwatch/params_total"
-PARAMS_LEARNABLE = "layerwatch/params_learnable"
-PARAMS_FROZEN = "layerwatch/params_frozen"
-MACS_PER_STEP = "layerwatch/macs_per_step"
-ALERTS = "layerwatch/alerts"  # the count (scalar) and the table (text)
-OPTIMIZER_SKIPPED = "layerwatch/optimizer_skipped"
-NONFINITE_MODULES = "layerwatch/nonfinite_modules"
-FIRST_OFFENDER = "layerwatch/first_offender"  # text
-FIRST_NONFINITE_STEP = "layerwatch/first_nonfinite_step"
-
-# Per-module scalars of the runtime probes, tagged <field>/<module> after the ModuleTrace field.
-MODULE_SCALARS = ("fwd_ms", "bwd_ms", "activation_bytes", "saved_bytes", "cuda_alloc_bytes", "nonfinite")
-
-# Per-layer series kept out of TensorBoard's cards (see CardFilter); the LAYERWATCH tab has them.
-BYTE_SERIES = ("activation_bytes", "saved_bytes")
-NONFINITE_SERIES = ("weights_nonfinite", "grads_nonfinite", "activations_nonfinite", "nonfinite")
-
-
-def nonfinite_total_tag(family: str) -> str:
-    """The run-wide count of NaN/Inf values of a tensor family: ``layerwatch/grads_nonfinite``."""
-    return f"{RUN_WIDE}{family}_nonfinite"
-
-
-def stat_prefix(family: str, stat: str) -> str:
-    """The prefix of a per-tensor statistic's tags: ``weights_norm/``."""
-    return f"{family}_{stat}/"
-
-
-def module_prefix(field_name: str) -> str:
-    """The prefix of a per-module scalar's tags (one of ``MODULE_SCALARS``): ``fwd_ms/``."""
-    return f"{field_name}/"
-
-
-def histogram_tag(family: str, name: str) -> str:
-    return f"{family}/{name}"
-
-
-def stat_tag(family: str, stat: str, name: str) -> str:
-    return stat_prefix(family, stat) + name
-
-
-def update_ratio_tag(name: str, estimated: bool = False) -> str:
-    """``update_ratio/<param>``; ``update_ratio_estimate/<param>`` for a ratio of strided samples."""
-    return f"update_ratio_estimate/{name}" if estimated else f"update_ratio/{name}"
-
+from layerwatch.vocabulary import (
+    ALERTS, BYTE_SERIES, FIRST_NONFINITE_STEP, FIRST_OFFENDER, GRAD_NORM, MACS_PER_STEP, MODULE_SCALARS,
+    NONFINITE_MODULES, NONFINITE_SERIES, OPTIMIZER_SKIPPED, OVERHEAD_MS, PARAMS_FROZEN, PARAMS_LEARNABLE, PARAMS_TOTAL,
+    ROOT, RUN_WIDE, SAMPLE_INTERVAL, STRUCTURE, TENSOR_FAMILIES, histogram_tag, module_prefix, nonfinite_total_tag,
+    stat_prefix, stat_tag, update_ratio_tag,
+)
 
 HostRows = dict[str, list[tuple[list[str], np.ndarray]]]  # family -> its pieces' names and rows, on the host
 
@@ -266,11 +217,6 @@ class CardFilter:
             chosen = np.concatenate([chosen, np.asarray(shown, dtype=np.intp)])
         tags = split.tags
         return dict(zip([tags[i] for i in chosen.tolist()], values[chosen].tolist()))
-
-
-def owner(param_name: str) -> str:
-    """The module that owns a parameter: ``"blocks.0.mlp.weight"`` -> ``"blocks.0.mlp"``."""
-    return param_name.rpartition(".")[0]
 
 
 CHART_SERIES = 12  # a Custom Scalars chart holds at most about this many lines

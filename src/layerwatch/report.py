@@ -24,25 +24,24 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from layerwatch import rankings
-from layerwatch import record as R
-from layerwatch import stats as S
+from layerwatch import vocabulary as V
 from layerwatch.alerts import parse_alerts_markdown
-from layerwatch.tensorboard_plugin.metadata import LAYOUT, SERIES, Reader
+from layerwatch.tensorboard_plugin.metadata import Reader
 
-_NORMS = {family: f"{family}_norm" for family in R.TENSOR_FAMILIES}  # series keys
-_NONFINITE = tuple(f"{family}_nonfinite" for family in R.TENSOR_FAMILIES)
-_TIMES = ("fwd_ms", "bwd_ms")
-_BYTES = ("activation_bytes", "saved_bytes", "cuda_alloc_bytes")
+_NORMS = {family: V.series_key(family, "norm") for family in V.TENSOR_FAMILIES}  # series keys
+_NONFINITE = tuple(V.series_key(family, "nonfinite") for family in V.TENSOR_FAMILIES)
+_TIMES = V.TIME_SERIES
+_BYTES = V.MEMORY_SERIES
 _SERIES = (*_NORMS.values(), *_NONFINITE, *_TIMES, *_BYTES)
-_CARD_PREFIXES = (*(key + "/" for key in _SERIES), R.RUN_WIDE)  # a log written before the tab existed has these
-_ALERTS_TEXT = R.ALERTS + "/text_summary"  # the tag torch's text builder gives layerwatch/alerts
+_CARD_PREFIXES = (*(key + "/" for key in _SERIES), V.RUN_WIDE)  # a log written before the tab existed has these
+_ALERTS_TEXT = V.ALERTS + "/text_summary"  # the tag torch's text builder gives layerwatch/alerts
 # A run holds layerwatch data when any tag has one of these prefixes ("layerwatch/": the run-wide
 # scalars and texts, and the tensors of the TensorBoard plugin named "layerwatch").
 _LAYERWATCH_PREFIXES = (
-    R.RUN_WIDE,
-    *(R.stat_prefix(family, stat) for family in (*R.TENSOR_FAMILIES, "activations") for stat in S.STATS),
-    *(R.module_prefix(name) for name in R.MODULE_SCALARS),
-    R.update_ratio_tag(""),
+    V.RUN_WIDE,
+    *(V.stat_prefix(family, stat) for family in (*V.TENSOR_FAMILIES, "activations") for stat in V.STATS),
+    *(V.module_prefix(name) for name in V.MODULE_SCALARS),
+    V.update_ratio_tag(""),
 )
 OTHER_TAGS_SHOWN = 5
 NAME_WIDTH = 60  # longer layer names lose their middle
@@ -139,7 +138,7 @@ def _read(files: list[Path]) -> _Run:
                 if kind == "simple_value":
                     if value.tag.startswith(_CARD_PREFIXES):
                         run.scalars.setdefault(value.tag, []).append((step, value.simple_value))
-                elif kind == "tensor" and value.tag.startswith((SERIES, LAYOUT)):
+                elif kind == "tensor" and value.tag.startswith((V.SERIES, V.LAYOUT)):
                     run.tab.add_tensor(step, event.wall_time, value.tag, value.tensor)
                 elif kind == "tensor" and value.tag == _ALERTS_TEXT and value.tensor.string_val:
                     if run.alerts_text is None or step >= run.alerts_text[0]:

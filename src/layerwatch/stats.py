@@ -44,6 +44,8 @@ from typing import Any, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
+from layerwatch.vocabulary import STATS
+
 # Columns of a packed row.
 COUNT = 0  # finite values
 NONFINITE = 1  # NaN or Inf values
@@ -58,7 +60,6 @@ ANCHOR = 9
 ZERO_POINT = 10
 HIST = 11  # then bins + 2 bucket counts: spill-low, 1..bins, spill-high
 
-STATS = ("mean", "std", "min", "max", "norm", "zero_frac", "nonfinite")
 # Values a histogram reads at most: 32 buckets estimated from 16,384 values are within a few
 # per cent of the exact counts, and counting every value of a large model cost more than the
 # rest of a sampled step on the 400-tensor benchmark.

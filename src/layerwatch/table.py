@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from layerwatch.distributed import clean_name
+from layerwatch.vocabulary import parent
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -111,7 +112,7 @@ class Summary:
         self.param_bytes = root.param_bytes
         self.total_macs = root.macs
         self.total_flops = root.flops
-        parents = {parent_name(row.name) for row in self.rows if row.name}
+        parents = {parent(row.name) for row in self.rows if row.name}
         self.activation_bytes = sum(row.activation_bytes for row in self.rows if row.name not in parents)
 
     # ------------------------------------------------------------------ views
@@ -255,7 +256,7 @@ class Summary:
             if not row.name:
                 tree[self.model_type] = node
             else:
-                nodes[parent_name(row.name)]["children"][row.name.rpartition(".")[2]] = node
+                nodes[parent(row.name)]["children"][row.name.rpartition(".")[2]] = node
         return _emit(_dump_json(tree), path)
 
     def to_dataframe(self) -> Any:
@@ -286,7 +287,7 @@ def add_parameters(model: nn.Module, layers: list[Layer]) -> None:
         if getattr(p, "_is_flat_param", False):  # FSDP1's, holding many parameters
             continue
         qualified = clean_name(qualified)
-        layer = by_name.get(parent_name(qualified))
+        layer = by_name.get(parent(qualified))
         if id(p) in owner_of:
             if layer is not None and owner_of[id(p)] != qualified:
                 layer.tied[qualified] = owner_of[id(p)]
@@ -307,9 +308,9 @@ def _rows(layers: list[Layer], resize: Any, nbytes: Any, macs_scale: float) -> l
         if layer.calls:
             mine[3] = layer.flops  # measured around the call, children included
         if layer.name:
-            parent = totals.setdefault(parent_name(layer.name), [0, 0, 0, 0])
+            above = totals.setdefault(parent(layer.name), [0, 0, 0, 0])
             for i in range(4):
-                parent[i] += mine[i]
+                above[i] += mine[i]
     rows = []
     for layer in layers:
         params, learnable, param_bytes, flops = totals[layer.name]
@@ -333,10 +334,6 @@ def _rows(layers: list[Layer], resize: Any, nbytes: Any, macs_scale: float) -> l
             )
         )
     return rows
-
-
-def parent_name(name: str) -> str:
-    return name.rpartition(".")[0]
 
 
 def describe(tensor: torch.Tensor) -> TensorSpec:

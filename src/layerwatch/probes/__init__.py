@@ -30,10 +30,10 @@ device), :mod:`~layerwatch.probes.saved` (the bytes saved for backward),
 """
 
 from layerwatch.probes.runtime import ModuleTrace, Offender, ProbeResult, RuntimeProbe
-from layerwatch.probes.selection import PROBE_FAMILIES, ROOT, ModuleFilter, check_module_filter, probe_name, select_modules
+from layerwatch.probes.selection import ModuleFilter, check_module_filter, probe_name, select_modules
 from layerwatch.probes.step import StepProbes
 
 __all__ = [
-    "PROBE_FAMILIES", "ROOT", "ModuleFilter", "ModuleTrace", "Offender", "ProbeResult", "RuntimeProbe", "StepProbes",
+    "ModuleFilter", "ModuleTrace", "Offender", "ProbeResult", "RuntimeProbe", "StepProbes",
     "check_module_filter", "probe_name", "select_modules",
 ]

@@ -8,9 +8,8 @@ from typing import Any, Optional, Sequence, Union
 from torch import nn
 
 from layerwatch.distributed import is_wrapper, named_modules
-from layerwatch.rankings import ROOT  # the model itself: named_modules() names it ""
+from layerwatch.vocabulary import ROOT
 
-PROBE_FAMILIES = ("latency", "memory", "activations", "nonfinite")
 
 ModuleFilter = Sequence[Union[str, type]]
 

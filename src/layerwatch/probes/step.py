@@ -13,7 +13,8 @@ from layerwatch.distributed import RankSync
 from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import FailedForwardGuard
 from layerwatch.probes.runtime import ProbeResult, RuntimeProbe
-from layerwatch.probes.selection import (PROBE_FAMILIES, ModuleFilter, is_compiled, probe_name, select_modules,
+from layerwatch.vocabulary import PROBE_FAMILIES
+from layerwatch.probes.selection import (ModuleFilter, is_compiled, probe_name, select_modules,
                                          split_at_compiled)
 from layerwatch.probes.traced import TracedProbe
 from layerwatch.probes.structure import StructureProbe

@@ -3,8 +3,8 @@
 A model of 1,000 layers writes thousands of scalar tags; listing and reading them one by one
 is what makes TensorBoard slow on such runs. So each sampled step also writes a few tensors
 owned by the ``layerwatch`` plugin, which TensorBoard's data provider reads (the Python
-reader, ``--load_fast`` and the Rust data server alike). The format is in
-:mod:`layerwatch.tensorboard_plugin.metadata`, with its reader.
+reader, ``--load_fast`` and the Rust data server alike). The format is
+:mod:`layerwatch.vocabulary`'s; its reader is :mod:`layerwatch.tensorboard_plugin.metadata`.
 
 Every value of the step is here, including the ones that do not become TensorBoard cards
 (:class:`~layerwatch.record.CardFilter`).
@@ -19,7 +19,8 @@ import numpy as np
 from tensorboard.compat.proto import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
 
 from layerwatch import record as R
-from layerwatch.tensorboard_plugin.metadata import EVENTS, LAYOUT, PLUGIN_NAME, SERIES
+from layerwatch import vocabulary as V
+from layerwatch.vocabulary import EVENTS, LAYOUT, PLUGIN_NAME, SERIES
 
 
 _METADATA = summary_pb2.SummaryMetadata(
@@ -108,8 +109,8 @@ def record_events(record: R.StepRecord) -> dict[str, Any]:
             "layer": record.offender.name, "step": record.step, "phase": record.offender.phase,
             "text": record.offender.describe(record.step), "replayed_from": record.offender.replayed_from,
         }
-    if R.FIRST_NONFINITE_STEP in record.scalars:
-        events["first_nonfinite_step"] = int(record.scalars[R.FIRST_NONFINITE_STEP])
+    if V.FIRST_NONFINITE_STEP in record.scalars:
+        events["first_nonfinite_step"] = int(record.scalars[V.FIRST_NONFINITE_STEP])
     return events
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from tensorboard.plugins import base_plugin
 
-from layerwatch.tensorboard_plugin.metadata import PLUGIN_NAME
+from layerwatch.vocabulary import PLUGIN_NAME
 
 
 class LayerwatchLoader(base_plugin.TBLoader):

@@ -1,4 +1,5 @@
 """What the LAYERWATCH tab's data is, and how to read it back (no torch: TensorBoard loads this).
+Its names are :mod:`layerwatch.vocabulary`'s.
 
 Written by :mod:`layerwatch.sinks.plugin_data`; each sampled step has, as tensors owned by
 the ``layerwatch`` plugin:
@@ -26,11 +27,8 @@ from typing import Any
 import numpy as np
 
 from layerwatch.rankings import Table
+from layerwatch.vocabulary import EVENTS, LAYOUT, SERIES
 
-PLUGIN_NAME = "layerwatch"
-SERIES = "layerwatch/series/"  # the prefix of the series tags
-LAYOUT = "layerwatch/layout"
-EVENTS = "layerwatch/events/"  # the prefix of the event tags
 
 
 def decode_text(value: Any) -> Any:

@@ -25,7 +25,9 @@ from tensorboard.plugins import base_plugin
 from werkzeug import exceptions, wrappers
 
 from layerwatch import rankings
-from layerwatch.tensorboard_plugin.metadata import EVENTS, LAYOUT, PLUGIN_NAME, SERIES, Reader, decode
+from layerwatch import vocabulary as V
+from layerwatch.tensorboard_plugin.metadata import Reader, decode
+from layerwatch.vocabulary import EVENTS, LAYOUT, PLUGIN_NAME, SERIES
 
 logger = logging.getLogger("layerwatch")
 STATIC = Path(__file__).parent / "static"
@@ -34,17 +36,17 @@ _ALL = 10**9  # downsample to this many: all (the loader asks TensorBoard to kee
 # How each series is shown: label, unit, default colour scale, and how a collapsed block's row
 # is made from its children when the block has no row of its own.
 _STATS: dict[str, tuple[str, str, str, str]] = {
-    "grads_norm": ("gradient norm", "L2 norm", "log", "rss"),
-    "weights_norm": ("weight norm", "L2 norm", "log", "rss"),
-    "update_ratio": ("update ratio", "‖Δw‖ / ‖w‖ per step", "log", "max"),
-    "fwd_ms": ("forward time", "ms", "log", "sum"),
-    "bwd_ms": ("backward time", "ms", "log", "sum"),
-    "activation_bytes": ("activation bytes", "bytes", "log", "sum"),
-    "saved_bytes": ("bytes saved for backward", "bytes", "log", "sum"),
-    "cuda_alloc_bytes": ("GPU memory growth", "bytes", "linear", "sum"),
-    "nonfinite": ("non-finite output or gradient", "0 / 1", "linear", "max"),
-    "grads_nonfinite": ("NaN/Inf gradient values", "count", "linear", "sum"),
-    "weights_nonfinite": ("NaN/Inf weight values", "count", "linear", "sum"),
+    V.series_key("grads", "norm"): ("gradient norm", "L2 norm", "log", "rss"),
+    V.series_key("weights", "norm"): ("weight norm", "L2 norm", "log", "rss"),
+    V.UPDATE_RATIO: ("update ratio", "‖Δw‖ / ‖w‖ per step", "log", "max"),
+    V.FWD_MS: ("forward time", "ms", "log", "sum"),
+    V.BWD_MS: ("backward time", "ms", "log", "sum"),
+    V.ACTIVATION_BYTES: ("activation bytes", "bytes", "log", "sum"),
+    V.SAVED_BYTES: ("bytes saved for backward", "bytes", "log", "sum"),
+    V.CUDA_ALLOC_BYTES: ("GPU memory growth", "bytes", "linear", "sum"),
+    V.NONFINITE: ("non-finite output or gradient", "0 / 1", "linear", "max"),
+    V.series_key("grads", "nonfinite"): ("NaN/Inf gradient values", "count", "linear", "sum"),
+    V.series_key("weights", "nonfinite"): ("NaN/Inf weight values", "count", "linear", "sum"),
 }
 _STAT_NAMES = {"mean": "mean", "std": "std", "min": "min", "max": "max", "norm": "norm", "zero_frac": "zero fraction"}
 
@@ -205,7 +207,7 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
     def _histograms(self, ctx: Any, experiment: str, run: str, name: str) -> dict[str, list[dict[str, Any]]]:
         """The histograms of ``name`` itself, and, for a module, of its own parameters."""
         listing = self._provider.list_tensors(ctx, experiment_id=experiment, plugin_name="histograms").get(run, {})
-        own = name + "." if name != rankings.ROOT else ""
+        own = name + "." if name != V.ROOT else ""
 
         def mine(tag: str) -> bool:
             family, _, of = tag.partition("/")
@@ -241,13 +243,12 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
 
     def rankings(self, ctx: Any, experiment: str, args: Any) -> dict[str, Any]:
         run = _arg(args, "run")
-        reader = self._reader(ctx, experiment, run, ["fwd_ms", "bwd_ms", "activation_bytes", "saved_bytes", "grads_norm"])
+        grads_norm = V.series_key("grads", "norm")
+        reader = self._reader(ctx, experiment, run, [*V.TIME_SERIES, *V.BYTE_SERIES, grads_norm])
         tables = {key: reader.table(key) for key in reader.keys()}
-        slowest = rankings.top_by_median([tables[k] for k in ("fwd_ms", "bwd_ms") if k in tables], "value", top=10)
-        memory = rankings.top_by_median(
-            [tables[k] for k in ("activation_bytes", "saved_bytes") if k in tables], "value", top=10
-        )
-        growth = [] if "grads_norm" not in tables else rankings.growth(tables["grads_norm"], top=10)
+        slowest = rankings.top_by_median([tables[k] for k in V.TIME_SERIES if k in tables], "value", top=10)
+        memory = rankings.top_by_median([tables[k] for k in V.BYTE_SERIES if k in tables], "value", top=10)
+        growth = [] if grads_norm not in tables else rankings.growth(tables[grads_norm], top=10)
         return {"rankings": [
             _ranking("slowest", "Slowest layers", "ms", "leaf layers, median forward + backward ms over the samples",
                      slowest, "no fwd_ms/bwd_ms: the latency probes were off"),

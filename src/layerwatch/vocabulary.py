@@ -1,0 +1,97 @@
+"""The names layerwatch's writer and readers share: tags, series keys, families, the model's
+own name, and the LAYERWATCH tab's data format. No torch and no NumPy here: TensorBoard's
+process imports it with the tab.
+
+Tag contract (see ``docs/tags.md``): the family comes first so TensorBoard groups cards
+by it, then the qualified name as ``model.named_parameters()`` spells it. A per-layer tag's
+head, before its ``/``, is its **series key** (``grads_norm``, ``fwd_ms``): the LAYERWATCH
+tab's series and ``layerwatch report``'s tables are keyed by it.
+"""
+
+from __future__ import annotations
+
+ROOT = "(root)"  # the name layerwatch gives the model itself (named_modules() names it "")
+
+# The families (the ``families=`` option).
+TENSOR_FAMILIES = ("weights", "grads")
+PROBE_FAMILIES = ("latency", "memory", "activations", "nonfinite")
+FAMILIES = TENSOR_FAMILIES + ("updates", "structure") + PROBE_FAMILIES
+
+# The per-tensor statistics (the ``stats=`` option): tagged <family>_<stat>/<name>.
+STATS = ("mean", "std", "min", "max", "norm", "zero_frac", "nonfinite")
+
+# Run-wide tags.
+RUN_WIDE = "layerwatch/"  # the prefix of the run-wide tags below
+GRAD_NORM = "layerwatch/grad_norm"
+OVERHEAD_MS = "layerwatch/overhead_ms"
+SAMPLE_INTERVAL = "layerwatch/sample_interval"  # the overhead budget's interval from this sample on
+STRUCTURE = "layerwatch/structure"
+PARAMS_TOTAL = "layerwatch/params_total"
+PARAMS_LEARNABLE = "layerwatch/params_learnable"
+PARAMS_FROZEN = "layerwatch/params_frozen"
+MACS_PER_STEP = "layerwatch/macs_per_step"
+ALERTS = "layerwatch/alerts"  # the count (scalar) and the table (text)
+OPTIMIZER_SKIPPED = "layerwatch/optimizer_skipped"
+NONFINITE_MODULES = "layerwatch/nonfinite_modules"
+FIRST_OFFENDER = "layerwatch/first_offender"  # text
+FIRST_NONFINITE_STEP = "layerwatch/first_nonfinite_step"
+
+# Per-module scalars of the runtime probes, tagged <field>/<module> after the ModuleTrace field.
+FWD_MS, BWD_MS = "fwd_ms", "bwd_ms"
+ACTIVATION_BYTES, SAVED_BYTES, CUDA_ALLOC_BYTES = "activation_bytes", "saved_bytes", "cuda_alloc_bytes"
+NONFINITE = "nonfinite"  # 1 when the module's output or gradient held NaN/Inf
+MODULE_SCALARS = (FWD_MS, BWD_MS, ACTIVATION_BYTES, SAVED_BYTES, CUDA_ALLOC_BYTES, NONFINITE)
+TIME_SERIES = (FWD_MS, BWD_MS)
+MEMORY_SERIES = (ACTIVATION_BYTES, SAVED_BYTES, CUDA_ALLOC_BYTES)
+UPDATE_RATIO = "update_ratio"
+UPDATE_RATIO_ESTIMATE = "update_ratio_estimate"  # from a strided sample of each weight
+
+# Per-layer series kept out of TensorBoard's cards (see record.CardFilter); the LAYERWATCH tab has them.
+BYTE_SERIES = (ACTIVATION_BYTES, SAVED_BYTES)
+NONFINITE_SERIES = ("weights_nonfinite", "grads_nonfinite", "activations_nonfinite", NONFINITE)
+
+# The LAYERWATCH tab's data (written by sinks/plugin_data.py, read by tensorboard_plugin/metadata.py):
+# tensors owned by the plugin PLUGIN_NAME, at each sampled step.
+PLUGIN_NAME = "layerwatch"
+SERIES = "layerwatch/series/"  # + a series key: float32 [n], one value per layer of the layout's names
+LAYOUT = "layerwatch/layout"  # JSON {"series": {series key: [layer names]}}
+EVENTS = "layerwatch/events/"  # + alerts, first_offender, first_nonfinite_step: JSON
+
+
+def series_key(family: str, stat: str) -> str:
+    """The series of a per-tensor statistic: ``grads_norm``."""
+    return f"{family}_{stat}"
+
+
+def stat_prefix(family: str, stat: str) -> str:
+    """The prefix of a per-tensor statistic's tags: ``weights_norm/``."""
+    return series_key(family, stat) + "/"
+
+
+def stat_tag(family: str, stat: str, name: str) -> str:
+    return stat_prefix(family, stat) + name
+
+
+def module_prefix(field_name: str) -> str:
+    """The prefix of a per-module scalar's tags (one of ``MODULE_SCALARS``): ``fwd_ms/``."""
+    return f"{field_name}/"
+
+
+def histogram_tag(family: str, name: str) -> str:
+    return f"{family}/{name}"
+
+
+def update_ratio_tag(name: str, estimated: bool = False) -> str:
+    """``update_ratio/<param>``; ``update_ratio_estimate/<param>`` for a ratio of strided samples."""
+    return f"{UPDATE_RATIO_ESTIMATE if estimated else UPDATE_RATIO}/{name}"
+
+
+def nonfinite_total_tag(family: str) -> str:
+    """The run-wide count of NaN/Inf values of a tensor family: ``layerwatch/grads_nonfinite``."""
+    return RUN_WIDE + series_key(family, "nonfinite")
+
+
+def parent(name: str) -> str:
+    """The qualified name one level up: ``"blocks.0.mlp.weight"`` -> ``"blocks.0.mlp"``
+    (a parameter's module; a module's parent); ``""`` (the model) at the top."""
+    return name.rpartition(".")[0]
