@@ -128,18 +128,6 @@ def test_the_budget_is_the_default_and_a_fixed_schedule_keeps_todays_behaviour()
     assert fixed.budget is None and [k for k in range(120) if fixed.schedule(k)] == [0, 50, 100]
 
 
-def test_every_front_door_offers_both_budgets_with_the_same_defaults():
-    from layerwatch import InspectCallback
-
-    pytest.importorskip("transformers")
-    from layerwatch.huggingface import InspectTrainerCallback
-
-    for door in (Inspector, InspectCallback, InspectTrainerCallback, validate_options):
-        parameters = inspect.signature(door).parameters
-        assert parameters["overhead_budget"].default is None, door  # None: 0.01 unless every_n_steps or schedule is given
-        assert parameters["memory_budget"].default is None, door  # None: no limit but a GPU's free memory
-
-
 # ---------------------------------------------------------------------------------------- the engine
 
 

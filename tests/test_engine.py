@@ -1,6 +1,7 @@
 """The engine's public driving protocol, as a third front door would use it."""
 
 import ast
+import inspect
 import time
 from pathlib import Path
 
@@ -106,3 +107,22 @@ def test_the_front_doors_use_no_private_member_of_the_engine(adapter):
         and isinstance(node.value, ast.Attribute) and node.value.attr == "_engine"
     ]
     assert private == []
+
+
+def test_every_front_door_takes_every_option_with_validate_options_default():
+    """The doors keep explicit signatures (help, completion) and hand ``locals()`` on: a name or
+    default that drifted from ``validate_options`` would go unnoticed without this."""
+    from layerwatch import InspectCallback, Inspector
+    from layerwatch.options import OPTION_NAMES, validate_options
+
+    pytest.importorskip("transformers")
+    from layerwatch.huggingface import InspectTrainerCallback
+
+    reference = inspect.signature(validate_options).parameters
+    for door in (Inspector, InspectCallback, InspectTrainerCallback):
+        parameters = inspect.signature(door).parameters
+        for name in OPTION_NAMES:
+            assert name in parameters, (door.__name__, name)
+            assert parameters[name].default == reference[name].default, (door.__name__, name)
+    assert reference["overhead_budget"].default is None  # None: 0.01 unless every_n_steps or schedule is given
+    assert reference["memory_budget"].default is None  # None: no limit but a GPU's free memory
