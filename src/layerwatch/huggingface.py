@@ -25,6 +25,8 @@ import os
 import sys
 from typing import Any, Collection, Optional, Sequence
 
+from typing_extensions import override
+
 from layerwatch import vocabulary as V
 from layerwatch.alerts import Alert, AlertRules
 from layerwatch.engine import Engine
@@ -101,6 +103,7 @@ class InspectTrainerCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ the Trainer's events
 
+    @override
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
         self._finish()
         if model is None:
@@ -121,22 +124,27 @@ class InspectTrainerCallback(TrainerCallback):
         self._alerts = self._engine.alerts
         self._engine.start(compiled_by_caller=bool(getattr(args, "torch_compile", False)))
 
+    @override
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._engine is not None:
             self._engine.begin_step(state.global_step + 1)
 
+    @override
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         if self._engine is not None:
             self._engine.before_optimizer_step(optimizer)
 
+    @override
     def on_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         if self._engine is not None:  # accelerate's optimizer knows whether its GradScaler skipped the step
             self._engine.after_optimizer_step(optimizer, stepped=not getattr(optimizer, "step_was_skipped", False))
 
+    @override
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._engine is not None:
             self._engine.end_step()
 
+    @override
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._finish()
 

@@ -15,6 +15,8 @@ import os
 import sys
 from typing import Any, Callable, Collection, ContextManager, Optional, Sequence
 
+from typing_extensions import override
+
 from layerwatch import record as R
 from layerwatch import vocabulary as V
 from layerwatch.alerts import Alert, AlertRules
@@ -145,6 +147,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
 
     # ------------------------------------------------------------------ lifecycle
 
+    @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
             return
@@ -177,6 +180,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         """The health alerts raised in this run so far (on global rank 0)."""
         return list(self._alerts)
 
+    @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self._engine is None:
             return
@@ -194,15 +198,18 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
             )
         self._begin(trainer.global_step)
 
+    @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._engine is not None and self._replaying:
             step = self._replay if callable(self._replay) else None
             self._engine.replay_with(functools.partial(_training_step_again, trainer, pl_module, batch, batch_idx, step))
 
+    @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self._engine is not None:
             self._engine.before_optimizer_step(optimizer)
 
+    @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         engine = self._engine
         if engine is None or trainer.global_step == engine.current_step:
@@ -213,19 +220,24 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
             self._last_written_step = written
         self._begin(trainer.global_step)
 
+    @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._finish()
 
+    @override
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._finish()
 
+    @override
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._finish()
 
+    @override
     def state_dict(self) -> dict[str, int]:
         engine = self._engine_state if self._engine is None else self._engine.state_dict()
         return {"last_written_step": self._last_written_step, **engine}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         step = state_dict.get("last_written_step", -1)
         if isinstance(step, bool) or not isinstance(step, int):
