@@ -7,7 +7,7 @@ changes no output.
 Runs, each with seed 0, one thread, in a fresh temporary log directory:
 
 - ``demo``: ``layerwatch demo --steps 40 --every 10 --inject-nan 25`` (a NaN run, replayed);
-- ``zoo:<case>``: every case of ``tests/zoo.py``, 4 steps at ``every_n_steps=1``;
+- ``zoo:<case>``: every case of ``tests/models.py``'s ``CASES``, 4 steps at ``every_n_steps=1``;
 - ``nan``: a plain MLP whose ``fc1`` output turns NaN at step 5, sampled every 2 steps.
 
 Every event is read back (TensorBoard's own record reader) and fingerprinted whole: tag,
@@ -118,7 +118,7 @@ def nan_run(log_dir: Path) -> None:
 
 
 def runs() -> dict[str, Callable[[Path], None]]:
-    from zoo import CASES
+    from models import CASES
 
     out = {"demo": demo, "nan": nan_run}
     out.update({f"zoo:{case.name}": zoo_case(case) for case in CASES})

@@ -1,13 +1,24 @@
-"""A zoo of small models for the tests (defined at module level so they pickle)."""
+"""The tests' one zoo of models and the helpers that train them: plain modules, the awkward
+cases of the reliability tests (``CASES``), the replay's faults, and the LightningModules with
+their Trainer (all at module level, so ddp_spawn can pickle them)."""
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
-
+import json
 import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.optim import optimizer as optimizer_module
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning.pytorch as L
+from lightning.pytorch.loggers import TensorBoardLogger
 
 
 class MLP(nn.Module):
@@ -138,6 +149,59 @@ def train_through_overflow_in_a_module(model: nn.Module, optimizer: torch.optim.
         scaler.step(optimizer)
         scaler.update()
         inspector.step()
+
+
+class Opaque(torch.Tensor):
+    """A tensor subclass that takes part in autograd but lets no function read its values: no
+    probe can measure it (the way a probe fails, without patching layerwatch)."""
+
+    ALLOWED = {"as_subclass", "__get__", "__set__", "detach", "register_hook", "__repr__"}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") not in cls.ALLOWED:
+            raise RuntimeError(f"Opaque does not support {getattr(func, '__name__', func)}")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class Sluggish(torch.Tensor):
+    """A tensor subclass whose every function but the model's own takes ``DELAY`` seconds more:
+    a probe that reads it is slow (the way to slow layerwatch's hooks, without patching them)."""
+
+    DELAY = 0.002
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") not in Opaque.ALLOWED:
+            time.sleep(cls.DELAY)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _Hide(nn.Module):
+    def __init__(self, as_type: type) -> None:
+        super().__init__()
+        self.as_type = as_type
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.as_subclass(self.as_type)
+
+
+class _Show(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.as_subclass(torch.Tensor)
+
+
+class HiddenMiddle(nn.Sequential):
+    """An MLP whose hidden activation is of ``as_type`` (:class:`Opaque`: no probe can read it;
+    :class:`Sluggish`: reading it is slow) between ``hide`` and ``show``; the loss is computed
+    as without it."""
+
+    def __init__(self, as_type: type = Opaque) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.hide = _Hide(as_type)
+        self.show = _Show()
+        self.fc2 = nn.Linear(16, 4)
 
 
 class SmallCNN(nn.Module):
@@ -316,3 +380,568 @@ def compile_as(model: nn.Module, how: str, backend) -> nn.Module:
     if how == "model.compile()":
         model.compile(backend=backend)
     return model
+
+
+# ------------------------------------------------------------------------------- the replay's faults
+
+FAULT_STEP = 7
+
+
+class FaultAt(nn.Module):
+    """Identity, except at step ``step`` (as set in ``now`` by the loop): one value of its output
+    turns to NaN, its input finite. Set by step, not by call, so that a replay of that step
+    makes the NaN again."""
+
+    def __init__(self, step: int = FAULT_STEP) -> None:
+        super().__init__()
+        self.step, self.now = step, -1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.now != self.step:
+            return x
+        return x * torch.where(torch.arange(x.shape[-1], device=x.device) == 0, math.nan, 1.0)
+
+
+class _NaNGradientAlways(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * math.nan
+
+
+class BackwardFaultAt(FaultAt):
+    """Identity in forward; at step ``step`` its backward returns NaN from a finite gradient."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _NaNGradientAlways.apply(x) if self.now == self.step else x
+
+
+def make_model(fault: FaultAt) -> nn.Sequential:
+    """The issue's set-up: Linear, Tanh, Linear, Dropout, the fault, Tanh, BatchNorm, Linear."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Dropout(0.2), fault, nn.Tanh(),
+                         nn.BatchNorm1d(16), nn.Linear(16, 1))
+
+
+def train_steps(call, fault: FaultAt, opt, batches, inspector=None, closure_wrapper=None, replay: bool = True) -> list[str]:
+    """One step per ``(x, y)`` of ``batches``, the MSE of ``call(x)``; with an inspector, its
+    closure handed to ``inspector.replay_with`` first (through ``closure_wrapper``, when given;
+    not with ``replay=False``) and ``inspector.step()`` after it. Returns the losses, exactly
+    (``repr``)."""
+    losses = []
+    for k, (x, y) in enumerate(batches):
+        fault.now = k
+
+        def compute_loss(x=x, y=y):
+            return nn.functional.mse_loss(call(x), y)
+
+        if inspector is not None and replay:
+            inspector.replay_with(compute_loss if closure_wrapper is None else closure_wrapper(compute_loss))
+        loss = compute_loss()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(repr(loss.item()))
+        if inspector is not None:
+            inspector.step()
+    return losses
+
+
+def same_tensors(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(a, b))
+
+
+# ------------------------------------------------------------------------------- the zoo's cases
+# Awkward models for the reliability tests, each with its own training step. A ``Case`` builds a
+# model and its optimizers, and runs one optimizer step (``step``), drawing its data from the
+# global RNG, so two runs seeded alike see the same batches. ``messages`` are the one-time
+# messages layerwatch is expected to give for it (regexes); any other layerwatch warning fails
+# the test.
+
+@dataclass
+class Out:
+    logits: torch.Tensor
+    extra: dict
+
+
+class StructuredOutputs(nn.Module):
+    """Returns a tuple of a tensor, a dict with a None and a non-tensor, a dataclass and a string."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.heads = nn.ModuleDict({"a": nn.Linear(8, 2), "b": nn.Linear(8, 2)})
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return h, {"a": self.heads["a"](h), "none": None, "count": 3}, Out(self.heads["b"](h), {"k": "v"}), "text"
+
+
+class InPlaceAfter(nn.Module):
+    """In-place ops on module outputs: ReLU(inplace=True) and an add_ on a Linear's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.act = nn.ReLU(inplace=True)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h.add_(0.5)
+        return self.fc2(self.act(h))
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 8, batch_first=True)
+        self.gru = nn.GRU(8, 8, batch_first=True)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h, _ = self.lstm(x)
+        h, _ = self.gru(h)
+        return self.head(h[:, -1])
+
+
+class SparseEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8, sparse=True)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx).mean(1))
+
+
+class SometimesUnused(nn.Module):
+    """The ``rare`` branch runs on even steps only; its gradients are None on odd steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.common = nn.Linear(8, 8)
+        self.rare = nn.Linear(8, 8)
+
+    def forward(self, x, use_rare: bool):
+        h = self.common(x)
+        return self.rare(h) if use_rare else h
+
+
+class ComplexWeights(nn.Module):
+    """A complex-valued parameter: measured through its real and imaginary parts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.filter = nn.Parameter(torch.randn(8, 8, dtype=torch.complex64) * 0.1)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head((x.to(torch.complex64) @ self.filter).abs())
+
+
+class Exotic(torch.Tensor):
+    """A tensor subclass whose reductions fail: the statistics cannot handle it."""
+
+    BLOCKED = {"aminmax", "isfinite", "amin", "amax", "sum", "linalg_vector_norm", "norm", "_foreach_norm", "cat", "_foreach_copy_"}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in cls.BLOCKED:
+            raise RuntimeError(f"Exotic does not support {func.__name__}")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class WithExoticParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+        self.ghost = nn.Parameter(torch.ones(3).as_subclass(Exotic), requires_grad=False)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def sgd(model: nn.Module) -> list[torch.optim.Optimizer]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [torch.optim.SGD(params, lr=0.05, momentum=0.9)] if params else []
+
+
+def plain_step(loss_of: Callable[[nn.Module], torch.Tensor]) -> Callable:
+    def step(model: nn.Module, optimizers: list, k: int) -> float:
+        loss = loss_of(model)
+        for opt in optimizers:
+            opt.zero_grad()
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+        return loss.item()
+
+    return step
+
+
+def _structured(model):
+    h, d, out, _ = model(torch.randn(16, 8))
+    return h.pow(2).mean() + d["a"].pow(2).mean() + out.logits.pow(2).mean()
+
+
+def _autocast_step(model, optimizers, k):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(torch.randn(16, 8)).float().pow(2).mean()
+    optimizers[0].zero_grad()
+    loss.backward()
+    optimizers[0].step()
+    return loss.item()
+
+
+def _no_params_step(model, optimizers, k):
+    x = torch.randn(16, 8, requires_grad=True)
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    return loss.item()
+
+
+def _unused_step(model, optimizers, k):
+    loss = model(torch.randn(16, 8), use_rare=k % 2 == 0).pow(2).mean()
+    optimizers[0].zero_grad()
+    loss.backward()
+    optimizers[0].step()
+    return loss.item()
+
+
+def _accumulation_step(model, optimizers, k):
+    optimizers[0].zero_grad()
+    total = 0.0
+    for _ in range(3):
+        loss = model(torch.randn(8, 8)).pow(2).mean() / 3
+        loss.backward()
+        total += loss.item()
+    optimizers[0].step()
+    return total
+
+
+def _two_optimizers(model):
+    return [torch.optim.SGD(model.fc1.parameters(), lr=0.05), torch.optim.Adam(model.fc2.parameters(), lr=1e-3)]
+
+
+def _compiled():
+    return torch.compile(MLP(), backend="eager")
+
+
+@dataclass
+class Case:
+    name: str
+    make: Callable[[], nn.Module]
+    step: Callable[[nn.Module, list, int], float]
+    optimizers: Callable[[nn.Module], list] = sgd
+    messages: tuple[str, ...] = field(default_factory=tuple)
+
+
+CASES = [
+    Case("structured outputs", StructuredOutputs, plain_step(_structured)),
+    Case("module reused", SharedLayer, plain_step(lambda m: m(torch.randn(16, 8)).pow(2).mean())),
+    Case("tied weights", TiedLM, plain_step(lambda m: m(torch.randint(0, 20, (4, 6))).logsumexp(-1).mean())),
+    Case("in-place after a module", InPlaceAfter, plain_step(lambda m: m(torch.randn(16, 8)).pow(2).mean())),
+    Case("LSTM and GRU", Recurrent, plain_step(lambda m: m(torch.randn(4, 5, 4)).pow(2).mean())),
+    Case("checkpoint", InPlaceCheckpointed, plain_step(lambda m: m(torch.randn(16, 8)).pow(2).mean())),
+    Case("autocast bf16", MLP, _autocast_step),
+    Case("sparse embedding", SparseEmbedding, plain_step(lambda m: m(torch.randint(0, 50, (4, 6))).pow(2).mean()),
+         lambda m: [torch.optim.SGD(m.parameters(), lr=0.1)], messages=(r"gradient of 'emb.weight' is sparse",)),
+    Case("no parameters", NoParams, _no_params_step, messages=("the model has no parameters",)),
+    Case("frozen backbone", FrozenBackbone, plain_step(lambda m: m(torch.randn(16, 8)).pow(2).mean())),
+    Case("parameters unused in some steps", SometimesUnused, _unused_step),
+    Case("gradient accumulation", MLP, _accumulation_step),
+    Case("several optimizers", MLP, plain_step(lambda m: m(torch.randn(16, 8)).pow(2).mean()), _two_optimizers),
+    Case("torch.compile", _compiled, plain_step(lambda m: m(torch.randn(16, 8)).pow(2).mean()),
+         # the plain run compiled MLP.forward first: this instance's hooks are never run, and that is said
+         messages=(r"torch.compile'd; on sampled steps, hooks compiled into its graph", r"another instance of its class")),
+    Case("complex parameter", ComplexWeights, plain_step(lambda m: m(torch.randn(16, 8)).pow(2).mean())),
+    Case("a parameter the statistics cannot handle", WithExoticParameter,
+         plain_step(lambda m: m(torch.randn(16, 8)).pow(2).mean()), messages=(r"could not measure the weights of 'ghost' \(Exotic",)),
+]
+
+
+# ------------------------------------------------------------------------------- Lightning
+
+def dataset(n: int = 64, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, (x[:, :4].sum(1, keepdim=True) > 0).float())
+
+
+class LitMLP(L.LightningModule):
+    """Logs its loss with self.log and remembers each step's gradient norms before clipping."""
+
+    def __init__(self, lr: float = 0.1, record_dir: Optional[str] = None) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.lr = lr
+        self.record_dir = record_dir  # where each rank writes what it saw (for DDP tests)
+        self.seen_grad_norms: dict[int, dict[str, float]] = {}
+        self.seen_batches: list[list[float]] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen_batches.append(x[:, 0].tolist())
+        loss = F.binary_cross_entropy_with_logits(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def on_train_end(self) -> None:
+        if self.record_dir is not None:
+            seen = {"grad_norms": self.seen_grad_norms, "batches": self.seen_batches}
+            Path(self.record_dir, f"rank{self.global_rank}.json").write_text(json.dumps(seen))
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # Called after the callbacks' hook and before Lightning clips the gradients.
+        self.seen_grad_norms[self.trainer.global_step] = {
+            name: p.grad.norm().item() for name, p in self.named_parameters() if p.grad is not None
+        }
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        return DataLoader(dataset(), batch_size=8, shuffle=False)
+
+
+class TwoOptimizers(L.LightningModule):
+    """Manual optimization with two optimizers: two global steps per batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt_a, opt_b = self.optimizers()
+        loss = F.mse_loss(self.second(torch.relu(self.first(x))), y)
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        self.manual_backward(loss)
+        opt_a.step()
+        opt_b.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.first.parameters(), lr=0.1), torch.optim.SGD(self.second.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(dataset(), batch_size=8)
+
+
+class LitZoo(L.LightningModule):
+    """Wraps an awkward model of ``CASES`` (by case name) with a loss that uses all its outputs."""
+
+    def __init__(self, case: str) -> None:
+        super().__init__()
+        from models import FrozenBackbone, InPlaceCheckpointed
+
+        self.case = case
+        self.net = {"structured outputs": StructuredOutputs, "LSTM and GRU": Recurrent,
+                    "checkpoint": InPlaceCheckpointed, "frozen backbone": FrozenBackbone}[case]()
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        if self.case == "structured outputs":
+            h, d, out, _ = self.net(x)
+            loss = h.pow(2).mean() + d["a"].pow(2).mean() + out.logits.pow(2).mean()
+        elif self.case == "LSTM and GRU":
+            loss = self.net(x.reshape(-1, 2, 4)).pow(2).mean()
+        else:
+            loss = self.net(x).pow(2).mean()
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(64, 8, generator=torch.Generator().manual_seed(0))), batch_size=8)
+
+
+class LitGAN(L.LightningModule):
+    """Manual optimization with two optimizers, as a GAN steps them: the discriminator, then
+    the generator, each zeroing its own gradients just before its backward. Remembers the
+    norm of each generator gradient at the generator's own step, keyed by that step's
+    global step as the callback sees it at the batch's start."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.gen = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.disc = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+        self.gen_grad_norms: dict[int, dict[str, float]] = {}
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        opt_d, opt_g = self.optimizers()
+        step_at_start = self.trainer.global_step
+        noise = torch.randn(x.shape[0], 4)
+        fake = self.gen(noise)
+        d_loss = F.softplus(-self.disc(x)).mean() + F.softplus(self.disc(fake.detach())).mean()
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        g_loss = F.softplus(-self.disc(self.gen(noise))).mean()
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        self.gen_grad_norms[step_at_start] = {
+            f"gen.{name}": p.grad.norm().item() for name, p in self.gen.named_parameters()
+        }
+        opt_g.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.disc.parameters(), lr=0.05), torch.optim.SGD(self.gen.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return DataLoader(dataset(), batch_size=16)
+
+
+class LitTransformer(L.LightningModule):
+    """The issue's 12-layer ``nn.TransformerEncoder`` (4 heads, ff 4x), narrow: its tags do not
+    depend on the width."""
+
+    def __init__(self, d_model: int = 32, seq: int = 8) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d_model, 4, 4 * d_model, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 12, enable_nested_tensor=False)
+        self.d_model, self.seq = d_model, seq
+
+    def training_step(self, batch, batch_idx):
+        return self.encoder(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(16, self.seq, self.d_model, generator=g)), batch_size=4)
+
+
+class LitParallel(L.LightningModule):
+    """An MLP sharded in ``configure_model`` under ``ModelParallelStrategy``: FSDP2 per layer
+    (``"fsdp2"``) or tensor parallel (``"tensor"``). Remembers its losses."""
+
+    def __init__(self, parallel: str) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.net = MLP(d_in=8, hidden=16, d_out=8)
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.parallel == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in (self.net.fc1, self.net.fc2):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+        else:
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            parallelize_module(self.net, self.device_mesh["tensor_parallel"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        loss = self.net(x).pow(2).mean()
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(64, 8, generator=torch.Generator().manual_seed(0))), batch_size=4)
+
+
+class NaNOnRankOne(nn.Module):
+    """Identity, except on rank 1 at global step ``step``: its output turns to NaN."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step, self.now, self.rank = step, -1, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * float("nan") if self.rank == 1 and self.now == self.step else x
+
+
+class LitFaultOnRankOne(L.LightningModule):
+    """A NaN made by ``fault`` on rank 1 only, at global step 3, with Dropout and BatchNorm
+    around it; each rank writes its losses and final state to ``record_dir``."""
+
+    def __init__(self, record_dir: str, tag: str) -> None:
+        super().__init__()
+        self.fault = NaNOnRankOne(3)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), self.fault, nn.BatchNorm1d(16), nn.Linear(16, 1))
+        self.record_dir, self.tag = record_dir, tag
+        self.losses: list[str] = []
+
+    def training_step(self, batch, batch_idx):
+        self.fault.now, self.fault.rank = self.global_step, self.global_rank
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.losses.append(repr(outputs["loss"].item()))
+
+    def on_train_end(self) -> None:
+        state = [repr(v) for t in self.state_dict().values() for v in t.flatten().tolist()]
+        Path(self.record_dir, f"{self.tag}{self.global_rank}.json").write_text(json.dumps({"losses": self.losses, "state": state}))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return DataLoader(dataset(256, seed=3), batch_size=16, shuffle=False)
+
+
+class ScriptedBudget(L.Callback):
+    """Scripts what each rank's overhead budget measures (``Pacer.ideal``: rank ``r`` wants
+    ``ideals[r]``), and writes which steps each rank sampled, and the InspectCallback's state at
+    the end, to ``record_dir/sampled<rank>.json``. Put it before the InspectCallback."""
+
+    def __init__(self, ideals: list[float], record_dir: str) -> None:
+        self.ideals = ideals
+        self.record_dir = record_dir
+        self.sampled: list[int] = []
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        from layerwatch.budget import Pacer
+
+        wanted = self.ideals[trainer.global_rank]
+        Pacer.ideal = lambda pacer: None if not pacer._costs_s else wanted
+
+    def _inspect(self, trainer):
+        from layerwatch import InspectCallback
+
+        return next(cb for cb in trainer.callbacks if isinstance(cb, InspectCallback))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._inspect(trainer)._engine.sampled:
+            self.sampled.append(trainer.global_step)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        seen = {"sampled": self.sampled, "state": self._inspect(trainer).state_dict()}
+        Path(self.record_dir, f"sampled{trainer.global_rank}.json").write_text(json.dumps(seen))
+
+
+def make_trainer(tmp_path, callbacks, **kwargs):
+    defaults = dict(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        logger=TensorBoardLogger(tmp_path, name="tb", version=0),
+    )
+    defaults.update(kwargs)
+    return L.Trainer(callbacks=callbacks, **defaults)

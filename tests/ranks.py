@@ -18,7 +18,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch.distributed as dist
@@ -112,3 +113,21 @@ def run_python(code: str, *, timeout: float = JOIN_TIMEOUT_S) -> str:
     if process.returncode != 0:
         pytest.fail(f"exited with {process.returncode}\n{out[-4000:]}")
     return out
+
+
+@contextmanager
+def tolerate_abort_at_exit(*done_markers: Path) -> Iterator[None]:
+    """Let through a SIGABRT of a spawned rank once every rank has written its done marker.
+
+    gloo sometimes aborts a rank while its process exits, after all of its work is done
+    ("terminate called without an active exception", as in pytorch/pytorch#90549). About 1 run
+    in 10 on this 2-core machine does it, with or without layerwatch. It says nothing of the
+    code under test; an abort before the markers exist still fails the test.
+    """
+    from torch.multiprocessing import ProcessExitedException
+
+    try:
+        yield
+    except ProcessExitedException as e:
+        if e.signal_name != "SIGABRT" or not all(marker.exists() for marker in done_markers):
+            raise

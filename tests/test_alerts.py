@@ -290,8 +290,8 @@ def test_python_dash_m_report(sick_run):
 
 
 def test_callback_exposes_alerts_after_fit(tmp_path):
-    from lightning_models import LitMLP
-    from test_lightning import make_trainer
+    from models import LitMLP
+    from models import make_trainer
 
     callback = InspectCallback(every_n_steps=1)
     with pytest.warns(RuntimeWarning, match="stuck"):

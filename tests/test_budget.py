@@ -5,7 +5,6 @@ The engine tests script what the pacer measures (``Pacer.ideal``), so that which
 sampled does not depend on this machine's timings; one test lets the real measurements choose.
 """
 
-import inspect
 import math
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from layerwatch import Inspector
 from layerwatch.budget import MAX_INTERVAL, Pacer, grid_index, grid_value
 from layerwatch.options import validate_options
-from layerwatch.params import ParameterFamilies
+from layerwatch import params
 from models import MLP, train
 
 INTERVAL_TAG = "layerwatch/sample_interval"
@@ -217,10 +216,11 @@ def test_the_real_measurements_choose_a_grid_interval_that_keeps_the_budget(tmp_
 # ---------------------------------------------------------------------------------------- memory
 
 
-def update_ratios(tmp_path, monkeypatch=None, fits=None, **options):
-    """Every update ratio an Adam-trained 256-wide MLP logs at steps 0, 3, 6: {(step, tag): value}."""
-    if fits is not None:
-        monkeypatch.setattr(ParameterFamilies, "_fits", lambda self, tensors: fits(self._estimating_since))
+def update_ratios(tmp_path, monkeypatch=None, free=None, **options):
+    """Every update ratio an Adam-trained 256-wide MLP logs at steps 0, 3, 6: {(step, tag): value}.
+    ``free``: the free memory each snapshot finds, in turn (as a GPU's would be)."""
+    if free is not None:
+        monkeypatch.setattr(params, "free_memory", lambda device: next(free))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -260,8 +260,8 @@ def test_a_memory_budget_the_snapshot_fits_keeps_update_ratios_exact(tmp_path, r
 
 
 def test_update_ratios_are_exact_again_when_memory_allows_and_it_is_said(tmp_path, monkeypatch, capfd):
-    fits = iter([False, True, True])  # steps 0, 3, 6: as a GPU's free memory comes and goes
-    ratios = update_ratios(tmp_path, monkeypatch, fits=lambda _: next(fits))
+    free = iter([0, 1 << 30, 1 << 30])  # steps 0, 3, 6: as a GPU's free memory comes and goes
+    ratios = update_ratios(tmp_path, monkeypatch, free=free)
     assert {step for step, tag in ratios if tag.startswith("update_ratio_estimate/")} == {0}
     assert {step for step, tag in ratios if tag.startswith("update_ratio/")} == {3, 6}
     assert "layerwatch: update ratios are exact again from step 3: the snapshot fits" in capfd.readouterr().err

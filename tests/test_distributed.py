@@ -14,9 +14,9 @@ import lightning.pytorch as L
 from lightning.pytorch.loggers import TensorBoardLogger
 from pathlib import Path
 
-from conftest import tolerate_abort_at_exit
+from ranks import tolerate_abort_at_exit
 from layerwatch import InspectCallback
-from lightning_models import LitMLP
+from models import LitMLP
 
 if __name__ == "__main__":
     out = Path({out!r})
@@ -59,9 +59,9 @@ import lightning.pytorch as L
 from lightning.pytorch.loggers import TensorBoardLogger
 from pathlib import Path
 
-from conftest import tolerate_abort_at_exit
+from ranks import tolerate_abort_at_exit
 from layerwatch import InspectCallback
-from lightning_models import LitMLP, ScriptedBudget
+from models import LitMLP, ScriptedBudget
 
 if __name__ == "__main__":
     out = Path({out!r})

@@ -51,8 +51,8 @@ def test_interrupt_after_some_steps_keeps_what_was_written(tmp_path, events):
 
 
 def test_interrupt_inside_a_trainer(tmp_path, events):
-    from lightning_models import LitMLP
-    from test_lightning import make_trainer
+    from models import LitMLP
+    from models import make_trainer
 
     class Interrupted(LitMLP):
         def training_step(self, batch, batch_idx):

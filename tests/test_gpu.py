@@ -221,7 +221,7 @@ def test_sharded_models_on_a_one_rank_cuda_mesh(tmp_path, events, parallel):
 def test_the_replay_on_a_gpu_reads_the_sentinel_before_the_step_and_names_the_module(tmp_path):
     """On a GPU a replayable step waits for the sentinel's check before the optimizer step (the
     one sync it adds), replays the bad step on the device, and leaves training bitwise as it was."""
-    from test_replay import FaultAt, make_model, same_tensors, train_steps
+    from models import FaultAt, make_model, same_tensors, train_steps
 
     def train(inspected: bool):
         fault = FaultAt(3)

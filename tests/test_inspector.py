@@ -10,7 +10,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.tensorboard import SummaryWriter
 
 from layerwatch import Inspector, at_steps
-from models import FrozenBackbone, MLP, NoParams, TiedLM, hook_count, layerwatch_messages, tab_values, train
+from models import FrozenBackbone, MLP, NoParams, HiddenMiddle, TiedLM, hook_count, layerwatch_messages, tab_values, train
 
 
 class RecordTorchCalls(TorchFunctionMode):
@@ -475,15 +475,13 @@ def test_after_a_nan_the_norms_read_nan_not_a_vanished_layer(tmp_path, events):
 
 
 def test_warnings_point_at_the_users_line(tmp_path, monkeypatch):
-    from layerwatch import probes
     from layerwatch.sinks.tensorboard import TensorBoardSink
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(TensorBoardSink, "write", broken)  # warned from inspector.step()
-    monkeypatch.setattr(probes.RuntimeProbe, "_row", broken)  # warned from a hook inside the forward
-    model = MLP()
+    model = HiddenMiddle()  # its probe fails: warned from a hook inside the forward
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         with Inspector(model, log_dir=tmp_path, every_n_steps=1, alerts=False) as inspector:

@@ -6,28 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import lightning.pytorch as L
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger
 
 from layerwatch import InspectCallback
 from layerwatch.budget import Pacer
-from lightning_models import LitMLP, TwoOptimizers, dataset
-
-
-def make_trainer(tmp_path, callbacks, **kwargs):
-    defaults = dict(
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        devices=1,
-        max_steps=6,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=1,
-        logger=TensorBoardLogger(tmp_path, name="tb", version=0),
-    )
-    defaults.update(kwargs)
-    return L.Trainer(callbacks=callbacks, **defaults)
+from models import LitMLP, TwoOptimizers, dataset, make_trainer
 
 
 def test_layer_charts_share_the_run_with_the_modules_own_metrics(tmp_path, events):
@@ -208,7 +191,7 @@ def test_works_with_the_pytorch_lightning_package(tmp_path, events):
 
 
 def test_two_optimizers_each_have_their_gradients_read_at_their_own_step(tmp_path, events):
-    from lightning_models import LitGAN
+    from models import LitGAN
 
     module = LitGAN()
     trainer = make_trainer(tmp_path, [InspectCallback(every_n_steps=1)], max_steps=8)

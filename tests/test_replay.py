@@ -4,7 +4,6 @@ as it would have been."""
 
 from __future__ import annotations
 
-import math
 import random
 import tempfile
 import warnings
@@ -17,49 +16,9 @@ from torch import nn
 from layerwatch import Inspector
 from layerwatch.replay import SavedState
 from layerwatch.schedule import at_steps
-from models import compile_as
+from models import FAULT_STEP, BackwardFaultAt, FaultAt, compile_as, make_model, same_tensors, train_steps
 
-FAULT_STEP = 7
 STEPS = 10
-
-
-class FaultAt(nn.Module):
-    """Identity, except at step ``step`` (as set in ``now`` by the loop): one value of its output
-    turns to NaN, its input finite. Set by step, not by call, so that a replay of that step
-    makes the NaN again."""
-
-    def __init__(self, step: int = FAULT_STEP) -> None:
-        super().__init__()
-        self.step, self.now = step, -1
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.now != self.step:
-            return x
-        return x * torch.where(torch.arange(x.shape[-1], device=x.device) == 0, math.nan, 1.0)
-
-
-class _NaNGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * math.nan
-
-
-class BackwardFaultAt(FaultAt):
-    """Identity in forward; at step ``step`` its backward returns NaN from a finite gradient."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _NaNGradient.apply(x) if self.now == self.step else x
-
-
-def make_model(fault: FaultAt) -> nn.Sequential:
-    """The issue's set-up: Linear, Tanh, Linear, Dropout, the fault, Tanh, BatchNorm, Linear."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Dropout(0.2), fault, nn.Tanh(),
-                         nn.BatchNorm1d(16), nn.Linear(16, 1))
 
 
 class FiniteSGD(torch.optim.Optimizer):
@@ -102,34 +61,6 @@ def run(fault: FaultAt, *, inspect: bool = True, replay: bool = True, optimizer=
     state = [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
     rng = (torch.get_rng_state(), random.getstate(), repr(np.random.get_state()))
     return losses, state, rng, alerts, [str(w.message) for w in seen]
-
-
-def train_steps(call, fault: FaultAt, opt, batches, inspector=None, closure_wrapper=None, replay: bool = True) -> list[str]:
-    """One step per ``(x, y)`` of ``batches``, the MSE of ``call(x)``; with an inspector, its
-    closure handed to ``inspector.replay_with`` first (through ``closure_wrapper``, when given;
-    not with ``replay=False``) and ``inspector.step()`` after it. Returns the losses, exactly
-    (``repr``)."""
-    losses = []
-    for k, (x, y) in enumerate(batches):
-        fault.now = k
-
-        def compute_loss(x=x, y=y):
-            return nn.functional.mse_loss(call(x), y)
-
-        if inspector is not None and replay:
-            inspector.replay_with(compute_loss if closure_wrapper is None else closure_wrapper(compute_loss))
-        loss = compute_loss()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(repr(loss.item()))
-        if inspector is not None:
-            inspector.step()
-    return losses
-
-
-def same_tensors(a, b) -> bool:
-    return len(a) == len(b) and all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(a, b))
 
 
 def offender_alerts(alerts):
@@ -677,9 +608,9 @@ import lightning.pytorch as L
 from lightning.pytorch.loggers import TensorBoardLogger
 from pathlib import Path
 
-from conftest import tolerate_abort_at_exit
+from ranks import tolerate_abort_at_exit
 from layerwatch import InspectCallback
-from lightning_models import LitFaultOnRankOne
+from models import LitFaultOnRankOne
 
 if __name__ == "__main__":
     out = Path({out!r})

@@ -119,8 +119,8 @@ def test_any_layerwatch_tag_counts_as_data(tmp_path, capsys):
 
 
 def test_a_lightning_run_without_the_callback_fails_the_gate(tmp_path):
-    from lightning_models import LitMLP
-    from test_lightning import make_trainer
+    from models import LitMLP
+    from models import make_trainer
 
     make_trainer(tmp_path, [], max_steps=3).fit(LitMLP())
     done = subprocess.run([sys.executable, "-m", "layerwatch", "report", str(tmp_path), "--fail-on", "nonfinite"],

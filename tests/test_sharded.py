@@ -267,7 +267,7 @@ def lightning_worker(rank: int, world: int, out: str, parallel: str) -> None:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from layerwatch import InspectCallback
-    from lightning_models import LitParallel
+    from models import LitParallel
 
     losses = {}
     for inspected in (False, True):

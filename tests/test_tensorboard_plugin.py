@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
-from conftest import read_events
+from event_logs import read_events
 from layerwatch import Inspector
 from models import Poison
 from tb_server import serve
@@ -266,7 +266,7 @@ def test_a_12_layer_transformer_keeps_under_1200_cards_at_the_defaults(tmp_path)
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from layerwatch import InspectCallback
-    from lightning_models import LitTransformer
+    from models import LitTransformer
 
     logger = TensorBoardLogger(tmp_path, name="tfm", version=0)
     L.Trainer(accelerator="cpu", max_steps=3, logger=logger, callbacks=[InspectCallback(every_n_steps=2)],

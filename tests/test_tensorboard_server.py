@@ -6,7 +6,7 @@ import lightning.pytorch as L
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from layerwatch import InspectCallback
-from lightning_models import LitMLP
+from models import LitMLP
 from tb_server import serve
 
 

@@ -9,7 +9,7 @@ import torch
 
 from layerwatch import Inspector
 from models import hook_count, layerwatch_messages, train_through_scaler_overflow
-from zoo import CASES, Case
+from models import CASES, Case
 
 STEPS = 12  # two windows of samples at the default AlertRules: the window rules judge them too
 
@@ -68,7 +68,7 @@ def test_grad_scaler_overflow_is_a_skip_not_a_fault(tmp_path, events):
 
 
 def test_complex_parameter_is_measured_through_real_and_imaginary_parts(tmp_path, events):
-    from zoo import ComplexWeights
+    from models import ComplexWeights
 
     model = ComplexWeights()
     with Inspector(model, log_dir=tmp_path, every_n_steps=1, families=("weights",)) as inspector:
@@ -80,8 +80,8 @@ def test_complex_parameter_is_measured_through_real_and_imaginary_parts(tmp_path
 @pytest.mark.parametrize("case", ["structured outputs", "LSTM and GRU", "checkpoint", "frozen backbone"])
 def test_awkward_models_through_the_callback(case, tmp_path, events):
     from layerwatch import InspectCallback
-    from lightning_models import LitZoo
-    from test_lightning import make_trainer
+    from models import LitZoo
+    from models import make_trainer
 
     def fit(callbacks, root):
         torch.manual_seed(0)

@@ -42,6 +42,17 @@ class Snapshot:
     strides: list[list[int]] = field(default_factory=list)
 
 
+def free_memory(device: torch.device) -> Optional[int]:
+    """The bytes a snapshot may take on ``device``: on a GPU its free memory, and what its
+    caching allocator holds unused, less ``CUDA_MARGIN`` of its memory; None elsewhere (no
+    limit but ``memory_budget``)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free + unused - CUDA_MARGIN * total)
+
+
 class ParameterFamilies:
     """Reads the weights, gradients and updates of the parameters this rank measures.
 
@@ -125,7 +136,7 @@ class ParameterFamilies:
         self._held_bytes += sum([t.numel() * t.element_size() for _, _, copies in snapshot.groups for t in copies or []])
         return snapshot
 
-    def _fits(self, tensors: list[torch.Tensor]) -> bool:
+    def _fits(self, tensors: list[torch.Tensor]) -> bool:  # (free_memory: the seam a test scripts)
         """Whether whole copies of ``tensors`` fit: within ``memory_budget`` with what this
         step's snapshots hold already, and on each GPU within its free memory (and what its
         caching allocator holds unused) less a margin."""
@@ -138,11 +149,9 @@ class ParameterFamilies:
             if self._held_bytes + sum(needed.values()) > allowed:
                 return False
         for device, size in needed.items():
-            if device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(device)
-                unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-                if size > free + unused - CUDA_MARGIN * total:
-                    return False
+            free = free_memory(device)
+            if free is not None and size > free:
+                return False
         return True
 
     def _say_estimating(self, estimated: bool, step: int) -> None:
