@@ -64,8 +64,8 @@ def series_key(family: str, stat: str) -> str:
 
 
 def stat_prefix(family: str, stat: str) -> str:
-    """The prefix of a per-tensor statistic's tags: ``weights_norm/``."""
-    return series_key(family, stat) + "/"
+    """The prefix of a per-tensor statistic's tags: ``weights_norm/`` (its series key and a ``/``)."""
+    return f"{family}_{stat}/"
 
 
 def stat_tag(family: str, stat: str, name: str) -> str:
