@@ -20,6 +20,20 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning.pytorch as L
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from layerwatch.budget import Pacer
+
+
+MEASURED_IDEAL = Pacer.ideal
+
+
+def scripted_ideal(wanted: Callable[[], float]) -> Callable[[Pacer], Optional[float]]:
+    """A ``Pacer.ideal`` that says ``wanted()`` once the real one knows a sample's cost, and None
+    (no interval yet) before: the overhead budget's choices, scripted."""
+    def ideal(pacer: Pacer) -> Optional[float]:
+        return None if MEASURED_IDEAL(pacer) is None else wanted()
+
+    return ideal
+
 
 class MLP(nn.Module):
     def __init__(self, d_in: int = 8, hidden: int = 16, d_out: int = 4) -> None:
@@ -912,10 +926,7 @@ class ScriptedBudget(L.Callback):
         self.sampled: list[int] = []
 
     def setup(self, trainer, pl_module, stage) -> None:
-        from layerwatch.budget import Pacer
-
-        wanted = self.ideals[trainer.global_rank]
-        Pacer.ideal = lambda pacer: None if not pacer._costs_s else wanted
+        Pacer.ideal = scripted_ideal(lambda: self.ideals[trainer.global_rank])
 
     def _inspect(self, trainer):
         from layerwatch import InspectCallback

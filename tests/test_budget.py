@@ -14,7 +14,7 @@ from layerwatch import Inspector
 from layerwatch.budget import MAX_INTERVAL, Pacer, grid_index, grid_value
 from layerwatch.options import validate_options
 from layerwatch import params
-from models import MLP, train
+from models import MLP, scripted_ideal, train
 
 INTERVAL_TAG = "layerwatch/sample_interval"
 
@@ -134,11 +134,7 @@ def run(tmp_path, steps, *, ideal_at, monkeypatch, nan_at=None, state=None, **op
     """Train an MLP under the default schedule with ``Pacer.ideal`` scripted per step; returns
     the inspector, the steps written and their logged intervals."""
     current = {"step": 0}
-
-    def ideal(self):
-        return None if not self._costs_s else ideal_at(current["step"])
-
-    monkeypatch.setattr(Pacer, "ideal", ideal)
+    monkeypatch.setattr(Pacer, "ideal", scripted_ideal(lambda: ideal_at(current["step"])))
     model = MLP()
     written = {}
     inspector = Inspector(model, log_dir=tmp_path, **options)

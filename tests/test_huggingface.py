@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from layerwatch.huggingface import InspectTrainerCallback  # noqa: E402
-from models import hook_count, layerwatch_messages  # noqa: E402
+from models import hook_count, layerwatch_messages, scripted_ideal  # noqa: E402
 
 VOCAB, SEQ = 128, 16
 
@@ -86,7 +86,7 @@ def test_same_losses_and_weights_one_run_and_no_hook_left(kind, tmp_path, events
 def test_the_default_overhead_budget_samples_hfs_first_two_steps_then_multiples(tmp_path, events, monkeypatch):
     from layerwatch.budget import Pacer
 
-    monkeypatch.setattr(Pacer, "ideal", lambda pacer: None if not pacer._costs_s else 3.0)  # every 5 steps
+    monkeypatch.setattr(Pacer, "ideal", scripted_ideal(lambda: 3.0))  # every 5 steps
     train(tiny("gpt2"), tmp_path, [InspectTrainerCallback()], max_steps=11)
     (run,) = event_dirs(tmp_path)
     logged = {e.step: e.value for e in events(run).Scalars("layerwatch/sample_interval")}

@@ -10,7 +10,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from layerwatch import InspectCallback
 from layerwatch.budget import Pacer
-from models import LitMLP, TwoOptimizers, dataset, make_trainer
+from models import LitMLP, TwoOptimizers, dataset, make_trainer, scripted_ideal
 
 
 def test_layer_charts_share_the_run_with_the_modules_own_metrics(tmp_path, events):
@@ -98,7 +98,7 @@ def test_resume_continues_the_schedule_without_repeats(tmp_path, events):
 
 
 def test_a_resumed_run_goes_on_with_the_overhead_budgets_interval(tmp_path, events, monkeypatch):
-    monkeypatch.setattr(Pacer, "ideal", lambda pacer: None if not pacer._costs_s else 3.0)  # every 5 steps
+    monkeypatch.setattr(Pacer, "ideal", scripted_ideal(lambda: 3.0))  # every 5 steps
     first = make_trainer(tmp_path, [InspectCallback()], max_steps=12)
     first.fit(LitMLP())
     ckpt = tmp_path / "mid.ckpt"
@@ -106,7 +106,7 @@ def test_a_resumed_run_goes_on_with_the_overhead_budgets_interval(tmp_path, even
     saved = torch.load(ckpt, weights_only=False)["callbacks"]["InspectCallback"]
     assert saved == {"last_written_step": 10, "sample_interval": 5}
 
-    monkeypatch.setattr(Pacer, "ideal", lambda pacer: None if not pacer._costs_s else 15.0)  # now every 20
+    monkeypatch.setattr(Pacer, "ideal", scripted_ideal(lambda: 15.0))  # now every 20
     second = make_trainer(tmp_path, [InspectCallback()], max_steps=30)
     second.fit(LitMLP(), ckpt_path=ckpt)
     logged = {e.step: e.value for e in events(second.logger.log_dir).Scalars("layerwatch/sample_interval")}

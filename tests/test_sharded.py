@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from layerwatch import Inspector
-from models import MLP, hook_count, tab_values
+from models import MLP, hook_count, scripted_ideal, tab_values
 from ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
@@ -666,8 +666,7 @@ def budget_worker(rank: int, world: int, out: str) -> None:
 
     from layerwatch.budget import Pacer
 
-    wanted = 3.0 if rank == 0 else 1.0
-    Pacer.ideal = lambda pacer: None if not pacer._costs_s else wanted
+    Pacer.ideal = scripted_ideal(lambda: 3.0 if rank == 0 else 1.0)
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     model = Stack()
