@@ -80,3 +80,18 @@ def test_a_short_budget_run_measures_the_amortized_ratio_at_the_interval_it_chos
     r = run("tfm-tiny", 1.0, steps=4, block=2, warmup=3, calibrate=2)  # the whole budget: a sample every step or two
     assert r["budget"] == 1.0 and r["interval"] in (1, 2, 5) and r["steps"] % r["interval"] == 0
     assert 1 <= r["samples"] <= r["steps"] and r["base_ms"] > 0 and r["amortized"] > 0
+
+
+def test_a_short_load_speed_run_reads_back_every_value_it_wrote(benchmarks, tmp_path, capsys):
+    pytest.importorskip("pandas")
+    import load_speed
+
+    import layerwatch
+
+    load_speed.write_run(tmp_path, layers=6, samples=3)
+    frame = layerwatch.load(tmp_path)
+    per_step = frame[frame.layer != ""].groupby("step").size()
+    # per layer: the weights' and the gradients' default stats (norm, nonfinite), the update ratio
+    # and the five per-module series
+    assert per_step.tolist() == [6 * (2 * 2 + 1 + 5)] * 3
+    assert sorted(frame.step.unique()) == [0, 10, 20]

@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     from layerwatch.alerts import Alert, AlertRules
     from layerwatch.inspector import Inspector
     from layerwatch.lightning import InspectCallback
+    from layerwatch.notebook import load, load_alerts, load_histograms
     from layerwatch.schedule import Schedule, at_steps, dense_then_every, every_n_steps, windowed
     from layerwatch.structure import summarize
     from layerwatch.table import Summary
@@ -18,6 +19,9 @@ if TYPE_CHECKING:
 _HOMES = {
     "Inspector": "layerwatch.inspector",
     "InspectCallback": "layerwatch.lightning",
+    "load": "layerwatch.notebook",
+    "load_histograms": "layerwatch.notebook",
+    "load_alerts": "layerwatch.notebook",
     "summarize": "layerwatch.structure",
     "Summary": "layerwatch.table",
     "AlertRules": "layerwatch.alerts",
@@ -29,7 +33,7 @@ _HOMES = {
     "dense_then_every": "layerwatch.schedule",
 }
 __all__ = [
-    "Inspector", "InspectCallback", "summarize", "Summary", "AlertRules", "Alert",
+    "Inspector", "InspectCallback", "load", "load_histograms", "load_alerts", "summarize", "Summary", "AlertRules", "Alert",
     "Schedule", "every_n_steps", "at_steps", "windowed", "dense_then_every",
 ]  # spelled out (not list(_HOMES)) so that tools see what the package exports
 __version__ = "0.1.0"

@@ -77,6 +77,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="exit with status 1 when alerts of these kinds exist (dead, stuck, exploding, vanishing, nonfinite, any); "
         "with status 2 when LOGDIR holds no layerwatch data to judge",
     )
+    export = commands.add_parser(
+        "export",
+        help="write layerwatch's data in a log directory as three tables: scalars, histograms, alerts",
+        description="Read every run under LOGDIR (as layerwatch.load, load_histograms and load_alerts do) and "
+        "write scalars, histograms and alerts into OUT as CSV (default) or Parquet files.",
+    )
+    export.add_argument("logdir", metavar="LOGDIR", help="a TensorBoard log directory")
+    export.add_argument("--out", required=True, metavar="DIR", help="directory to write the three tables into")
+    export.add_argument("--format", choices=("csv", "parquet"), default="csv", help="file format (default csv)")
+    export.add_argument("--runs", default=None, metavar="GLOB", help="only the runs whose name matches (default: all)")
     args = parser.parse_args(argv)
     if args.command == "demo":
         _check_demo(demo, args)
@@ -87,6 +97,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _summary(summary, args)
     elif args.command == "report":
         return _report(report, args)
+    elif args.command == "export":
+        return _export(export, args)
     return 0
 
 
@@ -132,6 +144,40 @@ def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         kinds = ", ".join(sorted({a["kind"] for a in failing}))
         print(f"layerwatch report: {len(failing)} alert(s) of kind {kinds} (--fail-on {args.fail_on})", file=sys.stderr)
         return 1
+    return 0
+
+
+def _export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The three tables of ``layerwatch.load`` into ``--out``; exits 2 when pandas (or, for
+    Parquet, pyarrow) is missing, naming what to install."""
+    import importlib.util
+
+    from layerwatch.options import writable_dir
+
+    needed = ["pandas"] + (["pyarrow"] if args.format == "parquet" else [])
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        extra = 'pip install "layerwatch[pandas]"' + (" pyarrow" if "pyarrow" in missing else "")
+        print(f"layerwatch export: --format {args.format} needs {' and '.join(missing)}: {extra}", file=sys.stderr)
+        return 2
+    try:
+        out = writable_dir(args.out)
+    except ValueError:
+        parser.error(f"argument --out: cannot create or write to {args.out!r}")
+    from layerwatch.notebook import load, load_alerts, load_histograms
+
+    try:
+        tables = {name: read(args.logdir, args.runs) for name, read in
+                  (("scalars", load), ("histograms", load_histograms), ("alerts", load_alerts))}
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(str(e))
+    for name, frame in tables.items():
+        path = out / f"{name}.{args.format}"
+        if args.format == "csv":
+            frame.to_csv(path, index=False)
+        else:
+            frame.to_parquet(path, index=False)
+        print(f"{path}: {len(frame):,} rows")
     return 0
 
 

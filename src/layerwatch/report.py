@@ -19,13 +19,12 @@ import struct
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
 from layerwatch import rankings
 from layerwatch import vocabulary as V
-from layerwatch.alerts import parse_alerts_markdown
 from layerwatch.tensorboard_plugin.metadata import Reader
 
 _NORMS = {family: V.series_key(family, "norm") for family in V.TENSOR_FAMILIES}  # series keys
@@ -33,7 +32,7 @@ _NONFINITE = tuple(V.series_key(family, "nonfinite") for family in V.TENSOR_FAMI
 _TIMES = V.TIME_SERIES
 _BYTES = V.MEMORY_SERIES
 _SERIES = (*_NORMS.values(), *_NONFINITE, *_TIMES, *_BYTES)
-_CARD_PREFIXES = (*(key + "/" for key in _SERIES), V.RUN_WIDE)  # a log written before the tab existed has these
+CARD_PREFIXES = (*(key + "/" for key in _SERIES), V.RUN_WIDE)  # a log written before the tab existed has these
 _ALERTS_TEXT = V.ALERTS + "/text_summary"  # the tag torch's text builder gives layerwatch/alerts
 # A run holds layerwatch data when any tag has one of these prefixes ("layerwatch/": the run-wide
 # scalars and texts, and the tensors of the TensorBoard plugin named "layerwatch").
@@ -97,28 +96,45 @@ def build_report(logdir: str | os.PathLike) -> dict[str, Any]:
     return {"logdir": str(logdir), "alerts": alerts, "runs": runs}
 
 
-def _events(path: Path) -> Iterator[Any]:
-    """The ``Event`` protos of one event file, in order."""
-    from google.protobuf.message import DecodeError
-    from tensorboard.compat.proto.event_pb2 import Event
+def records(path: Path, on_cut: Optional[Callable[[Path, int], None]] = None) -> Iterator[tuple[int, bytes]]:
+    """The records of one event file (TFRecord: each an ``Event``'s bytes) and the byte each
+    starts at, in order. A record
+    cut short (a run still being written, or killed) ends the file: ``on_cut(path, offset)``
+    is told. A length whose checksum fails ends it too, with a warning."""
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
     with open(path, "rb") as f:
         while True:
             header = f.read(12)  # uint64 length, uint32 masked CRC of the length
+            if not header:
+                return
             if len(header) < 12:
+                if on_cut is not None:
+                    on_cut(path, f.tell() - len(header))
                 return
             length, length_crc = struct.unpack("<QI", header)
             if masked_crc32c(header[:8]) != length_crc:
-                warnings.warn(f"layerwatch report: {path} is damaged after {f.tell() - 12} bytes; read up to there")
+                warnings.warn(f"layerwatch: {path} is damaged after {f.tell() - 12} bytes; read up to there")
                 return
+            start = f.tell() - 12
             data = f.read(length)
             if len(f.read(4)) < 4 or len(data) < length:
-                return  # cut short: still being written
-            try:
-                yield Event.FromString(data)
-            except DecodeError:
-                warnings.warn(f"layerwatch report: {path} has a damaged record at byte {f.tell() - length - 16}; skipped")
+                if on_cut is not None:
+                    on_cut(path, start)
+                return
+            yield start, data
+
+
+def _events(path: Path) -> Iterator[Any]:
+    """The ``Event`` protos of one event file, in order (a damaged record skipped)."""
+    from google.protobuf.message import DecodeError
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    for start, data in records(path):
+        try:
+            yield Event.FromString(data)
+        except DecodeError:
+            warnings.warn(f"layerwatch report: {path} has a damaged record at byte {start}; skipped")
 
 
 def _read(files: list[Path]) -> _Run:
@@ -136,7 +152,7 @@ def _read(files: list[Path]) -> _Run:
                         run.other_tags.add(value.tag)
                 kind = value.WhichOneof("value")
                 if kind == "simple_value":
-                    if value.tag.startswith(_CARD_PREFIXES):
+                    if value.tag.startswith(CARD_PREFIXES):
                         run.scalars.setdefault(value.tag, []).append((step, value.simple_value))
                 elif kind == "tensor" and value.tag.startswith((V.SERIES, V.LAYOUT)):
                     run.tab.add_tensor(step, event.wall_time, value.tag, value.tensor)
@@ -147,6 +163,8 @@ def _read(files: list[Path]) -> _Run:
 
 
 def _summarize(name: str, run: _Run) -> dict[str, Any]:
+    from layerwatch.alerts import parse_alerts_markdown  # here: the rest of the report needs no torch
+
     alerts = [] if run.alerts_text is None else [a.as_dict() for a in parse_alerts_markdown(run.alerts_text[1])]
     tables = {key: _series_table(run, key) for key in _SERIES}
     steps = sorted({step for series in run.scalars.values() for step, _ in series} | set(run.tab.steps()))

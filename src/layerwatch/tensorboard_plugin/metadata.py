@@ -115,9 +115,12 @@ class Reader:
         series = self.series(key)
         steps = sorted(series)
         rows: dict[str, int] = {}
+        seen: set[int] = set()  # the steps of one layout share its list of names
         for names in [self._latest_layout().get(key, []), *(names for names, _ in series.values())]:
-            for name in names:
-                rows.setdefault(name, len(rows))
+            if id(names) not in seen:
+                seen.add(id(names))
+                for name in names:
+                    rows.setdefault(name, len(rows))
         matrix = np.full((len(rows), len(steps)), -np.inf, dtype="<f4")
         index_of: dict[int, np.ndarray] = {}  # one index array per distinct names list
         for column, step in enumerate(steps):
