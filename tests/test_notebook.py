@@ -7,7 +7,6 @@ import warnings
 
 import numpy as np
 import pytest
-import torch
 
 pd = pytest.importorskip("pandas")
 
@@ -196,5 +195,4 @@ def test_torch_is_not_needed_to_read(tmp_path):
     inspected_run(tmp_path)
     code = ("import sys; sys.modules['torch'] = None; import layerwatch; "
             f"df = layerwatch.load({str(tmp_path)!r}); assert len(df) > 0")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
-    assert torch  # (the writer side, above, needs it)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)  # raises when the read fails

@@ -52,7 +52,7 @@ ALERTS_TEXT = V.ALERTS + "/text_summary"  # the tag torch's text builder gives l
 Runs = Union[str, Sequence[str], None]
 
 _MARK = V.RUN_WIDE.encode()
-_WALL_AND_STEP = struct.Struct("<d")
+_WALL_TIME = struct.Struct("<d")  # Event.wall_time: a little-endian double
 
 
 def load(logdir: str | os.PathLike, runs: Runs = None) -> "pd.DataFrame":
@@ -223,7 +223,7 @@ def _head(data: bytes) -> Optional[tuple[float, int]]:
     write it (field 1, a double, then field 2, a varint); None for any other layout."""
     if len(data) < 11 or data[0] != 0x09 or data[9] != 0x10:
         return None
-    (wall,) = _WALL_AND_STEP.unpack_from(data, 1)
+    (wall,) = _WALL_TIME.unpack_from(data, 1)
     step, shift, i = 0, 0, 10
     while i < len(data):
         byte = data[i]
