@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 SCALAR_COLUMNS = ["run", "step", "series", "layer", "value"]
 HISTOGRAM_COLUMNS = ["run", "step", "tensor", "bucket", "left", "right", "count", "min", "max", "num"]
 ALERT_COLUMNS = ["run", "step", "kind", "layer", "message"]
-ALERTS_TEXT = V.ALERTS + "/text_summary"  # the tag torch's text builder gives layerwatch/alerts
 Runs = Union[str, Sequence[str], None]
 
 _MARK = V.RUN_WIDE.encode()
@@ -99,9 +98,7 @@ def load_histograms(logdir: str | os.PathLike, runs: Runs = None) -> "pd.DataFra
                 event = _event(data)
                 for value in event.summary.value:
                     if value.HasField("histo"):
-                        key = (value.tag, event.step)
-                        if key not in latest or latest[key][0] <= event.wall_time:
-                            latest[key] = (event.wall_time, value.histo)
+                        _keep_later(latest, (value.tag, event.step), event.wall_time, value.histo)
         if latest:
             frames.append(_histogram_frame(pd, name, sorted(latest.items(), key=lambda item: (item[0][1], item[0][0]))))
     return _concat(pd, frames, HISTOGRAM_COLUMNS, {"step": np.int64, "bucket": np.int64})
@@ -192,9 +189,8 @@ def _scan(files: list[Path], cut: "_Cut") -> _Scan:
             for value in event.summary.value:
                 if value.WhichOneof("value") == "simple_value" and value.tag.startswith(CARD_PREFIXES) \
                         and not value.tag.startswith(V.RUN_WIDE):
-                    by_step = scan.per_layer_cards.setdefault(value.tag, {})
-                    if event.step not in by_step or by_step[event.step][0] <= event.wall_time:
-                        by_step[event.step] = (event.wall_time, value.simple_value)
+                    _keep_later(scan.per_layer_cards.setdefault(value.tag, {}), event.step, event.wall_time,
+                                value.simple_value)
                     scan.layerwatch = True
     return scan
 
@@ -205,17 +201,22 @@ def _keep(scan: _Scan, wall: float, step: int, value: Any) -> None:
         return
     kind = value.WhichOneof("value")
     if kind == "simple_value":
-        by_step = scan.run_wide.setdefault(tag, {})
-        if step not in by_step or by_step[step][0] <= wall:
-            by_step[step] = (wall, value.simple_value)
+        _keep_later(scan.run_wide.setdefault(tag, {}), step, wall, value.simple_value)
         scan.layerwatch = True
     elif kind == "tensor" and tag.startswith((V.SERIES, V.LAYOUT, V.EVENTS)):
         scan.tab.add_tensor(step, wall, tag, value.tensor)
         scan.layerwatch = True
-    elif kind == "tensor" and tag == ALERTS_TEXT and value.tensor.string_val:
+    elif kind == "tensor" and tag == V.ALERTS_TEXT and value.tensor.string_val:
         if scan.alerts_text is None or step >= scan.alerts_text[0]:
             scan.alerts_text = (step, value.tensor.string_val[0].decode("utf-8", "replace"))
         scan.layerwatch = True
+
+
+def _keep_later(kept: dict[Any, tuple[float, Any]], key: Any, wall: float, value: Any) -> None:
+    """``kept[key] = (wall, value)`` unless a later write of ``key`` is kept already: a step
+    written twice (a resumed run) keeps its later values."""
+    if key not in kept or kept[key][0] <= wall:
+        kept[key] = (wall, value)
 
 
 def _head(data: bytes) -> Optional[tuple[float, int]]:

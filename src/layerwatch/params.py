@@ -136,7 +136,7 @@ class ParameterFamilies:
         self._held_bytes += sum([t.numel() * t.element_size() for _, _, copies in snapshot.groups for t in copies or []])
         return snapshot
 
-    def _fits(self, tensors: list[torch.Tensor]) -> bool:  # (free_memory: the seam a test scripts)
+    def _fits(self, tensors: list[torch.Tensor]) -> bool:
         """Whether whole copies of ``tensors`` fit: within ``memory_budget`` with what this
         step's snapshots hold already, and on each GPU within its free memory (and what its
         caching allocator holds unused) less a margin."""

@@ -75,7 +75,9 @@ def build(
             _add_tensor_family(rec, family, names, family_rows, stats, bins)
     if rows.get("grads"):
         rec.scalars[GRAD_NORM] = S.Rows(np.concatenate([r for _, r in rows["grads"]])).total_norm()
-    weight_norms = {name: norm for names, r in rows.get("weights", ()) for name, norm in zip(names, S.Rows(r).norm)}
+    weight_norms = {} if not rows.get("update") else {  # the weights' own norms, for the exact ratios
+        name: norm for names, r in rows.get("weights", ()) for name, norm in zip(names, S.Rows(r).norm)
+    }
     for family, estimated in (("update", False), ("update_estimate", True)):
         for names, (deltas, after_norms) in rows.get(family, ()):
             ratios = update_ratios(names, deltas, after_norms, {} if estimated else weight_norms)

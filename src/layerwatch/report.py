@@ -33,7 +33,6 @@ _TIMES = V.TIME_SERIES
 _BYTES = V.MEMORY_SERIES
 _SERIES = (*_NORMS.values(), *_NONFINITE, *_TIMES, *_BYTES)
 CARD_PREFIXES = (*(key + "/" for key in _SERIES), V.RUN_WIDE)  # a log written before the tab existed has these
-_ALERTS_TEXT = V.ALERTS + "/text_summary"  # the tag torch's text builder gives layerwatch/alerts
 # A run holds layerwatch data when any tag has one of these prefixes ("layerwatch/": the run-wide
 # scalars and texts, and the tensors of the TensorBoard plugin named "layerwatch").
 _LAYERWATCH_PREFIXES = (
@@ -156,7 +155,7 @@ def _read(files: list[Path]) -> _Run:
                         run.scalars.setdefault(value.tag, []).append((step, value.simple_value))
                 elif kind == "tensor" and value.tag.startswith((V.SERIES, V.LAYOUT)):
                     run.tab.add_tensor(step, event.wall_time, value.tag, value.tensor)
-                elif kind == "tensor" and value.tag == _ALERTS_TEXT and value.tensor.string_val:
+                elif kind == "tensor" and value.tag == V.ALERTS_TEXT and value.tensor.string_val:
                     if run.alerts_text is None or step >= run.alerts_text[0]:
                         run.alerts_text = (step, value.tensor.string_val[0].decode("utf-8", "replace"))
     return run

@@ -210,11 +210,15 @@ def _plan(share: list[Piece]) -> Optional[list[Group]]:
     a plain tensor (no DTensor to take the local part of); else None."""
     if any(values is not None or is_dtensor(p) for _, p, values in share):
         return None
-    groups: dict[tuple[torch.device, torch.dtype], Group] = {}
-    for name, p, _ in share:
-        params, names = groups.setdefault((p.device, p.dtype), ([], []))
-        params.append(p)
-        names.append(name)
+    params = [p for _, p, _ in share]
+    return [([params[i] for i in indices], [share[i][0] for i in indices]) for indices in _by_device_and_dtype(params)]
+
+
+def _by_device_and_dtype(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """The indices of ``tensors``, grouped by device and dtype (one fused norm each)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
     return list(groups.values())
 
 
@@ -231,12 +235,7 @@ def fused_norms(tensors: Sequence[torch.Tensor], ord: int = 2) -> list[tuple[lis
     accumulated in float32 at least: per group, the indices of its tensors and their norms
     (float32, on its device). A norm is NaN or Inf when a value is, and when finite values
     overflow float32: past ~1.8e19 for ``ord=2``, past ~3.4e38 (their sum) for ``ord=1``."""
-    groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[torch.Tensor]]] = {}
-    for i, t in enumerate(tensors):
-        indices, members = groups.setdefault((t.device, t.dtype), ([], []))
-        indices.append(i)
-        members.append(t)
-    return [(indices, _norms(members, ord)) for indices, members in groups.values()]
+    return [(indices, _norms([tensors[i] for i in indices], ord)) for indices in _by_device_and_dtype(tensors)]
 
 
 def nonfinite_names(named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:

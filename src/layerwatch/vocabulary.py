@@ -31,6 +31,7 @@ PARAMS_LEARNABLE = "layerwatch/params_learnable"
 PARAMS_FROZEN = "layerwatch/params_frozen"
 MACS_PER_STEP = "layerwatch/macs_per_step"
 ALERTS = "layerwatch/alerts"  # the count (scalar) and the table (text)
+ALERTS_TEXT = ALERTS + "/text_summary"  # the tag torch's text builder gives the table
 OPTIMIZER_SKIPPED = "layerwatch/optimizer_skipped"
 NONFINITE_MODULES = "layerwatch/nonfinite_modules"
 FIRST_OFFENDER = "layerwatch/first_offender"  # text
