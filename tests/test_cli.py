@@ -41,6 +41,21 @@ def test_demo_writes_logs_and_names_the_layer_that_injected_a_nan(tmp_path, even
     assert "(replayed from step 25)" in report
 
 
+def test_the_demos_progress_bar_names_its_last_epoch_and_the_run_still_ends_at_steps(tmp_path, events, capsys):
+    import importlib.util
+    import re
+
+    from layerwatch.demo import run_demo
+
+    # 20,000 samples in batches of 10,000: two steps an epoch, so 5 steps end in epoch 2 (of 0..2).
+    run_dir = run_demo(steps=5, log_dir=str(tmp_path / "demo"), every=1, batch=10_000)
+    out = capsys.readouterr().out
+    assert not re.search(r"Epoch \d+/-", out)  # Lightning's bar for a run without max_epochs: "Epoch 2/-2"
+    rich = importlib.util.find_spec("rich") is not None  # Lightning's Rich bar names the last epoch; tqdm's does not
+    assert re.search(r"Epoch 2/2\b" if rich else r"Epoch 2\b", out), out
+    assert [e.step for e in events(run_dir).Scalars("layerwatch/grad_norm")] == [0, 1, 2, 3, 4]  # every step, no more
+
+
 def test_the_demo_fault_layer_is_the_identity_until_it_fires():
     import torch
     from torch import nn

@@ -98,6 +98,10 @@ def run_demo(steps: int = 8000, log_dir: str = "runs/layerwatch-demo", every: in
              inject_nan: Optional[int] = None, batch: int = 128) -> Path:
     """Train ``DemoModule`` for ``steps`` optimizer steps; returns the run directory.
 
+    Lightning's progress bar counts the epochs those steps span: the default 8,000 steps of
+    157 batches an epoch end in epoch 50 of 0..50 ("Epoch 50/50"); the last epoch may stop
+    part of the way through its bar, at ``steps``.
+
     With ``inject_nan``, that step need not be sampled: the NaN sentinel sees its gradients
     go NaN before Adam's step, the callback runs the step's batch again with every probe
     armed, and ``encoder.fault`` is named as the first offender, "replayed from step N". (The
@@ -116,6 +120,9 @@ def run_demo(steps: int = 8000, log_dir: str = "runs/layerwatch-demo", every: in
     logger = TensorBoardLogger(log_dir, name="demo")
     trainer = L.Trainer(
         max_steps=steps,
+        # max_steps ends the run; the epochs it spans only name the last one in the progress
+        # bar ("Epoch 50/50", not Lightning's "Epoch 50/-2" for an unbounded run).
+        max_epochs=math.ceil(steps / len(loader)),
         accelerator="cpu",
         devices=1,
         logger=logger,
