@@ -12,6 +12,7 @@ pd = pytest.importorskip("pandas")
 
 import layerwatch  # noqa: E402
 from layerwatch import InspectCallback, Inspector  # noqa: E402
+from layerwatch import notebook  # noqa: E402
 from layerwatch.cli import main  # noqa: E402
 from layerwatch.notebook import ALERT_COLUMNS, HISTOGRAM_COLUMNS, SCALAR_COLUMNS  # noqa: E402
 from layerwatch.tensorboard_plugin.metadata import Reader  # noqa: E402
@@ -196,3 +197,151 @@ def test_torch_is_not_needed_to_read(tmp_path):
     code = ("import sys; sys.modules['torch'] = None; import layerwatch; "
             f"df = layerwatch.load({str(tmp_path)!r}); assert len(df) > 0")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)  # raises when the read fails
+
+
+# ---------------------------------------------------------------------- load_histograms(tensors=, steps=)
+
+
+@pytest.fixture(scope="module")
+def filtered_run(tmp_path_factory):
+    """An MLP (fc1 -> act -> fc2) sampled at steps 0, 2, 4 and 6, with a histogram of another
+    writer's in the same event file, at every step: its log directory."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    log_dir = tmp_path_factory.mktemp("run")
+    model = MLP()
+    with warnings.catch_warnings(), SummaryWriter(str(log_dir)) as writer:
+        warnings.simplefilter("ignore")
+        with Inspector(model, writer=writer, every_n_steps=2) as inspector:
+            train(model, 7, inspector)
+        for step in range(7):
+            writer.add_histogram("custom/h", np.array([1.0, 2.0, float(step)]), step)
+    return log_dir
+
+
+def tensors_of(frame) -> set:
+    return set(frame.tensor)
+
+
+def subset(full, tensors, steps):
+    """``full``'s rows of these tags and steps, numbered afresh."""
+    return full[full.tensor.isin(tensors) & full.step.isin(steps)].reset_index(drop=True)
+
+
+def test_tensors_choose_by_name_glob_or_whole_tag_and_read_what_reading_everything_reads(filtered_run):
+    full = layerwatch.load_histograms(filtered_run)
+    assert {"weights/fc1.weight", "grads/fc1.weight", "activations/fc1", "custom/h"} <= tensors_of(full)
+    every = set(full.step)
+    cases = {
+        "fc1.weight": {"weights/fc1.weight", "grads/fc1.weight"},  # a name: the weight's and its gradient's
+        "fc1": {"activations/fc1"},  # a module's output; a name is whole, not a prefix
+        "fc*.bias": {"weights/fc1.bias", "grads/fc1.bias", "weights/fc2.bias", "grads/fc2.bias"},
+        "grads/fc2.*": {"grads/fc2.weight", "grads/fc2.bias"},  # with a "/": the whole tag
+        "custom/*": {"custom/h"},  # another writer's histogram, by its tag
+    }
+    for tensors, tags in cases.items():
+        chosen = layerwatch.load_histograms(filtered_run, tensors=tensors)
+        assert tensors_of(chosen) == tags, tensors
+        pd.testing.assert_frame_equal(chosen, subset(full, tags, every))
+    both = layerwatch.load_histograms(filtered_run, tensors=["fc1.weight", "grads/fc2.bias"])
+    assert tensors_of(both) == {"weights/fc1.weight", "grads/fc1.weight", "grads/fc2.bias"}
+    assert "custom/h" not in tensors_of(layerwatch.load_histograms(filtered_run, tensors="*"))  # names are layerwatch's
+
+
+def test_steps_take_a_list_a_range_or_a_slice_and_combine_with_tensors(filtered_run):
+    full = layerwatch.load_histograms(filtered_run)
+    tags = set(full.tensor)
+    assert sorted(set(full.step)) == list(range(7))  # layerwatch's samples at 0, 2, 4, 6; the other writer's at all
+    for steps, expected in (([4, 0], {0, 4}), (np.array([6, 1]), {1, 6}), (range(2, 6), {2, 3, 4, 5}),
+                            (range(6, 0, -3), {3, 6}), (slice(None, None, 3), {0, 3, 6}),
+                            (slice(5, None), {5, 6}), (slice(None, 3), {0, 1, 2}), (slice(1, 7, 2), {1, 3, 5})):
+        chosen = layerwatch.load_histograms(filtered_run, steps=steps)
+        assert set(chosen.step) == expected, steps
+        pd.testing.assert_frame_equal(chosen, subset(full, tags, expected))
+    one = layerwatch.load_histograms(filtered_run, tensors="fc2.weight", steps=[2])
+    pd.testing.assert_frame_equal(one, subset(full, {"weights/fc2.weight", "grads/fc2.weight"}, {2}))
+    assert layerwatch.load_histograms(filtered_run, tensors="fc1", steps=[1, 3]).empty  # steps with no sample of it
+
+
+def test_records_of_other_steps_and_values_of_other_tensors_are_not_parsed(filtered_run, monkeypatch):
+    parsed = []
+    whole = notebook._event
+
+    def counting(data):
+        event = whole(data)
+        parsed.append(event)
+        return event
+
+    def histograms_parsed() -> set:
+        return {(e.step, v.tag.partition("/")[0]) for e in parsed for v in e.summary.value if v.HasField("histo")}
+
+    monkeypatch.setattr(notebook, "_event", counting)
+    assert set(layerwatch.load_histograms(filtered_run, steps=[2, 3]).step) == {2, 3}
+    # A record of another step is passed over by its head. Protobuf leaves a step of 0 out of an
+    # event (layerwatch writes it), so the other writer's step 0 is parsed to learn its step.
+    assert histograms_parsed() == {(2, "weights"), (2, "grads"), (2, "activations"), (2, "custom"), (3, "custom"),
+                                   (0, "custom")}
+    parsed.clear()
+    assert len(layerwatch.load_histograms(filtered_run, tensors=["fc1.weight", "custom/h"])) > 0
+    assert histograms_parsed() == {(0, "custom")}  # layerwatch's records: a byte scan, none parsed whole
+
+
+def test_tensors_matching_no_histogram_name_some_that_exist(filtered_run):
+    with pytest.raises(ValueError, match=r"no histogram under .* matches tensors='fc9\.weight'; its histograms are "
+                                         r"activations/\(root\), activations/act, .* and \d+ more"):
+        layerwatch.load_histograms(filtered_run, tensors="fc9.weight")
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"tensors": 3}, TypeError, r"tensors must be a tensor's name or a glob, or a list of them; got 3$"),
+    ({"tensors": b"fc1"}, TypeError, r"tensors must be a tensor's name or a glob, or a list of them; got b'fc1'"),
+    ({"tensors": ["fc1.weight", 5]}, TypeError, r"tensors must hold tensor names or globs \(strings\); got 5 \(int\) "
+                                                r"in \['fc1\.weight', 5\]"),
+    ({"tensors": []}, ValueError, r"tensors=\[\] chooses no histogram; leave it out \(None\) for every one"),
+    ({"tensors": ["fc1", ""]}, ValueError, r"tensors holds an empty name: \['fc1', ''\]"),
+    ({"steps": 4}, TypeError, r"steps must be a list of step numbers, a range or a slice, got 4: for step 4 alone pass "
+                              r"\[4\]; for the steps before it, range\(4\)"),
+    ({"steps": "4"}, TypeError, r"steps must be a list of step numbers, a range or a slice, got '4'"),
+    ({"steps": [0, 1.5]}, TypeError, r"steps must hold step numbers \(ints\); got 1\.5 \(float\)"),
+    ({"steps": [True]}, TypeError, r"got True \(bool\)"),
+    ({"steps": [2, -1]}, ValueError, r"steps=\[2, -1\] holds a negative step \(-1\); steps are numbered from 0, and a "
+                                     r"negative one does not count from the end"),
+    ({"steps": slice(-3, None)}, ValueError, r"steps=slice\(-3, None, None\) holds a negative step \(-3\)"),
+    ({"steps": range(-2, 3)}, ValueError, r"holds a negative step \(-2\)"),
+    ({"steps": slice(0, 10, 0)}, ValueError, r"steps=slice\(0, 10, 0\): the slice's step must be >= 1"),
+    ({"steps": slice(0, 2.5)}, TypeError, r"steps=slice\(0, 2\.5, None\): a slice of step numbers takes ints or None, "
+                                          r"got 2\.5"),
+    ({"steps": range(5, 5)}, ValueError, r"steps=range\(5, 5\) chooses no step; leave it out \(None\) for every one"),
+    ({"steps": []}, ValueError, r"steps=\[\] chooses no step"),
+])
+def test_bad_tensors_and_steps_are_named_before_anything_is_read(tmp_path, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        layerwatch.load_histograms(tmp_path / "missing", **kwargs)  # refused before the directory is looked at
+
+
+def test_export_writes_the_chosen_histograms_and_every_scalar(filtered_run, tmp_path, capsys):
+    out = tmp_path / "tables"
+    assert main(["export", str(filtered_run), "--out", str(out), "--tensors", "fc1.weight,grads/fc2.*", "--steps", "1:5"]) == 0
+    written = pd.read_csv(out / "histograms.csv")
+    expected = layerwatch.load_histograms(filtered_run, tensors=["fc1.weight", "grads/fc2.*"], steps=slice(1, 5))
+    assert set(written.tensor) == {"weights/fc1.weight", "grads/fc1.weight", "grads/fc2.weight", "grads/fc2.bias"}
+    assert sorted(set(written.step)) == [2, 4] and len(written) == len(expected)
+    assert len(pd.read_csv(out / "scalars.csv")) == len(layerwatch.load(filtered_run))  # the filters are the histograms' only
+    capsys.readouterr()
+    assert main(["export", str(filtered_run), "--out", str(tmp_path / "t2"), "--steps", "6,0"]) == 0
+    assert set(pd.read_csv(tmp_path / "t2" / "histograms.csv").step) == {0, 6}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "x"], "argument --steps: expected step numbers (N,N,...) or START:STOP[:STEP], got 'x'"),
+    (["--steps", "1:2:3:4"], "argument --steps: expected step numbers (N,N,...) or START:STOP[:STEP], got '1:2:3:4'"),
+    (["--steps=-1"], "steps=[-1] holds a negative step (-1); steps are numbered from 0, and a negative one does "
+                     "not count from the end"),
+    (["--steps", "0:10:0"], "steps=slice(0, 10, 0): the slice's step must be >= 1"),
+    (["--tensors", ","], "tensors=[] chooses no histogram; leave it out (None) for every one"),
+])
+def test_export_names_bad_filters(filtered_run, tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", str(filtered_run), "--out", str(tmp_path / "t")] + argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"layerwatch export: error: {message}"

@@ -6,7 +6,7 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from layerwatch import __version__
 
@@ -28,6 +28,25 @@ def _step(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a step number (an integer >= 0), got {text!r}") from None
+
+
+def _step_choice(text: str) -> Union[list[int], slice]:
+    """``--steps``: ``N,N,...`` (a list) or ``START:STOP[:STEP]`` (a slice; either end may be
+    left empty). The values are checked where they are used (``load_histograms``)."""
+    try:
+        if ":" not in text:
+            return [int(n) for n in text.split(",")]
+        parts = [int(n) if n.strip() else None for n in text.split(":")]
+        if len(parts) <= 3:
+            return slice(*parts)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected step numbers (N,N,...) or START:STOP[:STEP], got {text!r}")
+
+
+def _names(text: str) -> list[str]:
+    """``--tensors``: ``GLOB[,GLOB]``."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -87,6 +106,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     export.add_argument("--out", required=True, metavar="DIR", help="directory to write the three tables into")
     export.add_argument("--format", choices=("csv", "parquet"), default="csv", help="file format (default csv)")
     export.add_argument("--runs", default=None, metavar="GLOB", help="only the runs whose name matches (default: all)")
+    export.add_argument(
+        "--tensors", type=_names, default=None, metavar="GLOB[,GLOB]",
+        help="only these histograms: tensor names or globs (h.*.mlp.c_fc.weight: its weights/ and grads/), or whole "
+        "tags with a / (grads/h.*); the scalars and alerts are written whole",
+    )
+    export.add_argument(
+        "--steps", type=_step_choice, default=None, metavar="STEPS",
+        help="only the histograms of these steps: N,N,... or START:STOP[:STEP] (STOP left out, as in Python; "
+        "1000: is step 1000 on); the scalars and alerts are written whole",
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         _check_demo(demo, args)
@@ -167,8 +196,10 @@ def _export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from layerwatch.notebook import load, load_alerts, load_histograms
 
     try:
-        tables = {name: read(args.logdir, args.runs) for name, read in
-                  (("scalars", load), ("histograms", load_histograms), ("alerts", load_alerts))}
+        # First: it checks --tensors and --steps before anything is read.
+        histograms = load_histograms(args.logdir, args.runs, tensors=args.tensors, steps=args.steps)
+        tables = {"scalars": load(args.logdir, args.runs), "histograms": histograms,
+                  "alerts": load_alerts(args.logdir, args.runs)}
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
     for name, frame in tables.items():

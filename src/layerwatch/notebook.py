@@ -23,18 +23,23 @@ resumed run) read as one run: a step written twice keeps its later values.
 The files are read with the project's own record reader (:func:`layerwatch.report.records`), and
 for :func:`load` and :func:`load_alerts` only the values whose tag starts with
 ``layerwatch/`` are decoded: they are found in each record's bytes, so the cards and
-histograms around them cost a byte scan, not a parse.
+histograms around them cost a byte scan, not a parse. :func:`load_histograms` with
+``tensors=`` finds its histograms the same way, and with ``steps=`` skips a record of another
+step by its head.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import struct
+import sys
 import warnings
 from dataclasses import dataclass, field
+from numbers import Integral
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Container, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
@@ -49,8 +54,12 @@ SCALAR_COLUMNS = ["run", "step", "series", "layer", "value"]
 HISTOGRAM_COLUMNS = ["run", "step", "tensor", "bucket", "left", "right", "count", "min", "max", "num"]
 ALERT_COLUMNS = ["run", "step", "kind", "layer", "message"]
 Runs = Union[str, Sequence[str], None]
+Tensors = Union[str, Iterable[str], None]
+Steps = Union[Iterable[int], range, slice, None]
 
 _MARK = V.RUN_WIDE.encode()
+# The tag prefixes of layerwatch's histograms: weights/, grads/, activations/.
+_HISTOGRAM_MARKS = tuple(V.histogram_tag(family, "").encode() for family in (*V.TENSOR_FAMILIES, "activations"))
 _WALL_TIME = struct.Struct("<d")  # Event.wall_time: a little-endian double
 
 
@@ -81,26 +90,54 @@ def load(logdir: str | os.PathLike, runs: Runs = None) -> "pd.DataFrame":
     return _concat(pd, frames, SCALAR_COLUMNS, {"step": np.int64, "value": np.float64})
 
 
-def load_histograms(logdir: str | os.PathLike, runs: Runs = None) -> "pd.DataFrame":
-    """Every histogram under ``logdir``, one row per (run, step, tensor, bucket): the bucket's
+def load_histograms(logdir: str | os.PathLike, runs: Runs = None, *, tensors: Tensors = None,
+                    steps: Steps = None) -> "pd.DataFrame":
+    """The histograms under ``logdir``, one row per (run, step, tensor, bucket): the bucket's
     ``left`` and ``right`` edges and ``count``, and the histogram's exact ``min``, ``max`` and
     ``num`` (its number of values), as TensorBoard's record holds them. The first bucket's left
     edge is the histogram's ``min``; the counts of a histogram sum to its ``num``.
 
-    Raises: as :func:`load`.
+    Only what is asked for is read: a record of a step not in ``steps`` is skipped by its head,
+    and with ``tensors`` only the chosen histograms of a record are parsed (found by a byte
+    scan of their tags, as :func:`load` finds its values).
+
+        >>> layerwatch.load_histograms("runs", tensors="transformer.h.*.mlp.c_fc.weight",
+        ...                            steps=slice(1000, None))   # doctest: +SKIP
+
+    Args:
+        logdir: A run's directory, or a directory of runs.
+        runs: As :func:`load`.
+        tensors: A tensor's name or a glob, or a list of them; every histogram (another
+            writer's too) by default. One without a ``/`` is matched against the qualified
+            name of layerwatch's histograms (the tag less its family, so a parameter's
+            ``weights/`` and ``grads/`` histograms both, and a module's ``activations/``); one
+            with a ``/`` against the whole tag, the ``tensor`` column
+            (``"grads/transformer.h.*"``).
+        steps: The steps to read: a list (or any iterable) of step numbers, a ``range``, or a
+            ``slice`` read as the range it spells, with an open end allowed
+            (``slice(1000, None)``: step 1000 on); every step by default.
+
+    Raises:
+        ImportError, FileNotFoundError, ValueError: as :func:`load`.
+        TypeError: ``tensors`` or ``steps`` of another type, or holding one (a bare int for
+            ``steps`` among them: ``[100]`` is step 100, ``range(100)`` the steps before it).
+        ValueError: ``tensors`` or ``steps`` that choose nothing or hold a negative step, or
+            ``tensors`` that match none of layerwatch's histograms at the steps read (the
+            message lists some).
     """
     pd = _pandas()
+    chosen, at = _TensorFilter.of(tensors), _chosen_steps(steps)
     frames = []
     for name, files in _select(logdir, runs).items():
         latest: dict[tuple[str, int], tuple[float, Any]] = {}
         with _Cut() as cut:
             for data in _records(files, cut):
-                event = _event(data)
-                for value in event.summary.value:
-                    if value.HasField("histo"):
-                        _keep_later(latest, (value.tag, event.step), event.wall_time, value.histo)
+                for wall, step, value in _histograms(data, chosen, at):
+                    _keep_later(latest, (value.tag, step), wall, value.histo)
         if latest:
             frames.append(_histogram_frame(pd, name, sorted(latest.items(), key=lambda item: (item[0][1], item[0][0]))))
+    if chosen is not None and not frames:
+        chosen.check_found(logdir)
     return _concat(pd, frames, HISTOGRAM_COLUMNS, {"step": np.int64, "bucket": np.int64})
 
 
@@ -180,7 +217,7 @@ def _scan(files: list[Path], cut: "_Cut") -> _Scan:
             wall, step = event.wall_time, event.step
         else:
             wall, step = head
-            values = [Summary.Value.FromString(piece) for piece in _layerwatch_values(data)]
+            values = [Summary.Value.FromString(data[start:end]) for _, start, end in _values(data, (_MARK,))]
         for value in values:
             _keep(scan, wall, step, value)
     if not scan.tab.keys():  # a log written before the tab existed: its cards, parsed whole
@@ -212,6 +249,30 @@ def _keep(scan: _Scan, wall: float, step: int, value: Any) -> None:
         scan.layerwatch = True
 
 
+def _histograms(data: bytes, tensors: Optional["_TensorFilter"], steps: Optional[Container[int]]
+                ) -> Iterator[tuple[float, int, Any]]:
+    """``(wall_time, step, Summary.Value)`` of each chosen histogram of one record. A record of
+    a step not in ``steps`` is passed over by its head; with ``tensors``, only the values whose
+    tag it chooses are parsed, found by :func:`_values`."""
+    head = _head(data)
+    if head is not None and steps is not None and head[1] not in steps:
+        return
+    if head is None or tensors is None:  # every writer's histograms, or a layout of its own: parse it all
+        event = _event(data)
+        if steps is None or event.step in steps:
+            for value in event.summary.value:
+                if value.HasField("histo") and (tensors is None or tensors.chooses(value.tag.encode())):
+                    yield event.wall_time, event.step, value
+        return
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    wall, step = head
+    for _, start, end in _values(data, tensors.marks, tensors.chooses):
+        value = Summary.Value.FromString(data[start:end])
+        if value.HasField("histo"):
+            yield wall, step, value
+
+
 def _keep_later(kept: dict[Any, tuple[float, Any]], key: Any, wall: float, value: Any) -> None:
     """``kept[key] = (wall, value)`` unless a later write of ``key`` is kept already: a step
     written twice (a resumed run) keeps its later values."""
@@ -236,24 +297,34 @@ def _head(data: bytes) -> Optional[tuple[float, int]]:
     return None
 
 
-def _layerwatch_values(data: bytes) -> Iterator[bytes]:
-    """The serialized ``Summary.Value`` entries of an event whose tag starts with
-    ``layerwatch/``: found by a byte scan for the tag, then checked against the bytes before it
-    (``Value``'s key and length, the tag's key and length)."""
-    at = data.find(_MARK)
-    while at >= 0:
-        piece = _value_at(data, at)
-        if piece is not None:
-            start, end = piece
-            yield data[start:end]
-            at = data.find(_MARK, end)
-        else:
-            at = data.find(_MARK, at + 1)
+def _values(data: bytes, marks: tuple[bytes, ...], wanted: Optional[Callable[[bytes], bool]] = None
+            ) -> Iterator[tuple[bytes, int, int]]:
+    """The tag, and where its serialized ``Summary.Value`` starts and ends in ``data``, of each
+    value of an event whose tag starts with one of ``marks`` (and, with ``wanted``, that it
+    wants): found by a byte scan for each mark, then checked against the bytes before it
+    (``Value``'s key and length, the tag's key and length). An unwanted tag is passed over on
+    its own bytes, before that check."""
+    for mark in marks:
+        at = data.find(mark)
+        while at >= 0:
+            # A key then a one-byte length before the mark: the only tag the check could confirm.
+            if wanted is not None and at >= 2 and data[at - 2] == 0x0A and not wanted(data[at:at + data[at - 1]]):
+                at = data.find(mark, at + 1)
+                continue
+            piece = _value_at(data, at)
+            if piece is None:
+                at = data.find(mark, at + 1)
+                continue
+            start, tag_end, end = piece
+            if wanted is None or wanted(data[at:tag_end]):
+                yield data[at:tag_end], start, end
+            at = data.find(mark, end)
 
 
-def _value_at(data: bytes, tag_at: int) -> Optional[tuple[int, int]]:
-    """The ``Summary.Value`` bytes (start, end) whose tag starts at ``tag_at``, or None when the
-    bytes before it are not a value's key, length, tag key and tag length."""
+def _value_at(data: bytes, tag_at: int) -> Optional[tuple[int, int, int]]:
+    """The ``Summary.Value`` whose tag starts at ``tag_at``: where the value starts, where its
+    tag ends and where the value ends; None when the bytes before it are not a value's key,
+    length, tag key and tag length."""
     for tag_len_size in (1, 2):
         tag_key = tag_at - tag_len_size - 1
         if tag_key < 0 or data[tag_key] != 0x0A:
@@ -266,8 +337,8 @@ def _value_at(data: bytes, tag_at: int) -> Optional[tuple[int, int]]:
             if key < 0 or data[key] != 0x0A:
                 continue
             length = _varint(data, key + 1, tag_key)
-            if length is not None and tag_key + tag_len_size + 1 + tag_len <= tag_key + length <= len(data):
-                return tag_key, tag_key + length
+            if length is not None and tag_at + tag_len <= tag_key + length <= len(data):
+                return tag_key, tag_at + tag_len, tag_key + length
     return None
 
 
@@ -331,6 +402,126 @@ def _select(logdir: str | os.PathLike, runs: Runs) -> dict[str, list[Path]]:
     chosen = {name: files for name, files in found.items() if any(fnmatch.fnmatchcase(name, p) for p in patterns)}
     if not chosen:
         raise ValueError(f"no run under {str(root)!r} matches runs={runs!r}; runs found: {', '.join(found)}")
+    return chosen
+
+
+# ---------------------------------------------------------------------- choosing histograms
+
+
+class _TensorFilter:
+    """The histograms ``tensors=`` chooses (see :func:`load_histograms`), and ``marks``: the tag
+    prefixes a record is scanned for. What it decided is kept by tag (``seen``): a run's tags
+    come back at every step."""
+
+    def __init__(self, patterns: list[str]) -> None:
+        self.patterns = patterns
+        by_name = [p for p in patterns if "/" not in p]
+        by_tag = [p for p in patterns if "/" in p]
+        self._name, self._tag = _globs(by_name), _globs(by_tag)
+        marks = set(_HISTOGRAM_MARKS) if by_name else set()
+        for pattern in by_tag:
+            family = pattern.partition("/")[0]
+            marks.update(_HISTOGRAM_MARKS if _is_glob(family) else [f"{family}/".encode()])
+        self.marks = tuple(sorted(marks))
+        self.seen: dict[bytes, bool] = {}
+
+    @classmethod
+    def of(cls, tensors: Tensors) -> Optional["_TensorFilter"]:
+        """The filter of ``tensors`` (None: every histogram).
+
+        Raises:
+            TypeError: ``tensors`` is not a string or an iterable of strings, naming what is not.
+            ValueError: ``tensors`` is empty or holds an empty string.
+        """
+        if tensors is None:
+            return None
+        if isinstance(tensors, str):
+            patterns = [tensors]
+        elif isinstance(tensors, (bytes, bytearray)) or not isinstance(tensors, Iterable):
+            raise TypeError(f"tensors must be a tensor's name or a glob, or a list of them; got {tensors!r}")
+        else:
+            patterns = list(tensors)
+        for pattern in patterns:
+            if not isinstance(pattern, str):
+                raise TypeError(f"tensors must hold tensor names or globs (strings); got {pattern!r} "
+                                f"({type(pattern).__name__}) in {tensors!r}")
+            if not pattern:
+                raise ValueError(f"tensors holds an empty name: {tensors!r}")
+        if not patterns:
+            raise ValueError(f"tensors={tensors!r} chooses no histogram; leave it out (None) for every one")
+        return cls(patterns)
+
+    def chooses(self, tag: bytes) -> bool:
+        """Whether the histogram tagged ``tag`` (its UTF-8 bytes) is chosen."""
+        chosen = self.seen.get(tag)
+        if chosen is None:
+            text = tag.decode("utf-8", "replace")
+            by_name = tag.startswith(_HISTOGRAM_MARKS) and self._name is not None \
+                and self._name.match(text.partition("/")[2]) is not None
+            chosen = self.seen[tag] = by_name or (self._tag is not None and self._tag.match(text) is not None)
+        return chosen
+
+    def check_found(self, logdir: str | os.PathLike) -> None:
+        """Raises ValueError when histograms were read and none was chosen, listing some of them
+        (a misspelt name otherwise reads as an empty table)."""
+        found = sorted(tag.decode("utf-8", "replace") for tag in self.seen if tag.startswith(_HISTOGRAM_MARKS))
+        if found and not any(self.seen.values()):
+            more = f" and {len(found) - 5:,} more" if len(found) > 5 else ""
+            shown = self.patterns[0] if len(self.patterns) == 1 else self.patterns
+            raise ValueError(f"no histogram under {str(logdir)!r} matches tensors={shown!r}; its histograms are "
+                             f"{', '.join(found[:5])}{more}")
+
+
+def _globs(patterns: list[str]) -> Optional["re.Pattern[str]"]:
+    """One regular expression matching what any of the globs ``patterns`` matches (as
+    :func:`fnmatch.fnmatchcase` does), or None for no pattern."""
+    return re.compile("|".join(fnmatch.translate(p) for p in patterns)) if patterns else None
+
+
+def _is_glob(text: str) -> bool:
+    return any(c in text for c in "*?[")
+
+
+def _chosen_steps(steps: Steps) -> Optional[Container[int]]:
+    """The steps ``steps=`` chooses (see :func:`load_histograms`), as a set or a range (a
+    slice's open end runs to ``sys.maxsize``); None for every step.
+
+    Raises:
+        TypeError: ``steps`` is not an iterable of ints, a range or a slice (a bare int is
+            refused: it could mean the step or the steps before it), naming what is not.
+        ValueError: ``steps`` chooses no step or holds a negative one, or a slice's step is below 1.
+    """
+    if steps is None:
+        return None
+    if isinstance(steps, Integral):
+        raise TypeError(f"steps must be a list of step numbers, a range or a slice, got {steps!r}: "
+                        f"for step {steps} alone pass [{steps}]; for the steps before it, range({steps})")
+    if isinstance(steps, slice):
+        bounds = (steps.start, steps.stop, steps.step)
+        bad = next((b for b in bounds if b is not None and (isinstance(b, bool) or not isinstance(b, Integral))), None)
+        if bad is not None:
+            raise TypeError(f"steps={steps!r}: a slice of step numbers takes ints or None, got {bad!r}")
+        if steps.step is not None and steps.step < 1:
+            raise ValueError(f"steps={steps!r}: the slice's step must be >= 1")
+        chosen: Container[int] = range(int(steps.start or 0), sys.maxsize if steps.stop is None else int(steps.stop),
+                                       int(steps.step or 1))
+        least = min((b for b in bounds[:2] if b is not None), default=0)
+    elif isinstance(steps, range):
+        chosen, least = steps, min(steps[0], steps[-1]) if steps else 0
+    elif isinstance(steps, (str, bytes, bytearray)) or not isinstance(steps, Iterable):
+        raise TypeError(f"steps must be a list of step numbers, a range or a slice, got {steps!r}")
+    else:
+        numbers = list(steps)
+        bad = next((n for n in numbers if isinstance(n, bool) or not isinstance(n, Integral)), None)
+        if bad is not None:
+            raise TypeError(f"steps must hold step numbers (ints); got {bad!r} ({type(bad).__name__})")
+        chosen = frozenset(int(n) for n in numbers)
+        least = min(chosen, default=0)
+    if least < 0:
+        raise ValueError(f"steps={steps!r} holds a negative step ({least}); steps are numbered from 0, and a "
+                         "negative one does not count from the end")
+    if not chosen:
+        raise ValueError(f"steps={steps!r} chooses no step; leave it out (None) for every one")
     return chosen
 
 
