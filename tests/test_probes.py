@@ -86,6 +86,29 @@ def test_exact_bytes_returned_and_saved_for_backward(tmp_path, events):
     assert "cuda_alloc_bytes/fc1" not in acc.Tags()["scalars"]  # a GPU measure only
 
 
+@pytest.mark.parametrize("micro_batches", [2, 3])
+def test_saved_bytes_count_every_micro_batch_of_an_accumulated_step(tmp_path, events, micro_batches):
+    """Under gradient accumulation each micro-batch's forward saves its own tensors, and a
+    storage freed by one micro-batch's backward is often handed out again, at the same address,
+    to the next one: each is counted, so the step's value is the single micro-batch's times k."""
+    f32 = 4
+    single = {"fc1": 32 * 8 * f32, "act": 32 * 16 * f32, "fc2": 0, "(root)": 32 * 8 * f32 + 32 * 16 * f32}
+    torch.manual_seed(0)
+    model = MLP(d_in=8, hidden=16, d_out=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1) as inspector:
+        for _ in range(2):  # two optimizer steps, both sampled
+            for _ in range(micro_batches):
+                (model(torch.randn(32, 8)).pow(2).mean() / micro_batches).backward()
+            opt.step()
+            inspector.step()
+            opt.zero_grad()
+    acc = events(tmp_path)
+    for step in (0, 1):
+        assert {name: scalar(acc, f"saved_bytes/{name}", step) for name in single} == {
+            name: micro_batches * nbytes for name, nbytes in single.items()}, step
+
+
 def test_activation_stats_and_histogram_match_numpy(tmp_path, events):
     torch.manual_seed(0)
     model = MLP()

@@ -10,9 +10,10 @@ from torch import nn
 
 class SavedBytes:
     """``saved_tensors_hooks`` around each outermost forward (:meth:`enter`, :meth:`exit`) that
-    add every storage saved for backward, once each and parameters excluded, to the modules
-    ``running`` then (their indices, in ``bytes``). A user's own hooks (an offload, say) still
-    pack every saved tensor: then this only counts."""
+    add every storage saved for backward, once each per outermost forward and parameters
+    excluded, to the modules ``running`` then (their indices, in ``bytes``): the micro-batches
+    of an accumulated step add up, as their ``fwd_ms`` do. A user's own hooks (an offload, say)
+    still pack every saved tensor: then this only counts."""
 
     def __init__(self, parameters: Iterable[nn.Parameter], modules: int, running: Callable[[], Collection[int]]) -> None:
         self.bytes = [0] * modules
@@ -23,6 +24,10 @@ class SavedBytes:
         self._versions = SavedVersions()
 
     def enter(self) -> None:
+        """Opens an outermost forward: what it saves is counted afresh."""
+        # A storage is known by its address, and only while one forward's graph holds it: once
+        # that graph's backward has freed it, the next forward may be given the same address.
+        self._counted.clear()
         outer = enclosing_saved_tensors_hooks()
         if outer is None:
             context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._versions.unpack)
