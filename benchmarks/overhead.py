@@ -23,7 +23,7 @@ on a freshly built model in the same process:
     defaults  Inspector(model, optimizer=opt): every default, i.e. every family (the
               parameter families, the layer table and the per-module probes: latency,
               memory, activations, nonfinite) and the NaN sentinel, whose fused check
-              runs in every off-step's ``inspector.step()`` call
+              runs in every off-step's optimizer step pre-hook
     custom    Inspector(model, optimizer=opt, families=--families, sentinel=not --no-sentinel)
               (only when named in --configs)
 

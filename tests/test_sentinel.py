@@ -59,3 +59,64 @@ def test_a_nan_that_stays_is_found_within_one_rotation(tmp_path, events, monkeyp
     found = [s.step for s in events(tmp_path).Scalars("layerwatch/first_nonfinite_step")]
     assert len(found) == 1 and 5 <= found[0] < 5 + 8
     assert any("2.bias" in str(w.message) or "2.weight" in str(w.message) for w in seen)
+
+
+@pytest.mark.parametrize("optimizer_given", [True, False])
+def test_gradients_cleared_before_the_step_ends_are_checked_before_the_optimizer_step(optimizer_given, tmp_path, events):
+    """``opt.zero_grad()`` after ``opt.step()``, as the Hugging Face Trainer does: with the
+    optimizer given, its step pre-hook checks the gradients it steps with. Without it there is
+    nothing to check at ``inspector.step()``, and the one-step NaN goes unseen by the sentinel
+    (the weights then hold it: the next sample says so)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Inspector(model, log_dir=tmp_path, schedule=at_steps([0]), optimizer=opt if optimizer_given else None) as inspector:
+        for k in range(6):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            loss.backward()
+            if k == 3:
+                model[0].bias.grad[0] = math.nan
+            opt.step()
+            opt.zero_grad()
+            inspector.step()
+    found = [(s.step, s.value) for s in events(tmp_path).Scalars("layerwatch/first_nonfinite_step")] \
+        if "layerwatch/first_nonfinite_step" in events(tmp_path).Tags()["scalars"] else []
+    assert found == ([(3, 3.0)] if optimizer_given else [])
+
+
+@pytest.mark.parametrize("skipped", [True, False])
+def test_a_check_made_before_an_optimizer_step_that_is_then_skipped_is_no_fault(skipped, tmp_path, events):
+    """A door checks the gradients before the optimizer step (Lightning's and the Hugging Face
+    Trainer's hooks come before a GradScaler decides) and learns after it whether the optimizer
+    stepped: an Inf it then skipped is a GradScaler's overflow, not a fault."""
+    import warnings
+
+    from layerwatch.engine import Engine
+    from layerwatch.options import validate_options
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = Engine(model, validate_options(schedule=at_steps([])), log_dir=tmp_path).start()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for k in range(4):
+            engine.begin_step(k)
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            if k == 2:
+                model.weight.grad[0, 0] = math.inf
+            engine.before_optimizer_step()
+            stepped = not (skipped and k == 2)
+            if stepped:
+                opt.step()
+            engine.after_optimizer_step(stepped=stepped)
+            opt.zero_grad()
+            engine.end_step()
+    engine.finish()
+    said = [str(w.message) for w in seen if "the sentinel" in str(w.message)]
+    scalars = events(tmp_path).Tags()["scalars"]
+    if skipped:
+        assert said == [] and "layerwatch/first_nonfinite_step" not in scalars
+    else:
+        assert len(said) == 1 and "NaN/Inf gradients at step 2" in said[0]
+        assert [e.step for e in events(tmp_path).Scalars("layerwatch/first_nonfinite_step")] == [2]

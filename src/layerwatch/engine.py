@@ -7,10 +7,11 @@ small protocol, and nothing private::
     for each optimizer step k:
         engine.begin_step(k)             # k sampled? then the module hooks are armed
         ...forward, backward...
-        engine.before_optimizer_step()   # gradients are final: read them, snapshot the weights
+        engine.before_optimizer_step()   # gradients are final: the NaN sentinel's check; read them,
+                                         # snapshot the weights
         ...optimizer.step()...
         engine.after_optimizer_step()    # weights are final: update ratios, read them
-        engine.end_step()                # the NaN sentinel; a sampled step is written
+        engine.end_step()                # the sentinel's findings; a sampled step is written
     engine.finish()
 
 ``state_dict()`` / ``load_state_dict()`` carry what a resumed run needs (the overhead budget's
@@ -396,17 +397,16 @@ class Engine:
         if not callable(closure):
             raise TypeError(f"closure must be callable, got {type(closure).__name__}")
         if (self._sentinel is not None or self._probes.table_waits) and not self._layout.sharded:
+            self._replay_offered = True
             self._micro_batches.append(MicroBatch(closure, RngState.capture()))
 
     def before_optimizer_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """The gradients of ``optimizer``'s parameters (of every parameter when None) are
         final: read those not read yet this step, and snapshot their weights for the update
         ratios. With several optimizers, call it before each one's step. When the step can be
-        replayed (:meth:`replay_with`), the sentinel checks it here, first."""
+        replayed (:meth:`replay_with`), the sentinel's check is read here, first."""
         started = time.perf_counter()
-        if self._micro_batches:  # before each optimizer's step: a later one's gradients may be new
-            self._sentinel_checked = True
-            self._check_sentinel(before_optimizer_step=True)
+        self._check_sentinel(before_optimizer_step=True)  # before each optimizer's step: a later one's gradients may be new
         sample = self._sample
         if sample is None:
             self._own_s += time.perf_counter() - started
@@ -717,24 +717,35 @@ class Engine:
     # ------------------------------------------------------------------ NaN sentinel
 
     def _check_sentinel(self, before_optimizer_step: bool = False) -> None:
-        """Enqueue this step's check of the gradients; act on the checks that have landed.
-        ``before_optimizer_step``: the step can be replayed, so the check is read at once (on
-        a GPU, a sync) and a finding replays it; the optimizer steps after this (a step a
-        GradScaler skips never gets here). Else at the end of the step, once."""
+        """Enqueue a check of the gradients; act on the checks that have landed.
+
+        ``before_optimizer_step``: the gradients are those the optimizer steps with (every door
+        gets here; some loops clear them before the step ends, as the Hugging Face Trainer
+        does), so this step's check is enqueued here. When the step can be replayed it is read
+        at once (on a GPU, a sync) and a finding replays it: the optimizer steps after this (a
+        door offers no replay where a GradScaler may skip the step). At the end of the step, a
+        step not checked before is checked now, and the checks that have landed are read."""
         sentinel = self._sentinel
         if sentinel is None:
             return
-        stepped = True if before_optimizer_step else self._counter.stepped_since_last_check()
-        if self._sentinel_checked and not before_optimizer_step:
-            return  # checked before the optimizer step already
         step = self._step
-        if self._param_cache is None:
-            self._param_cache = self._layout.parameters(self._model())
-        if self._sentinel_watching is not self._param_cache:  # walked again at a sample: new shares
-            self._sentinel_watching = self._param_cache
-            sentinel.watch(self._param_cache, local)
-        self.failures.run("check the gradients for NaN/Inf", lambda: sentinel.check_next(step, stepped), step)
-        for finding in sentinel.poll(wait=before_optimizer_step):
+        replayable = before_optimizer_step and bool(self._micro_batches)
+        if before_optimizer_step:
+            stepped: Optional[bool] = True if replayable else None  # else settled at the end of the step
+        else:
+            stepped = self._counter.stepped_since_last_check()
+            sentinel.settle(step, stepped)
+        if before_optimizer_step or not self._sentinel_checked:
+            self._sentinel_checked = True
+            if self._param_cache is None:
+                self._param_cache = self._layout.parameters(self._model())
+            if self._sentinel_watching is not self._param_cache:  # walked again at a sample: new shares
+                self._sentinel_watching = self._param_cache
+                sentinel.watch(self._param_cache, local)
+            self.failures.run("check the gradients for NaN/Inf", lambda: sentinel.check_next(step, stepped), step)
+        if before_optimizer_step and not replayable:
+            return
+        for finding in sentinel.poll(wait=replayable):
             if finding.stepped is False:
                 logger.info("layerwatch: step %d: NaN/Inf gradients and no optimizer step (a GradScaler skip)", finding.step)
                 continue
@@ -742,7 +753,7 @@ class Engine:
                 self._finding = self._finding or finding
                 break
             self._sentinel = None  # before the replay: nothing in it checks again
-            if before_optimizer_step and finding.step == step and self._replay(finding):
+            if replayable and finding.step == step and self._replay(finding):
                 break
             self._fault_step = finding.step
             self._force_sample = True
