@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -256,6 +258,67 @@ class BatchNormNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop(self.bn(self.conv(x)))
+
+
+class TinyTransformer(nn.Module):
+    """A token embedding, one pre-norm encoder layer (attention through SDPA, dropout) and a
+    head: a transformer in miniature, for the layer table of a compiled model."""
+
+    def __init__(self, vocab: int = 40, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.block = nn.TransformerEncoderLayer(d, heads, 2 * d, dropout=0.1, batch_first=True, norm_first=True)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.embed(idx)))
+
+
+class Restless(nn.Module):
+    """A forward with the side effects a second forward must not leave behind: its own code
+    draws from Python's and NumPy's generators, dropout from torch's, BatchNorm in train mode
+    updates its running statistics, and its last output is kept as an attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(0.5)
+        self.last: Optional[torch.Tensor] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 1.0 if random.random() + np.random.rand() >= 0 else 0.0
+        self.last = self.drop(self.bn(self.fc(x))) * scale
+        return self.last
+
+
+def run_state(model: nn.Module) -> list:
+    """What a forward run again could change: the generators (torch's, Python's, NumPy's), the
+    buffers, the gradients and the modules' modes."""
+    return [torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy(),
+            *[b.clone() for b in model.buffers()], *[p.grad.clone() for p in model.parameters() if p.grad is not None],
+            [m.training for m in model.modules()]]
+
+
+def same_state(a: list, b: list) -> bool:
+    """Whether two :func:`run_state` are equal, bitwise."""
+    return len(a) == len(b) and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+        for x, y in zip(a, b)
+    )
+
+
+class ReadsOnHost(nn.Module):
+    """A Linear whose output is halved when its largest value passes 100: a forward that reads
+    a value on the host (``.item()``), which cannot run under fake tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y / 2 if y.abs().max().item() > 100 else y
 
 
 class FourBranches(nn.Module):

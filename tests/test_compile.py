@@ -9,8 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from layerwatch import Inspector
-from models import MLP, GradientSpoiler, Spoiler, compile_as, hook_count, layerwatch_messages, spoilable, tab_values
+from layerwatch import Inspector, summarize
+from layerwatch.vocabulary import FAMILIES
+from models import (MLP, BatchNormNet, Chain, GradientSpoiler, ReadsOnHost, Spoiler, TinyTransformer, compile_as, hook_count,
+                    layerwatch_messages, run_state, same_state, spoilable, tab_values)
 
 dynamo = pytest.importorskip("torch._dynamo")
 from torch._dynamo.utils import counters  # noqa: E402
@@ -185,6 +187,138 @@ def test_a_compiled_optimizer_step_is_not_traced_into(tmp_path, events):
     assert [e.step for e in acc.Scalars("fwd_ms/fc1")] == [3, 6]  # probes are eager here (step 0: layer table)
 
 
+# ---------------------------------------------------------------------- the layer table, from input shapes
+
+TABLE_HOWS = ["torch.compile(model)", "model.compile()", "a compiled part"]
+
+
+def dropout_and_batchnorm() -> nn.Module:
+    return Chain(BatchNormNet(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+
+
+def images(g: torch.Generator) -> torch.Tensor:
+    return torch.randn(4, 3, 8, 8, generator=g)
+
+
+def vectors(g: torch.Generator) -> torch.Tensor:
+    return torch.randn(4, 8, generator=g)
+
+
+def tokens(g: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 40, (4, 6), generator=g)
+
+
+TABLE_MODELS = pytest.mark.parametrize("make, batch", [(TinyTransformer, tokens), (dropout_and_batchnorm, images)],
+                                       ids=["transformer", "dropout and batchnorm"])
+
+
+def table_run(log_dir, make, batch, how, *, families=FAMILIES, replay=False, steps=4):
+    """SGD steps of ``make()`` compiled ``how`` ("a compiled part": the model compiled, in a
+    ``Chain`` of its own) in a plain loop, every second step sampled; the inspector (with a
+    ``log_dir``) gets no replay closure unless ``replay``. Returns the losses (exact), the final
+    state, Dynamo's counts, the run's state just before and just after the first sampled step's
+    ``inspector.step()`` (which makes the table) and layerwatch's warnings."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    dynamo.reset()
+    counters.clear()
+    counter = CompileCounterWithBackend("aot_eager")
+    torch.manual_seed(0)
+    model = make()
+    call = Chain(torch.compile(model, backend=counter)) if how == "a compiled part" else compile_as(model, how, counter)
+    compiled_call = model.__dict__.get("_compiled_call_impl")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    batches = [batch(g) for _ in range(steps)]
+    losses, around, after_two = [], [], 0
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        inspector = None if log_dir is None else Inspector(call, log_dir=log_dir, every_n_steps=2, optimizer=opt,
+                                                           families=families).start()
+        for k, x in enumerate(batches):
+            def loss_of(x=x):
+                return call(x).float().pow(2).mean()
+
+            if inspector is not None and replay:
+                inspector.replay_with(loss_of)
+            loss = loss_of()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(repr(loss.item()))
+            if inspector is not None:
+                around += [run_state(model)] if k == 0 else []
+                inspector.step()
+                around += [run_state(model)] if k == 0 else []
+            if k == 1:
+                after_two = counter.frame_count
+        if inspector is not None:
+            inspector.finish()
+    assert hook_count(model, opt) == 0 and model.__dict__.get("_compiled_call_impl") is compiled_call
+    return {
+        "losses": losses, "state": [t.clone() for t in model.state_dict().values()], "around": around,
+        "dynamo": {"graphs": counters["stats"]["unique_graphs"], "frames": counter.frame_count,
+                   "new_frames": counter.frame_count - after_two, "breaks": sum(counters["graph_break"].values()),
+                   "recompiles": sum(counters["recompiles"].values())},
+        "said": layerwatch_messages(seen),
+    }
+
+
+def logged_table(acc) -> tuple[int, str]:
+    """The step and text of the one layer table a run wrote, less the code block's indent."""
+    (table,) = acc.Tensors("layerwatch/structure/text_summary")
+    return table.step, "\n".join(line[4:] for line in table.tensor_proto.string_val[0].decode().splitlines())
+
+
+def eager_table(make, batch, how):
+    """``summarize`` of the model as built, uncompiled, on the run's first batch."""
+    torch.manual_seed(0)
+    model = make()
+    return summarize(Chain(model) if how == "a compiled part" else model, batch(torch.Generator().manual_seed(1)))
+
+
+@TABLE_MODELS
+@pytest.mark.parametrize("how", TABLE_HOWS)
+def test_a_compiled_models_layer_table_comes_from_its_input_shapes_in_a_plain_loop(tmp_path, events, how, make, batch):
+    """No replay closure: the table comes from one forward of the first sampled step's input
+    shapes under fake tensors. It is the eager model's (``summarize``), and the run is as without
+    it: bitwise losses, the generators, buffers, gradients and modes as they were around the
+    step that made it, and not one graph, frame, graph break or recompile more than the same run
+    with the table off."""
+    untabled_families = tuple(f for f in FAMILIES if f != "structure")
+    plain = table_run(None, make, batch, how)
+    untabled = table_run(tmp_path / "untabled", make, batch, how, families=untabled_families)
+    watched = table_run(tmp_path / "watched", make, batch, how)
+    assert watched["losses"] == untabled["losses"] == plain["losses"]
+    assert all(torch.equal(a, b) for a, b in zip(watched["state"], plain["state"]))
+    assert watched["dynamo"] == untabled["dynamo"] and watched["dynamo"]["new_frames"] == 0, (watched, untabled)
+    before, after = watched["around"]
+    assert same_state(before, after)
+    assert len(watched["said"]) == 1 and "torch.compile'd" in watched["said"][0]
+    expected = eager_table(make, batch, how)
+    assert logged_table(events(tmp_path / "watched")) == (0, expected.to_text())
+    assert [e.value for e in events(tmp_path / "watched").Scalars("layerwatch/macs_per_step")] == [expected.total_macs]
+    assert expected.total_macs > 0 and "layerwatch/structure/text_summary" not in events(tmp_path / "untabled").Tags()["tensors"]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Dynamo's note of the graph break at .item()
+@pytest.mark.parametrize("replay", [False, True], ids=["no replay", "replay_with"])
+def test_a_forward_that_cannot_run_on_fake_tensors_falls_back_to_the_replay_and_says_so_once(tmp_path, events, replay):
+    """``.item()`` in the forward: the table from shapes fails, which is said once; with a
+    replay closure the table comes from one eager forward of the batch, else there is none.
+    Training is as without layerwatch either way."""
+    how = "torch.compile(model)"
+    plain, watched = table_run(None, ReadsOnHost, vectors, how), table_run(tmp_path, ReadsOnHost, vectors, how, replay=replay)
+    assert watched["losses"] == plain["losses"]
+    said = [m for m in watched["said"] if "could not record the layer table of the compiled model from its input shapes" in m]
+    assert len(said) == 1 and "DataDependentOutputException" in said[0] and "replay_with" in said[0], watched["said"]
+    tensors = events(tmp_path).Tags()["tensors"]
+    if replay:
+        assert logged_table(events(tmp_path)) == (0, eager_table(ReadsOnHost, vectors, how).to_text())
+    else:
+        assert "layerwatch/structure/text_summary" not in tensors
+
+
 L = pytest.importorskip("lightning.pytorch")
 
 
@@ -227,3 +361,5 @@ def test_a_layer_has_one_name_compiled_or_not(tmp_path, events, compiled):
     for name in ("net", "net.0", "net.1", "net.2"):  # measured inside the compiled net too
         assert [e.step for e in acc.Scalars(f"activations_norm/{name}")] == [0, 2], name
     assert "fwd_ms/net" in tags and ("fwd_ms/net.0" in tags) is not compiled  # a compiled part is timed whole
+    step, table = logged_table(acc)  # compiled: training_step calls no module of its own, so from the replay
+    assert step == 0 and "    0 (Linear)" in table and "_orig_mod" not in table

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from layerwatch import Inspector
+from layerwatch import Inspector, summarize
 from models import MLP, hook_count, scripted_ideal, tab_values
 from ranks import run_ranks
 
@@ -374,13 +374,26 @@ def test_tensor_parallel_activations_are_those_of_the_whole_output(tmp_path, eve
 # ---------------------------------------------------------------------- FSDP1
 
 
+def fsdp1_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 3))
+
+
+def check_unsharded_table(acc) -> None:
+    """The layer table counts whole parameters, where rank 0 holds pieces of them (or, with
+    ``use_orig_params=False``, only flat parameters): it is the unsharded model's."""
+    unsharded = summarize(fsdp1_model(), torch.randn(4, 8))
+    (table,) = acc.Tensors("layerwatch/structure/text_summary")
+    assert "\n".join(line[4:] for line in table.tensor_proto.string_val[0].decode().splitlines()) == unsharded.to_text()
+    assert [(e.step, e.value) for e in acc.Scalars("layerwatch/params_total")] == [(0, unsharded.total_params)]
+
+
 def fsdp1_worker(rank: int, world: int, out: str, orig: bool) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     def build() -> nn.Module:
-        return FSDP(nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 3)), use_orig_params=orig,
-                    auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cpu"))
+        return FSDP(fsdp1_model(), use_orig_params=orig, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+                    device_id=torch.device("cpu"))
 
     def loss_of(model: nn.Module, step: int) -> torch.Tensor:
         torch.manual_seed(100 + 10 * step + rank)
@@ -422,6 +435,7 @@ def test_fsdp1_use_orig_params_exact_statistics_under_clean_names(tmp_path, even
     assert {"activations/(root)", "activations/0", "activations/1", "activations/2"} <= tags
     assert not [t for t in tags if "_fsdp_wrapped_module" in t or "flat_param" in t]
     assert not [w for w in json.loads((tmp_path / "warnings.json").read_text()) if "use_orig_params" in w]
+    check_unsharded_table(acc)
 
 
 def test_fsdp1_flat_parameters_are_said_once_and_the_modules_are_still_probed(tmp_path, events):
@@ -432,6 +446,7 @@ def test_fsdp1_flat_parameters_are_said_once_and_the_modules_are_still_probed(tm
     assert not [t for t in tags if t.startswith(("weights", "grads", "update_ratio")) or "flat_param" in t]
     said = [w for w in json.loads((tmp_path / "warnings.json").read_text()) if "use_orig_params=True" in w]
     assert len(said) == 1 and "FSDP wraps 0, 2 with use_orig_params=False" in said[0]
+    check_unsharded_table(acc)
 
 
 def fsdp1_outside_worker(rank: int, world: int, out: str) -> None:
@@ -443,7 +458,7 @@ def fsdp1_outside_worker(rank: int, world: int, out: str) -> None:
     from layerwatch.options import validate_options
 
     torch.manual_seed(0)
-    inner = nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 3))
+    inner = fsdp1_model()
     wrapper = FSDP(inner, use_orig_params=True, device_id=torch.device("cpu"))
     opt = torch.optim.SGD(wrapper.parameters(), lr=0.05)
     engine = Engine(inner, validate_options(every_n_steps=EVERY), log_dir=f"{out}/run").start(within=wrapper)
@@ -473,6 +488,7 @@ def test_fsdp1_wrapped_from_outside_the_watched_module(tmp_path, events):
         for name in ("0.weight", "0.bias", "2.weight", "2.bias"):  # rank 0 holds 92 of the 147 values
             got = {e.step: e.value for e in acc.Scalars(f"weights_norm/{name}")}[step]
             assert got == pytest.approx(reference[str(step)][name], rel=1e-5), (step, name)
+    check_unsharded_table(acc)
 
 
 # ---------------------------------------------------------------------- DDP

@@ -163,11 +163,14 @@ class Layout:
     unit's process group and flat parameter: the parameter itself is this rank's piece of it
     (empty on a rank that holds none of it). ``flat_only`` names the FSDP1 units wrapped with
     ``use_orig_params=False``: their flat parameters hold several parameters each and are not
-    measured.
+    measured. ``flattened`` is what FSDP1 records of every parameter it flattened, by clean
+    name: the whole parameter's number of elements, dtype and ``requires_grad`` (for the layer
+    table: no module holds more than a piece of it, or with ``use_orig_params=False`` anything).
     """
 
     sharded: bool = False
     pieces: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    flattened: dict[str, tuple[int, torch.dtype, bool]] = field(default_factory=dict)
     flat_only: list[str] = field(default_factory=list)
 
     def parameters(self, model: Optional[nn.Module]) -> list[tuple[str, nn.Parameter]]:
@@ -208,11 +211,13 @@ def parameter_layout(model: Optional[nn.Module], within: Optional[nn.Module] = N
             continue
         result.sharded = True
         unit = clean_name(name)
+        names = [_relative(clean_name(f"{unit}.{fqn}" if unit else fqn), prefix) for fqn in flat._fqns]
+        result.flattened.update((name, (numel, flat.dtype, flat.requires_grad)) for name, numel in zip(names, flat._numels))
         if not getattr(handle, "_use_orig_params", False):
             result.flat_only.append(_relative(unit, prefix) or ROOT)
             continue
-        for fqn in flat._fqns:
-            result.pieces[_relative(clean_name(f"{unit}.{fqn}" if unit else fqn), prefix)] = (handle.process_group, flat)
+        for name in names:
+            result.pieces[name] = (handle.process_group, flat)
     dtensor = _dtensor_type()
     result.sharded = result.sharded or any(isinstance(p, dtensor) for p in model.parameters())
     return result

@@ -387,8 +387,9 @@ class Engine:
         restored after it (see :mod:`~layerwatch.replay`). The front door must call
         ``before_optimizer_step`` after the backward and only when the optimizer will step (a
         GradScaler's skipped step is not a fault). Nothing is kept past the step. On compiled
-        code the first sampled step's closure also gives the layer table (one more forward,
-        run eagerly, after the step; see :meth:`_table_eagerly`).
+        code whose layer table cannot come from the shapes of its inputs, the first sampled
+        step's closure gives it (one more forward, run eagerly, after the step; see
+        :meth:`_table_eagerly`).
 
         Raises:
             TypeError: ``closure`` is not callable.
@@ -462,10 +463,10 @@ class Engine:
         started = time.perf_counter()
         sample.overhead_s += self._probes.hook_seconds
         trained = any(p.grad is not None for _, p in sample.params)
-        structure, probes = self._probes.take(self._sync, sample.step, trained)
+        structure, probes = self._probes.take(self._sync, sample.step, trained, self._layout.flattened)
         probes = sample.replay or probes
-        if structure is None and self._probes.table_waits and micro_batches and world_size() == 1:
-            structure = self._table_eagerly(micro_batches[0])
+        if structure is None and self._probes.table_waits and world_size() == 1:
+            structure = self._table_eagerly(micro_batches[0] if micro_batches else None)
         self._read_grads(sample, sample.unread(sample.grads_read, None))
         for _, snapshot in sample.snapshots:
             self.failures.run("measure updates", lambda: self._measure_update(sample, snapshot), sample.step)
@@ -858,16 +859,21 @@ class Engine:
             also=beyond + ([] if within is None else list(within.parameters())), copy_gradients=world_size() > 1,
         )
 
-    def _table_eagerly(self, micro: MicroBatch) -> Optional[Summary]:
-        """The layer table of a compiled model, from one forward of the step's first
-        micro-batch run again eagerly (replay.py). Not in a distributed run: that forward may
-        issue collectives (DDP's buffer broadcast), and only rank 0 records the table."""
+    def _table_eagerly(self, micro: Optional[MicroBatch]) -> Optional[Summary]:
+        """The layer table of a compiled model: from one forward of the shapes of the step's
+        inputs under fake tensors (probes/shapes.py), or where there are none or that fails,
+        from one forward of the step's first micro-batch run again eagerly (replay.py). Not in
+        a distributed run: that forward may issue collectives (DDP's buffer broadcast), and
+        only rank 0 records the table."""
         model = self._model()
-        tables: list[Summary] = []
+        tables: list[Optional[Summary]] = []
         if model is not None:
+            self.failures.run("record the layer table from shapes", lambda: tables.append(
+                self._probes.table_from_shapes(model, self._step)), self._step)
+        if model is not None and all(table is None for table in tables) and micro is not None and self._probes.table_waits:
             self.failures.run("record the layer table eagerly", lambda: tables.append(
                 self._probes.table_eagerly(model, self._step, lambda: forward_again(model, micro))), self._step)
-        return tables[0] if tables else None
+        return next((table for table in tables if table is not None), None)
 
     def _on_nonfinite(self, finding: Finding, sampled_step: Optional[int]) -> None:
         """The sentinel's first hit: the step, and a warning saying what comes next: the

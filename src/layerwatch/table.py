@@ -14,7 +14,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -277,16 +277,26 @@ def as_dtype(dtype: DTypeLike) -> torch.dtype:
     raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or the torch dtype), got {dtype!r}")
 
 
-def add_parameters(model: nn.Module, layers: list[Layer]) -> None:
-    """Give each parameter tensor to the first module that holds it; later holders list it as tied."""
+def add_parameters(model: nn.Module, layers: list[Layer],
+                   flattened: Optional[Mapping[str, tuple[int, torch.dtype, bool]]] = None) -> None:
+    """Give each parameter tensor to the first module that holds it; later holders list it as tied.
+
+    ``flattened``: FSDP1's record of the parameters it flattened (``(numel, dtype,
+    requires_grad)`` by clean name, :attr:`~layerwatch.distributed.Layout.flattened`). Such a
+    parameter counts whole, where the module holds this rank's piece of it, or nothing at all
+    (``use_orig_params=False``).
+    """
+    flattened = flattened or {}
     by_name = {layer.name: layer for layer in layers}
     owner_of: dict[int, str] = {}
+    held: set[str] = set()
     for layer in layers:
         layer.own_params, layer.tied = [], {}
     for qualified, p in model.named_parameters(remove_duplicate=False):
         if getattr(p, "_is_flat_param", False):  # FSDP1's, holding many parameters
             continue
         qualified = clean_name(qualified)
+        held.add(qualified)
         layer = by_name.get(parent(qualified))
         if id(p) in owner_of:
             if layer is not None and owner_of[id(p)] != qualified:
@@ -294,7 +304,12 @@ def add_parameters(model: nn.Module, layers: list[Layer]) -> None:
             continue
         owner_of[id(p)] = qualified
         if layer is not None:
-            layer.own_params.append((p.numel(), p.dtype, p.requires_grad))
+            numel = flattened[qualified][0] if qualified in flattened else p.numel()
+            layer.own_params.append((numel, p.dtype, p.requires_grad))
+    for qualified in [name for name in flattened if name not in held]:  # in a flat parameter only
+        layer = by_name.get(parent(qualified))
+        if layer is not None:
+            layer.own_params.append(flattened[qualified])
 
 
 def _rows(layers: list[Layer], resize: Any, nbytes: Any, macs_scale: float) -> list[LayerRow]:

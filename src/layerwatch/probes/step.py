@@ -3,19 +3,20 @@ probe's, and the traced probe's inside compiled code."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
 from layerwatch import stats as S
-from layerwatch.distributed import RankSync
+from layerwatch.distributed import RankSync, world_size
 from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import FailedForwardGuard
 from layerwatch.probes.runtime import ProbeResult, RuntimeProbe
 from layerwatch.vocabulary import PROBE_FAMILIES
 from layerwatch.probes.selection import (ModuleFilter, is_compiled, probe_name, select_modules,
                                          split_at_compiled)
+from layerwatch.probes.shapes import InputShapes
 from layerwatch.probes.traced import TracedProbe
 from layerwatch.probes.structure import StructureProbe
 from layerwatch.table import Summary
@@ -39,8 +40,11 @@ class StepProbes:
       traces the runtime probe's hooks, which then call the traced probe. Those hooks stay,
       calling only the traced probe, and later sampled steps arm it alone.
 
-    Neither sees inside compiled code for the layer table, which waits for an eager forward
-    (:meth:`table_eagerly`).
+    Neither sees inside compiled code for the layer table. Where the model's own call runs
+    eagerly (the first two ways, in one process), the shapes of its inputs are noted on the
+    first sampled step and the table comes from one forward of them under fake tensors after
+    it (:meth:`table_from_shapes`, :mod:`~layerwatch.probes.shapes`); else, or where that forward
+    fails, it waits for an eager forward of a batch run again (:meth:`table_eagerly`).
     """
 
     def __init__(self, families: Sequence[str], modules: Optional[ModuleFilter], stats: Sequence[str], bins: int,
@@ -49,7 +53,9 @@ class StepProbes:
         self.zeros, self.centered = "zero_frac" in stats, "std" in stats
         self.structure_pending = "structure" in families
         self.runtime_on = any(family in families for family in PROBE_FAMILIES)
-        self.table_waits = False  # the layer table of a compiled model waits for an eager forward (table_eagerly)
+        self.table_waits = False  # the layer table of a compiled model waits: table_from_shapes, table_eagerly
+        self._shapes: Optional[InputShapes] = None  # the inputs of the step's training forwards, as fake tensors
+        self._from_shapes = True  # until a forward under fake tensors failed
         self._structure: Optional[StructureProbe] = None
         self._runtime: Optional[RuntimeProbe] = None
         self._forward_guard: Optional[FailedForwardGuard] = None
@@ -68,10 +74,14 @@ class StepProbes:
         eagerly for this forward (a replay), so the eager hooks see every module."""
         writer = writer and structure
         runtime = self.runtime_on
+        if eager and self._shapes is not None:  # a replay's forwards are not the step's: noted no more
+            self._shapes.remove()
         if not ((self.structure_pending and writer) or runtime):
             return
         if not eager and (self._caller_compiled or self._outside is not None or is_compiled(model)):
             self.table_waits = self.structure_pending and writer
+            if self.table_waits and self._from_shapes and is_compiled(model) and world_size() == 1:
+                self.failures.run("note the input shapes for the layer table", lambda: self._note_shapes(model), step)
             if runtime:
                 self.failures.run("arm the traced probes", lambda: self._arm_traced(model, parameters), step)
             return
@@ -112,8 +122,10 @@ class StepProbes:
             f"measure the modules inside ({len(inside)}): activations, NaN/Inf and bytes. Per-module latency has no "
             "meaning inside fused kernels: each compiled part's time is logged as a whole, under its own name "
             f"({', '.join(regions) or 'none: module.compile() runs its hooks inside the graph'}). The layer table "
-            "comes from one eager forward of a sampled step's batch where layerwatch can run it again (Lightning's "
-            "callback, Inspector.replay_with); else call layerwatch.summarize(model._orig_mod, batch).",
+            "comes from one more forward of the first sampled step's input shapes under fake tensors, compiled code run "
+            "eagerly (no compute, no recompile; in a single-process run); where that cannot be, from one eager forward "
+            "of its batch where layerwatch can run it again (Lightning's callback, Inspector.replay_with); else call "
+            "layerwatch.summarize(model._orig_mod, batch).",
         )
 
     def prepare(self, model: nn.Module, parameters: Sequence[nn.Parameter], compiled_by_caller: bool = False) -> None:
@@ -154,6 +166,40 @@ class StepProbes:
         device = next((p.device for p in parameters), torch.device("cpu"))
         return TracedProbe(modules, families=self.families, bins=self.bins, zeros=self.zeros, centered=self.centered,
                            device=device)
+
+    def _note_shapes(self, model: nn.Module) -> None:
+        if self._shapes is not None:  # a step dropped before its end
+            self._shapes.remove()
+        # Before torch 2.6 (no set_stance) compiled code cannot run eagerly: it would compile on the fake inputs.
+        self._shapes = InputShapes(model) if hasattr(torch.compiler, "set_stance") else None
+
+    def table_from_shapes(self, model: nn.Module, step: int) -> Optional[Summary]:
+        """The layer table of a compiled model, from one forward of the inputs its sampled
+        step's training forwards had, as fake tensors (:mod:`~layerwatch.probes.shapes`); None
+        when none were noted (the table still waits) or that forward failed (said once; the
+        caller may then try :meth:`table_eagerly`)."""
+        shapes, self._shapes = self._shapes, None
+        if shapes is None:
+            return None
+        shapes.remove()
+        try:
+            if shapes.error is not None:
+                raise shapes.error
+            if not shapes.calls:
+                return None
+            return self.table_eagerly(model, step, lambda: shapes.forward(model))
+        except Exception as e:
+            self._from_shapes = False
+            self.table_waits = self.structure_pending = True
+            self.failures.warn_once(
+                "table-shapes",
+                f"layerwatch: could not record the layer table of the compiled model from its input shapes under fake "
+                f"tensors ({e!r}; a forward that reads a value on the host, branches on one, or calls an operator with no "
+                "fake implementation does not run there). Where layerwatch can run the step's batch again (Lightning's "
+                "callback, Inspector.replay_with), the table comes from one eager forward of it; else call "
+                "layerwatch.summarize(model._orig_mod, batch).",
+            )
+            return None
 
     def table_eagerly(self, model: nn.Module, step: int, forward: Callable[[], Any]) -> Optional[Summary]:
         """The layer table of a compiled model, recorded while ``forward()`` runs its compiled
@@ -212,7 +258,7 @@ class StepProbes:
 
     def disarm(self) -> None:
         """Remove this step's hooks (not the inert or traced ones, which only stop recording)."""
-        for probe in (self._structure, self._runtime, self._forward_guard):
+        for probe in (self._structure, self._runtime, self._forward_guard, self._shapes):
             if probe is not None:
                 probe.remove()
         self._structure = self._runtime = self._forward_guard = None
@@ -226,14 +272,17 @@ class StepProbes:
         for probe in self._inert:
             probe.remove()
         self._inert = []
+        self._shapes = None
         if self._traced is not None:
             self._traced.remove()
 
-    def take(self, sync: Optional[RankSync] = None, step: int = -1, trained: bool = False
+    def take(self, sync: Optional[RankSync] = None, step: int = -1, trained: bool = False,
+             flattened: Optional[Mapping[str, tuple[int, torch.dtype, bool]]] = None
              ) -> tuple[Optional[Summary], Optional[ProbeResult]]:
         """Remove the hooks; the layer table (when a whole forward was seen) and the runtime
         measurements (when no probe failed). ``trained``: the step computed gradients (so the
-        model ran: hooks that saw nothing were not run).
+        model ran: hooks that saw nothing were not run). ``flattened``: FSDP1's record of the
+        parameters it flattened, for the table (:func:`~layerwatch.table.add_parameters`).
 
         With ``sync`` (a sharded run: every rank calls this on every sampled step), the ranks
         first agree that each one's probes are on, worked and saw the same spread tensors; only
@@ -269,7 +318,7 @@ class StepProbes:
                 self.structure_pending = False
                 self.failures.warn_once("fail:structure", f"layerwatch: could not record the layer table: {structure.error!r}; skipped")
             elif structure.windows:
-                summary = structure.summary()
+                summary = structure.summary(flattened)
                 self.structure_pending = False
         if runtime is not None:
             if runtime.error is None:

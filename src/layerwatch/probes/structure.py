@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
@@ -29,10 +29,10 @@ class StructureProbe:
     """
 
     def __init__(self, model: nn.Module, *, training_only: bool) -> None:
-        self.model_type = type(getattr(model, "_orig_mod", model)).__name__  # torch.compile's wrapper: the model's
         self.training_only = training_only
-        modules = named_modules(model)  # wrappers (FSDP1, checkpointing) left out, names clean
+        modules = named_modules(model)  # wrappers (FSDP1, checkpointing, torch.compile's) left out, names clean
         self.layers = [Layer(name, type(m).__name__, name.count(".") + 1 if name else 0) for name, m in modules]
+        self.model_type = self.layers[0].type if self.layers else type(model).__name__  # a wrapper's: its model's
         self._model = weakref.ref(model)
         self.error: Optional[BaseException] = None
         self.compiled = False  # a hook was traced by Dynamo (see probes.StepProbes)
@@ -48,11 +48,12 @@ class StructureProbe:
             self._handles.append(module.register_forward_pre_hook(self._enter_hook(layer), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._exit_hook(layer), with_kwargs=True, always_call=True))
 
-    def summary(self) -> Summary:
-        """The table of what was recorded, with the parameters as they are now."""
+    def summary(self, flattened: Optional[Mapping[str, tuple[int, torch.dtype, bool]]] = None) -> Summary:
+        """The table of what was recorded, with the parameters as they are now (``flattened``:
+        FSDP1's record of those it flattened, see :func:`~layerwatch.table.add_parameters`)."""
         model = self._model()
         if model is not None:
-            add_parameters(model, self.layers)
+            add_parameters(model, self.layers, flattened)
         return Summary(self.model_type, self.layers, self.first_input)
 
     def remove(self) -> None:
