@@ -180,9 +180,11 @@ def test_off_steps_register_nothing_and_touch_no_tensor(tmp_path):
         opt.step()
         with RecordTorchCalls() as calls:
             ins.step()
-        if step == 1:  # arming step 2's probes reads parameter metadata, never values
+        if step == 1:  # arming step 2's probes reads parameter metadata, and the weights' NaN/Inf check: one fused norm
             metadata = {"numel", "device", "__get__", "requires_grad", "data_ptr", "storage_offset", "element_size"}
-            assert calls.calls and set(calls.calls) <= metadata, calls.calls
+            check = {"detach", "_foreach_norm", "stack", "float", "_set_grad_enabled"}
+            assert calls.calls and set(calls.calls) <= metadata | check, calls.calls
+            assert calls.calls.count("_foreach_norm") == 1
         else:
             assert bool(calls.calls) == (step == 2), calls.calls[:5]
     ins.finish()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import tempfile
 import warnings
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -40,9 +41,9 @@ class FiniteSGD(torch.optim.Optimizer):
 
 
 def run(fault: FaultAt, *, inspect: bool = True, replay: bool = True, optimizer=torch.optim.SGD, log_dir=None,
-        steps: int = STEPS, closure_wrapper=None):
+        steps: int = STEPS, closure_wrapper=None, every: Optional[int] = 50):
     """Train with the fault; returns (losses as exact strings, final weights and buffers, RNG
-    states, the inspector's alerts, warnings)."""
+    states, the inspector's alerts, warnings). ``every=None``: the Inspector's defaults."""
     model = make_model(fault)
     opt = optimizer(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1)
@@ -53,7 +54,7 @@ def run(fault: FaultAt, *, inspect: bool = True, replay: bool = True, optimizer=
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         log_dir = log_dir or tempfile.mkdtemp()
-        inspector = Inspector(model, log_dir=log_dir, every_n_steps=50, optimizer=opt).start() if inspect else None
+        inspector = Inspector(model, log_dir=log_dir, every_n_steps=every, optimizer=opt).start() if inspect else None
         losses = train_steps(model, fault, opt, data, inspector, closure_wrapper, replay)
         if inspector is not None:
             alerts = list(inspector.alerts)
@@ -101,8 +102,9 @@ def test_without_a_replay_the_step_after_a_poisoning_fault_never_names_a_first_o
     *_, alerts, _ = run(FaultAt(), replay=False)
     (alert,) = offender_alerts(alerts)
     assert (alert.step, alert.name) == (FAULT_STEP + 1, "0")
-    assert alert.message.startswith("first module to use a non-finite weight at step 8: 0. The fault happened at "
-                                    "step 7, between samples; the optimizer carried it into the weights")
+    assert alert.message.startswith("first module to use a non-finite weight at step 8: 0 (0.weight, 0.bias, 2.weight "
+                                    "and 5 more held NaN/Inf before the step's forward). The fault happened at step 7, "
+                                    "between samples; the optimizer carried it into the weights")
     assert "first offender" not in alert.message
 
 
@@ -200,9 +202,9 @@ def test_weights_already_non_finite_are_not_replayed_and_the_fault_is_said_to_co
             train_steps(net, net.fault, opt, batches, inspector)
     assert offender_alerts(inspector.alerts)  # found, rotations later, at step k: never "first offender"
     (alert,) = offender_alerts(inspector.alerts)
-    assert alert.message.startswith(f"first module to use a non-finite weight at step {alert.step}: a. The fault "
-                                    f"happened before step {alert.step - 1}, between samples")
-    (sentinel,) = [str(w.message) for w in seen if "the sentinel" in str(w.message)]
+    assert alert.message.startswith(f"first module to use a non-finite weight at step {alert.step}: a (a.weight, ")
+    assert f"The fault happened before step {alert.step - 1}, between samples" in alert.message
+    (sentinel,) = [str(w.message) for w in seen if "(the sentinel, " in str(w.message)]
     assert "the weights held NaN/Inf already, so the fault came earlier" in sentinel
 
 
@@ -357,6 +359,24 @@ def test_lightning_replays_the_bad_step_and_leaves_training_and_its_logs_unchang
                              "(replayed from step 7)")
     assert watched[0] == plain[0] and same_tensors(watched[1], plain[1])
     assert watched[2] == plain[2] == STEPS  # the replay's self.log calls were dropped
+
+
+@pytest.mark.parametrize("door", ["Inspector", "InspectCallback"])
+def test_at_the_defaults_a_nan_between_samples_is_replayed_to_its_module(door, tmp_path):
+    """The overhead budget's schedule (steps 0 and 1, then its interval): step 7 is not sampled."""
+    from layerwatch import InspectCallback
+
+    if door == "Inspector":
+        plain, watched = run(FaultAt(), inspect=False), run(FaultAt(), every=None)
+        alerts = watched[3]
+    else:
+        callback = InspectCallback()
+        plain, watched = fit(tmp_path), fit(tmp_path, callback)
+        alerts = callback.alerts
+    name = "4" if door == "Inspector" else "fault"  # the Sequential's 5th module, or the LightningModule's own
+    (alert,) = offender_alerts(alerts)
+    assert alert.message == f"first offender: step 7, forward: {name} turned finite inputs into a non-finite output (replayed from step 7)"
+    assert watched[0] == plain[0] and same_tensors(watched[1], plain[1])
 
 
 def test_lightning_with_gradient_accumulation_names_the_micro_batch_that_made_it(tmp_path):

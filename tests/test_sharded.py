@@ -714,3 +714,43 @@ def test_fsdp2_per_layer_under_the_overhead_budget_samples_rank_zeros_steps_on_e
     assert logged == {0: 1, 1: 5, 5: 5, 10: 5, 15: 5, 20: 5}
     ratios = [tag for tag in acc.Tags()["scalars"] if tag.startswith("update_ratio")]
     assert "update_ratio_estimate/inp.weight" in ratios and not [t for t in ratios if t.startswith("update_ratio/")]
+
+
+# ---------------------------------------------------------------------- a weight NaN on one rank's shard
+
+
+def poisoned_shard_worker(rank: int, world: int, out: str) -> None:
+    """FSDP2 per layer, the sentinel off: after step 0, rank 1's shard of ``0.weight`` holds a
+    NaN (as an optimizer leaves it after an unseen fault). At the sampled step 1, layer 0 turns
+    finite inputs into NaN with the whole weight FSDP gathers: it used the fault, on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Inspector(model, log_dir=f"{out}/run", optimizer=opt, schedule=[1], sentinel=False) as inspector:
+            for step in range(2):
+                opt.zero_grad()
+                model(torch.randn(4, 6)).pow(2).mean().backward()
+                opt.step()
+                if step == 0 and rank == 1:
+                    with torch.no_grad():
+                        model[0].weight.to_local()[0, 0] = float("nan")  # row 5 of the whole weight
+                inspector.step()
+    if rank == 0:
+        record(out, "alerts.json", [[a.step, a.name, a.message] for a in inspector.alerts if a.kind == "nonfinite"])
+
+
+def test_fsdp2_a_nan_in_another_ranks_shard_of_a_weight_names_no_first_offender(tmp_path):
+    run_ranks(poisoned_shard_worker, str(tmp_path), tmp=tmp_path)
+    alerts = json.loads((tmp_path / "alerts.json").read_text())
+    named = [a for a in alerts if not a[2].startswith("NaN/Inf values")]
+    assert [(step, name) for step, name, _ in named] == [(1, "0")], alerts
+    assert named[0][2].startswith("first module to use a non-finite weight at step 1: 0 (0.weight held NaN/Inf before")

@@ -51,7 +51,6 @@ from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import Attachments, CollectorClock, claim
 from layerwatch.options import Options, writable_dir
 from layerwatch.params import ParameterFamilies, Piece, Snapshot
-from layerwatch.vocabulary import ROOT
 from layerwatch.probes import Offender, ProbeResult, StepProbes, probe_name, select_modules
 from layerwatch.probes.selection import is_compiled
 from layerwatch.replay import MicroBatch, RngState, forward_again, replay_until_named
@@ -86,7 +85,6 @@ class _Sample:
     weights_read: set[int] = field(default_factory=set)
     snapshots: list[tuple[Optional[int], Snapshot]] = field(default_factory=list)  # (id of the optimizer, ...)
     replay: Optional[ProbeResult] = None  # what the probes saw on the step's batch run again (replay.py)
-    nonfinite_weights: set[str] = field(default_factory=set)  # after an unreplayed fault: weights NaN/Inf at its start
 
     def unread(self, read: set[int], optimizer: Any) -> list[tuple[str, nn.Parameter]]:
         """The parameters (of ``optimizer``, or all) not read yet into ``read``; now marked read."""
@@ -366,9 +364,6 @@ class Engine:
         model = self._model()
         sample = self._sample = _Sample(step, self._layout.parameters(model), self._counter.count)
         self._param_cache = sample.params
-        if self._fault_step is not None and not self._offender_found and "nonfinite" in self.options.families \
-                and is_writer_rank():
-            self.failures.run("look for NaN/Inf weights", lambda: sample.nonfinite_weights.update(self._nonfinite(sample.params)), step)
         if model is not None and (is_writer_rank() or self._layout.sharded):
             self._probes.arm(model, [p for _, p in sample.params], step, writer=is_writer_rank())
             self._collector.attach()
@@ -594,17 +589,20 @@ class Engine:
         found: list[Alert] = []
         named = None  # the first offender, when the probes saw the NaN appear (this step, or its batch replayed)
         offender = None if probes is None else probes.offender
+        user = None if probes is None else probes.weight_user
         if offender is not None and offender.replayed_from is None and stepped is False:
             logger.info("layerwatch: step %d: %s made a non-finite %s value and no optimizer step followed "
                         "(a GradScaler skip): not a fault", sample.step, offender.name, offender.phase)
-        elif offender is not None and not self._offender_found:
+        elif (offender or user) is not None and not self._offender_found:
             self._offender_found = True  # raised before the rules, whose alert on the same layer says less
-            if offender.replayed_from is None and self._fault_step is not None and sample.step > self._fault_step:
-                message = self._after_fault(sample, offender)
+            if offender is None:
+                message = self._weights_came_first(sample.step, user, probes.nonfinite_weights)
+            elif offender.replayed_from is None and self._fault_step is not None and sample.step > self._fault_step:
+                message = self._after_fault(sample.step, offender)
             else:
                 named = offender
                 message = "first offender: " + offender.describe(sample.step)
-            found.append(Alert("nonfinite", offender.name, sample.step, message))
+            found.append(Alert("nonfinite", (offender or user).name, sample.step, message))
         if self._health is None:
             return R.Findings(alerts=found, offender=named)
         trainable = [  # a sparse gradient exists but is not measured: not "no gradient"
@@ -895,30 +893,46 @@ class Engine:
             before = ("the weights held NaN/Inf already, so the fault came earlier, in gradients the sentinel had not "
                       "checked yet; " if self._fault_before else "")
             then = (f"{before}{which} is sampled with every probe armed; it shows what came after the fault, not the "
-                    f"module that made it ({self.replay_hint})")
+                    f"module that made it ({self._unreplayed()})")
         message = f"NaN/Inf gradients at step {finding.step} (the sentinel, {every}){where}{overflow}; {then}"
         self._emit(rec)
         logger.warning("layerwatch: %s", message)
         self.failures.warn(f"layerwatch: {message}")
+
+    def _unreplayed(self) -> str:
+        """Why the fault's step was not replayed: the front door's words, or what the engine knows."""
+        if self.replay_hint is not None:
+            return self.replay_hint
+        if self._replay_offered:
+            return "the sentinel saw it after the step it happened in had passed, so that step was not replayed"
+        return "to find it, let layerwatch replay the bad step: Inspector.replay_with(closure) before each step's forward"
 
     @staticmethod
     def _nonfinite(params: Sequence[tuple[str, nn.Parameter]]) -> list[str]:
         """The parameters whose values (this rank's) hold NaN/Inf."""
         return nonfinite_names([(name, local(p)) for name, p in params])
 
-    def _after_fault(self, sample: _Sample, offender: Offender) -> str:
+    def _after_fault(self, step: int, offender: Offender) -> str:
         """What an offender seen after an unreplayed fault is: never "the first offender"."""
-        uses = offender.phase == "forward" and any(
-            offender.name == ROOT or name.startswith(offender.name + ".") for name in sample.nonfinite_weights
-        )
-        if uses:
-            seen = f"first module to use a non-finite weight at step {sample.step}: {offender.name}"
-            how = "the optimizer carried it into the weights, so the module that made it is not known"
-        else:
-            seen = f"first module with a non-finite {offender.phase} output at step {sample.step}: {offender.name}"
-            how = f"step {sample.step} shows what came after it, which need not be where it began"
         when = "before step" if self._fault_before else "at step"
-        return f"{seen}. The fault happened {when} {self._fault_step}, between samples; {how} ({self.replay_hint})"
+        return (f"first module with a non-finite {offender.phase} output at step {step}: {offender.name}. The fault "
+                f"happened {when} {self._fault_step}, between samples; step {step} shows what came after it, which "
+                f"need not be where it began ({self._unreplayed()})")
+
+    def _weights_came_first(self, step: int, user: Offender, weights: Sequence[str]) -> str:
+        """What a module that computed with a weight that was non-finite already is: it used the
+        fault, the optimizer having carried it into the weights; it did not make it."""
+        names = ", ".join(weights[:3]) + (f" and {len(weights) - 3} more" if len(weights) > 3 else "")
+        if self._fault_step is not None:
+            when = f"{'before step' if self._fault_before else 'at step'} {self._fault_step}, between samples"
+            how = self._unreplayed()
+        else:
+            when = f"before step {step}, where no probe saw it"
+            how = ("the sentinel is off; with sentinel=True it is found at its step" if not self.options.sentinel
+                   else "the sentinel had not checked those gradients yet")
+        return (f"first module to use a non-finite weight at step {step}: {user.name} ({names} held NaN/Inf before "
+                f"the step's forward). The fault happened {when}; the optimizer carried it into the weights, so the "
+                f"module that made it is not known ({how})")
 
     def _announce(self, step: int, alerts: list[Alert]) -> None:
         """New alerts to Python logging, one record each, and to warnings, one per step."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter_ns
 from typing import Any, Callable, Collection, Optional, Sequence
 
@@ -21,6 +21,7 @@ from layerwatch.probes.clocks import CudaClock, HostClock
 from layerwatch.probes.outputs import FlagSlots, Outputs, is_float, nonfinite_sum
 from layerwatch.probes.saved import SavedBytes
 from layerwatch.probes.selection import probe_name
+from layerwatch.probes.weights import NonfiniteWeights, WeightCheck
 from layerwatch.sentinel import fused_norms
 
 
@@ -62,6 +63,10 @@ class Offender:
 class ProbeResult:
     modules: list[ModuleTrace]  # the modules called during the step, in model order
     offender: Optional[Offender]
+    # The first module that made a non-finite value from finite inputs with a weight that was
+    # non-finite already (it used the fault, it did not make it), and those weights' names.
+    weight_user: Optional[Offender] = None
+    nonfinite_weights: list[str] = field(default_factory=list)
 
 
 class RuntimeProbe:
@@ -194,22 +199,28 @@ class RuntimeProbe:
         flags, rows = self._slots.spread_counts, self._outputs.spread_counts
         return [len(flags), len(rows), sum(flags), sum(rows), fingerprint([str(flags), str(rows)])]
 
-    def result(self, together: bool = False, keep_module_hooks: bool = False) -> ProbeResult:
-        """The step's measurements: one host transfer for every flag and stats row. With
-        ``together`` (every rank calls it, once they agreed on :meth:`spread_work`) the flags
-        and rows of spread tensors are combined with the other ranks', first: every collective
-        is issued before anything of this rank's alone can fail."""
+    def result(self, together: bool = False, keep_module_hooks: bool = False,
+               weights: Optional[WeightCheck] = None) -> ProbeResult:
+        """The step's measurements: one host transfer for every flag and stats row (and the
+        ``weights`` check's norms: a module computing with a non-finite weight is no offender).
+        With ``together`` (every rank calls it, once they agreed on :meth:`spread_work`) the
+        flags and rows of spread tensors are combined with the other ranks', first: every
+        collective is issued before anything of this rank's alone can fail."""
         self.remove(keep_module_hooks)
         error = None
-        try:
-            if together:
-                self._slots.combine()
-        except Exception as e:
-            error = e
+        for combine in (self._slots.combine, weights.combine if weights is not None else None) if together else ():
+            try:
+                if combine is not None:
+                    combine()
+            except Exception as e:
+                error = error or e
         spread_rows = self._outputs.spread_rows(together)
         if error is not None:
             raise error
-        slot_pieces, rows_host = self._outputs.rows(self._slots.pieces(), spread_rows)
+        weight_pieces = [] if weights is None else weights.pieces()
+        host_pieces, rows_host = self._outputs.rows(self._slots.pieces() + weight_pieces, spread_rows)
+        slot_pieces = host_pieces[: len(host_pieces) - len(weight_pieces)]
+        used = NonfiniteWeights() if weights is None else weights.seen(host_pieces[len(slot_pieces):])
         flagged = self._slots.flagged(slot_pieces)
         counts = S.Rows(rows_host).nonfinite
         nonfinite = [bool(counts[-1 - f] > 0) if f < 0 else bool(flagged[f]) for f in self._flags]
@@ -234,7 +245,7 @@ class RuntimeProbe:
         for index, row in self._row_of.items():
             if not failed[row]:
                 traces[index].activation_row = rows_host[row]
-        offender = None
+        offender = user = None
         if self._nonfinite:
             for events, phase in ((self._fwd_events, "forward"), (self._bwd_events, "backward")):
                 for index, inputs, outputs in zip(events[0::3], events[1::3], events[2::3]):
@@ -242,11 +253,14 @@ class RuntimeProbe:
                     trace = traces[index]
                     trace.nonfinite = trace.nonfinite or bad_out
                     if offender is None and bad_out and not any(nonfinite[f] for f in self._run(inputs)):
-                        offender = Offender(trace.name, phase)
-        result = ProbeResult([t for t in traces if t.calls], offender)
+                        if trace.name not in used.modules:
+                            offender = Offender(trace.name, phase)
+                        elif user is None:
+                            user = Offender(trace.name, phase)
+        result = ProbeResult([t for t in traces if t.calls], offender, user, used.names)
         if self._traced is None or not (self.compiled or self._regions is not None):
             return result
-        return merged(result, self._traced.result(), self._regions or ())
+        return merged(result, self._traced.result(weights), self._regions or ())
 
     # ------------------------------------------------------------------ hooks
     # Hooks hold the probe (names and indices), never a module or the inspector.
@@ -570,4 +584,6 @@ def merged(outside: ProbeResult, inside: ProbeResult, regions: Collection[str]) 
         offender is None or offender.name in regions or (offender.phase == "backward" and inside.offender.phase == "forward")
     ):
         offender = inside.offender
-    return ProbeResult(outside.modules + inside.modules, offender)
+    user = outside.weight_user if outside.weight_user is not None and outside.weight_user.name not in regions else (
+        inside.weight_user or outside.weight_user)
+    return ProbeResult(outside.modules + inside.modules, offender, user, outside.nonfinite_weights or inside.nonfinite_weights)

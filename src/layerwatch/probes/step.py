@@ -19,6 +19,7 @@ from layerwatch.probes.selection import (ModuleFilter, is_compiled, probe_name, 
 from layerwatch.probes.shapes import InputShapes
 from layerwatch.probes.traced import TracedProbe
 from layerwatch.probes.structure import StructureProbe
+from layerwatch.probes.weights import WeightCheck
 from layerwatch.table import Summary
 
 
@@ -58,6 +59,7 @@ class StepProbes:
         self._from_shapes = True  # until a forward under fake tensors failed
         self._structure: Optional[StructureProbe] = None
         self._runtime: Optional[RuntimeProbe] = None
+        self._weights: Optional[WeightCheck] = None  # the weights' NaN/Inf check of this step
         self._forward_guard: Optional[FailedForwardGuard] = None
         self._inert: list[Any] = []
         self._traced: Optional[TracedProbe] = None
@@ -78,6 +80,8 @@ class StepProbes:
             self._shapes.remove()
         if not ((self.structure_pending and writer) or runtime):
             return
+        if runtime and "nonfinite" in self.families:  # before the forward: what its modules compute with
+            self.failures.run("check the weights for NaN/Inf", lambda: self._check_weights(model, parameters), step)
         if not eager and (self._caller_compiled or self._outside is not None or is_compiled(model)):
             self.table_waits = self.structure_pending and writer
             if self.table_waits and self._from_shapes and is_compiled(model) and world_size() == 1:
@@ -91,6 +95,9 @@ class StepProbes:
             self.failures.run("arm the runtime probes", lambda: self._arm_runtime(model, parameters, eager), step)
         if self._structure is not None or self._runtime is not None:
             self.failures.run("guard the forward", lambda: self._guard(model), step)
+
+    def _check_weights(self, model: nn.Module, parameters: Sequence[nn.Parameter]) -> None:
+        self._weights = WeightCheck(model, parameters)
 
     def _arm_traced(self, model: nn.Module, parameters: Sequence[nn.Parameter]) -> None:
         if self._caller_compiled:
@@ -261,7 +268,7 @@ class StepProbes:
         for probe in (self._structure, self._runtime, self._forward_guard, self._shapes):
             if probe is not None:
                 probe.remove()
-        self._structure = self._runtime = self._forward_guard = None
+        self._structure = self._runtime = self._forward_guard = self._weights = None
         if self._traced is not None:
             self._traced.disarm()
         self._traced_alone = False
@@ -289,19 +296,21 @@ class StepProbes:
         then do they combine them. Where they do not, every rank turns its probes off alike,
         so none waits for another at a later step either.
         """
+        weights = self._weights
         if self._traced_alone:
             traced = self._traced
             self.disarm()
             if sync is not None:
-                sync.same([int(self.runtime_on), 1] + [0] * 5)  # what a healthy runtime probe with no spread work says
-            return None, self._traced_result(traced, step)
+                sync.same([int(self.runtime_on), 1] + [0] * 6)  # what a healthy runtime probe with no spread work says
+            return None, self._traced_result(traced, step, weights)
         structure, runtime = self._structure, self._runtime
         armed = [probe for probe in (structure, runtime) if probe is not None]
         compiled = any(probe.compiled for probe in armed)
         together = False
         if sync is not None:  # every rank, on every sampled step, whatever its own probes did
             healthy = runtime is not None and runtime.error is None
-            work = runtime.spread_work() if healthy and not compiled else [0] * 5
+            checked = -1 if weights is None else weights.count  # the weights' check is combined too: the same on every rank
+            work = runtime.spread_work() + [checked] if healthy and not compiled else [0] * 6
             together = sync.same([int(self.runtime_on), int(healthy)] + work) and healthy
             if not together and self.runtime_on:  # every rank alike: all turn them off
                 self.runtime_on = False
@@ -310,7 +319,7 @@ class StepProbes:
                 elif runtime.error is None:
                     runtime.error = RuntimeError("the runtime probes failed on another rank")
         if compiled:
-            return self._caller_found(structure, runtime, step)
+            return self._caller_found(structure, runtime, step, weights)
         self.disarm()
         summary = result = None
         if structure is not None:
@@ -323,7 +332,7 @@ class StepProbes:
         if runtime is not None:
             if runtime.error is None:
                 try:
-                    result = runtime.result(together)
+                    result = runtime.result(together, weights=weights)
                 except Exception as e:
                     runtime.error = e
             if runtime.error is not None:
@@ -340,8 +349,8 @@ class StepProbes:
             )
         return summary, result
 
-    def _caller_found(self, structure: Optional[StructureProbe], runtime: Optional[RuntimeProbe], step: int
-                      ) -> tuple[None, Optional[ProbeResult]]:
+    def _caller_found(self, structure: Optional[StructureProbe], runtime: Optional[RuntimeProbe], step: int,
+                      weights: Optional[WeightCheck]) -> tuple[None, Optional[ProbeResult]]:
         """Dynamo traced this step's hooks: the model runs inside a compiled caller. The runtime
         probe's module hooks stay (compiled code runs them, and is guarded on them), and only
         call the traced probe from now on, which is armed alone: where compiled code falls back
@@ -350,7 +359,7 @@ class StepProbes:
         result = None
         if runtime is not None and runtime.error is None and self.runtime_on:
             try:
-                result = runtime.result(keep_module_hooks=True)
+                result = runtime.result(keep_module_hooks=True, weights=weights)
             except Exception as e:
                 self.failures.warn_once("fail:probes", f"layerwatch: a runtime probe failed: {e!r}; the per-module families are off")
                 self.runtime_on = False
@@ -377,9 +386,9 @@ class StepProbes:
             self._check_traced_ran(result, step)
         return None, result
 
-    def _traced_result(self, traced: TracedProbe, step: int) -> Optional[ProbeResult]:
+    def _traced_result(self, traced: TracedProbe, step: int, weights: Optional[WeightCheck]) -> Optional[ProbeResult]:
         try:
-            result = traced.result()
+            result = traced.result(weights)
         except Exception as e:
             self.runtime_on = False
             self.failures.warn_once("fail:probes", f"layerwatch: a traced probe failed: {e!r}; the per-module families are off")

@@ -39,6 +39,7 @@ from layerwatch.hooks import inlined_only, tensors_in
 from layerwatch.probes.outputs import Outputs, is_float, nonfinite_sum
 from layerwatch.probes.runtime import ModuleTrace, Offender, ProbeResult
 from layerwatch.probes.selection import probe_name
+from layerwatch.probes.weights import NonfiniteWeights, WeightCheck
 
 
 class TracedProbe:
@@ -131,18 +132,22 @@ class TracedProbe:
 
     # ------------------------------------------------------------------ after the step
 
-    def result(self) -> ProbeResult:
+    def result(self, weights: Optional[WeightCheck] = None) -> ProbeResult:
         """The step's measurements: one batched reduction of the outputs, then one transfer.
 
         The forward's first offender is the first call whose inputs were finite and whose
         outputs were not, in execution order, as in eager. In backward the graph runs as one
         node: its first offender is the module whose outputs' gradient was finite and whose
         inputs' gradient was not, latest in the forward's order (the backward's order wherever
-        a module's gradient depends on the modules after it)."""
+        a module's gradient depends on the modules after it). A module computing with a weight
+        that was non-finite already (``weights``) is no offender, in either pass."""
         self.armed = False
         count = len(self.names)
         evidence = torch.stack(self._evidence).double() if self._evidence else self.clock[:0]
-        (flags, gradients), rows = self._outputs.rows([evidence, torch.cat(self._grad_outputs + self._grad_inputs)])
+        weight_pieces = [] if weights is None else weights.pieces()
+        (flags, gradients, *weight_host), rows = self._outputs.rows(
+            [evidence, torch.cat(self._grad_outputs + self._grad_inputs)] + weight_pieces)
+        used = NonfiniteWeights() if weights is None else weights.seen(weight_host)
         bad = ~np.isfinite(flags)
         grad_outputs, grad_inputs = gradients[:count], gradients[count:]
         failed = S.Rows(rows).failed
@@ -156,18 +161,25 @@ class TracedProbe:
                 if row is not None and not failed[row]:
                     trace.activation_row = rows[row]
         offender: Optional[Offender] = None
+        user: Optional[Offender] = None
         first_call: dict[int, int] = {}
         for call, index in enumerate(self._call_module):
             first_call.setdefault(index, call)
             if self._nonfinite and bad[2 * call + 1]:
                 traces[index].nonfinite = True
                 if offender is None and not bad[2 * call]:
-                    offender = Offender(self.names[index], "forward")
+                    if self.names[index] not in used.modules:
+                        offender = Offender(self.names[index], "forward")
+                    elif user is None:
+                        user = Offender(self.names[index], "forward")
         if offender is None and self._nonfinite:
             offends = [i for i in traces if grad_inputs[i] > 0 and grad_outputs[i] == 0]
-            if offends:
-                offender = Offender(self.names[max(offends, key=first_call.__getitem__)], "backward")
-        return ProbeResult([traces[i] for i in sorted(traces)], offender)
+            clean = [i for i in offends if self.names[i] not in used.modules]
+            if clean:
+                offender = Offender(self.names[max(clean, key=first_call.__getitem__)], "backward")
+            elif offends and user is None:
+                user = Offender(self.names[max(offends, key=first_call.__getitem__)], "backward")
+        return ProbeResult([traces[i] for i in sorted(traces)], offender, user, used.names)
 
 
 _PROBES: "weakref.WeakValueDictionary[int, TracedProbe]" = weakref.WeakValueDictionary()
