@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from layerwatch.huggingface import InspectTrainerCallback  # noqa: E402
-from models import hook_count, layerwatch_messages, scripted_ideal  # noqa: E402
+from models import hook_count, layerwatch_messages, same_tensors, scripted_ideal  # noqa: E402
 
 VOCAB, SEQ = 128, 16
 
@@ -253,3 +253,181 @@ def test_torch_compile_true_is_measured_inside_the_graph_with_bitwise_losses(tmp
     acc = events(run)
     for name in ("(root)", "transformer.wte", "transformer.h.0.mlp", "transformer.h.1.attn", "lm_head"):
         assert [e.step for e in acc.Scalars(f"activations_norm/{name}")] == [2, 4, 6], name
+    # the layer table: from the first sample's inputs, kept for a replay, run again eagerly once
+    (table,) = acc.Tensors("layerwatch/structure/text_summary")
+    text = table.tensor_proto.string_val[0].decode()
+    assert table.step == 2 and "GPT2LMHeadModel" in text and "c_fc (Conv1D)" in text
+
+
+# ------------------------------------------------------------------------------- faults at the defaults
+
+
+class NaNAtStep:
+    """A fault in ``transformer.h.1.mlp``: one value of its output turns to NaN in the training
+    forward of micro-batch ``micro_batch`` of optimizer step ``step`` (on ``rank`` alone, in a
+    distributed run). Set by the step and the micro-batch's inputs, not by call, as a fault of
+    the data would be: a replay of that step makes it again."""
+
+    def __init__(self, model: nn.Module, step: int = 8, micro_batch: int = 1, rank: int = 0) -> None:
+        self.trainer = None
+        self.step, self.micro_batch, self.rank = step, micro_batch, rank
+        self.inputs: list = []  # the input ids of the step's first micro-batches, as the Trainer passed them
+        self.ids = None
+        model.register_forward_pre_hook(self.note, with_kwargs=True)
+        model.transformer.h[1].mlp.register_forward_hook(self.spoil)
+
+    def _now(self, module: nn.Module) -> bool:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        return (module.training and torch.is_grad_enabled() and rank == self.rank
+                and self.trainer.state.global_step + 1 == self.step)
+
+    def note(self, module, args, kwargs):
+        self.ids = kwargs.get("input_ids")
+        if self._now(module) and len(self.inputs) < self.micro_batch:
+            self.inputs.append(self.ids)
+
+    def spoil(self, module, args, output):
+        if self._now(module) and len(self.inputs) == self.micro_batch and self.ids is self.inputs[-1]:
+            output = output.clone()
+            output[0, 0, 0] = float("nan")
+            return output
+        return None
+
+
+def train_with_fault(out, callbacks=(), *, trainer_class=None, fault=None, **kwargs):
+    """``train`` a tiny GPT-2 for 14 steps, without clipping, with a ``NaNAtStep(**fault)``."""
+    model = tiny("gpt2")
+    spoiler = NaNAtStep(model, **(fault or {}))
+    settings = dict(max_steps=14, per_device_train_batch_size=4, logging_steps=1, save_strategy="no", use_cpu=True,
+                    seed=0, disable_tqdm=True, report_to=["tensorboard"], max_grad_norm=0)
+    settings.update(kwargs)
+    trainer = (trainer_class or transformers.Trainer)(
+        model=model, args=transformers.TrainingArguments(str(out), **settings), train_dataset=Tokens(),
+        callbacks=list(callbacks))
+    spoiler.trainer = trainer
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return model, losses, layerwatch_messages(seen)
+
+
+def nonfinite_alerts(callback):
+    return [a for a in callback.alerts if a.kind == "nonfinite" and not a.message.startswith("NaN/Inf values")]
+
+
+@pytest.mark.parametrize("clipping", [0, 1.0], ids=["no clipping", "clipped to 1"])
+def test_a_nan_between_samples_is_found_at_its_step_and_replayed_to_its_module(clipping, tmp_path, events):
+    """The Trainer clears the gradients before ``on_step_end``: the sentinel checks them before
+    the optimizer step, and the replay runs the step's inputs through the model again."""
+    plain_model, plain, _ = train_with_fault(tmp_path / "plain", max_grad_norm=clipping)
+    callback = InspectTrainerCallback()  # the defaults: samples at 1 and 2, then every 200 steps
+    model, watched, said = train_with_fault(tmp_path / "watched", [callback], max_grad_norm=clipping)
+    assert watched == plain  # bitwise (HF logs a NaN loss as the mean of the earlier ones)
+    assert same_tensors(list(plain_model.state_dict().values()), list(model.state_dict().values()))
+    (sentinel,) = [m for m in said if "the sentinel" in m]
+    assert "NaN/Inf gradients at step 8" in sentinel and "its batch is run again with every probe armed" in sentinel
+    (alert,) = nonfinite_alerts(callback)
+    assert (alert.step, alert.name) == (8, "transformer.h.1.mlp")
+    assert alert.message == ("first offender: step 8, forward: transformer.h.1.mlp turned finite inputs into a non-finite "
+                             "output (replayed from step 8)")
+    (run,) = event_dirs(tmp_path / "watched")
+    acc = events(run)
+    assert [(e.step, e.value) for e in acc.Scalars("layerwatch/first_nonfinite_step")] == [(8, 8.0)]
+    assert [e.step for e in acc.Tensors("layerwatch/first_offender/text_summary")] == [8]
+    assert hook_count(model) == 2  # the fault's own two hooks: the door's input hook is gone
+
+
+def test_with_gradient_accumulation_the_micro_batch_that_made_it_is_named(tmp_path):
+    callback = InspectTrainerCallback()
+    train_with_fault(tmp_path, [callback], fault=dict(micro_batch=2), gradient_accumulation_steps=2, max_steps=10)
+    (alert,) = nonfinite_alerts(callback)
+    assert (alert.step, alert.name) == (8, "transformer.h.1.mlp")
+    assert alert.message.endswith("(replayed from step 8, micro-batch 2 of 2)")
+
+
+def test_without_the_sentinel_a_sample_after_the_fault_names_no_first_offender(tmp_path, events):
+    """The weights are NaN from step 8 on: at the sample at step 10, ``transformer.wte`` turns
+    finite token ids into NaN with a NaN weight. It used the fault; it did not make it."""
+    callback = InspectTrainerCallback(every_n_steps=5, sentinel=False)
+    train_with_fault(tmp_path, [callback], max_steps=10)
+    (alert,) = nonfinite_alerts(callback)
+    assert (alert.step, alert.name) == (10, "transformer.wte")
+    assert alert.message.startswith("first module to use a non-finite weight at step 10: transformer.wte "
+                                    "(transformer.wte.weight, ")
+    assert "The fault happened before step 10, where no probe saw it" in alert.message
+    assert "the sentinel is off; with sentinel=True it is found at its step" in alert.message
+    assert not any("first offender" in a.message for a in callback.alerts)
+    (run,) = event_dirs(tmp_path)
+    assert "layerwatch/first_offender/text_summary" not in events(run).Tags()["tensors"]
+
+
+class LossTrainer(transformers.Trainer):
+    """A loss of its own: the model's, times a factor that is NaN at step 8."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs)
+        factor = float("nan") if self.state.global_step + 1 == 8 else 1.0
+        loss = outputs.loss * factor
+        return (loss, outputs) if return_outputs else loss
+
+
+def test_a_fault_in_a_compute_loss_of_its_own_is_said_to_be_outside_the_replay(tmp_path):
+    callback = InspectTrainerCallback()
+    _, _, said = train_with_fault(tmp_path, [callback], trainer_class=LossTrainer, fault=dict(step=100), max_steps=10)
+    (alert,) = nonfinite_alerts(callback)  # the next step's sample: what came after it
+    assert alert.step == 9 and alert.message.startswith("first module to use a non-finite weight at step 9: ")
+    assert alert.message.endswith("(step 8's batch, run again, made no NaN/Inf)")
+    (replay,) = [m for m in said if "made no NaN/Inf (" in m]
+    assert replay == (
+        "layerwatch: step 8's batch, run again with every probe armed, made no NaN/Inf (the fault is outside what the "
+        "replay runs, or does not happen again; the replay backpropagates the model's own loss (outputs.loss), not "
+        "LossTrainer.compute_loss's, so a fault in that loss is not run again); the next step is sampled instead")
+
+
+def test_a_loss_computed_outside_the_model_is_said_to_leave_no_replay(tmp_path):
+    def cross_entropy(outputs, labels, num_items_in_batch=None):
+        logits = outputs.logits[:, :-1].reshape(-1, VOCAB)
+        return nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1))
+
+    callback = InspectTrainerCallback()
+    model = tiny("gpt2")
+    spoiler = NaNAtStep(model)
+    args = transformers.TrainingArguments(str(tmp_path), max_steps=10, per_device_train_batch_size=4, save_strategy="no",
+                                          use_cpu=True, seed=0, disable_tqdm=True, report_to=[], max_grad_norm=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[callback],
+                                   compute_loss_func=cross_entropy)
+    spoiler.trainer = trainer
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.train()
+    (sentinel,) = [m for m in layerwatch_messages(seen) if "the sentinel" in m]
+    assert "NaN/Inf gradients at step 8" in sentinel
+    assert ("the Trainer computes the loss outside the model (compute_loss_func), so a replay of the model has no loss "
+            "to run the backward of; the bad step is not replayed") in sentinel
+    assert not any("first offender" in a.message for a in callback.alerts)
+
+
+def _ddp_fault_rank(rank: int, world: int, out: str) -> None:
+    """One rank of a 2-process CPU DDP run whose fault is in rank 1's batch of step 3."""
+    model = tiny("gpt2")
+    spoiler = NaNAtStep(model, step=3, rank=1)
+    args = transformers.TrainingArguments(out, max_steps=5, per_device_train_batch_size=4, logging_steps=1, save_strategy="no",
+                                          use_cpu=True, seed=0, disable_tqdm=True, report_to=["tensorboard"], max_grad_norm=0)
+    callback = InspectTrainerCallback(every_n_steps=100)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[callback])
+    spoiler.trainer = trainer
+    trainer.train()
+    if rank == 0:
+        (alert,) = nonfinite_alerts(callback)
+        assert (alert.step, alert.name) == (3, "transformer.h.1.mlp"), alert
+        assert alert.message.endswith("(replayed from step 3, rank 1's batch)"), alert.message
+
+
+def test_under_ddp_the_rank_whose_batch_made_it_is_named(tmp_path, events):
+    from ranks import run_ranks
+
+    run_ranks(_ddp_fault_rank, str(tmp_path / "out"), tmp=tmp_path, debug="INFO")  # DETAIL crashes DDP's constructor
+    (run,) = event_dirs(tmp_path / "out")
+    acc = events(run)
+    assert [(e.step, e.value) for e in acc.Scalars("layerwatch/first_nonfinite_step")] == [(3, 3.0)]

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 
 from layerwatch import Inspector
 from models import MLP, hook_count, train
@@ -113,3 +114,25 @@ def test_a_step_abandoned_by_an_exception_leaves_no_collector_clock(tmp_path):
     del inspector
     gc.collect()
     assert gc.callbacks == before
+
+
+@pytest.mark.parametrize("first", ["lower", "upper"])
+def test_stacked_forward_guards_come_off_in_either_order_and_both_see_a_failure(first):
+    """A run-long guard (the Hugging Face door's input hook) under a sampled step's guard: each
+    runs its ``on_failure`` when the forward raises, and removing them in any order leaves the
+    model's ``forward`` as it was."""
+    from layerwatch.hooks import FailedForwardGuard
+
+    model = nn.Linear(2, 2)
+    failed: list[str] = []
+    lower = FailedForwardGuard(model, lambda: failed.append("lower"))
+    upper = FailedForwardGuard(model, lambda: failed.append("upper"))
+    with pytest.raises(RuntimeError):
+        model(torch.ones(3))  # a shape error
+    assert failed == ["lower", "upper"]
+    guards = (lower, upper) if first == "lower" else (upper, lower)
+    guards[0].remove()
+    assert model(torch.ones(1, 2)).shape == (1, 2)  # the other guard still calls through
+    guards[1].remove()
+    guards[1].remove()  # safe twice
+    assert "forward" not in vars(model)

@@ -163,9 +163,11 @@ class Engine:
         self._optimizers: list[Any] = []  # weak references: whose gradients a replay puts back too
         self._fault_before = False  # the weights held NaN/Inf when the sentinel found the fault
         self._reported: Optional[Finding] = None  # the finding _on_nonfinite said, once
-        self.replay_hint = (
-            "to find it, let layerwatch replay the bad step: Inspector.replay_with(closure) before each step's forward"
-        )
+        # Why a fault's step was not replayed, in the front door's words (None: the door can replay,
+        # or did not say; see _unreplayed)
+        self.replay_hint: Optional[str] = None
+        self._replay_offered = False  # replay_with() was called in this run
+        self.replay_note = ""  # what a replay runs differently from the step (the front door's words), or ""
         self._samples_written = 0
         self._schedule_checked = False
         # The overhead budget (budget.py), when it is the schedule: rank 0 chooses the interval
@@ -800,6 +802,7 @@ class Engine:
             self._fault_before, can = bool(bad), not bad
         found: list[Optional[tuple[int, ProbeResult]]] = [None]  # the micro-batch that named it, and its probes
         ranks: list[Any] = []
+        ran = [False]  # the replay ran to its end here (else its failure was warned about)
         started = time.perf_counter()
 
         def run_again() -> None:
@@ -807,7 +810,7 @@ class Engine:
 
         def replay_here() -> None:
             self.failures.run("report NaN/Inf gradients", lambda: self._on_nonfinite(finding, None), step)
-            self.failures.run(f"replay step {step}'s batch", run_again, step)
+            ran[0] = self.failures.run(f"replay step {step}'s batch", run_again, step)
 
         def mine() -> Any:
             return None if found[0] is None else (found[0][0], found[0][1].offender.name, found[0][1].offender.phase)
@@ -825,11 +828,14 @@ class Engine:
             ranks.append(mine())
         rank = next((r for r, found_there in enumerate(ranks) if found_there is not None), None)
         if rank is None:
+            if ranks:  # what a later sample's message says of the fault
+                self.replay_hint = f"step {step}'s batch, run again, {'made no NaN/Inf' if ran[0] else 'could not be run'}"
             if ranks and is_writer_rank():
-                self.failures.warn(
-                    f"layerwatch: step {step}'s batch, run again with every probe armed, made no NaN/Inf (the fault "
-                    "is outside what the replay runs, or does not happen again); the next step is sampled instead"
-                )
+                note = f"; {self.replay_note}" if self.replay_note else ""
+                what = ("made no NaN/Inf (the fault is outside what the replay runs, or does not happen again" if ran[0]
+                        else "could not be run again (said above")
+                self.failures.warn(f"layerwatch: step {step}'s batch, run again with every probe armed, {what}{note}); "
+                                   "the next step is sampled instead")
             return False
         index, name, phase = ranks[rank]
         parts = ([f"micro-batch {index + 1} of {len(self._micro_batches)}"] if len(self._micro_batches) > 1 else []) + (

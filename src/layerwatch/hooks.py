@@ -144,22 +144,23 @@ def claim(model: nn.Module, engine: Any) -> Optional[Any]:
 
 
 class FailedForwardGuard:
-    """``model.forward`` wrapped, as an instance attribute, for one sampled step: when the
+    """``model.forward`` wrapped, as an instance attribute, while the guard is on: when the
     model's forward raises, ``on_failure`` runs before torch runs the model's always-call
-    forward hooks, so it can remove every hook of the step, the model's own included (from
+    forward hooks, so it can remove every hook of ours, the model's own included (from
     inside those hooks it could not: torch is iterating them). ``remove()`` puts ``forward``
-    back as it was. Traced by Dynamo, the wrapper only calls through."""
+    back as it was, and is safe twice; guards may be stacked (a sampled step's over a run's)
+    and removed in any order. Traced by Dynamo, the wrapper only calls through."""
 
     _MISSING = object()
 
     def __init__(self, model: nn.Module, on_failure: Callable[[], None]) -> None:
         # Neither the guard nor the wrapper holds the model: a model dropped mid-run is freed.
         model_ref = weakref.ref(model)
-        previous = model.__dict__.get("forward", self._MISSING)
+        below = [model.__dict__.get("forward", self._MISSING)]  # what this wrapper calls: a list, to unlink it
 
         @functools.wraps(model.forward)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            target = previous if previous is not FailedForwardGuard._MISSING else type(model_ref()).forward.__get__(model_ref())
+            target = below[0] if below[0] is not FailedForwardGuard._MISSING else type(model_ref()).forward.__get__(model_ref())
             try:
                 return target(*args, **kwargs)
             except BaseException:
@@ -172,19 +173,29 @@ class FailedForwardGuard:
             forward.__signature__ = inspect.signature(model.forward)  # type: ignore[attr-defined]  # for who inspects it
         except (TypeError, ValueError):
             pass
-        forward.layerwatch_previous = previous  # type: ignore[attr-defined]
+        forward.layerwatch_below = below  # type: ignore[attr-defined]
         self._model = model_ref
         self._wrapper = weakref.ref(forward)
         model.forward = forward
 
     def remove(self) -> None:
         model, wrapper = self._model(), self._wrapper()
-        if model is None or wrapper is None or model.__dict__.get("forward") is not wrapper:
-            return  # gone, or replaced since by someone else: theirs stays
-        if wrapper.layerwatch_previous is self._MISSING:
-            del model.forward
-        else:
-            model.forward = wrapper.layerwatch_previous
+        if model is None or wrapper is None:
+            return
+        below = wrapper.layerwatch_below[0]
+        above = model.__dict__.get("forward", self._MISSING)
+        if above is wrapper:
+            if below is self._MISSING:
+                del model.forward
+            else:
+                model.forward = below
+            return
+        while getattr(above, "layerwatch_below", None) is not None:  # a guard put on since: unlinked from under it
+            if above.layerwatch_below[0] is wrapper:
+                above.layerwatch_below[0] = below
+                return
+            above = above.layerwatch_below[0]
+        # replaced since by someone else's forward: theirs stays
 
 
 def detached(error: Exception) -> Exception:

@@ -9,33 +9,50 @@ goes from ``k - 1`` to ``k``):
 =========================  ==========================================================
 ``on_step_begin``          ``begin_step(k)``: once per optimizer step, at its first
                            micro-batch (gradient accumulation: only optimizer steps count)
-``on_pre_optimizer_step``  ``before_optimizer_step(optimizer)``: gradients, after HF's
+the model's forward        ``replay_with(closure)``: each micro-batch's inputs, as the
+                           model is called with them (a forward pre-hook)
+``on_pre_optimizer_step``  ``before_optimizer_step(optimizer)``: the sentinel's check
+                           and, on a finding, the replay; gradients, after HF's
                            clipping; the weights' snapshot for the update ratios
 ``on_optimizer_step``      ``after_optimizer_step(optimizer)``: update ratios, weights
-``on_step_end``            ``end_step()``: the sentinel; a sampled step is written
+``on_step_end``            ``end_step()``: a sampled step is written (the Trainer has
+                           cleared the gradients by then)
 =========================  ==========================================================
 
 So step ``k``'s charts sit at the same x as the ``train/loss`` HF logs for that batch (HF
 logs it at the global step after the optimizer step).
+
+The replay: the Trainer hands its callbacks no batch, but the model is called with it. A
+forward pre-hook on the outermost module the Trainer calls (``trainer.model_wrapped``: the
+DDP or ``torch.compile`` wrapper, whose own hooks run eagerly) keeps each micro-batch's
+positional and keyword inputs for the open step, and offers the engine a closure that calls
+the model itself again with them and returns its loss (``outputs.loss``, what the Trainer's
+default ``compute_loss`` takes). Nothing is copied: the references are dropped when the step
+ends.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import weakref
 from typing import Any, Collection, Optional, Sequence
+
+import torch
+from torch import nn
 
 from typing_extensions import override
 
 from layerwatch import vocabulary as V
 from layerwatch.alerts import Alert, AlertRules
 from layerwatch.engine import Engine
+from layerwatch.hooks import FailedForwardGuard, is_compiling
 from layerwatch.options import DEFAULT_STATS, options_from
 from layerwatch.probes import ModuleFilter
 from layerwatch.schedule import ScheduleLike
 
 try:
-    from transformers import TrainerCallback
+    from transformers import Trainer, TrainerCallback
     from transformers.integrations import TensorBoardCallback
     from transformers.trainer_callback import CallbackHandler
 except ImportError as e:  # pragma: no cover - exercised by the import test in a subprocess
@@ -65,12 +82,26 @@ class InspectTrainerCallback(TrainerCallback):
     every rank takes part in the reductions.
 
     Gradients are read in ``on_pre_optimizer_step``, **after** HF has clipped them to
-    ``max_grad_norm`` (Lightning's ``InspectCallback`` reads them before clipping).
+    ``max_grad_norm`` (Lightning's ``InspectCallback`` reads them before clipping). The NaN
+    sentinel checks them there too, before the optimizer steps with them.
 
     Args: the options of :class:`~layerwatch.Inspector` (``every_n_steps``, ``schedule``,
         ``overhead_budget``, ``families``, ``stats``, ``histograms``, ``histogram_bins``,
         ``alerts``, ``modules``, ``sentinel``, ``memory_budget``), with the same meaning and
-        checks.
+        checks, and:
+
+        replay: On the sentinel's first hit, run that step's micro-batches again through the
+            model (its own forward inputs, kept by a forward pre-hook) with every probe armed,
+            then backward from the model's own loss, before the optimizer step, so the first
+            offender is the module that made the NaN (``"replayed from step N"``), not merely
+            the first to use a poisoned weight a step later. RNG states, buffers, gradients
+            and modes are restored; the optimizer then steps as it would have. On a GPU it
+            makes the sentinel's read a device sync before each optimizer step;
+            ``replay=False`` keeps it a step later, without a replay. Not under fp16's
+            GradScaler (its skipped steps are not faults), DeepSpeed, sharded parameters
+            (FSDP), or with a loss computed outside the model (``compute_loss_func``, label
+            smoothing): each is said at the fault. With a ``compute_loss`` of your own, the replay backpropagates the
+            model's own loss (``outputs.loss``) instead of yours.
 
     Raises:
         ValueError, TypeError: A bad option, at construction.
@@ -90,9 +121,14 @@ class InspectTrainerCallback(TrainerCallback):
         modules: Optional[ModuleFilter] = None,
         sentinel: bool = True,
         memory_budget: Optional[int | float] = None,
+        replay: bool = True,
     ) -> None:
+        if not isinstance(replay, bool):
+            raise TypeError(f"replay must be a bool, got {type(replay).__name__}")
         self._options = options_from(locals())
+        self._replay = replay
         self._engine: Optional[Engine] = None
+        self._inputs: Optional[_InputsKept] = None
         self._alerts: list[Alert] = []
         self.log_dir: Optional[str] = None
 
@@ -109,8 +145,9 @@ class InspectTrainerCallback(TrainerCallback):
         if model is None:
             return
         target: dict[str, Any] = {}
+        handler = sys._getframe(1).f_locals.get("self")  # the CallbackHandler calling this event
         if state.is_world_process_zero:
-            writer = _tensorboard_writer(sys._getframe(1))
+            writer = _tensorboard_writer(handler)
             if writer is not None:
                 target = {"writer": writer}
                 self.log_dir = writer.log_dir if hasattr(writer, "log_dir") else None
@@ -119,15 +156,27 @@ class InspectTrainerCallback(TrainerCallback):
                 target = {"log_dir": self.log_dir}
                 print(f"layerwatch: no TensorBoardCallback (report_to=['tensorboard']); writing TensorBoard logs to {self.log_dir}")
         self._engine = Engine(model, self._options, **target)
-        self._engine.replay_hint = ("the Hugging Face Trainer hands its callbacks no batch, so the bad step is not "
-                                    "replayed; see docs/huggingface.md")
         self._alerts = self._engine.alerts
         self._engine.start(compiled_by_caller=bool(getattr(args, "torch_compile", False)))
+        trainer = _calling_trainer()
+        unreplayable = _why_not_replayed(self._replay, trainer, args, optimizer)
+        if unreplayable is not None:
+            self._engine.replay_hint = unreplayable
+            return
+        outer = trainer.model_wrapped if trainer is not None and isinstance(trainer.model_wrapped, nn.Module) else model
+        note = _own_loss_note(trainer)
+        if note:
+            self._engine.replay_note = note
+        self._inputs = _InputsKept(self._engine, outer, model)
+        self._inputs.attach()
+        self._engine.attach([self._inputs])
 
     @override
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._engine is not None:
             self._engine.begin_step(state.global_step + 1)
+            if self._inputs is not None:
+                self._inputs.attach()  # again, after a forward that raised
 
     @override
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
@@ -149,16 +198,111 @@ class InspectTrainerCallback(TrainerCallback):
         self._finish()
 
     def _finish(self) -> None:
-        engine, self._engine = self._engine, None
+        engine, self._engine, self._inputs = self._engine, None, None
         if engine is not None:
             engine.finish()
 
 
-def _tensorboard_writer(caller: Any) -> Any:
+class _InputsKept:
+    """The forward pre-hook on the module the Trainer calls: each training forward of the open
+    step offers the engine a closure that calls the model again with the same inputs
+    (:meth:`Engine.replay_with`). Evaluation (no autograd, or ``eval()``), traced calls and the
+    replay's own forwards are passed over. A forward that raises takes the hook off at once
+    (the exception may end training, and no event of the Trainer's says so); the next step
+    puts it back. It holds the engine and the modules weakly; ``remove()`` is safe twice."""
+
+    def __init__(self, engine: Engine, outer: nn.Module, model: nn.Module) -> None:
+        self._engine = weakref.ref(engine)
+        self._outer = weakref.ref(outer)
+        self._model = weakref.ref(model)
+        self._replaying = False
+        self._handles: list[Any] = []
+
+    def attach(self) -> None:
+        outer, model = self._outer(), self._model()
+        if self._handles or outer is None or model is None:
+            return
+        self._handles = [outer.register_forward_pre_hook(self._offer, with_kwargs=True), FailedForwardGuard(model, self.remove)]
+
+    def remove(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+    def _offer(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if is_compiling() or self._replaying or not torch.is_grad_enabled() or not module.training:
+            return
+        engine = self._engine()
+        if engine is not None and engine.state == "running":
+            engine.replay_with(lambda: self._again(args, kwargs))
+
+    def _again(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        self._replaying = True
+        try:
+            outputs = self._model()(*args, **kwargs)
+        finally:
+            self._replaying = False
+        return _model_loss(outputs, "labels" in kwargs)
+
+
+def _model_loss(outputs: Any, labels_given: bool) -> torch.Tensor:
+    """The loss the Trainer's default ``compute_loss`` takes from the model's outputs.
+
+    Raises:
+        TypeError: the outputs hold none (the loss is computed outside the model).
+    """
+    if isinstance(outputs, dict) and outputs.get("loss") is not None:
+        return outputs["loss"]
+    if isinstance(outputs, (tuple, list)) and labels_given and outputs and isinstance(outputs[0], torch.Tensor):
+        return outputs[0]
+    raise TypeError("the model's outputs hold no loss to replay the step's backward with (the Trainer's "
+                    "compute_loss computes it outside the model)")
+
+
+def _why_not_replayed(replay: bool, trainer: Any, args: Any, optimizer: Any) -> Optional[str]:
+    """Why the bad step cannot be replayed under this Trainer, as the fault's warning says it;
+    None when it can be."""
+    if not replay:
+        return "InspectTrainerCallback(replay=False) turned the replay of the bad step off"
+    if getattr(optimizer, "scaler", None) is not None:
+        return ("under fp16 mixed precision a GradScaler may skip the step, so NaN/Inf gradients are told from its "
+                "overflows only after the optimizer step and the bad step is not replayed")
+    if trainer is None:
+        return "the Trainer calling this callback was not found, so the bad step's inputs were not kept for a replay"
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        return "under DeepSpeed the bad step is not replayed"
+    if getattr(trainer, "compute_loss_func", None) is not None or getattr(trainer, "label_smoother", None) is not None:
+        what = "compute_loss_func" if getattr(trainer, "compute_loss_func", None) is not None else "label smoothing"
+        return (f"the Trainer computes the loss outside the model ({what}), so a replay of the model has no loss to "
+                "run the backward of; the bad step is not replayed")
+    return None
+
+
+def _own_loss_note(trainer: Any) -> str:
+    """What the replay does differently from a Trainer subclass with its own ``compute_loss``."""
+    if trainer is None or type(trainer).compute_loss is Trainer.compute_loss:
+        return ""
+    return (f"the replay backpropagates the model's own loss (outputs.loss), not {type(trainer).__name__}.compute_loss's, "
+            "so a fault in that loss is not run again")
+
+
+def _calling_trainer() -> Any:
+    """The ``Trainer`` whose ``train()`` calls this event: the frame above the callback
+    handler's (HF hands callbacks the model, the optimizer and the data, not the Trainer)."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            return None
+        if isinstance(frame.f_locals.get("self"), Trainer):
+            return frame.f_locals["self"]
+        frame = frame.f_back
+    return None
+
+
+def _tensorboard_writer(handler: Any) -> Any:
     """The ``SummaryWriter`` of HF's ``TensorBoardCallback``, when it has one. The Trainer hands
     callbacks no list of the others; the ``CallbackHandler`` calling this event holds it.
     ``TensorBoardCallback`` is a default callback, so it has opened its writer already."""
-    handler = caller.f_locals.get("self") if caller is not None else None
     if not isinstance(handler, CallbackHandler):
         return None
     for callback in handler.callbacks:
