@@ -56,8 +56,9 @@ naive and wandb rounds are paired with the inspector rounds' base times by index
                     FlopCounterMode over the forward), once per run
     off-step        a pure off-step, paired ratio (its difference from base is often below
                     the ~1% noise of comparing two whole steps)
-    off-step call   the time of the off-step's ``inspector.step()`` call itself (with the
-                    sentinel: its share of the gradients)
+    off-step call   the time of the off-step's ``inspector.step()`` call itself, plus the time
+                    inside the inspector's optimizer step hooks during its ``opt.step()``
+                    (with the sentinel: its check of its share of the gradients, there)
     after sample    the off-step right after a sample, counted as it is: memory released
                     while writing a sample would show up there as page faults
     amortized@50    ``(sampled + after + 48 * off) / 50`` where the off term is base plus
@@ -92,7 +93,7 @@ from tensorboard.backend.event_processing.event_file_loader import LegacyEventFi
 from torch.utils.tensorboard import SummaryWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import Clock  # noqa: E402
+from timing import Clock, HookSpans  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 from layerwatch import Inspector  # noqa: E402
@@ -185,6 +186,7 @@ def run(
         "wandb": []
     }
     wandb = import_wandb() if wandb_rounds > 0 else None
+    hooks = HookSpans(opt, clock)  # the off-step's share of the inspector's optimizer hooks (its sentinel check)
     with tempfile.TemporaryDirectory() as tmp:
         inspector = Inspector(
             model,
@@ -194,6 +196,7 @@ def run(
             **config_kwargs(config, families, sentinel),
         )
         with inspector:
+            hooks.after_inspector()
             if compiled:
                 warm_up()
             logged_families = ",".join(sorted(inspector.families, key=FAMILIES.index))
@@ -204,9 +207,10 @@ def run(
 
             def inspected() -> None:
                 # a pure off-step (neither this step nor the next is sampled: k % 4 == 0, opening 1)
+                hooks.take()
                 off_step, off_call = clock.times(step, inspector.step)
                 times["off"].append(off_step + off_call)
-                times["off_call"].append(off_call)
+                times["off_call"].append(off_call + hooks.take())
                 # its inspector.step() opens (arms) sampled step k % 4 == 2: that call is the sample's
                 step()
                 arm, sampled, after = clock.times(
@@ -224,6 +228,7 @@ def run(
                 step()  # untimed: absorbs any after-effect of the previous round
                 for block in blocks[r % 3 :] + blocks[: r % 3]:  # rotate: no condition owns a position
                     block()
+        hooks.remove()
         events = read_events(f"{tmp}/lw")
         if naive_rounds > 0:
             naive_writer = SummaryWriter(f"{tmp}/naive")

@@ -62,3 +62,44 @@ class Clock:
         if self.cuda:
             return torch.cuda.get_device_name(self.device)
         return f"cpu ({torch.get_num_threads()} threads)"
+
+
+class HookSpans:
+    """The time the inspector's own optimizer step hooks take, as the clock times: a pre-hook
+    and a post-hook of this object's registered before the inspector's (:meth:`__init__`, before
+    ``Inspector.start()``) and another of each after them (:meth:`after_inspector`) mark where
+    they begin and end. :meth:`take` is the time between the marks since the last call."""
+
+    def __init__(self, opt: torch.optim.Optimizer, clock: Clock) -> None:
+        self._clock, self._opt = clock, opt
+        self._marks: dict[str, object] = {}
+        self._handles = [opt.register_step_pre_hook(self._mark("pre0")), opt.register_step_post_hook(self._mark("post0"))]
+
+    def after_inspector(self) -> None:
+        opt = self._opt
+        self._handles += [opt.register_step_pre_hook(self._mark("pre1")), opt.register_step_post_hook(self._mark("post1"))]
+
+    def _mark(self, key: str) -> Callable[..., None]:
+        def mark(*_: object) -> None:
+            if self._clock.cuda:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record(torch.cuda.current_stream(self._clock.device))
+                self._marks[key] = event
+            else:
+                self._marks[key] = time.perf_counter()
+        return mark
+
+    def take(self) -> float:
+        """Seconds inside the inspector's hooks during the last optimizer step (0 without one)."""
+        marks, self._marks = self._marks, {}
+        if len(marks) < 4:
+            return 0.0
+        if self._clock.cuda:
+            torch.cuda.synchronize(self._clock.device)
+            return 1e-3 * (marks["pre0"].elapsed_time(marks["pre1"]) + marks["post0"].elapsed_time(marks["post1"]))
+        return (marks["pre1"] - marks["pre0"]) + (marks["post1"] - marks["post0"])
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

@@ -222,14 +222,14 @@ class _InputsKept:
         outer, model = self._outer(), self._model()
         if self._handles or outer is None or model is None:
             return
-        self._handles = [outer.register_forward_pre_hook(self._offer, with_kwargs=True), FailedForwardGuard(model, self.remove)]
+        self._handles = [outer.register_forward_pre_hook(self, with_kwargs=True), FailedForwardGuard(model, self.remove)]
 
     def remove(self) -> None:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
 
-    def _offer(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if is_compiling() or self._replaying or not torch.is_grad_enabled() or not module.training:
             return
         engine = self._engine()
