@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from layerwatch.huggingface import InspectTrainerCallback  # noqa: E402
-from models import hook_count, layerwatch_messages, same_tensors, scripted_ideal  # noqa: E402
+from models import hook_count, layerwatch_messages, same_tensors, scripted_ideal, tab_values  # noqa: E402
 
 VOCAB, SEQ = 128, 16
 
@@ -431,3 +431,17 @@ def test_under_ddp_the_rank_whose_batch_made_it_is_named(tmp_path, events):
     (run,) = event_dirs(tmp_path / "out")
     acc = events(run)
     assert [(e.step, e.value) for e in acc.Scalars("layerwatch/first_nonfinite_step")] == [(3, 3.0)]
+
+
+def test_saved_bytes_of_an_accumulated_step_are_each_micro_batchs_added_up(tmp_path, events):
+    """Each micro-batch's forward saves its own tensors for backward; storages freed after one
+    micro-batch's backward are given to the next at the same addresses, which must not hide them."""
+    saved = {}
+    for accumulation in (1, 2):
+        train(tiny("gpt2"), tmp_path / str(accumulation), [InspectTrainerCallback(every_n_steps=2)], max_steps=2,
+              gradient_accumulation_steps=accumulation)
+        (run,) = event_dirs(tmp_path / str(accumulation))
+        tab = tab_values(events(run))
+        saved[accumulation] = {key: values[2] for key, values in tab.items() if key.startswith("saved_bytes/")}
+    assert saved[1] and set(saved[2]) == set(saved[1])
+    assert all(saved[2][key] == 2 * value for key, value in saved[1].items()), saved
