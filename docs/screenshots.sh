@@ -21,3 +21,4 @@ shot nan-incident.png "http://127.0.0.1:6123/#scalars&tagFilter=weights_nonfinit
 shot structure.png "http://127.0.0.1:6124/#text&tagFilter=layerwatch%2Fstructure" 1500,800
 shot alerts.png "http://127.0.0.1:6125/#text&tagFilter=layerwatch%2Falerts" 1500,560
 python docs/tab_screenshots.py http://127.0.0.1:6123 docs/img
+python docs/hf_screenshot.py docs/img
