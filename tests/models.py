@@ -4,6 +4,7 @@ their Trainer (all at module level, so ddp_spawn can pickle them)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -272,6 +273,53 @@ class TinyTransformer(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.head(self.block(self.embed(idx)))
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.fc(self.norm(x)))
+
+
+class Stageable(nn.Module):
+    """An input layer, residual blocks in an ``nn.ModuleDict`` and an output layer, written as
+    torchtitan writes its models for pipeline parallelism: a stage is a copy of the whole model
+    less what other stages run (:func:`stage_of`), and its forward runs what is left."""
+
+    def __init__(self, d_in: int = 6, d: int = 8, blocks: int = 4, d_out: int = 3) -> None:
+        super().__init__()
+        self.inp: Optional[nn.Module] = nn.Linear(d_in, d)
+        self.layers = nn.ModuleDict({str(i): ResidualBlock(d) for i in range(blocks)})
+        self.out: Optional[nn.Module] = nn.Linear(d, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inp is not None:
+            x = self.inp(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        return x if self.out is None else self.out(x)
+
+
+def stage_of(model: Stageable, stage: int, stages: int) -> Stageable:
+    """Stage ``stage`` of ``stages`` of ``model``, split by hand as torchtitan does: a deep copy
+    with the other stages' blocks deleted from the ``ModuleDict`` (the kept ones keep their
+    names) and the input and output layers on the first and last stages only."""
+    part = copy.deepcopy(model)
+    per_stage = len(model.layers) // stages
+    kept = {str(i) for i in range(stage * per_stage, (stage + 1) * per_stage)}
+    for key in list(part.layers.keys()):
+        if key not in kept:
+            del part.layers[key]
+    if stage > 0:
+        part.inp = None
+    if stage < stages - 1:
+        part.out = None
+    return part
 
 
 class Restless(nn.Module):

@@ -172,6 +172,7 @@ class Layout:
     pieces: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     flattened: dict[str, tuple[int, torch.dtype, bool]] = field(default_factory=dict)
     flat_only: list[str] = field(default_factory=list)
+    staged: bool = False  # pipeline stages (stages.py): each rank holds parameters no other stage has, and measures them
 
     def parameters(self, model: Optional[nn.Module]) -> list[tuple[str, nn.Parameter]]:
         """The model's named parameters that hold values, under clean names; an FSDP1
@@ -195,12 +196,18 @@ class Layout:
         return p.new_empty(0) if flat.grad is not None and p.requires_grad else None
 
 
-def parameter_layout(model: Optional[nn.Module], within: Optional[nn.Module] = None) -> Layout:
+def parameter_layout(model: Optional[nn.Module], within: Optional[nn.Module] = None, zero: Any = None) -> Layout:
     """The :class:`Layout` of ``model``'s parameters on this rank. ``within``: a module that
     wraps ``model`` (Lightning's ``strategy="fsdp"`` wraps the LightningModule itself in
-    FSDP), whose FSDP units hold some of its parameters too."""
+    FSDP), whose FSDP units hold some of its parameters too. ``zero``: the
+    :class:`~layerwatch.zero.Zero` of a DeepSpeed ZeRO run, whose parameters are pieces over
+    its data-parallel group (their pieces are the family's to find: no flat parameter)."""
     result = Layout()
     if model is None or world_size() == 1:
+        return result
+    if zero is not None:
+        result.sharded = True
+        result.pieces = {name: (zero.group, None) for name in zero.names(list(model.named_parameters()))}
         return result
     root = model if within is None else within
     prefix = next((clean_name(name) for name, module in root.named_modules() if module is model), "")
@@ -230,7 +237,7 @@ def _relative(name: str, prefix: str) -> str:
 def this_ranks_groups(pairs: NamedTensors, warn_once: Callable[[str, str], None], layout: Optional[Layout] = None) -> list[Group]:
     """``(group, names, tensors)`` this rank reduces: sharded tensors (local shards, or FSDP1
     pieces) with their process group on every rank, then the rest by device (group None) on
-    rank 0.
+    rank 0, or on every rank when the layout is ``staged`` (each holds its own stage's).
 
     A DTensor sharded along one mesh dimension is reduced over that dimension's process
     group; replicated DTensors (and those of a group of one rank) count as plain: their local
@@ -239,7 +246,7 @@ def this_ranks_groups(pairs: NamedTensors, warn_once: Callable[[str, str], None]
     """
     plain: dict[torch.device, tuple[list[str], list[torch.Tensor]]] = {}
     sharded: dict[Any, tuple[list[str], list[torch.Tensor]]] = {}
-    writer = is_writer_rank()
+    writer = is_writer_rank() or (layout is not None and layout.staged)
     dtensor = _dtensor_type()
     pieces = {} if layout is None else layout.pieces
     for name, tensor in pairs:

@@ -57,7 +57,9 @@ from layerwatch.replay import MicroBatch, RngState, forward_again, replay_until_
 from layerwatch.schedule import Schedule, every_n_steps
 from layerwatch.sentinel import Finding, NonfiniteSentinel, StepCounter, nonfinite_names
 from layerwatch.sinks.tensorboard import TensorBoardSink
+from layerwatch.stages import Held, StagePart, Stages, find_stages
 from layerwatch.table import Summary
+from layerwatch.zero import Zero, engine_of
 
 logger = logging.getLogger("layerwatch")
 
@@ -86,10 +88,13 @@ class _Sample:
     snapshots: list[tuple[Optional[int], Snapshot]] = field(default_factory=list)  # (id of the optimizer, ...)
     replay: Optional[ProbeResult] = None  # what the probes saw on the step's batch run again (replay.py)
 
-    def unread(self, read: set[int], optimizer: Any) -> list[tuple[str, nn.Parameter]]:
-        """The parameters (of ``optimizer``, or all) not read yet into ``read``; now marked read."""
+    def unread(self, read: set[int], optimizer: Any,
+               keep: Optional[list[tuple[str, nn.Parameter]]] = None) -> list[tuple[str, nn.Parameter]]:
+        """The parameters (of ``optimizer``, or all; of ``keep`` only, when given) not read yet
+        into ``read``; now marked read."""
         mine = None if optimizer is None else {id(p) for group in optimizer.param_groups for p in group["params"]}
-        out = [(n, p) for n, p in self.params if id(p) not in read and (mine is None or id(p) in mine)]
+        out = [(n, p) for n, p in (self.params if keep is None else keep)
+               if id(p) not in read and (mine is None or id(p) in mine)]
         read.update(id(p) for _, p in out)
         return out
 
@@ -144,12 +149,14 @@ class Engine:
         self._attached.removables += [self._probes, self._counter, self._collector]
         self._release = weakref.finalize(self, self._attached.release)
         self._sentinel: Optional[NonfiniteSentinel] = None
+        self._zero: Optional[Zero] = None  # a DeepSpeed ZeRO run's partitions (zero.py)
         self._force_sample = False
         # A sharded run (see distributed.py): every rank takes part in every sampled step, and
         # the ranks vote on which steps those are; a sentinel's finding waits for the vote.
         self._layout = Layout()
         self._sync: Optional[RankSync] = None
         self._vote: Optional[StepVote] = None
+        self._stages: Optional[Stages] = None  # pipeline stages (stages.py): each rank measures its own, and votes too
         self._finding: Optional[Finding] = None
         self._finding_reported = False
         self._offender_found = False
@@ -225,7 +232,8 @@ class Engine:
         """Whether the open step is sampled."""
         return self._sample is not None
 
-    def start(self, *, within: Optional[nn.Module] = None, compiled_by_caller: bool = False) -> "Engine":
+    def start(self, *, within: Optional[nn.Module] = None, compiled_by_caller: bool = False,
+              deepspeed: Any = None) -> "Engine":
         """Open the writer (rank 0) and write the chart layout. Opens no step. A model still
         watched by an earlier engine that was never finished is taken from it: that engine
         is finished first (its hooks removed, its writer flushed).
@@ -238,10 +246,20 @@ class Engine:
         ``compiled_by_caller``: the caller will run the model under ``torch.compile`` (the Hugging
         Face Trainer's ``torch_compile=True``), so its modules get the traced probe's hooks now,
         before the first compiled forward.
+
+        ``deepspeed``: the DeepSpeed engine (or its ZeRO optimizer) that trains the model, when
+        the model is not that engine itself. A ``DeepSpeedEngine`` given as the model is watched
+        through the module it trains; with ZeRO, every rank reads its partitions
+        (:mod:`~layerwatch.zero`): the gradients in the step pre-hook of the optimizer DeepSpeed
+        steps (:attr:`deepspeed_client`, which the front door hooks).
         """
         if self._state != "new":
             raise RuntimeError(f"start() called on an {self.owner.lower()} that is {self._state}")
         model = self._model()
+        engine = None if model is None else engine_of(model)
+        if engine is not None:  # watch the model it trains, under its own names
+            model, deepspeed = engine.module, deepspeed or engine
+            self._model = weakref.ref(model)
         previous = None if model is None else claim(model, self)
         if previous is not None and previous._state == "running":
             self.failures.warn(
@@ -249,14 +267,18 @@ class Engine:
                 "was not finished (a cell run again?); that one is finished now, so its hooks do not stay on the model"
             )
             previous.finish()
-        self._layout = parameter_layout(model, within)
-        self._params.layout = self._layout
+        if model is not None and world_size() > 1:
+            self.failures.run("find DeepSpeed ZeRO's partitions", lambda: self._find_zero(model, deepspeed), 0)
+        self._layout = parameter_layout(model, within, self._zero)
+        self._params.layout, self._params.zero = self._layout, self._zero
         self._within = (lambda: None) if within is None else weakref.ref(within)
-        if self._layout.sharded:  # every rank, at the same point: making a group is collective
+        if model is not None and world_size() > 1:  # every rank, at the same point: collective under pipelining
+            self.failures.run("find the pipeline stages (only rank 0's layers are measured)", lambda: self._find_stages(model), 0)
+        if self._together:  # every rank, at the same point: making a group is collective
             self.failures.run("make the ranks' group for agreeing (no step is sampled)", self._open_vote, 0)
         if self._pacer is not None and world_size() > 1:
             self._interval_sync = self._sync
-            if not self._layout.sharded and not self.failures.run(
+            if not self._together and not self.failures.run(
                     f"make the ranks' group for sharing the sampling interval (every {UNSHARED_INTERVAL} steps instead)",
                     self._open_interval_sync, 0):
                 self._pacer, self._schedule = None, every_n_steps(UNSHARED_INTERVAL)
@@ -275,12 +297,12 @@ class Engine:
                 self._sink = TensorBoardSink(writer, owns_writer=False)
         if self.options.sentinel:  # every rank: its shards, or (DDP) the same gradients, so the same findings
             self._sentinel = NonfiniteSentinel()
-        if self._layout.sharded:
-            self.replay_hint = ("a sharded run's ranks agree on a finding a step later, after the optimizer step, so the "
-                                "bad step is not replayed")
+        if self._together:
+            self.replay_hint = (f"a {'pipelined' if self._stages is not None else 'sharded'} run's ranks agree on a finding "
+                                "a step later, after the optimizer step, so the bad step is not replayed")
         self._state = "running"
         model = self._model()
-        if model is not None and (is_writer_rank() or self._layout.sharded):
+        if model is not None and (is_writer_rank() or self._together):
             params = [p for _, p in self._layout.parameters(model)]
             self.failures.run("prepare the probes", lambda: self._probes.prepare(model, params, compiled_by_caller), 0)
         names = [name for name, _ in self._layout.parameters(model)]
@@ -288,13 +310,51 @@ class Engine:
             self.failures.warn_once("no-params", "layerwatch: the model has no parameters; there is nothing to log")
         if self._sink is not None and model is not None:
             modules = [probe_name(name) for name, _ in select_modules(model, self.options.modules)]
+            if self._stages is not None:  # every stage's layers
+                names, modules = self._stages.params, self._stages.modules
             layout = R.custom_scalars_layout(names, modules, self.options.families, self.options.stats)
             if layout:
                 self._write_with(lambda sink: sink.write_layout(layout), "write the chart layout")
         return self
 
+    def _find_zero(self, model: nn.Module, deepspeed: Any) -> None:
+        try:
+            self._zero = Zero.find(model, deepspeed)
+        except ValueError as e:  # said in place of "no gradients": they are in DeepSpeed's partitions
+            if is_writer_rank():
+                self.failures.warn_once("no-grads", f"layerwatch: {e}; until then its gradients and update ratios are "
+                                        "not measured")
+
+    @property
+    def deepspeed_client(self) -> Optional[torch.optim.Optimizer]:
+        """The optimizer a DeepSpeed ZeRO engine steps (the one it was given), whose step hooks
+        must call :meth:`before_optimizer_step` and :meth:`after_optimizer_step`: its gradients
+        exist there only. None outside ZeRO."""
+        return None if self._zero is None else self._zero.client
+
+    def _find_stages(self, model: nn.Module) -> None:
+        modules = tuple(probe_name(name) for name, _ in select_modules(model, self.options.modules))
+        held = Held(tuple(name for name, _ in self._layout.parameters(model)), modules, self._layout.sharded)
+        self._stages = find_stages(held, self.failures)
+        if self._stages is None:
+            return
+        self._layout.staged = True
+        self._attached.removables.append(self._stages)
+        if self._probes.structure_pending and is_writer_rank():
+            self.failures.warn("layerwatch: the model is split into pipeline stages, and each rank runs one stage's "
+                               "forward, so the layer table of the whole model is not recorded (layerwatch/structure); "
+                               "call layerwatch.summarize(model, batch) on the whole model before it is split")
+        self._probes.structure_pending = False
+
+    @property
+    def _together(self) -> bool:
+        """Every rank takes part in every sampled step, and the ranks vote on which steps those
+        are: a sharded run, or pipeline stages."""
+        return self._layout.sharded or self._stages is not None
+
     def _open_vote(self) -> None:
-        self._sync = self._params.sync = RankSync()
+        self._sync = RankSync()
+        self._params.sync = self._sync if self._layout.sharded else None  # stages reduce nothing together
         self._vote = StepVote(self._sync)
         self._attached.removables.append(self._vote)  # waits for its ballot, then closes the group
 
@@ -366,7 +426,7 @@ class Engine:
         model = self._model()
         sample = self._sample = _Sample(step, self._layout.parameters(model), self._counter.count)
         self._param_cache = sample.params
-        if model is not None and (is_writer_rank() or self._layout.sharded):
+        if model is not None and (is_writer_rank() or self._together):
             self._probes.arm(model, [p for _, p in sample.params], step, writer=is_writer_rank())
             self._collector.attach()
         sample.overhead_s += time.perf_counter() - started
@@ -394,7 +454,7 @@ class Engine:
         self._check_running("replay_with")
         if not callable(closure):
             raise TypeError(f"closure must be callable, got {type(closure).__name__}")
-        if (self._sentinel is not None or self._probes.table_waits) and not self._layout.sharded:
+        if (self._sentinel is not None or self._probes.table_waits) and not self._together:
             self._replay_offered = True
             self._micro_batches.append(MicroBatch(closure, RngState.capture()))
 
@@ -409,7 +469,7 @@ class Engine:
         if sample is None:
             self._own_s += time.perf_counter() - started
             return
-        params = sample.unread(sample.grads_read, optimizer)
+        params = sample.unread(sample.grads_read, optimizer) if self._zero is None else self._zero_stepping(sample)
         if params:
             sample.before_calls += 1
             self._read_grads(sample, params)
@@ -417,6 +477,14 @@ class Engine:
                 key = None if optimizer is None else id(optimizer)
                 self.failures.run("snapshot weights for update ratios", lambda: self._snapshot(sample, params, key), sample.step)
         sample.overhead_s += time.perf_counter() - started
+
+    def _zero_stepping(self, sample: _Sample) -> list[tuple[str, nn.Parameter]]:
+        """The parameters of the group DeepSpeed is about to step (its client optimizer holds a
+        flat partition of them, not them), not read yet; now marked read. None outside its step."""
+        group = self._zero.stepping()
+        if group is None:
+            return []
+        return sample.unread(sample.grads_read, None, keep=self._zero.in_group(sample.params, group))
 
     def after_optimizer_step(self, optimizer: Optional[torch.optim.Optimizer] = None, *, stepped: Optional[bool] = None) -> None:
         """``optimizer`` (every optimizer when None) has stepped: measure the updates of its
@@ -460,7 +528,8 @@ class Engine:
         started = time.perf_counter()
         sample.overhead_s += self._probes.hook_seconds
         trained = any(p.grad is not None for _, p in sample.params)
-        structure, probes = self._probes.take(self._sync, sample.step, trained, self._layout.flattened)
+        sync = None if self._stages is not None else self._sync  # a stage's probes combine nothing with other ranks'
+        structure, probes = self._probes.take(sync, sample.step, trained, self._layout.flattened)
         probes = sample.replay or probes
         if structure is None and self._probes.table_waits and world_size() == 1:
             structure = self._table_eagerly(micro_batches[0] if micro_batches else None)
@@ -468,8 +537,14 @@ class Engine:
         for _, snapshot in sample.snapshots:
             self.failures.run("measure updates", lambda: self._measure_update(sample, snapshot), sample.step)
         self._read_weights(sample, sample.unread(sample.weights_read, None))
-        if is_writer_rank():
-            self.failures.run("write the sampled step", lambda: self._write(sample, started, structure, probes), sample.step)
+        stages: list[Optional[StagePart]] = []  # every stage's measurements, on the writer
+        if self._stages is not None:  # every rank, whatever it measured: collective
+            self.failures.run("gather the pipeline stages' measurements", lambda: stages.append(self._stages.gather(
+                sample.step, lambda: self._host_rows(sample), probes, lambda: self._trainable(sample))), sample.step)
+            probes = stages[0].probes if stages and stages[0] is not None else None
+        if is_writer_rank() and (self._stages is None or stages):
+            self.failures.run("write the sampled step", lambda: self._write(sample, started, structure, probes,
+                                                                            stages[0] if stages else None), sample.step)
         self._collector.remove()
         if self._pacer is not None and self._pacer(sample.step):
             self._share_interval()
@@ -480,7 +555,7 @@ class Engine:
         sharded run the ranks decide together (every rank asks its schedule, which checks it;
         rank 0's answer counts), a step ahead."""
         vote = self._vote
-        if vote is None and self._layout.sharded:
+        if vote is None and self._together:
             return False  # the ranks cannot agree on a sample, so none is taken
         if vote is None:
             if not (may_sample and (self._force_sample or self._scheduled(step))):
@@ -557,17 +632,19 @@ class Engine:
 
     # ------------------------------------------------------------------ writing
 
-    def _write(self, sample: _Sample, started: float, structure: Optional[Summary], probes: Optional[ProbeResult]) -> None:
+    def _write(self, sample: _Sample, started: float, structure: Optional[Summary], probes: Optional[ProbeResult],
+               stages: Optional[StagePart] = None) -> None:
         """Rank 0: the step's rows to the host, what they and the probes say, then its record
         (:func:`~layerwatch.record.build`) to the sinks. The record is built and written after
-        the step's cost is taken, so both count in the next sample's (``_overhead_s``)."""
-        rows = self._host_rows(sample)
-        findings = self._findings(sample, rows, probes)
+        the step's cost is taken, so both count in the next sample's (``_overhead_s``).
+        ``stages``: every pipeline stage's rows and trainable parameters, gathered already."""
+        rows = self._host_rows(sample) if stages is None else stages.rows
+        findings = self._findings(sample, rows, probes, None if stages is None else stages.trainable)
         cost_s = self._overhead_s(sample, started)
         interval = None if self._pacer is None else self._choose_interval(sample.step, cost_s)
         writing = time.perf_counter()
         rec = R.build(sample.step, rows, probes, structure, findings, stats=self.options.stats, bins=self.options.bins,
-                      overhead_ms=1e3 * cost_s, sample_interval=interval)
+                      overhead_ms=1e3 * cost_s, sample_interval=interval, all_grads=stages is None or stages.complete)
         self._samples_written += 1
         self._emit(rec)
         self._last_write_s = time.perf_counter() - writing
@@ -585,8 +662,10 @@ class Engine:
             for family, pieces in families.items()
         }
 
-    def _findings(self, sample: _Sample, rows: R.HostRows, probes: Optional[ProbeResult]) -> R.Findings:
-        """What the probes' first offender and the health rules say of the step."""
+    def _findings(self, sample: _Sample, rows: R.HostRows, probes: Optional[ProbeResult],
+                  trainable: Optional[list[str]] = None) -> R.Findings:
+        """What the probes' first offender and the health rules say of the step. ``trainable``:
+        the names of the parameters with ``requires_grad`` (default: the sample's own)."""
         stepped = self._stepped(sample)
         found: list[Alert] = []
         named = None  # the first offender, when the probes saw the NaN appear (this step, or its batch replayed)
@@ -607,12 +686,17 @@ class Engine:
             found.append(Alert("nonfinite", (offender or user).name, sample.step, message))
         if self._health is None:
             return R.Findings(alerts=found, offender=named)
-        trainable = [  # a sparse gradient exists but is not measured: not "no gradient"
-            name for name, p in sample.params if p.requires_grad and not (p.grad is not None and p.grad.is_sparse)
-        ]
+        trainable = self._trainable(sample) if trainable is None else trainable
         findings = self._health.judge(sample.step, rows, "grads" in self.options.families, trainable, stepped, found)
         findings.offender = named
         return findings
+
+    @staticmethod
+    def _trainable(sample: _Sample) -> list[str]:
+        """The sample's parameters with ``requires_grad``, as the health rules count them."""
+        return [  # a sparse gradient exists but is not measured: not "no gradient"
+            name for name, p in sample.params if p.requires_grad and not (p.grad is not None and p.grad.is_sparse)
+        ]
 
     def _measured(self, family: str, names: list[str], rows: np.ndarray, step: int) -> tuple[list[str], np.ndarray]:
         """``names`` and their rows (update pieces: their two rows of columns) less the sharded
@@ -740,13 +824,13 @@ class Engine:
             self._sentinel_checked = True
             if self._param_cache is None:
                 self._param_cache = self._layout.parameters(self._model())
-            if self._sentinel_watching is not self._param_cache:  # walked again at a sample: new shares
-                self._sentinel_watching = self._param_cache
-                sentinel.watch(self._param_cache, local)
-            self.failures.run("check the gradients for NaN/Inf", lambda: sentinel.check_next(step, stepped), step)
+            self.failures.run("check the gradients for NaN/Inf", lambda: self._enqueue_check(sentinel, step, stepped), step)
         if before_optimizer_step and not replayable:
             return
-        for finding in sentinel.poll(wait=replayable):
+        findings = sentinel.poll(wait=replayable)
+        if not before_optimizer_step and self._zero is not None and self._zero.skipped():
+            findings.append(self._skipped_by_deepspeed(step))
+        for finding in findings:
             if finding.stepped is False:
                 logger.info("layerwatch: step %d: NaN/Inf gradients and no optimizer step (a GradScaler skip)", finding.step)
                 continue
@@ -762,6 +846,22 @@ class Engine:
                 self.failures.run("report NaN/Inf gradients", lambda: self._on_nonfinite(finding, step + 1), step)
             break
 
+    def _enqueue_check(self, sentinel: NonfiniteSentinel, step: int, stepped: Optional[bool]) -> None:
+        if self._zero is not None:  # the group DeepSpeed steps now: its averaged gradients, this rank's pieces
+            sentinel.check(step, self._zero.gradients(self._param_cache), stepped)
+            return
+        if self._sentinel_watching is not self._param_cache:  # walked again at a sample: new shares
+            self._sentinel_watching = self._param_cache
+            sentinel.watch(self._param_cache, local)
+        sentinel.check_next(step, stepped)
+
+    def _skipped_by_deepspeed(self, step: int) -> Finding:
+        """DeepSpeed skipped this step, its averaged gradients not finite (the client optimizer
+        never ran, nor its hooks): a fault in fp32 and bf16, an overflow under fp16's loss scale."""
+        expected = self._zero.overflow_expected
+        return Finding(step, [], False if expected else True, True,
+                       seen_by="DeepSpeed found their norm not finite and skipped the step")
+
     def _on_voted_finding(self, decision: Decision, step: int) -> None:
         """A rank's sentinel found NaN/Inf gradients, and every rank knows it now: none checks
         again, ``step`` is sampled, and rank 0 reports it (with the tensors, when its own
@@ -772,9 +872,10 @@ class Engine:
         self._fault_step = decision.finding_step
         own, self._finding = self._finding, None
         if is_writer_rank():
-            tensors = own.tensors if own is not None and own.step == decision.finding_step else []
+            mine = own is not None and own.step == decision.finding_step
             rotation = 1 if self._sentinel is None else self._sentinel.rotation
-            finding = Finding(decision.finding_step, tensors, None, decision.finding_nan, rotation)
+            finding = Finding(decision.finding_step, own.tensors if mine else [], None, decision.finding_nan, rotation,
+                              own.seen_by if mine else "")
             self.failures.run("report NaN/Inf gradients", lambda: self._on_nonfinite(finding, step), step)
         self._sentinel = None
 
@@ -887,7 +988,7 @@ class Engine:
             return
         rec = R.build(finding.step, first_nonfinite_step=finding.step)
         names = ", ".join(finding.tensors[:5]) + (f" and {len(finding.tensors) - 5} more" if len(finding.tensors) > 5 else "")
-        where = f" in {names}" if names else " in gradient shards held by another rank"
+        where = f" in {names}" if names else " in gradients (shards, or a pipeline stage's) held by another rank"
         overflow = "" if finding.nan else " (or finite gradients whose norm passes ~1.8e19: an explosion)"
         every = "every step" if finding.rotation == 1 else f"each gradient at least every {finding.rotation} steps"
         if sampled_step is None:
@@ -900,7 +1001,8 @@ class Engine:
                       "checked yet; " if self._fault_before else "")
             then = (f"{before}{which} is sampled with every probe armed; it shows what came after the fault, not the "
                     f"module that made it ({self._unreplayed()})")
-        message = f"NaN/Inf gradients at step {finding.step} (the sentinel, {every}){where}{overflow}; {then}"
+        seen = f"(the sentinel, {every}){where}{overflow}" if not finding.seen_by else f"({finding.seen_by})"
+        message = f"NaN/Inf gradients at step {finding.step} {seen}; {then}"
         self._emit(rec)
         logger.warning("layerwatch: %s", message)
         self.failures.warn(f"layerwatch: {message}")

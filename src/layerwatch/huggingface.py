@@ -46,7 +46,7 @@ from typing_extensions import override
 from layerwatch import vocabulary as V
 from layerwatch.alerts import Alert, AlertRules
 from layerwatch.engine import Engine
-from layerwatch.hooks import FailedForwardGuard, is_compiling
+from layerwatch.hooks import FailedForwardGuard, is_compiling, optimizer_hooks
 from layerwatch.options import DEFAULT_STATS, options_from
 from layerwatch.probes import ModuleFilter
 from layerwatch.schedule import ScheduleLike
@@ -127,6 +127,7 @@ class InspectTrainerCallback(TrainerCallback):
             raise TypeError(f"replay must be a bool, got {type(replay).__name__}")
         self._options = options_from(locals())
         self._replay = replay
+        self._deepspeed = False  # the Trainer runs DeepSpeed, whose step the optimizer events come after
         self._engine: Optional[Engine] = None
         self._inputs: Optional[_InputsKept] = None
         self._alerts: list[Alert] = []
@@ -157,8 +158,14 @@ class InspectTrainerCallback(TrainerCallback):
                 print(f"layerwatch: no TensorBoardCallback (report_to=['tensorboard']); writing TensorBoard logs to {self.log_dir}")
         self._engine = Engine(model, self._options, **target)
         self._alerts = self._engine.alerts
-        self._engine.start(compiled_by_caller=bool(getattr(args, "torch_compile", False)))
         trainer = _calling_trainer()
+        deepspeed = trainer.model_wrapped if getattr(trainer, "is_deepspeed_enabled", False) else None
+        self._engine.start(compiled_by_caller=bool(getattr(args, "torch_compile", False)), deepspeed=deepspeed)
+        self._deepspeed = deepspeed is not None
+        client = self._engine.deepspeed_client
+        if client is not None:  # DeepSpeed steps inside training_step, before the Trainer's optimizer events
+            self._engine.track_optimizers([client])
+            self._engine.attach(_step_hooks(self._engine, client))
         unreplayable = _why_not_replayed(self._replay, trainer, args, optimizer)
         if unreplayable is not None:
             self._engine.replay_hint = unreplayable
@@ -180,12 +187,12 @@ class InspectTrainerCallback(TrainerCallback):
 
     @override
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        if self._engine is not None:
+        if self._engine is not None and not self._deepspeed:  # DeepSpeed has stepped already: its hooks read it
             self._engine.before_optimizer_step(optimizer)
 
     @override
     def on_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        if self._engine is not None:  # accelerate's optimizer knows whether its GradScaler skipped the step
+        if self._engine is not None and not self._deepspeed:  # accelerate's optimizer knows whether its GradScaler skipped
             self._engine.after_optimizer_step(optimizer, stepped=not getattr(optimizer, "step_was_skipped", False))
 
     @override
@@ -243,6 +250,22 @@ class _InputsKept:
         finally:
             self._replaying = False
         return _model_loss(outputs, "labels" in kwargs)
+
+
+def _step_hooks(engine: Engine, optimizer: torch.optim.Optimizer) -> list[Any]:
+    """Step hooks on the optimizer DeepSpeed steps, calling the engine (held weakly: the optimizer
+    must not keep it alive)."""
+    engine_ref = weakref.ref(engine)
+
+    def before(opt: torch.optim.Optimizer) -> None:
+        if engine_ref() is not None:
+            engine_ref().before_optimizer_step(opt)
+
+    def after(opt: torch.optim.Optimizer) -> None:
+        if engine_ref() is not None:
+            engine_ref().after_optimizer_step(opt)
+
+    return optimizer_hooks(optimizer, before, after)
 
 
 def _model_loss(outputs: Any, labels_given: bool) -> torch.Tensor:

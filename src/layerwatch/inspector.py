@@ -63,7 +63,9 @@ class Inspector:
             weights just after it, and ``update_ratio/<param>`` is logged, by its step
             hooks (until :meth:`finish`; they return at once on unsampled steps). A
             compiled ``optimizer.step`` runs no hook: then gradients and weights are read
-            in :meth:`step` and no update ratio is logged.
+            in :meth:`step` and no update ratio is logged. Under DeepSpeed ZeRO, watch the
+            engine (``Inspector(engine)``: the optimizer it steps is hooked for you), or pass
+            ``optimizer=engine.optimizer``.
         families: Which families to log (all by default). Per parameter: ``"weights"``,
             ``"grads"``, ``"updates"``. Once: ``"structure"``, the layer table
             (``layerwatch/structure``) and the parameter and MAC counts, from the forward
@@ -124,8 +126,12 @@ class Inspector:
         sentinel: bool = True,
         memory_budget: Optional[int | float] = None,
     ) -> None:
+        self._deepspeed = None  # a DeepSpeed ZeRO optimizer given as optimizer=: the engine reads its partitions
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            if not isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer) \
+                    or not hasattr(optimizer, "dp_process_group"):
+                raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            self._deepspeed, optimizer = optimizer, optimizer.optimizer  # DeepSpeed's: it steps the one it was given
         options = options_from(locals())
         self._engine = Engine(model, options, writer=writer, log_dir=log_dir, owner="Inspector")
         self._optimizer = None if optimizer is None else weakref.ref(optimizer)
@@ -193,8 +199,9 @@ class Inspector:
         engine = self._engine
         if engine.state != "new":
             raise RuntimeError(f"start() called on an inspector that is {engine.state}")
-        engine.start()
+        engine.start(deepspeed=self._deepspeed)
         optimizer = self._optimizer() if self._optimizer is not None else None
+        optimizer = optimizer or engine.deepspeed_client  # DeepSpeed ZeRO's gradients exist in its step alone
         if optimizer is not None:
             if self.options.sentinel:  # told apart: a GradScaler's skipped step
                 engine.track_optimizers([optimizer])

@@ -67,6 +67,7 @@ class ParameterFamilies:
         self.failures = failures
         self.workspace = S.Workspace()
         self.layout = Layout()  # how the parameters lie over the ranks (set by the engine at start)
+        self.zero: Any = None  # a DeepSpeed ZeRO run's pieces (layerwatch.zero.Zero), set by the engine at start
         self.sync: Optional[RankSync] = None  # where the ranks of a sharded run agree
         self._unmeasurable: set[tuple[str, str]] = set()  # (weights|gradients, name) whose statistics failed
         self.param_bytes = 0  # this rank's share of the model's parameters (see start_snapshots)
@@ -77,6 +78,8 @@ class ParameterFamilies:
         self.workspace.clear()
 
     def gradients(self, params: Sequence[tuple[str, nn.Parameter]], step: int) -> list[Piece]:
+        if self.zero is not None:  # the averaged gradients in DeepSpeed's partitions, of the group it steps now
+            return self.reduce(self.zero.gradients(params), "gradients")
         pairs, pieces = [], self.layout.pieces
         for name, p in params:
             grad = p.grad
@@ -96,8 +99,12 @@ class ParameterFamilies:
             )
         return self.reduce(pairs, "gradients")
 
-    def weights(self, params: NamedTensors) -> list[Piece]:
-        return self.reduce(params, "weights")
+    def weights(self, params: Sequence[tuple[str, nn.Parameter]]) -> list[Piece]:
+        return self.reduce(self._values(params), "weights")
+
+    def _values(self, params: Sequence[tuple[str, nn.Parameter]]) -> NamedTensors:
+        """The parameters' values this rank holds: themselves, or their DeepSpeed ZeRO pieces."""
+        return params if self.zero is None else self.zero.weights(params)
 
     def start_snapshots(self, param_bytes: int) -> None:
         """A sampled step's first snapshot comes: none is held yet, and ``param_bytes`` (this
@@ -112,7 +119,7 @@ class ParameterFamilies:
         left out (plain tensors) or kept without copies (sharded ones, whose update norms
         every rank still reduces: they read as failed)."""
         with torch.no_grad():
-            trainable = [(n, p) for n, p in params if p.requires_grad]
+            trainable = self._values([(n, p) for n, p in params if p.requires_grad])
             found = self._groups(trainable, "snapshot")
             estimated = not self._fits([t for _, _, tensors in found for t in tensors])
             if self.sync is not None and [group for group, _, _ in found if group is not None]:
@@ -202,7 +209,7 @@ class ParameterFamilies:
         """Rows ``[‖Δw‖, ‖w‖]`` of each snapshotted parameter (two rows per piece), ``w`` after
         the step; ``‖w‖`` is NaN unless ``weight_norms`` (the weights' own rows hold it), or
         the snapshot is ``estimated`` (both norms then come from the same strided sample)."""
-        current = dict(params)
+        current = dict(self._values(params))
         pieces = []
         with torch.no_grad():
             for (group, names, before), strides in zip(snapshot.groups, snapshot.strides):

@@ -62,18 +62,21 @@ def build(
     overhead_ms: Optional[float] = None,
     sample_interval: Optional[int] = None,
     first_nonfinite_step: Optional[int] = None,
+    all_grads: bool = True,
 ) -> StepRecord:
     """The record of one step, the only place one is made: the tensor families' statistics and
     histograms from their host ``rows`` (families ``weights``, ``grads``, ``update``,
     ``update_estimate``), the global gradient norm, the update ratios, the layer table, the
     probes' per-module values, the ``findings``, and the engine's own figures. A record of the
-    sentinel's first hit alone holds ``first_nonfinite_step``."""
+    sentinel's first hit alone holds ``first_nonfinite_step``. ``all_grads`` False: the rows
+    lack some gradients of the model (a pipeline stage's could not be sent), so its gradient
+    norm is not written."""
     rec = StepRecord(step)
     rows = rows or {}
     for family in TENSOR_FAMILIES:
         for names, family_rows in rows.get(family, ()):
             _add_tensor_family(rec, family, names, family_rows, stats, bins)
-    if rows.get("grads"):
+    if rows.get("grads") and all_grads:
         rec.scalars[GRAD_NORM] = S.Rows(np.concatenate([r for _, r in rows["grads"]])).total_norm()
     weight_norms = {} if not rows.get("update") else {  # the weights' own norms, for the exact ratios
         name: norm for names, r in rows.get("weights", ()) for name, norm in zip(names, S.Rows(r).norm)

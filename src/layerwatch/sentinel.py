@@ -38,6 +38,7 @@ class Finding:
     stepped: Optional[bool]  # whether the optimizer stepped (False: a GradScaler skip); None: unknown
     nan: bool  # some norm was NaN; else only infinite, which finite values past ~1.8e19 also give
     rotation: int = 1  # steps the sentinel took to check every gradient once (see NonfiniteSentinel.rotation)
+    seen_by: str = ""  # who found it, when not the sentinel's own check (DeepSpeed's skip of the step)
 
 
 CPU_ROTATION = 32  # a 32nd of the bytes: about 0.3 ms of a 45 ms CPU step, read from memory

@@ -284,7 +284,8 @@ def add_parameters(model: nn.Module, layers: list[Layer],
     ``flattened``: FSDP1's record of the parameters it flattened (``(numel, dtype,
     requires_grad)`` by clean name, :attr:`~layerwatch.distributed.Layout.flattened`). Such a
     parameter counts whole, where the module holds this rank's piece of it, or nothing at all
-    (``use_orig_params=False``).
+    (``use_orig_params=False``). A DeepSpeed ZeRO-3 parameter, an empty placeholder outside its
+    module's forward, counts whole too (``ds_numel``).
     """
     flattened = flattened or {}
     by_name = {layer.name: layer for layer in layers}
@@ -304,7 +305,7 @@ def add_parameters(model: nn.Module, layers: list[Layer],
             continue
         owner_of[id(p)] = qualified
         if layer is not None:
-            numel = flattened[qualified][0] if qualified in flattened else p.numel()
+            numel = flattened[qualified][0] if qualified in flattened else getattr(p, "ds_numel", p.numel())
             layer.own_params.append((numel, p.dtype, p.requires_grad))
     for qualified in [name for name in flattened if name not in held]:  # in a flat parameter only
         layer = by_name.get(parent(qualified))

@@ -22,7 +22,9 @@ from layerwatch.probes.outputs import FlagSlots, Outputs, is_float, nonfinite_su
 from layerwatch.probes.saved import SavedBytes
 from layerwatch.probes.selection import probe_name
 from layerwatch.probes.weights import NonfiniteWeights, WeightCheck
+from layerwatch.zero import is_zero3_param
 from layerwatch.sentinel import fused_norms
+from layerwatch.stages import in_shape_inference
 
 
 @dataclass
@@ -73,8 +75,9 @@ class RuntimeProbe:
     """Hooks on the selected modules for one sampled step; ``remove()`` is safe twice.
 
     A hook that fails records the error and the probe goes quiet; it never raises into
-    the training step. Forwards with autograd off (validation) and recomputes inside
-    backward (activation checkpointing) are not recorded.
+    the training step. Forwards with autograd off (validation), recomputes inside
+    backward (activation checkpointing) and a pipeline stage's shape inference are not
+    recorded.
 
     A hook reads local data only, never an op on a DTensor (which may hide a collective):
     a DTensor's local tensor. A tensor spread over ranks (a ``Shard`` or ``Partial`` DTensor,
@@ -333,7 +336,7 @@ class RuntimeProbe:
     def _enter(self, index: int, args: tuple, module: nn.Module) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # a recompute inside backward
-        if self._ignored_depth or (not self._stack and not torch.is_grad_enabled()):
+        if self._ignored_depth or (not self._stack and (not torch.is_grad_enabled() or in_shape_inference())):
             self._ignored_depth += 1
             return
         if not self._stack and self._memory:
@@ -354,8 +357,8 @@ class RuntimeProbe:
                 self._grad_handles.append(on_gradients(watched, self, call, done=True))
             elif not self._stack:  # the model itself: its backward ends with the pass (a hook per parameter would not)
                 self._ends_with_pass[call] = weakref.ref(module)
-            else:
-                watched = [p for p in module.parameters() if p.requires_grad]
+            else:  # a ZeRO-3 parameter is an empty placeholder here: no hook may be put on it
+                watched = [p for p in module.parameters() if p.requires_grad and not is_zero3_param(p)]
                 if watched:
                     self._grad_handles.append(on_gradients(watched, self, call, done=True))
         self._stack.append(call)

@@ -1,0 +1,171 @@
+"""DeepSpeed ZeRO: where each parameter's weights and gradient lie on this rank.
+
+ZeRO spreads what a parameter holds over the data-parallel ranks:
+
+* **Stages 1 and 2** keep every rank's working (low-precision) weights whole. The fp32 master
+  weights and the averaged gradients lie in flat partitions, one per parameter group and rank:
+  a parameter's fragment of this rank's partition is ``p._hp_mapping`` (None where this rank
+  holds none of it).
+* **Stage 3** partitions the working weights too: outside its module's forward and backward,
+  ``p`` is an empty placeholder, and ``p.ds_tensor`` this rank's slice of the flattened
+  parameter (the last slices padded). Its fp32 master slice and gradient lie in the flat
+  partitions of the optimizer's sub groups, where ``grad_position`` places them.
+
+The gradient the optimizer steps with exists only inside DeepSpeed's ``step()``: as the
+``.grad`` of one flat fp32 partition at a time, averaged over the ranks, unscaled and clipped,
+just before DeepSpeed calls the client optimizer (the ``torch.optim.Optimizer`` it was given)
+on it. So :class:`Zero` is read in that optimizer's step pre-hook (:meth:`Zero.stepping`), and
+the weights from the fp32 master partitions. Nothing is gathered: every rank hands its pieces
+to the same sharded reductions as FSDP's (:mod:`layerwatch.stats`), every rank listing every
+parameter of the group, an empty piece where it holds none.
+
+When the averaged gradients are not finite, DeepSpeed skips the step without calling the client
+optimizer (in fp32 and bf16 a fault; under fp16's dynamic loss scale an expected overflow):
+:meth:`Zero.skipped` reads its own flag.
+
+No ``import deepspeed``: what is read is found on the objects themselves.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+from layerwatch.distributed import NamedTensors
+
+
+def engine_of(model: nn.Module) -> Optional[nn.Module]:
+    """``model`` when it is a ``DeepSpeedEngine`` (None when DeepSpeed was never imported)."""
+    deepspeed = sys.modules.get("deepspeed")
+    engine_type = getattr(deepspeed, "DeepSpeedEngine", None)
+    return model if engine_type is not None and isinstance(model, engine_type) else None
+
+
+def is_zero3_param(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a ZeRO-3 parameter: outside its module's forward and backward an empty
+    placeholder, which no hook may be put on."""
+    return hasattr(p, "ds_id")
+
+
+class Zero:
+    """The ZeRO optimizer of a model and each parameter's pieces on this rank.
+
+    Args:
+        optimizer: DeepSpeed's ZeRO optimizer (``engine.optimizer``: stage 1, 2 or 3).
+        stage: Its ZeRO stage.
+    """
+
+    def __init__(self, optimizer: Any, stage: int) -> None:
+        self.optimizer = optimizer
+        self.stage = stage
+        self.client: torch.optim.Optimizer = optimizer.optimizer
+        self.group = optimizer.dp_process_group
+        import torch.distributed as dist
+
+        self._rank = dist.get_rank(group=self.group)
+        groups = optimizer.fp16_groups if stage == 3 else optimizer.bit16_groups
+        self._group_of = {id(p): i for i, params in enumerate(groups) for p in params}
+
+    @classmethod
+    def find(cls, model: nn.Module, deepspeed: Any = None) -> Optional["Zero"]:
+        """The :class:`Zero` of ``model``, trained by a DeepSpeed engine with ZeRO: from
+        ``deepspeed`` (the engine, or its ZeRO optimizer), or from a ZeRO-3 parameter of
+        ``model``; None where there is none (no DeepSpeed, or stage 0).
+
+        Raises:
+            ValueError: a ZeRO stage 1 or 2 model given without its engine or ZeRO optimizer (its
+                parameters do not lead to it).
+        """
+        engine = engine_of(deepspeed) if deepspeed is not None else None
+        zero_optimizer = getattr(engine, "optimizer", None) if engine is not None else deepspeed
+        if zero_optimizer is None or not hasattr(zero_optimizer, "dp_process_group"):
+            zero_optimizer = next((p._z3_optimizer for p in model.parameters() if hasattr(p, "_z3_optimizer")), None)
+        if zero_optimizer is not None and hasattr(zero_optimizer, "fp32_partitioned_groups_flat"):
+            return cls(zero_optimizer, 3)
+        if zero_optimizer is not None and hasattr(zero_optimizer, "single_partition_of_fp32_groups"):
+            return cls(zero_optimizer, 2 if getattr(zero_optimizer, "partition_gradients", False) else 1)
+        if any(hasattr(p, "_hp_mapping") for p in model.parameters()):
+            raise ValueError("the model is trained by DeepSpeed ZeRO (stage 1 or 2), whose parameters do not lead to "
+                             "its optimizer: watch the engine itself (Inspector(engine)) or pass optimizer=engine.optimizer")
+        return None
+
+    @property
+    def description(self) -> str:
+        return f"DeepSpeed ZeRO stage {self.stage}"
+
+    def names(self, params: Sequence[tuple[str, nn.Parameter]]) -> list[str]:
+        """The names of the parameters whose pieces ZeRO spreads over the ranks."""
+        return [name for name, p in params if id(p) in self._group_of or is_zero3_param(p)]
+
+    # ------------------------------------------------------------------ the step's group
+
+    def stepping(self) -> Optional[int]:
+        """The parameter group whose flat fp32 partition holds its gradient now: the one
+        DeepSpeed is about to step with the client optimizer (in its step pre-hook); None
+        outside DeepSpeed's step."""
+        flats = self._flats()
+        return next((i for i, flat in enumerate(flats) if flat.grad is not None), None)
+
+    def in_group(self, params: Sequence[tuple[str, nn.Parameter]], group: int) -> list[tuple[str, nn.Parameter]]:
+        return [(name, p) for name, p in params if self._group_of.get(id(p)) == group]
+
+    def skipped(self) -> bool:
+        """Whether DeepSpeed's last step was skipped for non-finite gradients (its own flag)."""
+        return bool(getattr(self.optimizer, "overflow", False))
+
+    @property
+    def overflow_expected(self) -> bool:
+        """Whether a skipped step is routine: fp16's dynamic loss scale probes for overflows."""
+        return bool(getattr(self.optimizer, "dynamic_loss_scale", False))
+
+    # ------------------------------------------------------------------ pieces
+
+    def weights(self, params: Sequence[tuple[str, nn.Parameter]]) -> NamedTensors:
+        """Each parameter's fp32 master weights on this rank (an empty piece where it holds none);
+        a frozen ZeRO-3 parameter, which has no master weights, its working slice."""
+        return [(name, self._piece(p, gradient=False)) for name, p in params]
+
+    def gradients(self, params: Sequence[tuple[str, nn.Parameter]]) -> NamedTensors:
+        """Each parameter's averaged gradient on this rank, of the group being stepped now
+        (:meth:`stepping`); the parameters of other groups are left out."""
+        group = self.stepping()
+        return [(name, self._piece(p, gradient=True)) for name, p in params
+                if group is not None and self._group_of.get(id(p)) == group and p.requires_grad]
+
+    def flat_gradient(self) -> Optional[torch.Tensor]:
+        """The flat fp32 gradient partition DeepSpeed is about to step with (the sentinel's)."""
+        group = self.stepping()
+        return None if group is None else self._flats()[group].grad
+
+    def _flats(self) -> list[torch.Tensor]:
+        optimizer = self.optimizer
+        return optimizer.fp32_partitioned_groups_flat if self.stage == 3 else optimizer.single_partition_of_fp32_groups
+
+    def _piece(self, p: nn.Parameter, gradient: bool) -> torch.Tensor:
+        group = self._group_of.get(id(p))
+        if self.stage == 3:
+            if group is None or self.optimizer.get_param_id(p) not in self.optimizer.grad_position:
+                return self._working_slice(p)  # frozen: no master weights
+            sub_group, offset, count = self.optimizer.grad_position[self.optimizer.get_param_id(p)]
+            flat = self.optimizer.fp32_partitioned_groups_flat[sub_group]
+            source = flat.grad if gradient else flat
+            return source.narrow(0, offset, self._valid(p, count))
+        mapping = getattr(p, "_hp_mapping", None)
+        flat = self._flats()[group] if group is not None else None
+        if mapping is None or flat is None:
+            return torch.empty(0, dtype=torch.float32, device=p.device)
+        address = mapping.get_hp_fragment_address()
+        source = flat.grad if gradient else flat
+        return source.narrow(0, address.start, address.numel)
+
+    def _valid(self, p: nn.Parameter, count: int) -> int:
+        """How many of the ``count`` values of this rank's ZeRO-3 slice of ``p`` are ``p``'s:
+        the last slices are padded."""
+        return max(0, min(count, p.ds_numel - self._rank * count))
+
+    def _working_slice(self, p: nn.Parameter) -> torch.Tensor:
+        part = p.ds_tensor
+        return part.narrow(0, 0, self._valid(p, part.ds_numel))

@@ -1,0 +1,219 @@
+"""DeepSpeed ZeRO on two CPU ranks (``DS_ACCELERATOR=cpu``, gloo, fp32): in a plain loop and
+under the Hugging Face Trainer, training is unchanged (bitwise losses), nothing crashes or
+hangs, and what is written is the whole tensors' truth, read from the ranks' partitions. Every
+case runs through :func:`ranks.run_ranks` (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, deadlines);
+deepspeed is imported in the ranks only."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ranks import run_ranks
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+
+STEPS = 5
+CLIP = 1.0  # DeepSpeed's default gradient_clipping: the gradients the optimizer steps with are clipped
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Sequential(nn.Linear(64, 64), nn.Tanh()), nn.Linear(64, 1))
+
+
+def batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1 + rank)
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)) for _ in range(STEPS)]
+
+
+def reference(world: int) -> dict[int, dict[str, dict[str, float]]]:
+    """What two DeepSpeed ranks train, in one process: the mean of the ranks' losses (their
+    averaged gradient), clipped as DeepSpeed clips, stepped by SGD. Per step: the weights' norms
+    after it, the gradients' norms, and the update ratios."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = [batches(rank) for rank in range(world)]
+    truth = {}
+    for step in range(STEPS):
+        opt.zero_grad()
+        (sum(nn.functional.mse_loss(model(data[r][step][0]), data[r][step][1]) for r in range(world)) / world).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        grads = {n: p.grad.norm().item() for n, p in model.named_parameters()}
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        truth[step] = {
+            "weights_norm": {n: p.norm().item() for n, p in model.named_parameters()},
+            "grads_norm": grads,
+            "update_ratio": {n: ((p - before[n]).norm() / p.norm()).item() for n, p in model.named_parameters()},
+        }
+    return truth
+
+
+def zero_config(stage: int, persistence: bool = True) -> dict:
+    zero = {"stage": stage}
+    if not persistence:
+        zero["stage3_param_persistence_threshold"] = 0  # every parameter released after its module's forward
+    return {"train_micro_batch_size_per_gpu": 8, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9, "gradient_clipping": CLIP}
+
+
+def zero_worker(rank: int, world: int, out: str, stage: int, persistence: bool, watch: str, nan_at: int) -> None:
+    """Train ``mlp()`` under DeepSpeed twice, without and with an Inspector (``watch``: of the
+    engine, of its module with ``optimizer=engine.optimizer``, or of its module alone), every 2
+    steps; with a NaN in
+    rank 1's input at ``nan_at``, and (ZeRO-3) a ``GatheredParameters`` block after each step,
+    as a checkpoint save makes. Rank 0 records the losses, its alerts and what it said."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+
+    results = {}
+    for watched in (False, True):
+        model = mlp()
+        engine, zero_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                                                            config=zero_config(stage, persistence))
+        inspector = None
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            if watched:
+                from layerwatch import Inspector
+
+                target, optimizer = {"engine": (engine, None), "module": (engine.module, zero_optimizer),
+                                     "module-alone": (engine.module, None)}[watch]
+                inspector = Inspector(target, log_dir=f"{out}/run", every_n_steps=2, optimizer=optimizer).start()
+            losses = []
+            for step, (x, y) in enumerate(batches(rank)):
+                if step == nan_at and rank == 1:
+                    x = x.clone()
+                    x[0, 0] = float("nan")
+                loss = nn.functional.mse_loss(engine(x), y)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+                if inspector is not None:
+                    inspector.step()
+                if stage == 3:
+                    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+                        assert sum(p.numel() for p in engine.module.parameters()) == 5313
+            if inspector is not None:
+                inspector.finish()
+        results[watched] = {"losses": losses, "said": [str(w.message) for w in seen if "layerwatch" in str(w.message)],
+                            "alerts": [] if inspector is None else [[a.step, a.kind, a.name, a.message] for a in inspector.alerts],
+                            "hooks": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in engine.module.modules())}
+    if rank == 0:
+        Path(out, "results.json").write_text(json.dumps(results))
+
+
+def check_truth(acc, truth: dict, steps: list[int]) -> None:
+    for family in ("weights_norm", "grads_norm", "update_ratio"):
+        names = sorted(truth[0][family])
+        for name in names:
+            logged = {e.step: e.value for e in acc.Scalars(f"{family}/{name}")}
+            assert sorted(logged) == steps, (family, name, logged)
+            for step, value in logged.items():
+                assert value == pytest.approx(truth[step][family][name], rel=1e-5), (family, name, step)
+
+
+@pytest.mark.parametrize("stage, persistence, watch", [
+    (1, True, "engine"), (2, True, "engine"), (3, True, "engine"), (3, False, "engine"), (2, True, "module"),
+    (3, False, "module"),
+], ids=["zero1", "zero2", "zero3", "zero3-released", "zero2-module", "zero3-released-module"])
+def test_zero_in_a_plain_loop_leaves_training_unchanged_and_logs_the_whole_tensors(stage, persistence, watch, tmp_path, events):
+    """Weights, gradients and update ratios of every parameter are those of the whole tensors, read
+    from the ranks' partitions (gradients: the averaged and clipped ones DeepSpeed steps with),
+    for the engine watched and for its module given with ``optimizer=engine.optimizer``."""
+    run_ranks(zero_worker, str(tmp_path), stage, persistence, watch, -1, tmp=tmp_path)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["true"]["losses"] == results["false"]["losses"]  # bitwise
+    assert results["true"]["hooks"] == results["false"]["hooks"]  # DeepSpeed's own hooks only
+    assert results["true"]["alerts"] == []
+    assert [m for m in results["true"]["said"] if "sampled 3 time(s)" not in m] == []
+    check_truth(events(tmp_path / "run"), reference(2), [0, 2, 4])
+
+
+def test_zero2_a_module_watched_without_its_optimizer_says_where_the_gradients_are(tmp_path, events):
+    """ZeRO stages 1 and 2 leave no way from a parameter to its optimizer: said once, its
+    weights still measured (every rank holds them whole)."""
+    run_ranks(zero_worker, str(tmp_path), 2, True, "module-alone", -1, tmp=tmp_path)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["true"]["losses"] == results["false"]["losses"]
+    (said,) = [m for m in results["true"]["said"] if "sampled 3 time(s)" not in m]
+    assert "trained by DeepSpeed ZeRO (stage 1 or 2)" in said and "optimizer=engine.optimizer" in said
+    acc = events(tmp_path / "run")
+    assert [e.step for e in acc.Scalars("weights_norm/0.weight")] == [0, 2, 4]
+    assert not [t for t in acc.Tags()["scalars"] if t.startswith("grads_norm/")]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_a_nan_deepspeed_skips_is_found_at_its_step(stage, tmp_path, events):
+    """A NaN in one rank's batch at the unsampled step 3: DeepSpeed finds the averaged gradients'
+    norm not finite and skips the step, without calling the optimizer (nor its hooks). Its own
+    flag says so: found at step 3, on every rank alike."""
+    run_ranks(zero_worker, str(tmp_path), stage, True, "engine", 3, tmp=tmp_path)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["true"]["losses"] == results["false"]["losses"]
+    (said,) = [m for m in results["true"]["said"] if "NaN/Inf gradients" in m]
+    assert said.startswith("layerwatch: NaN/Inf gradients at step 3 (DeepSpeed found their norm not finite and skipped "
+                           "the step)")
+    acc = events(tmp_path / "run")
+    assert [(e.step, e.value) for e in acc.Scalars("layerwatch/first_nonfinite_step")] == [(3, 3.0)]
+
+
+# ---------------------------------------------------------------------- the Hugging Face Trainer
+
+
+def hf_worker(rank: int, world: int, out: str, stage: int, persistence: bool) -> None:
+    """A tiny GPT-2 under the Trainer with ``deepspeed=``, without and with the callback at its
+    defaults and every 2 steps; rank 0 records the losses and the callbacks' alerts."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import transformers
+    from test_huggingface import Tokens, tiny
+
+    from layerwatch.huggingface import InspectTrainerCallback
+
+    config = {**zero_config(stage, persistence), "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+              "train_batch_size": 4 * world, "gradient_clipping": 100.0}  # sizes set: "auto" fails on a CPU-only host
+    results = {}
+    for name, callbacks in (("plain", []), ("defaults", [InspectTrainerCallback()]), ("every2", [InspectTrainerCallback(every_n_steps=2)])):
+        args = transformers.TrainingArguments(f"{out}/{name}", max_steps=6, per_device_train_batch_size=4, logging_steps=1,
+                                              save_strategy="no", seed=0, disable_tqdm=True, report_to=["tensorboard"],
+                                              deepspeed=config, use_cpu=True, max_grad_norm=100.0)
+        trainer = transformers.Trainer(model=tiny("gpt2"), args=args, train_dataset=Tokens(), callbacks=callbacks)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            trainer.train()
+        results[name] = {"losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+                         "alerts": [a.message for c in callbacks for a in c.alerts],
+                         "said": [str(w.message) for w in seen if "layerwatch" in str(w.message) and "time(s)" not in str(w.message)]}
+    if rank == 0:
+        Path(out, "results.json").write_text(json.dumps(results))
+
+
+@pytest.mark.parametrize("stage, persistence", [(2, True), (3, True), (3, False)], ids=["zero2", "zero3", "zero3-released"])
+def test_hf_trainer_with_deepspeed_zero_trains_as_without_and_reads_deepspeeds_gradients(stage, persistence, tmp_path, events):
+    """ZeRO-3 under the Trainer crashed at the defaults (a gradient hook on a parameter ZeRO had
+    partitioned away). Now the losses are bitwise those of the run without the callback, and the
+    gradient norm is DeepSpeed's own (``train/grad_norm``, logged by HF), read in the step of the
+    optimizer DeepSpeed steps, inside the Trainer's training_step."""
+    run_ranks(hf_worker, str(tmp_path), stage, persistence, tmp=tmp_path)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["defaults"]["losses"] == results["plain"]["losses"] == results["every2"]["losses"]
+    assert results["defaults"]["alerts"] == results["every2"]["alerts"] == []
+    assert results["defaults"]["said"] == results["every2"]["said"] == []
+    (run,) = sorted({p.parent for p in (tmp_path / "every2").rglob("events.out.tfevents.*")})
+    acc = events(run)
+    ours = {e.step: e.value for e in acc.Scalars("layerwatch/grad_norm")}
+    hfs = {e.step: e.value for e in acc.Scalars("train/grad_norm")}
+    assert sorted(ours) == [2, 4, 6]
+    for step, value in ours.items():
+        assert value == pytest.approx(hfs[step], rel=1e-5)
+    weights = [t for t in acc.Tags()["scalars"] if t.startswith("weights_norm/")]
+    assert len(weights) == len([t for t in acc.Tags()["scalars"] if t.startswith("grads_norm/")]) == 28
+    assert all(e.value > 0 for t in weights for e in acc.Scalars(t))  # never a placeholder's 0.0
