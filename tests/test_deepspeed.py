@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -22,6 +24,18 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, r
 
 STEPS = 5
 CLIP = 1.0  # DeepSpeed's default gradient_clipping: the gradients the optimizer steps with are clipped
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_memory_op():
+    """DeepSpeed compiles its CPU communication op the first time it initializes (about 30 s
+    here): built once, before any rank, in a process of its own with a deadline, so that no
+    rank waits for another's build inside a collective."""
+    code = ("from deepspeed.accelerator import get_accelerator; "
+            "get_accelerator().create_op_builder('ShareMemCommBuilder').load()")
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
 def mlp() -> nn.Module:
@@ -134,7 +148,9 @@ def test_zero_in_a_plain_loop_leaves_training_unchanged_and_logs_the_whole_tenso
     assert results["true"]["losses"] == results["false"]["losses"]  # bitwise
     assert results["true"]["hooks"] == results["false"]["hooks"]  # DeepSpeed's own hooks only
     assert results["true"]["alerts"] == []
-    assert [m for m in results["true"]["said"] if "sampled 3 time(s)" not in m] == []
+    said = [m for m in results["true"]["said"] if "sampled 3 time(s)" not in m]
+    assert said == ([] if stage < 3 else [m for m in said if "under DeepSpeed ZeRO-3 a parameter is an empty placeholder" in m])
+    assert len(said) == (stage == 3)  # once
     check_truth(events(tmp_path / "run"), reference(2), [0, 2, 4])
 
 
@@ -206,7 +222,9 @@ def test_hf_trainer_with_deepspeed_zero_trains_as_without_and_reads_deepspeeds_g
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["defaults"]["losses"] == results["plain"]["losses"] == results["every2"]["losses"]
     assert results["defaults"]["alerts"] == results["every2"]["alerts"] == []
-    assert results["defaults"]["said"] == results["every2"]["said"] == []
+    for said in (results["defaults"]["said"], results["every2"]["said"]):
+        assert [m for m in said if "ZeRO-3 a parameter is an empty placeholder" not in m] == []
+        assert len(said) == (stage == 3)
     (run,) = sorted({p.parent for p in (tmp_path / "every2").rglob("events.out.tfevents.*")})
     acc = events(run)
     ours = {e.step: e.value for e in acc.Scalars("layerwatch/grad_norm")}

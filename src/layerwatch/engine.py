@@ -320,6 +320,15 @@ class Engine:
     def _find_zero(self, model: nn.Module, deepspeed: Any) -> None:
         try:
             self._zero = Zero.find(model, deepspeed)
+            backward = {"latency", "nonfinite"} & set(self.options.families)
+            if self._zero is not None and self._zero.stage == 3 and backward and is_writer_rank():
+                self.failures.warn_once(
+                    "zero3-hooks",
+                    "layerwatch: under DeepSpeed ZeRO-3 a parameter is an empty placeholder outside its module's forward "
+                    "and backward, and no hook may go on it: a module whose inputs need no gradient (the first layer) "
+                    "gets no backward time (bwd_ms) and no backward NaN/Inf flag. Its gradients are still measured and "
+                    "checked for NaN/Inf, in DeepSpeed's partitions",
+                )
         except ValueError as e:  # said in place of "no gradients": they are in DeepSpeed's partitions
             if is_writer_rank():
                 self.failures.warn_once("no-grads", f"layerwatch: {e}; until then its gradients and update ratios are "
