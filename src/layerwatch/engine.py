@@ -59,7 +59,7 @@ from layerwatch.sentinel import Finding, NonfiniteSentinel, StepCounter, nonfini
 from layerwatch.sinks.tensorboard import TensorBoardSink
 from layerwatch.stages import Held, StagePart, Stages, find_stages
 from layerwatch.table import Summary
-from layerwatch.zero import Zero, engine_of
+from layerwatch.zero import Zero, engine_of, find_zero
 
 logger = logging.getLogger("layerwatch")
 
@@ -268,7 +268,10 @@ class Engine:
             )
             previous.finish()
         if model is not None and world_size() > 1:
-            self.failures.run("find DeepSpeed ZeRO's partitions", lambda: self._find_zero(model, deepspeed), 0)
+            zero: list[Optional[Zero]] = []
+            self.failures.run("find DeepSpeed ZeRO's partitions", lambda: zero.append(
+                find_zero(model, deepspeed, self.options.families, self.failures)), 0)
+            self._zero = zero[0] if zero else None
         self._layout = parameter_layout(model, within, self._zero)
         self._params.layout, self._params.zero = self._layout, self._zero
         self._within = (lambda: None) if within is None else weakref.ref(within)
@@ -316,23 +319,6 @@ class Engine:
             if layout:
                 self._write_with(lambda sink: sink.write_layout(layout), "write the chart layout")
         return self
-
-    def _find_zero(self, model: nn.Module, deepspeed: Any) -> None:
-        try:
-            self._zero = Zero.find(model, deepspeed)
-            backward = {"latency", "nonfinite"} & set(self.options.families)
-            if self._zero is not None and self._zero.stage == 3 and backward and is_writer_rank():
-                self.failures.warn_once(
-                    "zero3-hooks",
-                    "layerwatch: under DeepSpeed ZeRO-3 a parameter is an empty placeholder outside its module's forward "
-                    "and backward, and no hook may go on it: a module whose inputs need no gradient (the first layer) "
-                    "gets no backward time (bwd_ms) and no backward NaN/Inf flag. Its gradients are still measured and "
-                    "checked for NaN/Inf, in DeepSpeed's partitions",
-                )
-        except ValueError as e:  # said in place of "no gradients": they are in DeepSpeed's partitions
-            if is_writer_rank():
-                self.failures.warn_once("no-grads", f"layerwatch: {e}; until then its gradients and update ratios are "
-                                        "not measured")
 
     @property
     def deepspeed_client(self) -> Optional[torch.optim.Optimizer]:
@@ -478,7 +464,8 @@ class Engine:
         if sample is None:
             self._own_s += time.perf_counter() - started
             return
-        params = sample.unread(sample.grads_read, optimizer) if self._zero is None else self._zero_stepping(sample)
+        params = (sample.unread(sample.grads_read, optimizer) if self._zero is None  # DeepSpeed's client holds flat partitions
+                  else sample.unread(sample.grads_read, None, keep=self._zero.stepping_params(sample.params)))
         if params:
             sample.before_calls += 1
             self._read_grads(sample, params)
@@ -486,14 +473,6 @@ class Engine:
                 key = None if optimizer is None else id(optimizer)
                 self.failures.run("snapshot weights for update ratios", lambda: self._snapshot(sample, params, key), sample.step)
         sample.overhead_s += time.perf_counter() - started
-
-    def _zero_stepping(self, sample: _Sample) -> list[tuple[str, nn.Parameter]]:
-        """The parameters of the group DeepSpeed is about to step (its client optimizer holds a
-        flat partition of them, not them), not read yet; now marked read. None outside its step."""
-        group = self._zero.stepping()
-        if group is None:
-            return []
-        return sample.unread(sample.grads_read, None, keep=self._zero.in_group(sample.params, group))
 
     def after_optimizer_step(self, optimizer: Optional[torch.optim.Optimizer] = None, *, stepped: Optional[bool] = None) -> None:
         """``optimizer`` (every optimizer when None) has stepped: measure the updates of its
@@ -837,8 +816,8 @@ class Engine:
         if before_optimizer_step and not replayable:
             return
         findings = sentinel.poll(wait=replayable)
-        if not before_optimizer_step and self._zero is not None and self._zero.skipped():
-            findings.append(self._skipped_by_deepspeed(step))
+        skipped = None if before_optimizer_step or self._zero is None else self._zero.skipped_finding(step)
+        findings += [skipped] if skipped is not None else []
         for finding in findings:
             if finding.stepped is False:
                 logger.info("layerwatch: step %d: NaN/Inf gradients and no optimizer step (a GradScaler skip)", finding.step)
@@ -856,20 +835,13 @@ class Engine:
             break
 
     def _enqueue_check(self, sentinel: NonfiniteSentinel, step: int, stepped: Optional[bool]) -> None:
-        if self._zero is not None:  # the group DeepSpeed steps now: its averaged gradients, this rank's pieces
-            sentinel.check(step, self._zero.gradients(self._param_cache), stepped)
+        if self._zero is not None:  # the group DeepSpeed steps now: its averaged gradient partition, this rank's
+            sentinel.check(step, self._zero.flat_gradients(), stepped)
             return
         if self._sentinel_watching is not self._param_cache:  # walked again at a sample: new shares
             self._sentinel_watching = self._param_cache
             sentinel.watch(self._param_cache, local)
         sentinel.check_next(step, stepped)
-
-    def _skipped_by_deepspeed(self, step: int) -> Finding:
-        """DeepSpeed skipped this step, its averaged gradients not finite (the client optimizer
-        never ran, nor its hooks): a fault in fp32 and bf16, an overflow under fp16's loss scale."""
-        expected = self._zero.overflow_expected
-        return Finding(step, [], False if expected else True, True,
-                       seen_by="DeepSpeed found their norm not finite and skipped the step")
 
     def _on_voted_finding(self, decision: Decision, step: int) -> None:
         """A rank's sentinel found NaN/Inf gradients, and every rank knows it now: none checks

@@ -34,7 +34,7 @@ try:
 except ImportError:  # torch < 2.3
     from torch._dynamo import is_compiling  # type: ignore[no-redef]
 
-__all__ = ["Attachments", "CollectorClock", "claim", "inlined_only", "is_compiling"]
+__all__ = ["Attachments", "CollectorClock", "claim", "engine_step_hooks", "inlined_only", "is_compiling"]
 
 
 def inlined_only(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -227,6 +227,25 @@ def optimizer_hooks(optimizer: torch.optim.Optimizer, before: Callable[[Any], No
             after(opt)
 
     return [optimizer.register_step_pre_hook(pre_hook), optimizer.register_step_post_hook(post_hook)]
+
+
+def engine_step_hooks(engine: Any, optimizer: torch.optim.Optimizer, noted: Optional[Callable[[], None]] = None) -> list[Any]:
+    """:func:`optimizer_hooks` that call ``engine.before_optimizer_step`` and
+    ``engine.after_optimizer_step``, holding the engine weakly (the optimizer must not keep it
+    alive); ``noted()``, when given, first in the pre-hook."""
+    engine_ref = weakref.ref(engine)
+
+    def before(opt: Any) -> None:
+        if noted is not None:
+            noted()
+        if engine_ref() is not None:
+            engine_ref().before_optimizer_step(opt)
+
+    def after(opt: Any) -> None:
+        if engine_ref() is not None:
+            engine_ref().after_optimizer_step(opt)
+
+    return optimizer_hooks(optimizer, before, after)
 
 
 def tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:

@@ -46,7 +46,7 @@ from typing_extensions import override
 from layerwatch import vocabulary as V
 from layerwatch.alerts import Alert, AlertRules
 from layerwatch.engine import Engine
-from layerwatch.hooks import FailedForwardGuard, is_compiling, optimizer_hooks
+from layerwatch.hooks import FailedForwardGuard, engine_step_hooks, is_compiling
 from layerwatch.options import DEFAULT_STATS, options_from
 from layerwatch.probes import ModuleFilter
 from layerwatch.schedule import ScheduleLike
@@ -165,7 +165,7 @@ class InspectTrainerCallback(TrainerCallback):
         client = self._engine.deepspeed_client
         if client is not None:  # DeepSpeed steps inside training_step, before the Trainer's optimizer events
             self._engine.track_optimizers([client])
-            self._engine.attach(_step_hooks(self._engine, client))
+            self._engine.attach(engine_step_hooks(self._engine, client))
         unreplayable = _why_not_replayed(self._replay, trainer, args, optimizer)
         if unreplayable is not None:
             self._engine.replay_hint = unreplayable
@@ -250,22 +250,6 @@ class _InputsKept:
         finally:
             self._replaying = False
         return _model_loss(outputs, "labels" in kwargs)
-
-
-def _step_hooks(engine: Engine, optimizer: torch.optim.Optimizer) -> list[Any]:
-    """Step hooks on the optimizer DeepSpeed steps, calling the engine (held weakly: the optimizer
-    must not keep it alive)."""
-    engine_ref = weakref.ref(engine)
-
-    def before(opt: torch.optim.Optimizer) -> None:
-        if engine_ref() is not None:
-            engine_ref().before_optimizer_step(opt)
-
-    def after(opt: torch.optim.Optimizer) -> None:
-        if engine_ref() is not None:
-            engine_ref().after_optimizer_step(opt)
-
-    return optimizer_hooks(optimizer, before, after)
 
 
 def _model_loss(outputs: Any, labels_given: bool) -> torch.Tensor:

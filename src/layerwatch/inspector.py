@@ -19,7 +19,7 @@ from layerwatch import vocabulary as V
 from layerwatch.alerts import Alert, AlertRules
 from layerwatch.budget import Pacer
 from layerwatch.engine import Engine
-from layerwatch.hooks import optimizer_hooks
+from layerwatch.hooks import engine_step_hooks
 from layerwatch.options import DEFAULT_STATS, Options, options_from
 from layerwatch.probes import ModuleFilter
 from layerwatch.schedule import Schedule, ScheduleLike
@@ -207,18 +207,12 @@ class Inspector:
                 engine.track_optimizers([optimizer])
             inspector = weakref.ref(self)  # the optimizer must not keep the inspector alive
 
-            def before(opt: torch.optim.Optimizer) -> None:
+            def noted() -> None:
                 me = inspector()
                 if me is not None:
                     me._optimizer_hook_ran = True
-                    me._engine.before_optimizer_step(opt)
 
-            def after(opt: torch.optim.Optimizer) -> None:
-                me = inspector()
-                if me is not None:
-                    me._engine.after_optimizer_step(opt)
-
-            engine.attach(optimizer_hooks(optimizer, before, after))
+            engine.attach(engine_step_hooks(engine, optimizer, noted))
         engine.begin_step(self._first_step)
         return self
 

@@ -155,8 +155,9 @@ class NonfiniteSentinel:
     def settle(self, step: int, stepped: Optional[bool]) -> None:
         """Whether the optimizer stepped, for the checks of ``step`` enqueued before it knew
         (before the optimizer step: a GradScaler may still skip it)."""
-        self._pending = deque((s, names, copies, stepped if s == step and was is None else was)
-                              for s, names, copies, was in self._pending)
+        if self._pending:
+            self._pending = deque((s, names, copies, stepped if s == step and was is None else was)
+                                  for s, names, copies, was in self._pending)
 
     def clear(self) -> None:
         self._pending.clear()

@@ -34,7 +34,9 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from layerwatch.distributed import NamedTensors
+from layerwatch.distributed import NamedTensors, is_writer_rank
+from layerwatch.failures import FailurePolicy
+from layerwatch.sentinel import Finding
 
 
 def engine_of(model: nn.Module) -> Optional[nn.Module]:
@@ -42,6 +44,26 @@ def engine_of(model: nn.Module) -> Optional[nn.Module]:
     deepspeed = sys.modules.get("deepspeed")
     engine_type = getattr(deepspeed, "DeepSpeedEngine", None)
     return model if engine_type is not None and isinstance(model, engine_type) else None
+
+
+def find_zero(model: nn.Module, deepspeed: Any, families: Sequence[str], failures: FailurePolicy) -> Optional["Zero"]:
+    """:meth:`Zero.find`, and what it means for the run, said once on rank 0: what ZeRO-3 takes
+    from the per-module probes, or why a ZeRO-1/2 model's gradients cannot be read."""
+    try:
+        zero = Zero.find(model, deepspeed)
+    except ValueError as e:  # said in place of "no gradients": they are in DeepSpeed's partitions
+        if is_writer_rank():
+            failures.warn_once("no-grads", f"layerwatch: {e}; until then its gradients and update ratios are not measured")
+        return None
+    if zero is not None and zero.stage == 3 and {"latency", "nonfinite"} & set(families) and is_writer_rank():
+        failures.warn_once(
+            "zero3-hooks",
+            "layerwatch: under DeepSpeed ZeRO-3 a parameter is an empty placeholder outside its module's forward and "
+            "backward, and no hook may go on it: a module whose inputs need no gradient (the first layer) gets no "
+            "backward time (bwd_ms) and no backward NaN/Inf flag. Its gradients are still measured and checked for "
+            "NaN/Inf, in DeepSpeed's partitions",
+        )
+    return zero
 
 
 def is_zero3_param(p: torch.Tensor) -> bool:
@@ -92,10 +114,6 @@ class Zero:
                              "its optimizer: watch the engine itself (Inspector(engine)) or pass optimizer=engine.optimizer")
         return None
 
-    @property
-    def description(self) -> str:
-        return f"DeepSpeed ZeRO stage {self.stage}"
-
     def names(self, params: Sequence[tuple[str, nn.Parameter]]) -> list[str]:
         """The names of the parameters whose pieces ZeRO spreads over the ranks."""
         return [name for name, p in params if id(p) in self._group_of or is_zero3_param(p)]
@@ -109,17 +127,19 @@ class Zero:
         flats = self._flats()
         return next((i for i, flat in enumerate(flats) if flat.grad is not None), None)
 
-    def in_group(self, params: Sequence[tuple[str, nn.Parameter]], group: int) -> list[tuple[str, nn.Parameter]]:
-        return [(name, p) for name, p in params if self._group_of.get(id(p)) == group]
+    def stepping_params(self, params: Sequence[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
+        """Those of ``params`` in the group DeepSpeed is about to step (none outside its step)."""
+        group = self.stepping()
+        return [] if group is None else [(name, p) for name, p in params if self._group_of.get(id(p)) == group]
 
-    def skipped(self) -> bool:
-        """Whether DeepSpeed's last step was skipped for non-finite gradients (its own flag)."""
-        return bool(getattr(self.optimizer, "overflow", False))
-
-    @property
-    def overflow_expected(self) -> bool:
-        """Whether a skipped step is routine: fp16's dynamic loss scale probes for overflows."""
-        return bool(getattr(self.optimizer, "dynamic_loss_scale", False))
+    def skipped_finding(self, step: int) -> Optional[Finding]:
+        """A finding when DeepSpeed skipped this step, its averaged gradients not finite (its own
+        flag: the client optimizer never ran, nor its hooks). A fault in fp32 and bf16; under
+        fp16's dynamic loss scale an expected overflow, ``stepped=False`` like a GradScaler's."""
+        if not getattr(self.optimizer, "overflow", False):
+            return None
+        expected = bool(getattr(self.optimizer, "dynamic_loss_scale", False))
+        return Finding(step, [], not expected, True, seen_by="DeepSpeed found their norm not finite and skipped the step")
 
     # ------------------------------------------------------------------ pieces
 
@@ -135,10 +155,11 @@ class Zero:
         return [(name, self._piece(p, gradient=True)) for name, p in params
                 if group is not None and self._group_of.get(id(p)) == group and p.requires_grad]
 
-    def flat_gradient(self) -> Optional[torch.Tensor]:
-        """The flat fp32 gradient partition DeepSpeed is about to step with (the sentinel's)."""
+    def flat_gradients(self) -> NamedTensors:
+        """The flat fp32 gradient partition DeepSpeed is about to step with, this rank's, named for
+        the sentinel's message: one tensor whatever the number of parameters (none outside its step)."""
         group = self.stepping()
-        return None if group is None else self._flats()[group].grad
+        return [] if group is None else [(f"DeepSpeed's gradient partition of parameter group {group}", self._flats()[group].grad)]
 
     def _flats(self) -> list[torch.Tensor]:
         optimizer = self.optimizer

@@ -211,10 +211,10 @@ class RuntimeProbe:
         collective is issued before anything of this rank's alone can fail."""
         self.remove(keep_module_hooks)
         error = None
-        for combine in (self._slots.combine, weights.combine if weights is not None else None) if together else ():
+        combines = ([self._slots.combine] + ([weights.combine] if weights is not None else [])) if together else []
+        for combine in combines:
             try:
-                if combine is not None:
-                    combine()
+                combine()
             except Exception as e:
                 error = error or e
         spread_rows = self._outputs.spread_rows(together)
