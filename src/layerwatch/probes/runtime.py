@@ -16,7 +16,7 @@ from torch import nn
 
 from layerwatch import stats as S
 from layerwatch.distributed import fingerprint, is_dtensor, local, local_tensors, spread
-from layerwatch.hooks import ForwardHooks, detached, entered_by_its_own_hook, is_compiling, tensors_in
+from layerwatch.hooks import ForwardHooks, detached, entered_by_its_own_hook, inlined_only, is_compiling, tensors_in
 from layerwatch.probes.clocks import CudaClock, HostClock
 from layerwatch.probes.outputs import FlagSlots, Outputs, is_float, nonfinite_sum
 from layerwatch.probes.saved import SavedBytes
@@ -271,19 +271,19 @@ class RuntimeProbe:
     # A module this probe does not know (a deep copy of a probed one, made mid-step, carries
     # its hooks) is passed over.
 
-    def _pre_hook(self, module: nn.Module, args: tuple) -> None:
+    @inlined_only
+    def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         if is_compiling():  # traced: note it (a store Dynamo replays); the traced probe measures
             self.compiled = True
-            return
+            return None if self._traced is None else self._traced.watch_inputs(module, args, kwargs)
         index = self._index.get(id(module))
         if index is not None and self.error is None and not self.inert:
             self._guarded(self._enter, index, args, module)
 
-    def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+    @inlined_only
+    def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if is_compiling() or self.inert:  # traced, or kept for compiled code and run eagerly (a graph break)
-            if self._traced is not None:
-                self._traced.record(module, args, output)
-            return
+            return None if self._traced is None else self._traced.record(module, args, output)
         index = self._index.get(id(module))
         if index is None:
             return

@@ -9,8 +9,10 @@ whose Python body compiled code runs eagerly with the real tensors: the eager pr
 work, a copy of the output (or of a sample of it) into the stash of
 :class:`~layerwatch.probes.outputs.Outputs` and the NaN/Inf evidence of its inputs and outputs,
 all enqueued device work. One batched reduction after the step makes the rows, and one
-transfer brings them to the host (:meth:`TracedProbe.result`). A gradient hook on a module's
-output and on its input counts the NaN/Inf values of their gradients in backward.
+transfer brings them to the host (:meth:`TracedProbe.result`). In backward, the NaN/Inf
+values of the gradients of a module's output and of its input are counted by an identity
+autograd function the armed hooks pass them through (:class:`GradientCount`); nothing armed
+draws a random number, so a sampled step's dropout masks are the unsampled step's.
 
 Compiled code keeps the hooks it was traced with: hooks added after the first compiled call
 never run (Dynamo does not guard on them, ``skip_nnmodule_hook_guards``), and removing them
@@ -26,7 +28,6 @@ a graph break), the same operator runs, and records the same.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import Any, Optional, Sequence
 
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 
 from layerwatch import stats as S
-from layerwatch.hooks import inlined_only, tensors_in
+from layerwatch.hooks import inlined_only, tensors_in, with_first_replaced
 from layerwatch.probes.outputs import Outputs, is_float, nonfinite_sum
 from layerwatch.probes.runtime import ModuleTrace, Offender, ProbeResult
 from layerwatch.probes.selection import probe_name
@@ -55,13 +56,11 @@ class TracedProbe:
         self._memory = "memory" in families
         self._bins, self._zeros, self._centered = bins, zeros, centered
         self._workspace = S.Workspace()
-        # NaN/Inf values in the gradients of each module's outputs and of its inputs, over its calls:
-        # a tensor each, written by one gradient hook only. A buffer two hooks share fails
-        # autograd's version check when one hook runs outside compiled backward code (on a
-        # graph output) and the other inside it (which saved the buffer). 1-d: Dynamo (2.13)
-        # did not write back an in-place add to a 0-d tensor.
-        self._grad_outputs = [torch.zeros(1, dtype=torch.float64, device=device) for _ in modules]
-        self._grad_inputs = [torch.zeros(1, dtype=torch.float64, device=device) for _ in modules]
+        # NaN/Inf values in the gradients of each module's outputs and of its inputs, over its
+        # calls: the gradient autograd accumulates into a leaf per module and side (see
+        # :class:`GradientCount`).
+        self._grad_outputs = [_counter(device) for _ in modules]
+        self._grad_inputs = [_counter(device) for _ in modules]
         self.clock = torch.zeros(1, dtype=torch.float64, device=device)  # what the operator says it mutates
         self._handles: list[Any] = []
         _PROBES[id(self)] = self
@@ -69,7 +68,9 @@ class TracedProbe:
 
     def attach(self, modules: Sequence[nn.Module]) -> None:
         """Hook ``modules`` (of those this probe was made for) until :meth:`remove`."""
-        self._handles += [module.register_forward_hook(self.record) for module in modules]
+        for module in modules:
+            self._handles += [module.register_forward_pre_hook(self.watch_inputs, with_kwargs=True),
+                              module.register_forward_hook(self.record)]
 
     def remove(self) -> None:
         handles, self._handles = self._handles, []
@@ -91,30 +92,51 @@ class TracedProbe:
         self._bytes = [0] * len(self.names)
         self._row_of: dict[int, int] = {}  # module -> the row of its first call's outputs
         self._outputs = Outputs(self._bins, self._zeros, self._centered, self._workspace)
-        with torch.no_grad():
-            torch._foreach_zero_(self._grad_outputs + self._grad_inputs)
+        for counter in self._grad_outputs + self._grad_inputs:
+            counter.grad = None
 
     # ------------------------------------------------------------------ in the graph
     # No host read, no Python state changed where Dynamo traces: it would replay a mutation of
-    # a list on every call, and recompile for it. The operator's body is not traced.
+    # a list on every call, and recompile for it. The operator's body is not traced. Nothing
+    # here draws a random number or registers a tensor hook: Dynamo (2.13) traces a hook on
+    # an intermediate tensor as a subgraph and then lost track of attributes set on the
+    # model's own new objects (transformers' KV cache), falling back to running the model's
+    # forward eagerly, module by module: other graphs, other dropout masks.
 
     @inlined_only
-    def record(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self.armed or measure_call is None:  # a torch before 2.4: nothing inside compiled code
-            return
+    def watch_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        """A forward pre-hook: the module's first input that needs a gradient, passed through
+        :class:`GradientCount`, which counts the NaN/Inf values of its gradient (the module's
+        backward is done)."""
+        if not (self.armed and self._nonfinite and torch.is_grad_enabled()):
+            return None
         index = self._index.get(id(module))
         if index is None:
-            return
+            return None
+        counter = self._grad_inputs[index]
+        args, done = with_first_replaced(args, _needs_grad, lambda t: GradientCount.apply(t, counter))
+        if not done:
+            kwargs, done = with_first_replaced(kwargs, _needs_grad, lambda t: GradientCount.apply(t, counter))
+        return (args, kwargs) if done else None
+
+    @inlined_only
+    def record(self, module: nn.Module, args: Any, output: Any) -> Any:
+        """A forward hook: the call measured by one opaque operator, and the module's first
+        output that needs a gradient passed through :class:`GradientCount` (its backward
+        starts). Returns the output so passed, or None."""
+        if not self.armed or measure_call is None:  # a torch before 2.4: nothing inside compiled code
+            return None
+        index = self._index.get(id(module))
+        if index is None:
+            return None
+        done = False
+        if self._nonfinite and torch.is_grad_enabled():
+            counter = self._grad_outputs[index]
+            output, done = with_first_replaced(output, _needs_grad, lambda t: GradientCount.apply(t, counter))
         outputs = [t for t in tensors_in(output) if is_float(t)]
         inputs = [t for t in tensors_in(args) if is_float(t)]
         measure_call([t.detach() for t in outputs], [t.detach() for t in inputs], self.clock, id(self), index)
-        if self._nonfinite and torch.is_grad_enabled():
-            needing = [t for t in outputs if t.requires_grad]
-            if needing:  # its backward starts
-                needing[0].register_hook(functools.partial(count_nonfinite_into, self._grad_outputs[index]))
-            needing = [t for t in inputs if t.requires_grad]
-            if needing:  # its backward is done
-                needing[0].register_hook(functools.partial(count_nonfinite_into, self._grad_inputs[index]))
+        return output if done else None
 
     def measure(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], index: int) -> None:
         """One call of module ``index``, eagerly: the operator's body, which compiled code runs.
@@ -146,7 +168,7 @@ class TracedProbe:
         evidence = torch.stack(self._evidence).double() if self._evidence else self.clock[:0]
         weight_pieces = [] if weights is None else weights.pieces()
         (flags, gradients, *weight_host), rows = self._outputs.rows(
-            [evidence, torch.cat(self._grad_outputs + self._grad_inputs)] + weight_pieces)
+            [evidence, torch.cat([self.clock[:0]] + [_count(c) for c in self._grad_outputs + self._grad_inputs])] + weight_pieces)
         used = NonfiniteWeights() if weights is None else weights.seen(weight_host)
         bad = ~np.isfinite(flags)
         grad_outputs, grad_inputs = gradients[:count], gradients[count:]
@@ -208,8 +230,35 @@ def _as_one_op(function: Any) -> Any:
 measure_call = _as_one_op(_measure_call)
 
 
-@inlined_only
-def count_nonfinite_into(total: torch.Tensor, grad: torch.Tensor) -> None:
-    """A gradient hook: adds the NaN/Inf values of ``grad`` to ``total``."""
-    with torch.no_grad():
-        total.add_((~torch.isfinite(grad.detach())).sum())
+def _counter(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.float64, device=device, requires_grad=True)
+
+
+def _count(counter: torch.Tensor) -> torch.Tensor:
+    """What :class:`GradientCount` gave ``counter`` since the probe was armed (None: no backward reached it)."""
+    return counter.detach() * 0 if counter.grad is None else counter.grad
+
+
+def _needs_grad(t: torch.Tensor) -> bool:
+    return t.requires_grad and is_float(t)
+
+
+class GradientCount(torch.autograd.Function):
+    """A copy of ``tensor`` whose backward passes its gradient on unchanged and gives
+    ``counter`` (a leaf of one float64) the number of NaN/Inf values in it as its gradient:
+    autograd adds them up over calls, compiled code as eager, with no hook and no state.
+
+    A copy, not a view: a module's output may be changed in place by the code after it, which
+    autograd refuses for a view a custom Function returned. Its values are the tensor's. Only a
+    backward that accumulates into leaves counts (``loss.backward()``, not ``torch.autograd.grad``
+    of some parameters)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(counter)
+        return tensor.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (counter,) = ctx.saved_tensors
+        return grad, (~torch.isfinite(grad)).sum().reshape(1).to(counter)
