@@ -162,6 +162,10 @@ def test_inductor_compiled_model_is_measured_with_bitwise_losses(tmp_path, event
 
 
 def test_a_compiled_optimizer_step_is_not_traced_into(tmp_path, events):
+    """Dynamo never traces layerwatch's optimizer hooks. Python 3.11's Dynamo compiles the step
+    with the hooks inside (traced, they do nothing: said once); 3.13's runs them eagerly around
+    the compiled step, where they are marked never to be compiled (it traced them as frames of
+    their own, a cached call warned of and ``.item()`` breaking a graph) and do their work."""
     torch.manual_seed(0)
     dynamo.reset()
     counters.clear()
@@ -178,11 +182,16 @@ def test_a_compiled_optimizer_step_is_not_traced_into(tmp_path, events):
             step()
             inspector.step()
         inspector.finish()
-    assert not [str(w.message) for w in seen if not str(w.message).startswith("layerwatch")]  # Dynamo warns of nothing
+    # Dynamo warns of nothing (but of the Python it runs on: "Guards may run slower on Python 3.13.0")
+    assert not [str(w.message) for w in seen if not str(w.message).startswith(("layerwatch", "Guards may run slower"))
+                and not issubclass(w.category, DeprecationWarning)]
     said = layerwatch_messages(seen)
-    assert len(said) == 1 and "step hooks did not run" in said[0]
     assert counters["stats"]["unique_graphs"] == 1
     acc = events(tmp_path)
+    if "update_ratio/fc1.weight" in acc.Tags()["scalars"]:  # the hooks ran, eagerly
+        assert said == [] and [e.step for e in acc.Scalars("update_ratio/fc1.weight")] == [0, 3, 6]
+    else:
+        assert len(said) == 1 and "step hooks did not run" in said[0]
     assert [e.step for e in acc.Scalars("grads_norm/fc1.weight")] == [0, 3, 6]  # read in step() instead
     assert [e.step for e in acc.Scalars("fwd_ms/fc1")] == [3, 6]  # probes are eager here (step 0: layer table)
 

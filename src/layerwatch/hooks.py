@@ -218,12 +218,16 @@ def entered_by_its_own_hook(stack_top: Any, this: Any) -> bool:
 def optimizer_hooks(optimizer: torch.optim.Optimizer, before: Callable[[Any], None], after: Callable[[Any], None]) -> list[Any]:
     """A step pre-hook calling ``before(optimizer)`` and a post-hook calling ``after(optimizer)``,
     both skipped inside compiled code. Registered once for a run: a hook added or removed
-    between steps would change what a compiled ``optimizer.step`` is guarded on."""
+    between steps would change what a compiled ``optimizer.step`` is guarded on. Run eagerly
+    around a compiled ``optimizer.step`` (as Python 3.13's Dynamo runs them), they and all they
+    call are never compiled as frames of their own (:func:`inlined_only`)."""
 
+    @inlined_only
     def pre_hook(opt: Any, args: Any, kwargs: Any) -> None:
         if not is_compiling():
             before(opt)
 
+    @inlined_only
     def post_hook(opt: Any, args: Any, kwargs: Any) -> None:
         if not is_compiling():
             after(opt)
