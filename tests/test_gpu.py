@@ -325,3 +325,21 @@ def test_a_snapshot_that_does_not_fit_in_the_gpus_free_memory_is_estimated_then_
     assert [e.step for e in events(tmp_path).Scalars("update_ratio/0.weight")] == [2]
     assert "update_ratio_estimate/2.weight" in tags
     assert len([w for w in seen if "does not fit in memory" in str(w.message)]) == 1
+
+
+def test_a_compiled_gpt2_with_dropout_on_cuda_trains_bitwise_as_without_layerwatch(tmp_path, events, monkeypatch):
+    """Inductor's CUDA dropout draws from a seed per graph and the element's index: the armed
+    graph draws the same masks. Deterministic algorithms on, as on the CPU."""
+    pytest.importorskip("transformers")
+    from test_compiled_transformers import measured_inside, plain_loop, same_training
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        plain = plain_loop(device="cuda")
+        watched = plain_loop(tmp_path, device="cuda")
+    finally:
+        torch.use_deterministic_algorithms(was)
+    same_training(watched, plain)
+    measured_inside(events(tmp_path))
