@@ -15,9 +15,9 @@ check() {  # check NAME SECONDS COMMAND...
 }
 python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
 check test_gpu 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rs
+check compiled_gpt2 170 python3 benchmarks/compiled_gpt2.py --device cuda --steps 12 --deterministic
 check overhead 100 python3 benchmarks/overhead.py --device cuda --compile --configs defaults --workloads tfm-tiny,tfm,cnn --rounds 5 --wandb-rounds 0
 check budget 60 python3 benchmarks/budget.py --device cuda --workloads tfm,tfm-tiny,cnn,gpt --budgets default --steps 400 --block 25
 check memory 45 python3 benchmarks/memory.py --device cuda
 check replay 30 python3 benchmarks/replay.py --device cuda --rounds 3
 check compiled_stats 30 python3 benchmarks/compiled_stats.py --device cuda
-check compiled_gpt2 150 python3 benchmarks/compiled_gpt2.py --device cuda --steps 12 --deterministic
