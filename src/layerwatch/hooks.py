@@ -162,9 +162,11 @@ class FailedForwardGuard:
 
         @functools.wraps(model.forward)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            target = below[0] if below[0] is not FailedForwardGuard._MISSING else type(model_ref()).forward.__get__(model_ref())
             try:
-                return target(*args, **kwargs)
+                if below[0] is not FailedForwardGuard._MISSING:
+                    return below[0](*args, **kwargs)
+                owner = model_ref()  # the class's forward called with it: Dynamo 2.11 cannot trace function.__get__
+                return type(owner).forward(owner, *args, **kwargs)
             except BaseException:
                 if not is_compiling():
                     on_failure()
@@ -258,8 +260,8 @@ def tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     """The tensors in ``obj``, walking tuples, lists, dicts and dataclasses; the rest skipped."""
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif depth > 8:
-        return
+    elif depth > 8 or obj is None or isinstance(obj, (bool, int, float, str)):
+        return  # (Dynamo 2.11 breaks the graph at is_dataclass(None): an attention's weights)
     elif isinstance(obj, (list, tuple)):
         for item in obj:
             yield from tensors_in(item, depth + 1)
