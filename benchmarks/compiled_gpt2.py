@@ -56,7 +56,9 @@ def gpt2(layers: int, d: int, heads: int, vocab: int, seq: int, dropout: float =
     return transformers.GPT2LMHeadModel(config)
 
 
-def one_run(watched: bool, args: argparse.Namespace) -> dict:
+def one_run(watched: bool, args: argparse.Namespace, log_dir: Optional[str] = None) -> dict:
+    """One run from nothing: ``args`` as the command line's; with ``watched``, the Inspector at
+    its defaults, writing to ``log_dir`` (a new temporary folder if None)."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
@@ -73,7 +75,7 @@ def one_run(watched: bool, args: argparse.Namespace) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if watched:
-            inspector = Inspector(compiled, log_dir=tempfile.mkdtemp(), optimizer=opt).start()
+            inspector = Inspector(compiled, log_dir=log_dir or tempfile.mkdtemp(), optimizer=opt).start()
         for k, x in enumerate(batches):
             graphs = counters["stats"]["unique_graphs"]
             sampled.append(inspector is not None and inspector.sampled)  # the step open now

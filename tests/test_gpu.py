@@ -327,7 +327,7 @@ def test_a_snapshot_that_does_not_fit_in_the_gpus_free_memory_is_estimated_then_
     assert len([w for w in seen if "does not fit in memory" in str(w.message)]) == 1
 
 
-def test_a_compiled_gpt2_with_dropout_on_cuda_trains_bitwise_as_without_layerwatch(tmp_path, events, monkeypatch):
+def test_a_compiled_gpt2_with_dropout_on_cuda_trains_bitwise_as_without_layerwatch(tmp_path, events, monkeypatch, benchmarks):
     """Inductor's CUDA dropout draws from a seed per graph and the element's index: the armed
     graph draws the same masks. Deterministic algorithms on, as on the CPU."""
     pytest.importorskip("transformers")
