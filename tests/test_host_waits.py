@@ -52,7 +52,8 @@ def test_a_sampled_step_makes_the_host_wait_nowhere_but_its_one_transfer(tmp_pat
     GPU: a pinned copy behind an event, read a step later)."""
     from layerwatch import stats
 
-    monkeypatch.setattr(stats, "host_reads_free", lambda device: False)
+    for home in (stats, stats.batched):  # the name the probes read, and the batched reduction's
+        monkeypatch.setattr(home, "host_reads_free", lambda device: False)
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = spoilable(Spoiler())

@@ -174,7 +174,7 @@ def test_to_host_keeps_order_and_shapes():
 def test_the_batched_path_matches_one_tensor_at_a_time(monkeypatch, chunk):
     """Sizes around the row width (256), a NaN among finite tensors, tensors whose histograms are
     sampled (above ``histogram_values``) beside exact ones, and chunks cut between tensors."""
-    monkeypatch.setattr(S, "chunk_values", lambda device: chunk)
+    monkeypatch.setattr(S.batched, "chunk_values", lambda device: chunk)
     torch.manual_seed(1)
     tensors = [torch.randn(n) * scale + shift for n, scale, shift in
                [(1, 1, 0), (255, 0.1, 3), (256, 2, 0), (257, 1, -5), (1000, 1e-3, 1), (5000, 1, 0), (4, 0.1, 0)]]
