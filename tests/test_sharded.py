@@ -581,7 +581,7 @@ def ranks_apart_worker(rank: int, world: int, out: str, case: str) -> None:
     if rank == 0 and case == "reduction":
         def failing_statistics(*args):
             raise RuntimeError("a reduction that fails on rank 0 alone")
-        stats.shard_statistics = failing_statistics
+        stats.shard_statistics = stats.sharded.shard_statistics = failing_statistics  # where each caller reads it
     if rank == 0 and case == "result":  # at step 1, after the collectives of the probes' result
         rows, calls = outputs.Outputs.rows, [0]
 

@@ -235,7 +235,7 @@ def _counter(device: torch.device) -> torch.Tensor:
 
 
 def _count(counter: torch.Tensor) -> torch.Tensor:
-    """What :class:`GradientCount` gave ``counter`` since the probe was armed (None: no backward reached it)."""
+    """What :class:`GradientCount` gave ``counter`` since the probe was armed (zero where no backward reached it)."""
     return counter.detach() * 0 if counter.grad is None else counter.grad
 
 
