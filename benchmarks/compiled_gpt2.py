@@ -96,10 +96,14 @@ def one_run(watched: bool, args: argparse.Namespace, log_dir: Optional[str] = No
             inspector.finish()
     return {
         "losses": losses, "times": times, "sampled": sampled, "compiled_at": compiled_at,
-        "weights": [p.detach().cpu().clone() for p in model.parameters()],
-        "graphs": counters["stats"]["unique_graphs"], "recompiles": sum(counters["recompiles"].values()),
-        "graph_breaks": sum(counters["graph_break"].values()),
+        "weights": [p.detach().cpu().clone() for p in model.parameters()], **dynamo_counts(),
     }
+
+
+def dynamo_counts() -> dict:
+    """Dynamo's own counts since they were last cleared: unique graphs, recompiles, graph breaks."""
+    return {"graphs": counters["stats"]["unique_graphs"], "recompiles": sum(counters["recompiles"].values()),
+            "graph_breaks": sum(counters["graph_break"].values())}
 
 
 def sync(device: str) -> None:

@@ -43,19 +43,18 @@ def token_batches() -> list[torch.Tensor]:
 
 
 @pytest.fixture(autouse=True)
-def deterministic_and_fresh(benchmarks):
+def deterministic(benchmarks):
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
-    dynamo.reset()
-    counters.clear()
     yield
     torch.use_deterministic_algorithms(was)
     dynamo.reset()
 
 
 def dynamo_counts() -> dict:
-    return {"graphs": counters["stats"]["unique_graphs"], "recompiles": sum(counters["recompiles"].values()),
-            "breaks": sum(counters["graph_break"].values())}
+    from compiled_gpt2 import dynamo_counts
+
+    return dynamo_counts()
 
 
 def fresh_counts() -> None:
@@ -90,7 +89,7 @@ def plain_loop(log_dir=None, device="cpu") -> dict:
                               device=device, dropout=0.1)
     run = one_run(log_dir is not None, args, None if log_dir is None else str(log_dir))
     return {"losses": run["losses"], "weights": run["weights"], "compiled_at": run["compiled_at"],
-            "dynamo": {"graphs": run["graphs"], "recompiles": run["recompiles"], "breaks": run["graph_breaks"]}}
+            "dynamo": {key: run[key] for key in ("graphs", "recompiles", "graph_breaks")}}
 
 
 def test_the_inspector_on_a_compiled_gpt2_leaves_its_run_as_it_was(tmp_path, events):

@@ -113,10 +113,9 @@ class TracedProbe:
         index = self._index.get(id(module))
         if index is None:
             return None
-        counter = self._grad_inputs[index]
-        args, done = with_first_replaced(args, _needs_grad, lambda t: GradientCount.apply(t, counter))
+        args, done = _counted(args, self._grad_inputs[index])
         if not done:
-            kwargs, done = with_first_replaced(kwargs, _needs_grad, lambda t: GradientCount.apply(t, counter))
+            kwargs, done = _counted(kwargs, self._grad_inputs[index])
         return (args, kwargs) if done else None
 
     @inlined_only
@@ -131,8 +130,7 @@ class TracedProbe:
             return None
         done = False
         if self._nonfinite and torch.is_grad_enabled():
-            counter = self._grad_outputs[index]
-            output, done = with_first_replaced(output, _needs_grad, lambda t: GradientCount.apply(t, counter))
+            output, done = _counted(output, self._grad_outputs[index])
         outputs = [t for t in tensors_in(output) if is_float(t)]
         inputs = [t for t in tensors_in(args) if is_float(t)]
         measure_call([t.detach() for t in outputs], [t.detach() for t in inputs], self.clock, id(self), index)
@@ -239,8 +237,10 @@ def _count(counter: torch.Tensor) -> torch.Tensor:
     return counter.detach() * 0 if counter.grad is None else counter.grad
 
 
-def _needs_grad(t: torch.Tensor) -> bool:
-    return t.requires_grad and is_float(t)
+def _counted(obj: Any, counter: torch.Tensor) -> tuple[Any, bool]:
+    """``obj`` with its first tensor that needs a gradient passed through :class:`GradientCount`
+    into ``counter``, and whether it had one."""
+    return with_first_replaced(obj, lambda t: t.requires_grad and is_float(t), lambda t: GradientCount.apply(t, counter))
 
 
 class GradientCount(torch.autograd.Function):
