@@ -64,17 +64,17 @@ def pipeline_worker(rank: int, world: int, out: str, schedule_name: str, options
     ``"traced"`` (pipelining's own ``pipeline()``, split before ``layers.2``)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
 
-    from layerwatch.engine import Engine
+    from layerwatch.sample import SampleReads
 
     if fail_step is not None and rank == 1:
-        host_rows = Engine._host_rows
+        host_rows = SampleReads.host_rows
 
         def failing(self, sample):
             if sample.step == fail_step:
                 raise RuntimeError("the rows were lost")
             return host_rows(self, sample)
 
-        Engine._host_rows = failing
+        SampleReads.host_rows = failing
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name]
     now, outputs = [0], []
     runs, seen, sampled, said = {}, {}, [], []

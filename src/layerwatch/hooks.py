@@ -137,12 +137,18 @@ class CollectorClock:
 _owners: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
-def claim(model: nn.Module, engine: Any) -> Optional[Any]:
-    """Make ``engine`` the model's engine; return the live one it had before (or None)."""
+def claim(model: nn.Module, engine: Any, failures: Any) -> None:
+    """Make ``engine`` the model's engine. One that still watches it, never finished (a cell
+    run again?), is finished first, and ``failures`` warns of it: its hooks do not stay."""
     previous = _owners.get(model)
     _owners[model] = weakref.ref(engine)
     previous_engine = None if previous is None else previous()
-    return None if previous_engine is engine else previous_engine
+    if previous_engine is not None and previous_engine is not engine and previous_engine.state == "running":
+        failures.warn(
+            f"layerwatch: this {type(model).__name__} was still watched by an earlier {previous_engine.owner} that "
+            "was not finished (a cell run again?); that one is finished now, so its hooks do not stay on the model"
+        )
+        previous_engine.finish()
 
 
 class FailedForwardGuard:

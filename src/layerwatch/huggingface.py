@@ -168,12 +168,12 @@ class InspectTrainerCallback(TrainerCallback):
             self._engine.attach(engine_step_hooks(self._engine, client))
         unreplayable = _why_not_replayed(self._replay, trainer, args, optimizer)
         if unreplayable is not None:
-            self._engine.replay_hint = unreplayable
+            self._engine.describe_replay(unreplayable=unreplayable)
             return
         outer = trainer.model_wrapped if trainer is not None and isinstance(trainer.model_wrapped, nn.Module) else model
         note = _own_loss_note(trainer)
         if note:
-            self._engine.replay_note = note
+            self._engine.describe_replay(differs=note)
         self._inputs = _InputsKept(self._engine, outer, model)
         self._inputs.attach()
         self._engine.attach([self._inputs])

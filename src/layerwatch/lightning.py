@@ -190,12 +190,12 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         custom = callable(self._replay)
         self._replaying = bool(self._replay) and (custom or pl_module.automatic_optimization) and _scaler(trainer) is None
         if self._replay is False:
-            self._engine.replay_hint = "InspectCallback(replay=False) turned the replay of the bad step off"
+            self._engine.describe_replay(unreplayable="InspectCallback(replay=False) turned the replay of the bad step off")
         elif not self._replaying and not pl_module.automatic_optimization:
-            self._engine.replay_hint = (
+            self._engine.describe_replay(unreplayable=(
                 "under manual optimization training_step steps the optimizers itself, so layerwatch cannot run it "
                 "again; InspectCallback(replay=fn), fn(module, batch, batch_idx) returning the loss, replays it"
-            )
+            ))
         self._begin(trainer.global_step)
 
     @override

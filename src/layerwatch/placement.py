@@ -1,0 +1,78 @@
+"""Where a model's parameters live over the ranks: DeepSpeed ZeRO's partitions, FSDP's shards,
+pipeline stages.
+
+:func:`find_placement` looks once, at the start of a run, on every rank at the same point
+(finding the stages is collective). What it finds decides how a sample is read
+(:class:`~layerwatch.distributed.Layout`, :class:`~layerwatch.zero.Zero`) and whether the ranks
+sample together (:attr:`Placement.together`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from torch import nn
+
+from layerwatch.distributed import Layout, is_writer_rank, parameter_layout, world_size
+from layerwatch.failures import FailurePolicy
+from layerwatch.options import Options
+from layerwatch.probes import StepProbes, probe_name, select_modules
+from layerwatch.stages import Held, Stages, find_stages
+from layerwatch.zero import Zero, find_zero
+
+
+@dataclass
+class Placement:
+    """Where the parameters live: their layout, a ZeRO run's partitions, pipeline stages."""
+
+    layout: Layout
+    zero: Optional[Zero] = None
+    stages: Optional[Stages] = None
+
+    @property
+    def together(self) -> bool:
+        """Every rank takes part in every sampled step, and the ranks vote on which steps those
+        are: a sharded run, or pipeline stages."""
+        return self.layout.sharded or self.stages is not None
+
+
+def find_placement(model: Optional[nn.Module], within: Optional[nn.Module], deepspeed: Any, options: Options,
+                   probes: StepProbes, failures: FailurePolicy) -> Placement:
+    """The :class:`Placement` of ``model``'s parameters on this rank (``within``: a module that
+    wraps it; ``deepspeed``: the DeepSpeed engine that trains it). In a distributed run, call it
+    on every rank at the same point."""
+    placement = Placement(Layout())
+    if model is not None and world_size() > 1:
+        zero: list[Optional[Zero]] = []
+        failures.run("find DeepSpeed ZeRO's partitions", lambda: zero.append(
+            find_zero(model, deepspeed, options.families, failures)), 0)
+        placement.zero = zero[0] if zero else None
+    placement.layout = parameter_layout(model, within, placement.zero)
+    if model is not None and world_size() > 1:  # every rank, at the same point: collective under pipelining
+        failures.run("find the pipeline stages (only rank 0's layers are measured)",
+                     lambda: _find_stages(placement, model, options, probes, failures), 0)
+    if placement.layout.flat_only and is_writer_rank():
+        failures.warn(
+            f"layerwatch: FSDP wraps {', '.join(placement.layout.flat_only)} with use_orig_params=False, so their "
+            "parameters exist only as flat parameters that each hold many of them, and are not measured; "
+            "per-parameter statistics (weights, grads, updates) need FullyShardedDataParallel(..., "
+            "use_orig_params=True). The per-module families go on."
+        )
+    return placement
+
+
+def _find_stages(placement: Placement, model: nn.Module, options: Options, probes: StepProbes,
+                 failures: FailurePolicy) -> None:
+    layout = placement.layout
+    modules = tuple(probe_name(name) for name, _ in select_modules(model, options.modules))
+    held = Held(tuple(name for name, _ in layout.parameters(model)), modules, layout.sharded)
+    placement.stages = find_stages(held, failures)
+    if placement.stages is None:
+        return
+    layout.staged = True
+    if probes.structure_pending and is_writer_rank():
+        failures.warn("layerwatch: the model is split into pipeline stages, and each rank runs one stage's "
+                      "forward, so the layer table of the whole model is not recorded (layerwatch/structure); "
+                      "call layerwatch.summarize(model, batch) on the whole model before it is split")
+    probes.structure_pending = False

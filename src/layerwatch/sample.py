@@ -1,0 +1,178 @@
+"""The sampled step: what it reads, when, and how its rows reach the host.
+
+A :class:`Sample` holds what a sampled step has gathered: device rows until the step ends.
+:class:`SampleReads` fills it at the protocol's three points (:meth:`~SampleReads.before_optimizer_step`:
+gradients and the snapshot of the weights; :meth:`~SampleReads.after_optimizer_step`: update
+ratios and weights; :meth:`~SampleReads.rest`: whatever the step has not read yet) and takes its
+rows to the host in one transfer per device (:meth:`~SampleReads.host_rows`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+from torch import nn
+
+from layerwatch import record as R
+from layerwatch import stats as S
+from layerwatch.distributed import FAILED_NORM, local_tensors
+from layerwatch.failures import FailurePolicy
+from layerwatch.options import Options
+from layerwatch.params import ParameterFamilies, Piece, Snapshot
+from layerwatch.probes import ProbeResult, StepProbes
+from layerwatch.replay import MicroBatch, forward_again
+from layerwatch.table import Summary
+from layerwatch.zero import Zero
+
+
+@dataclass
+class Sample:
+    """What a sampled step has gathered so far: device tensors until ``end_step``."""
+
+    step: int
+    params: list[tuple[str, nn.Parameter]]
+    steps_before: Optional[int]  # the optimizers' step count when it began (None: not counted)
+    overhead_s: float = 0.0
+    before_calls: int = 0  # before_optimizer_step calls that read something
+    after_calls: int = 0
+    grads: list[Piece] = field(default_factory=list)
+    weights: list[Piece] = field(default_factory=list)
+    update: list[Piece] = field(default_factory=list)
+    update_estimate: list[Piece] = field(default_factory=list)  # from strided samples: the snapshot did not fit
+    grads_read: set[int] = field(default_factory=set)  # id() of the parameters read so far
+    weights_read: set[int] = field(default_factory=set)
+    snapshots: list[tuple[Optional[int], Snapshot]] = field(default_factory=list)  # (id of the optimizer, ...)
+    replay: Optional[ProbeResult] = None  # what the probes saw on the step's batch run again (replay.py)
+
+    def unread(self, read: set[int], optimizer: Any,
+               keep: Optional[list[tuple[str, nn.Parameter]]] = None) -> list[tuple[str, nn.Parameter]]:
+        """The parameters (of ``optimizer``, or all; of ``keep`` only, when given) not read yet
+        into ``read``; now marked read."""
+        mine = None if optimizer is None else {id(p) for group in optimizer.param_groups for p in group["params"]}
+        out = [(n, p) for n, p in (self.params if keep is None else keep)
+               if id(p) not in read and (mine is None or id(p) in mine)]
+        read.update(id(p) for _, p in out)
+        return out
+
+    def stepped(self, steps_now: Optional[int]) -> Optional[bool]:
+        """Whether the optimizer stepped during the sample: counted when the optimizers are
+        tracked (``steps_now``: their step count now); else False when ``before_optimizer_step``
+        came and ``after_optimizer_step`` did not (an optimizer's post-hook never fires for a
+        skipped step); else unknown."""
+        if self.steps_before is not None and steps_now is not None:
+            return steps_now != self.steps_before
+        return None if self.before_calls == 0 else self.after_calls >= self.before_calls
+
+    def trainable(self) -> list[str]:
+        """The parameters with ``requires_grad``, as the health rules count them."""
+        return [  # a sparse gradient exists but is not measured: not "no gradient"
+            name for name, p in self.params if p.requires_grad and not (p.grad is not None and p.grad.is_sparse)
+        ]
+
+
+class SampleReads:
+    """Reads the parameter families (:class:`~layerwatch.params.ParameterFamilies`) into a
+    :class:`Sample`, each parameter once, at the first point of the step where it is final."""
+
+    def __init__(self, options: Options, failures: FailurePolicy, params: ParameterFamilies) -> None:
+        self.families = options.families
+        self.failures = failures
+        self.params = params
+
+    def before_optimizer_step(self, sample: Sample, optimizer: Any, zero: Optional[Zero]) -> None:
+        """``optimizer``'s gradients (every parameter's when None) are final: read those not read
+        yet, and snapshot their weights for the update ratios. Under DeepSpeed ZeRO, the
+        parameters of the group its optimizer steps now (its client holds flat partitions)."""
+        params = (sample.unread(sample.grads_read, optimizer) if zero is None
+                  else sample.unread(sample.grads_read, None, keep=zero.stepping_params(sample.params)))
+        if not params:
+            return
+        sample.before_calls += 1
+        self._gradients(sample, params)
+        if "updates" in self.families:
+            key = None if optimizer is None else id(optimizer)
+            self.failures.run("snapshot weights for update ratios", lambda: self._snapshot(sample, params, key), sample.step)
+
+    def after_optimizer_step(self, sample: Sample, optimizer: Any) -> None:
+        """``optimizer`` (every optimizer when None) has stepped: the updates of its parameters,
+        and their weights."""
+        key = None if optimizer is None else id(optimizer)
+        mine = [key is None or owner in (key, None) for owner, _ in sample.snapshots]
+        snapshots = [snap for (_, snap), taken in zip(sample.snapshots, mine) if taken]
+        sample.snapshots = [entry for entry, taken in zip(sample.snapshots, mine) if not taken]
+        params = sample.unread(sample.weights_read, optimizer)
+        if snapshots or params:
+            sample.after_calls += 1
+        for snapshot in snapshots:
+            self.failures.run("measure updates", lambda: self._updates(sample, snapshot), sample.step)
+        self._weights(sample, params)
+
+    def rest(self, sample: Sample) -> None:
+        """The step ends: what it has not read yet (a door that leaves the optimizer's points out)."""
+        self._gradients(sample, sample.unread(sample.grads_read, None))
+        for _, snapshot in sample.snapshots:
+            self.failures.run("measure updates", lambda: self._updates(sample, snapshot), sample.step)
+        self._weights(sample, sample.unread(sample.weights_read, None))
+
+    def _gradients(self, sample: Sample, params: list[tuple[str, nn.Parameter]]) -> None:
+        if params and "grads" in self.families:
+            self.failures.run("read gradients", lambda: sample.grads.extend(self.params.gradients(params, sample.step)), sample.step)
+
+    def _weights(self, sample: Sample, params: list[tuple[str, nn.Parameter]]) -> None:
+        if params and "weights" in self.families:
+            self.failures.run("read weights", lambda: sample.weights.extend(self.params.weights(params)), sample.step)
+
+    def _snapshot(self, sample: Sample, params: list[tuple[str, nn.Parameter]], key: Optional[int]) -> None:
+        if not sample.snapshots:  # the step's first: what a memory_budget given as a share is a share of
+            tensors = local_tensors([p for _, p in sample.params])
+            self.params.start_snapshots(sum([t.numel() * t.element_size() for t in tensors]))
+        sample.snapshots.append((key, self.params.snapshot(params, sample.step, f"snapshot{len(sample.snapshots)}.")))
+
+    def _updates(self, sample: Sample, snapshot: Snapshot) -> None:
+        pieces = self.params.updates(snapshot, sample.params, weight_norms="weights" not in self.families)
+        (sample.update_estimate if snapshot.estimated else sample.update).extend(pieces)
+
+    def host_rows(self, sample: Sample) -> R.HostRows:
+        """The families' rows, on the host in one transfer per device, less the rows a rank
+        could not help measure."""
+        families = {"grads": sample.grads, "weights": sample.weights, "update": sample.update,
+                    "update_estimate": sample.update_estimate}
+        arrays = iter(S.to_host([rows for pieces in families.values() for _, rows in pieces]))
+        return {
+            family: [self._measured(family, names, next(arrays).reshape(2 if family.startswith("update") else len(names), -1),
+                                    sample.step) for names, _ in pieces]
+            for family, pieces in families.items()
+        }
+
+    def _measured(self, family: str, names: list[str], rows: np.ndarray, step: int) -> tuple[list[str], np.ndarray]:
+        """``names`` and their rows (update pieces: their two rows of columns) less the sharded
+        tensors a rank could not help measure, or snapshot (said once)."""
+        update = family.startswith("update")  # update and update_estimate: two rows of columns
+        failed = rows[0] == FAILED_NORM if update else S.Rows(rows).failed
+        if not failed.any():
+            return names, rows
+        left_out = [name for name, bad in zip(names, failed) if bad]
+        which = ", ".join(left_out[:5]) + (f" and {len(left_out) - 5} more" if len(left_out) > 5 else "")
+        what = ("snapshot its shards of {} for the update ratios; their update ratios are left out" if update
+                else f"measure its shards of {{}} ({family}); they are left out")
+        self.failures.warn_once(f"failed-rows:{family}", f"layerwatch: a rank could not {what.format(which)} of step {step}")
+        kept = [name for name, bad in zip(names, failed) if not bad]
+        return kept, rows[:, ~failed] if update else rows[~failed]
+
+
+def table_eagerly(model: Optional[nn.Module], probes: StepProbes, failures: FailurePolicy, step: int,
+                  micro: Optional[MicroBatch]) -> Optional[Summary]:
+    """The layer table of a compiled model: from one forward of the shapes of the step's
+    inputs under fake tensors (probes/shapes.py), or where there are none or that fails,
+    from one forward of the step's first micro-batch run again eagerly (replay.py). Not in
+    a distributed run: that forward may issue collectives (DDP's buffer broadcast), and
+    only rank 0 records the table."""
+    tables: list[Optional[Summary]] = []
+    if model is not None:
+        failures.run("record the layer table from shapes", lambda: tables.append(probes.table_from_shapes(model, step)), step)
+    if model is not None and all(table is None for table in tables) and micro is not None and probes.table_waits:
+        failures.run("record the layer table eagerly", lambda: tables.append(
+            probes.table_eagerly(model, step, lambda: forward_again(model, micro))), step)
+    return next((table for table in tables if table is not None), None)
