@@ -14,7 +14,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Iterator, Mapping, Optional, Union
 
 import torch
 from torch import nn

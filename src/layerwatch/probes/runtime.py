@@ -4,7 +4,6 @@ measured (:class:`ProbeResult`)."""
 from __future__ import annotations
 
 import functools
-import math
 import weakref
 from dataclasses import dataclass, field
 from time import perf_counter_ns
@@ -15,15 +14,16 @@ import torch
 from torch import nn
 
 from layerwatch import stats as S
-from layerwatch.distributed import fingerprint, is_dtensor, local, local_tensors, spread
+from layerwatch.distributed import is_dtensor, local_tensors, spread
 from layerwatch.hooks import ForwardHooks, detached, entered_by_its_own_hook, inlined_only, is_compiling, tensors_in
 from layerwatch.probes.clocks import CudaClock, HostClock
-from layerwatch.probes.outputs import FlagSlots, Outputs, is_float, nonfinite_sum
+from layerwatch.probes.evidence import Evidence
+from layerwatch.probes.outputs import is_float
 from layerwatch.probes.saved import SavedBytes
+from layerwatch.probes.shards import LocalShards
 from layerwatch.probes.selection import probe_name
 from layerwatch.probes.weights import NonfiniteWeights, WeightCheck
 from layerwatch.zero import is_zero3_param
-from layerwatch.sentinel import fused_norms
 from layerwatch.stages import in_shape_inference
 
 
@@ -147,32 +147,18 @@ class RuntimeProbe:
         # Outermost calls whose inputs need no gradient: the module, whose parameters' gradients
         # are read when the pass ends (then, not at its forward: FSDP swaps its parameters)
         self._ends_with_pass: dict[int, Any] = {}
-        # Per module with a DTensor parameter (tensor parallel): how its last output was spread
-        # before its own output hook made it local, and that local shape
-        self._raw_spread: dict[int, tuple[Any, torch.Size]] = {}
-        # id(tensor) -> (a weak reference, the group): plain tensors that are one rank's shard of a
-        # whole (a tensor-parallel module's output, and what modules make of it until the next
-        # such module takes it back as a DTensor)
-        self._shard_of: dict[int, tuple[Any, Any]] = {}
+        self._shards = LocalShards()  # tensor parallel: the plain tensors that are one rank's shard
         self._ignored_depth = 0
         # Hook intervals: marks at entry and exit of every hook, in firing order.
         self._entered: list[Any] = []
         self._left: list[Any] = []
         self._fwd_spans: list[int] = []  # (module, start interval, end interval) after each other
         self._bwd_spans: list[int] = []
-        # Flags: an entry per distinct tensor seen, >= 0 a slot of ``_slots``, < 0 the row
-        # ``-1 - entry`` (whose NONFINITE column says it). Runs of entries: a length, then them.
         workspace = workspace if workspace is not None else S.Workspace()
-        self._slots = FlagSlots(workspace)
-        self._flags: list[int] = []
-        self._runs: list[int] = []
+        self._evidence = Evidence(bins, zeros, centered, workspace)  # NaN/Inf flags and stats rows
         self._fwd_events: list[int] = []  # (module, inputs run, outputs run) after each other
         self._bwd_events: list[int] = []
-        self._outputs = Outputs(bins, zeros, centered, workspace)
         self._row_of: dict[int, int] = {}  # module -> row
-        # id(tensor) -> a weak reference, and its version, flag and row packed in one int
-        self._seen_ref: dict[int, Any] = {}
-        self._seen_key: dict[int, int] = {}
         self._grad_handles: list[Any] = []
         self._handles: list[Any] = [ForwardHooks([module for _, module in modules], self._pre_hook, self._post_hook)]
         if any(map(is_dtensor, parameters)):  # the modules a parallel style may have made local
@@ -191,16 +177,15 @@ class RuntimeProbe:
             self._handles = []
         self._saved.exit()
         self._stack = []
-        self._seen_ref, self._seen_key = {}, {}
+        self._evidence.forget()
         self._ends_with_pass = {}
-        self._raw_spread, self._shard_of = {}, {}
+        self._shards.forget()
 
     def spread_work(self) -> list[int]:
         """What :meth:`result` ``together`` does with the other ranks: how many flags and rows
         of spread tensors, per group and in order. Every rank must hold the same, or none may
         do it."""
-        flags, rows = self._slots.spread_counts, self._outputs.spread_counts
-        return [len(flags), len(rows), sum(flags), sum(rows), fingerprint([str(flags), str(rows)])]
+        return self._evidence.spread_work()
 
     def result(self, together: bool = False, keep_module_hooks: bool = False,
                weights: Optional[WeightCheck] = None) -> ProbeResult:
@@ -211,22 +196,18 @@ class RuntimeProbe:
         collective is issued before anything of this rank's alone can fail."""
         self.remove(keep_module_hooks)
         error = None
-        combines = ([self._slots.combine] + ([weights.combine] if weights is not None else [])) if together else []
+        combines = ([self._evidence.combine] + ([weights.combine] if weights is not None else [])) if together else []
         for combine in combines:
             try:
                 combine()
             except Exception as e:
                 error = error or e
-        spread_rows = self._outputs.spread_rows(together)
+        spread_rows = self._evidence.spread_rows(together)
         if error is not None:
             raise error
         weight_pieces = [] if weights is None else weights.pieces()
-        host_pieces, rows_host = self._outputs.rows(self._slots.pieces() + weight_pieces, spread_rows)
-        slot_pieces = host_pieces[: len(host_pieces) - len(weight_pieces)]
-        used = NonfiniteWeights() if weights is None else weights.seen(host_pieces[len(slot_pieces):])
-        flagged = self._slots.flagged(slot_pieces)
-        counts = S.Rows(rows_host).nonfinite
-        nonfinite = [bool(counts[-1 - f] > 0) if f < 0 else bool(flagged[f]) for f in self._flags]
+        nonfinite, rows_host, weight_host = self._evidence.read(weight_pieces, spread_rows)
+        used = NonfiniteWeights() if weights is None else weights.seen(weight_host)
         marks = self._clock.resolve([m for pair in zip(self._entered, self._left) for m in pair])
         entered, left = marks[0::2], marks[1::2]
         # nested[k]: time spent in hooks 0..k-1; a span subtracts the hooks inside it.
@@ -252,10 +233,10 @@ class RuntimeProbe:
         if self._nonfinite:
             for events, phase in ((self._fwd_events, "forward"), (self._bwd_events, "backward")):
                 for index, inputs, outputs in zip(events[0::3], events[1::3], events[2::3]):
-                    bad_out = any(nonfinite[f] for f in self._run(outputs))
+                    bad_out = any(nonfinite[f] for f in self._evidence.run(outputs))
                     trace = traces[index]
                     trace.nonfinite = trace.nonfinite or bad_out
-                    if offender is None and bad_out and not any(nonfinite[f] for f in self._run(inputs)):
+                    if offender is None and bad_out and not any(nonfinite[f] for f in self._evidence.run(inputs)):
                         if trace.name not in used.modules:
                             offender = Offender(trace.name, phase)
                         elif user is None:
@@ -301,7 +282,7 @@ class RuntimeProbe:
             return
         index = self._index.get(id(module))
         if index is not None:
-            self._raw_spread[index] = (spread(output), output._local_tensor.shape)
+            self._shards.raw[index] = (spread(output), output._local_tensor.shape)
 
     def __deepcopy__(self, memo: dict) -> "RuntimeProbe":
         return self  # a module copied mid-step keeps calling this probe, which passes it over
@@ -345,11 +326,11 @@ class RuntimeProbe:
         call = len(self._call_module)
         self._call_module.append(index)
         self._call_start.append(len(self._entered))
-        self._call_inputs.append(self._add_run([self._flag(t) for t in tensors if is_float(t)]) if self._nonfinite else -1)
+        self._call_inputs.append(self._evidence.add_run([self._evidence.flag(t) for t in tensors if is_float(t)]) if self._nonfinite else -1)
         self._call_alloc.append(torch.cuda.memory_allocated() if self._memory and self._cuda else 0)
         self._call_bwd_start.append(-1)
         self._call_grad_outputs.append(-1)
-        self._call_in_group.append(self._shard_group_of(tensors) if self._shard_of else None)
+        self._call_in_group.append(self._shards.group_of(tensors) if self._shards.of else None)
         self._call_group.append(None)
         if self._backward and torch.is_grad_enabled():
             watched = [t for t in tensors if t.requires_grad]
@@ -383,45 +364,18 @@ class RuntimeProbe:
                 self._cuda_alloc_bytes[index] += torch.cuda.memory_allocated() - self._call_alloc[call]
         measured = [t for t in tensors if is_float(t)]
         group = None
-        if self._raw_spread or self._call_in_group[call] is not None:  # tensor parallel in sight
-            group = self._call_group[call] = self._output_group(index, call, measured)
+        if self._shards.raw or self._call_in_group[call] is not None:  # tensor parallel in sight
+            group = self._call_group[call] = self._shards.output_group(index, self._call_in_group[call], measured)
         if self._activations and first_call and measured:
-            row = self._row(measured, group)
+            row = self._evidence.row(measured, group)
             if row is not None:
                 self._row_of[index] = row
         if self._nonfinite:
-            self._fwd_events += (index, self._call_inputs[call], self._add_run([self._flag(t, group) for t in measured]))
+            self._fwd_events += (index, self._call_inputs[call], self._evidence.add_run([self._evidence.flag(t, group) for t in measured]))
         if self._backward:
             needing = [t for t in measured if t.requires_grad]
             if needing:
                 self._grad_handles.append(on_gradients(needing, self, call, done=False))
-
-    def _output_group(self, index: int, call: int, outputs: list[torch.Tensor]) -> Any:
-        """The group over which the plain ``outputs`` are one rank's shards of the whole, or None:
-        where the module made its sharded DTensor output local (a tensor-parallel style's
-        output hook), or where its inputs were such shards (it computed on them alone, as
-        the layers between a column-wise and a row-wise parallel layer do)."""
-        raw = self._raw_spread.pop(index, None)
-        if not outputs or any(is_dtensor(t) for t in outputs):
-            return None
-        if raw is not None:
-            how, local_shape = raw
-            if how is None or how.kind != "shard" or len(outputs) != 1 or outputs[0].shape != local_shape:
-                return None
-            group = how.group
-        else:
-            group = self._call_in_group[call]
-        if group is not None:
-            for t in outputs:
-                self._shard_of[id(t)] = (weakref.ref(t), group)
-        return group
-
-    def _shard_group_of(self, tensors: list[torch.Tensor]) -> Any:
-        for t in tensors:
-            entry = self._shard_of.get(id(t))
-            if entry is not None and entry[0]() is t:
-                return entry[1]
-        return None
 
     def _backward_starts(self, call: int, grad: torch.Tensor) -> None:
         if not is_compiling() and self.error is None and self._call_bwd_start[call] < 0:
@@ -430,7 +384,7 @@ class RuntimeProbe:
     def _start_backward(self, call: int, grad: torch.Tensor) -> None:
         self._call_bwd_start[call] = len(self._entered)
         if self._nonfinite and grad is not None:
-            self._call_grad_outputs[call] = self._add_run([self._flag(grad, self._call_group[call])])
+            self._call_grad_outputs[call] = self._evidence.add_run([self._evidence.flag(grad, self._call_group[call])])
         module = self._ends_with_pass.pop(call, None)
         if module is not None:
             torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._pass_done, call, module))
@@ -455,99 +409,8 @@ class RuntimeProbe:
         if self._nonfinite:
             grads = [g for g in grads if g is not None and is_float(g)]
             group = self._call_in_group[call]
-            flags = self._flag_together(grads) if fused else [self._flag(g, group) for g in grads]
-            self._bwd_events += (index, self._call_grad_outputs[call], self._add_run(flags))
-
-    # ------------------------------------------------------------------ tensors
-
-    def _add_run(self, flags: list[int]) -> int:
-        """Where a run of flag entries starts in ``_runs``."""
-        start = len(self._runs)
-        self._runs.append(len(flags))
-        self._runs += flags
-        return start
-
-    def _run(self, start: int) -> list[int]:
-        """The flag entries of the run at ``start`` (none for -1)."""
-        return [] if start < 0 else self._runs[start + 1 : start + 1 + self._runs[start]]
-
-    def _flag(self, t: torch.Tensor, group: Any = None) -> int:
-        """The entry of the flag that holds whether ``t`` has a NaN or Inf; ``group``: the ranks
-        ``t`` is a shard over, when ``t`` itself does not say so (a plain local shard)."""
-        seen = self._seen(t)
-        if seen is not None:
-            return seen[0]
-        values = t
-        if type(t) is not torch.Tensor:  # a DTensor, maybe: its local part, and how it is spread
-            how = spread(t)
-            group = group if how is None else how.group
-            values = local(t)
-        self._flags.append(self._slots.add(nonfinite_sum(values.detach()), group))
-        self._remember(t, len(self._flags) - 1, None)
-        return len(self._flags) - 1
-
-    def _flag_together(self, tensors: list[torch.Tensor]) -> list[int]:
-        """Flag entries, one per device and dtype, that say whether any of ``tensors`` has a NaN
-        or Inf: the sum of their fused norms (:func:`~layerwatch.sentinel.fused_norms`). An L2
-        norm overflows float32 from ~1.8e19 (a GradScaler's first steps reach that), an L1 norm
-        only from ~3.4e38 but is twice as slow on the CPU: there the L2 norm goes first, and a
-        group whose L2 norm is not finite is measured again in L1 (reading it is no sync)."""
-        first = len(self._flags)
-        spread_ones = [t for t in tensors if type(t) is not torch.Tensor]  # DTensors, maybe
-        groups = {how.group for how in map(spread, spread_ones) if how is not None}
-        group = next(iter(groups)) if len(groups) == 1 else None  # FSDP: every gradient is a shard over one group
-        if spread_ones:
-            tensors = local_tensors(tensors)
-        on_cpu = all(S.host_reads_free(t.device) for t in tensors)
-        for indices, norms in fused_norms(tensors, ord=2 if on_cpu else 1):
-            total = norms.sum()
-            if on_cpu and not math.isfinite(float(total)):
-                ((_, norms),) = fused_norms([tensors[i] for i in indices], ord=1)
-                total = norms.sum()
-            self._flags.append(self._slots.add(total, group))
-        return list(range(first, len(self._flags)))
-
-    def _row(self, tensors: list[torch.Tensor], group: Any = None) -> Optional[int]:
-        """A stats row of the values of ``tensors`` together, shared with an identical earlier
-        row (a container returning its last child's output). None for an output whose
-        statistics this rank cannot make: a ``Partial`` DTensor (each rank holds a term of
-        every value), one sharded along several mesh dimensions, or several outputs of which
-        one is spread over ranks."""
-        t = tensors[0]
-        seen = self._seen(t) if len(tensors) == 1 else None
-        if seen is not None and seen[1] is not None:
-            return seen[1]
-        if len(tensors) == 1 and type(t) is torch.Tensor:  # the common case
-            values = t
-        else:
-            spreads = [spread(x) for x in tensors]
-            if any(how is not None for how in spreads):
-                if len(tensors) > 1 or spreads[0].kind != "shard":
-                    return None
-                group = spreads[0].group
-            elif len(tensors) > 1 and group is not None:
-                return None
-            values = local(t) if len(tensors) == 1 else torch.cat([S.as_real_values(local(x)) for x in tensors])
-        row = self._outputs.add(values, group)
-        if len(tensors) == 1:
-            self._flags.append(-1 - row)
-            self._remember(t, len(self._flags) - 1, row)
-        return row
-
-    def _seen(self, t: torch.Tensor) -> Optional[tuple[int, Optional[int]]]:
-        """(flag entry, row or None) of ``t`` when this very tensor, unchanged since, was seen."""
-        key = self._seen_key.get(id(t))
-        if key is None or self._seen_ref[id(t)]() is not t or key >> 64 != t._version:
-            return None
-        row = key & 0xFFFFFFFF
-        return (key >> 32) & 0xFFFFFFFF, (row - 1 if row else None)
-
-    def _remember(self, t: torch.Tensor, flag: int, row: Optional[int]) -> None:
-        try:
-            self._seen_ref[id(t)] = weakref.ref(t)
-        except TypeError:  # a tensor type without weak references: not shared
-            return
-        self._seen_key[id(t)] = (t._version << 64) | (flag << 32) | (0 if row is None else row + 1)
+            flags = self._evidence.flag_together(grads) if fused else [self._evidence.flag(g, group) for g in grads]
+            self._bwd_events += (index, self._call_grad_outputs[call], self._evidence.add_run(flags))
 
 
 class GradientHook:

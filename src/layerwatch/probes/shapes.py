@@ -22,6 +22,9 @@ RNG states (a fake random op draws nothing, but the model's own Python code may)
 (an in-place op on a one-element buffer, such as BatchNorm's ``num_batches_tracked``, writes the
 real tensor even under fake tensors) and the modules' modes; a fake tensor it left on a module
 (a cache kept as an attribute) is taken off again.
+
+:class:`CompiledTable` is the engine's side of it: note the shapes on the first sampled step,
+make the table after it, and say once when that cannot be.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
+from layerwatch.distributed import world_size
+from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import detached, is_compiling, tensors_in
 from layerwatch.replay import SavedState, run_eagerly
 
@@ -133,6 +138,60 @@ class InputShapes:
         autocast = [(device_type, torch.get_autocast_dtype(device_type)) for device_type in sorted(devices)
                     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)]
         return FakeCall(args, kwargs, autocast)
+
+
+class CompiledTable:
+    """The layer table of a compiled model from the input shapes of its first sampled step:
+    :meth:`note` them while it runs, :meth:`from_shapes` after it. Tried until a forward under
+    fake tensors fails, then no more (said once)."""
+
+    def __init__(self, failures: FailurePolicy) -> None:
+        self.failures = failures
+        self._shapes: Optional[InputShapes] = None  # the inputs of the step's training forwards, as fake tensors
+        self._from_shapes = True  # until a forward under fake tensors failed
+
+    def note(self, model: nn.Module, step: int) -> None:
+        """Note the inputs of this step's training forwards (in a single-process run)."""
+        if self._from_shapes and world_size() == 1:
+            self.failures.run("note the input shapes for the layer table", lambda: self._note(model), step)
+
+    def _note(self, model: nn.Module) -> None:
+        self.unhook()  # a step dropped before its end
+        # Before torch 2.6 (no set_stance) compiled code cannot run eagerly: it would compile on the fake inputs.
+        self._shapes = InputShapes(model) if hasattr(torch.compiler, "set_stance") else None
+
+    def unhook(self) -> None:
+        """Note no more (what was noted stays, for :meth:`from_shapes`)."""
+        if self._shapes is not None:
+            self._shapes.remove()
+
+    def forget(self) -> None:
+        self._shapes = None
+
+    def from_shapes(self, record: Callable[[Callable[[], None]], Any], model: nn.Module) -> tuple[Any, bool]:
+        """The table ``record(forward)`` makes while ``forward()`` runs the model on the noted
+        shapes, and whether that failed (said once). (None, False): nothing was noted."""
+        shapes, self._shapes = self._shapes, None
+        if shapes is None:
+            return None, False
+        shapes.remove()
+        try:
+            if shapes.error is not None:
+                raise shapes.error
+            if not shapes.calls:
+                return None, False
+            return record(lambda: shapes.forward(model)), False
+        except Exception as e:
+            self._from_shapes = False
+            self.failures.warn_once(
+                "table-shapes",
+                f"layerwatch: could not record the layer table of the compiled model from its input shapes under fake "
+                f"tensors ({e!r}; a forward that reads a value on the host, branches on one, or calls an operator with no "
+                "fake implementation does not run there). Where layerwatch can run the step's batch again (Lightning's "
+                "callback, Inspector.replay_with), the table comes from one eager forward of it; else call "
+                "layerwatch.summarize(model._orig_mod, batch).",
+            )
+            return None, True
 
 
 def _take_off_fakes(attributes: list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]) -> None:

@@ -9,14 +9,14 @@ import torch
 from torch import nn
 
 from layerwatch import stats as S
-from layerwatch.distributed import RankSync, world_size
+from layerwatch.distributed import RankSync
 from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import FailedForwardGuard
 from layerwatch.probes.runtime import ProbeResult, RuntimeProbe
 from layerwatch.vocabulary import PROBE_FAMILIES
 from layerwatch.probes.selection import (ModuleFilter, is_compiled, probe_name, select_modules,
                                          split_at_compiled)
-from layerwatch.probes.shapes import InputShapes
+from layerwatch.probes.shapes import CompiledTable
 from layerwatch.probes.traced import TracedProbe
 from layerwatch.probes.structure import StructureProbe
 from layerwatch.probes.weights import WeightCheck
@@ -55,8 +55,7 @@ class StepProbes:
         self.structure_pending = "structure" in families
         self.runtime_on = any(family in families for family in PROBE_FAMILIES)
         self.table_waits = False  # the layer table of a compiled model waits: table_from_shapes, table_eagerly
-        self._shapes: Optional[InputShapes] = None  # the inputs of the step's training forwards, as fake tensors
-        self._from_shapes = True  # until a forward under fake tensors failed
+        self._compiled_table = CompiledTable(failures)  # the table from the noted input shapes
         self._structure: Optional[StructureProbe] = None
         self._runtime: Optional[RuntimeProbe] = None
         self._weights: Optional[WeightCheck] = None  # the weights' NaN/Inf check of this step
@@ -76,16 +75,16 @@ class StepProbes:
         eagerly for this forward (a replay), so the eager hooks see every module."""
         writer = writer and structure
         runtime = self.runtime_on
-        if eager and self._shapes is not None:  # a replay's forwards are not the step's: noted no more
-            self._shapes.remove()
+        if eager:  # a replay's forwards are not the step's: noted no more
+            self._compiled_table.unhook()
         if not ((self.structure_pending and writer) or runtime):
             return
         if runtime and "nonfinite" in self.families:  # before the forward: what its modules compute with
             self.failures.run("check the weights for NaN/Inf", lambda: self._check_weights(model, parameters), step)
         if not eager and (self._caller_compiled or self._outside is not None or is_compiled(model)):
             self.table_waits = self.structure_pending and writer
-            if self.table_waits and self._from_shapes and is_compiled(model) and world_size() == 1:
-                self.failures.run("note the input shapes for the layer table", lambda: self._note_shapes(model), step)
+            if self.table_waits and is_compiled(model):
+                self._compiled_table.note(model, step)
             if runtime:
                 self.failures.run("arm the traced probes", lambda: self._arm_traced(model, parameters), step)
             return
@@ -174,39 +173,14 @@ class StepProbes:
         return TracedProbe(modules, families=self.families, bins=self.bins, zeros=self.zeros, centered=self.centered,
                            device=device)
 
-    def _note_shapes(self, model: nn.Module) -> None:
-        if self._shapes is not None:  # a step dropped before its end
-            self._shapes.remove()
-        # Before torch 2.6 (no set_stance) compiled code cannot run eagerly: it would compile on the fake inputs.
-        self._shapes = InputShapes(model) if hasattr(torch.compiler, "set_stance") else None
-
     def table_from_shapes(self, model: nn.Module, step: int) -> Optional[Summary]:
-        """The layer table of a compiled model, from one forward of the inputs its sampled
-        step's training forwards had, as fake tensors (:mod:`~layerwatch.probes.shapes`); None
-        when none were noted (the table still waits) or that forward failed (said once; the
-        caller may then try :meth:`table_eagerly`)."""
-        shapes, self._shapes = self._shapes, None
-        if shapes is None:
-            return None
-        shapes.remove()
-        try:
-            if shapes.error is not None:
-                raise shapes.error
-            if not shapes.calls:
-                return None
-            return self.table_eagerly(model, step, lambda: shapes.forward(model))
-        except Exception as e:
-            self._from_shapes = False
+        """The layer table of a compiled model from the input shapes its sampled step noted
+        (:class:`~layerwatch.probes.shapes.CompiledTable`); None when none were noted (the table
+        still waits) or that failed (said once; the caller may then try :meth:`table_eagerly`)."""
+        table, failed = self._compiled_table.from_shapes(lambda forward: self.table_eagerly(model, step, forward), model)
+        if failed:
             self.table_waits = self.structure_pending = True
-            self.failures.warn_once(
-                "table-shapes",
-                f"layerwatch: could not record the layer table of the compiled model from its input shapes under fake "
-                f"tensors ({e!r}; a forward that reads a value on the host, branches on one, or calls an operator with no "
-                "fake implementation does not run there). Where layerwatch can run the step's batch again (Lightning's "
-                "callback, Inspector.replay_with), the table comes from one eager forward of it; else call "
-                "layerwatch.summarize(model._orig_mod, batch).",
-            )
-            return None
+        return table
 
     def table_eagerly(self, model: nn.Module, step: int, forward: Callable[[], Any]) -> Optional[Summary]:
         """The layer table of a compiled model, recorded while ``forward()`` runs its compiled
@@ -227,9 +201,8 @@ class StepProbes:
         return structure.summary()
 
     def _guard(self, model: nn.Module) -> None:
-        # The model's forward raised: nothing of this step stays on the model (the exception
-        # may leave the training loop, and nothing may come to disarm the step), and the step
-        # is not measured.
+        # When the forward raises, nothing of this step stays on the model (the exception may
+        # leave the training loop, and nothing may come to disarm the step): not measured.
         self._forward_guard = FailedForwardGuard(model, self.disarm)
 
     def _arm_structure(self, model: nn.Module) -> None:
@@ -265,9 +238,10 @@ class StepProbes:
 
     def disarm(self) -> None:
         """Remove this step's hooks (not the inert or traced ones, which only stop recording)."""
-        for probe in (self._structure, self._runtime, self._forward_guard, self._shapes):
+        for probe in (self._structure, self._runtime, self._forward_guard):
             if probe is not None:
                 probe.remove()
+        self._compiled_table.unhook()
         self._structure = self._runtime = self._forward_guard = self._weights = None
         if self._traced is not None:
             self._traced.disarm()
@@ -279,7 +253,7 @@ class StepProbes:
         for probe in self._inert:
             probe.remove()
         self._inert = []
-        self._shapes = None
+        self._compiled_table.forget()
         if self._traced is not None:
             self._traced.remove()
 
@@ -339,7 +313,7 @@ class StepProbes:
                 self.runtime_on = False
                 self.failures.warn_once("fail:probes", f"layerwatch: a runtime probe failed: {runtime.error!r}; the per-module families are off")
         if result is not None and self._outside is not None:
-            self._check_traced_ran(result, step)
+            self._traced_ran(result, step)
         elif result is not None and not result.modules and self.runtime_on and trained:
             self.failures.warn_once(
                 "no-hook-ran",
@@ -383,7 +357,7 @@ class StepProbes:
         if self._traced is not None:  # not disarmed by a result (none, or a failed one)
             self._traced.disarm()
         if result is not None:
-            self._check_traced_ran(result, step)
+            self._traced_ran(result, step)
         return None, result
 
     def _traced_result(self, traced: TracedProbe, step: int, weights: Optional[WeightCheck]) -> Optional[ProbeResult]:
@@ -393,18 +367,9 @@ class StepProbes:
             self.runtime_on = False
             self.failures.warn_once("fail:probes", f"layerwatch: a traced probe failed: {e!r}; the per-module families are off")
             return None
-        self._check_traced_ran(result, step)
+        self._traced_ran(result, step)
         return result
 
-    def _check_traced_ran(self, result: ProbeResult, step: int) -> None:
-        """Armed hooks inside compiled code that recorded nothing were attached too late."""
-        inside = set(self._traced.names) if self._traced is not None else set()
-        if inside and not any(trace.name in inside for trace in result.modules):
-            self.failures.warn_once(
-                "compiled-late",
-                f"layerwatch: the hooks inside compiled code recorded nothing on sampled step {step}: the model's forward (or "
-                "that of another instance of its class) was compiled before layerwatch attached them, and compiled code "
-                "never runs hooks added later (Dynamo does not recompile for them). Attach layerwatch "
-                "(Inspector(...).start(), or the callback) before the model's first forward, or call "
-                "torch._dynamo.reset() before the next one so that it compiles again with them.",
-            )
+    def _traced_ran(self, result: ProbeResult, step: int) -> None:
+        if self._traced is not None:
+            self._traced.warn_if_late(result, step, self.failures)

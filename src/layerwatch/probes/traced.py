@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from layerwatch import stats as S
+from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import inlined_only, tensors_in, with_first_replaced
 from layerwatch.probes.outputs import Outputs, is_float, nonfinite_sum
 from layerwatch.probes.runtime import ModuleTrace, Offender, ProbeResult
@@ -200,6 +201,21 @@ class TracedProbe:
             elif offends and user is None:
                 user = Offender(self.names[max(offends, key=first_call.__getitem__)], "backward")
         return ProbeResult([traces[i] for i in sorted(traces)], offender, user, used.names)
+
+
+    def warn_if_late(self, result: ProbeResult, step: int, failures: FailurePolicy) -> None:
+        """Armed hooks inside compiled code that recorded nothing (in ``result``) were attached
+        too late: said once."""
+        inside = set(self.names)
+        if inside and not any(trace.name in inside for trace in result.modules):
+            failures.warn_once(
+                "compiled-late",
+                f"layerwatch: the hooks inside compiled code recorded nothing on sampled step {step}: the model's forward (or "
+                "that of another instance of its class) was compiled before layerwatch attached them, and compiled code "
+                "never runs hooks added later (Dynamo does not recompile for them). Attach layerwatch "
+                "(Inspector(...).start(), or the callback) before the model's first forward, or call "
+                "torch._dynamo.reset() before the next one so that it compiles again with them.",
+            )
 
 
 _PROBES: "weakref.WeakValueDictionary[int, TracedProbe]" = weakref.WeakValueDictionary()
