@@ -27,25 +27,10 @@ import torch
 from layerwatch import Inspector
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import counted_calls  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 EVERY = 4
-
-
-def counted(call) -> int:
-    """Python function calls made while ``call()`` runs."""
-    calls = [0]
-
-    def profile(frame, event, arg):
-        if event == "call":
-            calls[0] += 1
-
-    sys.setprofile(profile)
-    try:
-        call()
-    finally:
-        sys.setprofile(None)
-    return calls[0]
 
 
 def step_calls(name: str, sentinel: bool) -> tuple[int, int]:
@@ -62,7 +47,7 @@ def step_calls(name: str, sentinel: bool) -> tuple[int, int]:
         try:
             for _ in range(2 * EVERY - 1):  # steps 0 to 6, and step 7's step() opens step 8
                 iteration()
-            period = [counted(iteration) for _ in range(EVERY)]  # ... then steps 7 (closing) to 10
+            period = [counted_calls(iteration) for _ in range(EVERY)]  # ... then steps 7 (closing) to 10
         finally:
             inspector.finish()
     unsampled = period[-1]

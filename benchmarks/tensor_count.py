@@ -26,7 +26,7 @@ from layerwatch.options import validate_options
 from layerwatch.params import ParameterFamilies, parameters
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import median_ms  # noqa: E402
+from timing import counted_calls, median_ms  # noqa: E402
 
 
 def python_calls(count: int, size: int) -> int:
@@ -44,18 +44,7 @@ def python_calls(count: int, size: int) -> int:
         families.updates(snapshot, params, weight_norms=False)
 
     sample()
-    calls = [0]
-
-    def profile(frame, event, arg):
-        if event == "call":
-            calls[0] += 1
-
-    sys.setprofile(profile)
-    try:
-        sample()
-    finally:
-        sys.setprofile(None)
-    return calls[0]
+    return counted_calls(sample)
 
 
 def main() -> None:

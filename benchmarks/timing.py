@@ -1,8 +1,9 @@
-"""The timing the benchmarks share."""
+"""The timing (and the call counting) the benchmarks share."""
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from typing import Callable
 
@@ -18,6 +19,23 @@ def median_ms(action: Callable[[], object], calls: int = 15) -> float:
         action()
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
+
+
+def counted_calls(action: Callable[[], object]) -> int:
+    """The Python function calls made while ``action()`` runs (``sys.setprofile``): the same
+    from run to run, unlike a time."""
+    calls = [0]
+
+    def profile(frame, event, arg):
+        if event == "call":
+            calls[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        action()
+    finally:
+        sys.setprofile(None)
+    return calls[0]
 
 
 class Clock:

@@ -95,3 +95,13 @@ def test_a_short_load_speed_run_reads_back_every_value_it_wrote(benchmarks, tmp_
     # and the five per-module series
     assert per_step.tolist() == [6 * (2 * 2 + 1 + 5)] * 3
     assert sorted(frame.step.unique()) == [0, 10, 20]
+
+
+def test_the_call_count_of_a_sample_is_the_same_from_run_to_run(benchmarks):
+    from step_calls import step_calls
+    from timing import counted_calls
+
+    assert counted_calls(lambda: math.sqrt(4.0)) == 1  # the lambda; a builtin is no Python call
+    (adds, unsampled), (adds_again, unsampled_again) = step_calls("tfm-tiny", True), step_calls("tfm-tiny", True)
+    assert unsampled == unsampled_again and abs(adds - adds_again) <= 4  # a cache or two filled once per process
+    assert adds > 10 * unsampled > 0  # a sample is read, reduced and written; an unsampled step only checked
