@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Every GPU check in one run, each under its own time limit, logs under $OUT (or ./gpu_out):
-#   bash benchmarks/gpu_checks.sh
+#   bash benchmarks/gpu_checks.sh                  # all of them (about 8 minutes on an H200)
+#   bash benchmarks/gpu_checks.sh test_gpu replay  # only those named
 # On a machine with torch and CUDA but no network: the package runs from src/ (PYTHONPATH).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:$PWD/tests:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export CUBLAS_WORKSPACE_CONFIG=:4096:8  # cuBLAS reproducible, for the checks under deterministic algorithms
+CHOSEN=" $* "
 check() {  # check NAME SECONDS COMMAND...
     local name=$1 limit=$2; shift 2
+    [[ "$CHOSEN" == "  " || "$CHOSEN" == *" $name "* ]] || return 0
     echo "=== $name (limit ${limit}s)"
     local start=$SECONDS
     timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1

@@ -67,8 +67,10 @@ def compiled_at(graphs_after_each_step: list[int]) -> list[int]:
 
 
 def same_training(watched: dict, plain: dict) -> None:
-    assert watched["losses"] == plain["losses"]  # bitwise
-    assert all(torch.equal(a, b) for a, b in zip(watched["weights"], plain["weights"]))
+    differing = [k for k, (a, b) in enumerate(zip(watched["weights"], plain["weights"])) if not torch.equal(a, b)]
+    assert not differing, f"final weights differ: parameters {differing}"  # bitwise (checked first: the training result)
+    steps = [k for k, (a, b) in enumerate(zip(watched["losses"], plain["losses"])) if a != b]
+    assert not steps, f"losses differ at steps {steps}: {watched['losses']} != {plain['losses']}"  # bitwise
     graphs, plain_graphs = watched["dynamo"].pop("graphs"), plain["dynamo"].pop("graphs")
     assert plain_graphs < graphs <= 2 * plain_graphs, (graphs, plain_graphs)  # the user's, and one armed variant
     assert watched["dynamo"] == plain["dynamo"]  # no recompile, no graph break more
