@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from layerwatch import Inspector
-from layerwatch.budget import MAX_INTERVAL, Pacer, grid_index, grid_value
+from layerwatch.budget import CHECKS_FLOOR_S, MAX_INTERVAL, MAX_SPREAD, Pacer, grid_index, grid_value
 from layerwatch.options import validate_options
 from layerwatch import params
 from models import MLP, scripted_ideal, train
@@ -93,6 +93,40 @@ def test_a_per_step_cost_over_the_budget_takes_the_longest_interval_and_says_so(
     pacer.interval = pacer.decide()
     assert pacer.interval == MAX_INTERVAL
     assert "the longest interval" in pacer.message(None) and "sentinel=False" in pacer.message(None)
+
+
+def test_a_sentinel_over_its_share_is_spread_and_the_interval_stays_finite():
+    pacer = Pacer(0.01)
+    for _ in range(8):
+        pacer.off_step(20e-3, 0.42e-3, 0.4e-3)  # the sentinel: 2% of a 20 ms step, its allowance 0.08 ms
+    for _ in range(2):
+        pacer.sampled(5e-3, 25e-3)
+    assert pacer.ideal() == math.inf  # as it stands, no interval keeps the budget
+    assert pacer.checks_allowance() == pytest.approx(0.5 * 0.8 * 0.01 * 20e-3)
+    assert pacer.spread_for(1) == 5  # 0.4 ms over 0.08 ms
+    pacer.interval = pacer.decide()
+    assert pacer.interval < MAX_INTERVAL  # its cost taken at the allowance until measured again
+    assert pacer.spread_for(5) is None  # nothing measured since
+    for _ in range(8):
+        pacer.off_step(20e-3, 0.12e-3, 0.1e-3)  # spread over 5 steps: a little over its allowance still
+    assert pacer.spread_for(5) == 7
+    for _ in range(8):
+        pacer.off_step(20e-3, 2e-3, 2e-3)
+    assert pacer.spread_for(1000) == MAX_SPREAD and pacer.spread_for(MAX_SPREAD) is None  # the most it spreads
+
+
+def test_a_sentinel_within_its_share_is_left_whole():
+    pacer = Pacer(0.01)
+    for _ in range(8):
+        pacer.off_step(10e-3, 0.05e-3, 0.03e-3)
+    assert pacer.spread_for(1) is None
+
+
+def test_a_sentinel_check_under_the_floor_is_left_whole_however_short_the_step():
+    pacer = Pacer(0.01)
+    for _ in range(8):
+        pacer.off_step(1e-3, 0.05e-3, 0.04e-3)  # 4% of a 1 ms step, but under 50 us
+    assert pacer.checks_allowance() == CHECKS_FLOOR_S and pacer.spread_for(1) is None
 
 
 def test_the_message_is_one_plain_line():
@@ -184,6 +218,33 @@ def test_a_fixed_schedule_logs_no_interval_and_says_nothing(tmp_path, monkeypatc
     _, written = run(tmp_path, 12, ideal_at=lambda k: 15, monkeypatch=monkeypatch, every_n_steps=5)
     assert written == {0: None, 5: None, 10: None}
     assert "sampling every" not in capfd.readouterr().err
+
+
+def test_a_sentinel_over_its_share_of_the_budget_is_spread_said_once_and_still_finds_a_nan(
+        tmp_path, monkeypatch, capfd, recwarn):
+    """A sentinel allowed nothing (no share, no floor): spread as far as it goes, one tensor a
+    share, said once; a NaN that reaches the weights is still found."""
+    import layerwatch.budget as budget
+
+    monkeypatch.setattr(budget, "PER_STEP_SHARE", 1e-9)
+    monkeypatch.setattr(budget, "CHECKS_FLOOR_S", 0.0)
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Inspector(model, log_dir=tmp_path, optimizer=opt) as inspector:
+        for k in range(60):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            if k == 40:
+                model.fc2.weight.grad[0, 0] = math.nan  # once; the weights carry it on
+            opt.step()
+            opt.zero_grad()
+            inspector.step()
+        spread = inspector._engine._sampling.sentinel_spread
+    assert spread == budget.MAX_SPREAD  # its allowance is nothing: as far as it goes
+    said = [line for line in capfd.readouterr().err.splitlines() if "NaN sentinel" in line]
+    assert len(said) == 1 and "each at least every 4 steps" in said[0]  # every tensor of the MLP, a share of its own
+    found = [str(w.message) for w in recwarn if "NaN/Inf gradients at step" in str(w.message)]
+    assert len(found) == 1 and int(found[0].split("at step ")[1].split()[0]) >= 40
 
 
 def test_bad_resume_state_names_the_value(tmp_path):

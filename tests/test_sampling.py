@@ -213,7 +213,7 @@ def unsampled_steps(sampling, clock, count, wall_s=1.0, start=0.0):
         clock.now = start + 10.0 * i
         sampling.open()
         clock.now += wall_s
-        sampling.close_unsampled(i, clock.now)
+        sampling.close_unsampled(i, clock.now, 0.0)
 
 
 def sampled_step_cost(sampling, clock, step_s, measured_s=0.1, own_s=0.1, collected_s=0.05, at=1000.0):

@@ -39,6 +39,24 @@ def test_small_models_are_checked_whole_on_every_step():
     assert sentinel.rotation == 1
 
 
+def test_a_cpu_share_holds_at_most_its_tensors_and_a_spread_divides_them_further():
+    many = params([4] * 100)  # 1,600 bytes: one share by their bytes
+    sentinel = NonfiniteSentinel()
+    sentinel.watch(many, lambda t: t)
+    assert [len(share) for share in sentinel._shares] == [32, 32, 32, 4]
+    sentinel.watch(many, lambda t: t, spread=10)
+    assert sentinel.rotation == 10 and {len(share) for share in sentinel._shares} == {10}
+    assert [name for share in sentinel._shares for name, _, _ in share] == [name for name, _ in many]  # each once
+
+
+def test_a_spread_rewatch_goes_on_where_the_rotation_was():
+    sentinel = NonfiniteSentinel()
+    sentinel.watch(params([4] * 64), lambda t: t)
+    sentinel.check_next(0, True)
+    sentinel.watch(params([4] * 64), lambda t: t, spread=4)  # the next share is the second of the four
+    assert sentinel._next % sentinel.rotation == 1
+
+
 def test_a_nan_that_stays_is_found_within_one_rotation(tmp_path, events, monkeypatch):
     monkeypatch.setattr(sentinel_module, "CPU_MIN_BYTES", 1)
     monkeypatch.setattr(sentinel_module, "CPU_ROTATION", 8)  # 1,152 bytes of gradients: 144 a share

@@ -9,6 +9,12 @@ and chooses the interval from what the engine measures:
   recent unsampled steps (a median);
 - ``s``, what an unsampled step costs layerwatch itself (the NaN sentinel, the schedule).
 
+The checks made every step (the NaN sentinel's) may take ``PER_STEP_SHARE`` of the budget.
+Where they take more (a model of many small tensors: their host work is per tensor), the
+pacer spreads them over more steps (:meth:`Pacer.spread_for`), and the samples get the rest:
+a per-step cost that spreading can bring down never drives the interval to ``MAX_INTERVAL``.
+Checks that cost under ``CHECKS_FLOOR_S`` a step are kept whole.
+
 Sampling every ``n`` steps costs ``C / n + s`` per step, so the interval is the smallest value
 of the 1-2-5 grid (1, 2, 5, 10, 20, 50, ...) with ``C / n + s <= HEADROOM * budget * T``: ``C``
 is known to within 20%, and the budget is a ceiling. Until the first
@@ -32,6 +38,9 @@ MAX_INTERVAL = 10_000  # sampling less often than this is not worth a budget: sa
 HEADROOM = 0.8  # overhead_ms reads within 20% of a sample's measured cost: plan for 80% of the budget
 FIRST_BASE_SHARE = 0.1  # the least share of a first sample's time taken as the base step
 WINDOW = 32  # recent measurements each median is taken over
+PER_STEP_SHARE = 0.5  # of the budget's headroom: what the checks made every step may take
+MAX_SPREAD = 1024  # the most steps the per-step checks are spread over (a share is one tensor before that)
+CHECKS_FLOOR_S = 50e-6  # per-step checks cheaper than this are kept whole: spreading them saves little, loses a replay
 
 
 def check_fraction(name: str, value: object) -> float:
@@ -68,6 +77,7 @@ class Pacer:
         self.interval: Optional[int] = None  # None: not chosen yet, every step is sampled
         self._base_s: deque[float] = deque(maxlen=WINDOW)  # wall time of unsampled steps
         self._own_s: deque[float] = deque(maxlen=WINDOW)  # layerwatch's own time in them
+        self._checks_s: deque[float] = deque(maxlen=WINDOW)  # of which the per-step checks' (the sentinel)
         self._costs_s: deque[float] = deque(maxlen=WINDOW)  # added cost of sampled steps
         self._samples_seen = 0
 
@@ -79,11 +89,33 @@ class Pacer:
         every = "not chosen yet" if self.interval is None else f"every {self.interval} steps"
         return f"overhead_budget({self.budget:g}): {every}"
 
-    def off_step(self, wall_s: float, own_s: float) -> None:
+    def off_step(self, wall_s: float, own_s: float, checks_s: float = 0.0) -> None:
         """An unsampled step took ``wall_s`` from its start to the next step's, ``own_s`` of it
-        in layerwatch."""
+        in layerwatch, ``checks_s`` of that in the checks made every step."""
         self._base_s.append(wall_s)
         self._own_s.append(own_s)
+        self._checks_s.append(checks_s)
+
+    def checks_allowance(self) -> float:
+        """The seconds the checks made every step may take: ``PER_STEP_SHARE`` of the budget's
+        headroom of the base step time, and never less than ``CHECKS_FLOOR_S`` (below it their
+        fixed costs, which no spreading saves, are most of what they cost)."""
+        return max(PER_STEP_SHARE * HEADROOM * self.budget * statistics.median(self._base_s), CHECKS_FLOOR_S)
+
+    def spread_for(self, spread: int) -> Optional[int]:
+        """The spread (the steps the per-step checks are spread over: ``spread`` now) that
+        brings their median time within :meth:`checks_allowance`; None when it is within. What
+        they cost from then on is assumed to be the allowance, until it is measured."""
+        if len(self._checks_s) < 3 or spread >= MAX_SPREAD:
+            return None
+        checks, allowance = statistics.median(self._checks_s), self.checks_allowance()
+        if checks <= allowance:
+            return None
+        fixed = max(statistics.median(self._own_s) - checks, 0.0)
+        self._checks_s.clear()
+        self._own_s.clear()
+        self._own_s.append(fixed + allowance)
+        return min(math.ceil(spread * checks / allowance), MAX_SPREAD)
 
     def sampled(self, cost_s: float, step_s: float) -> None:
         """A step this pacer scheduled was sampled: it added ``cost_s`` and ran ``step_s`` from

@@ -265,7 +265,7 @@ class Engine:
         started = self._sampling.open()
         self._drop_sample()
         self._step = step
-        self._faults.open(step)
+        self._faults.open(step, self._sampling.sentinel_spread)
         if not self._sampling.decide(step, may_sample, self._faults):
             self._sampling.own_s = time.perf_counter() - started
             return False
@@ -330,7 +330,7 @@ class Engine:
         micro_batches, self._faults.micro_batches = self._faults.micro_batches, []
         sample, self._sample = self._sample, None
         if sample is None:
-            self._sampling.close_unsampled(self._step, entered)
+            self._sampling.close_unsampled(self._step, entered, self._faults.check_s)
             return None
         started = time.perf_counter()
         sample.overhead_s += self._probes.hook_seconds

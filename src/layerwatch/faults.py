@@ -73,6 +73,8 @@ class Faults:
         self.micro_batches: list[MicroBatch] = []
         self._checked = False
         self._watching: Optional[Params] = None  # the list the sentinel's shares were made from
+        self._spread = 1  # the steps the sentinel's check is spread over (the overhead budget's)
+        self.check_s = 0.0  # the sentinel's host time in the open step
         self._finding: Optional[Finding] = None  # this rank's, until the ranks have voted on it
         self._finding_voted = False
         self._offender_found = False
@@ -104,10 +106,14 @@ class Faults:
         self.micro_batches, self.optimizers, self._within = [], [], lambda: None
         self._watching = None
 
-    def open(self, step: int) -> None:
+    def open(self, step: int, spread: int = 1) -> None:
+        """Step ``step`` opens; the sentinel's check is spread over ``spread`` steps."""
         self.step = step
         self.micro_batches = []
         self._checked = False
+        self.check_s = 0.0
+        if spread != self._spread:
+            self._spread, self._watching = spread, None  # shares made anew at the next check
 
     def offer(self, closure: Callable[[], Any], voting: bool) -> None:
         """The open step may be replayed: ``closure()`` computes the loss of this step's batch
@@ -143,6 +149,14 @@ class Faults:
         sentinel = self.sentinel
         if sentinel is None:
             return None
+        started = time.perf_counter()
+        try:
+            return self._check(sentinel, params, before_optimizer_step)
+        finally:
+            self.check_s += time.perf_counter() - started
+
+    def _check(self, sentinel: NonfiniteSentinel, params: Callable[[], Params],
+               before_optimizer_step: bool) -> Optional[tuple[ProbeResult, float]]:
         step = self.step
         replayable = before_optimizer_step and bool(self.micro_batches)
         if before_optimizer_step:
@@ -182,9 +196,16 @@ class Faults:
         if self._zero is not None:  # the group DeepSpeed steps now: its averaged gradient partition, this rank's
             sentinel.check(step, self._zero.flat_gradients(), stepped)
             return
-        if self._watching is not params:  # walked again at a sample: new shares
+        if self._watching is not params:  # walked again at a sample, or spread anew: new shares
             self._watching = params
-            sentinel.watch(params, local)
+            before = sentinel.rotation
+            sentinel.watch(params, local, self._spread)
+            if self._spread > 1 and sentinel.rotation > before and is_writer_rank():
+                self.failures.say(
+                    "layerwatch: the NaN sentinel's check took the host more than its share of the overhead budget, so "
+                    f"it now checks the gradients in turn, each at least every {sentinel.rotation} steps: a NaN in one "
+                    "step's gradients outside that step's share is found when it reaches the weights, a step or more "
+                    "later, and that step is not replayed; pass every_n_steps= to keep the check as it was")
         sentinel.check_next(step, stepped)
 
     def unvoted(self) -> Optional[Finding]:

@@ -27,6 +27,7 @@ from layerwatch.sentinel import Finding
 EXCESS_LIMIT = 2.0  # see Sampling.cost
 UNSHARED_INTERVAL = 50  # the interval of a distributed run whose ranks cannot share the budget's
 SHARE_TIMEOUT_S = 300.0  # how long the ranks wait for each other in a group of their own
+SPREAD_EVERY = 8  # a single process weighs the sentinel's cost against its share every that many steps
 
 
 class VotedFindings(Protocol):
@@ -54,10 +55,13 @@ class Sampling:
         self._together = False  # the ranks sample together (sharded, or pipeline stages): by vote, or not at all
         self._interval_sync: Optional[RankSync] = None
         self._proposed_interval: Optional[int] = None  # rank 0's choice at this step, not shared yet
+        self.sentinel_spread = 1  # the steps the sentinel's check is spread over (the budget's, shared by rank 0)
+        self._proposed_spread: Optional[int] = None
         self._forced = False  # a fault asked for a sample
         self._checked = False  # the schedule's first call (its check) was made
         self.own_s = 0.0  # layerwatch's time in the open step, while it is unsampled
         self._last_off_own_s: Optional[float] = None  # the previous step's, when it was unsampled
+        self._last_off_checks_s = 0.0  # of which the sentinel's
         # Wall time of the open step since open(), and of recent unsampled steps: a sampled
         # step's cost beyond its neighbours' includes what no timer of ours sees (the module
         # hooks' dispatch in torch, the garbage collector, page faults).
@@ -103,7 +107,7 @@ class Sampling:
         the time it opened."""
         started = time.perf_counter()
         if self._last_off_own_s is not None and self.pacer is not None:
-            self.pacer.off_step(started - self.opened_at, self._last_off_own_s)
+            self.pacer.off_step(started - self.opened_at, self._last_off_own_s, self._last_off_checks_s)
         self.opened_at = started
         self._last_off_own_s = None
         return started
@@ -160,14 +164,18 @@ class Sampling:
         self._checked = True
         return answer
 
-    def close_unsampled(self, step: int, entered: float) -> None:
-        """An unsampled step ends (its end began at ``entered``): its wall time is a neighbour's
-        for :meth:`cost`; the pacer's steps share the interval."""
+    def close_unsampled(self, step: int, entered: float, checks_s: float) -> None:
+        """An unsampled step ends (its end began at ``entered``; ``checks_s``: the sentinel's
+        time in it): its wall time is a neighbour's for :meth:`cost`; the pacer's steps share
+        the interval."""
         self._off_steps.append(time.perf_counter() - self.opened_at)
         if self.pacer is not None:
             if self.pacer(step):
                 self.share_interval(step)
             self._last_off_own_s = self.own_s + time.perf_counter() - entered
+            self._last_off_checks_s = checks_s
+            if self._interval_sync is None and step % SPREAD_EVERY == 0:  # no other rank to agree with: now
+                self._spread_to(self.pacer.spread_for(self.sentinel_spread))
 
     def close_sampled(self, step: int) -> None:
         """A sampled step ends, on every rank: the pacer's steps share the interval."""
@@ -198,30 +206,42 @@ class Sampling:
         return cost_s, None if self.pacer is None else self._choose_interval(step, cost_s)
 
     def _choose_interval(self, step: int, cost_s: float) -> int:
-        """The interval from here on (proposed to the ranks by :meth:`share_interval`); the
-        step's measurements count when the budget scheduled it."""
+        """The interval from here on, and the sentinel's spread when its check costs more than
+        its share (proposed to the ranks by :meth:`share_interval`); the step's measurements
+        count when the budget scheduled it."""
         pacer = self.pacer
         if pacer(step):  # the step's time counts the write as the cost does: the previous sample's
             pacer.sampled(cost_s, time.perf_counter() - self.opened_at + self.last_write_s)
+            self._proposed_spread = pacer.spread_for(self.sentinel_spread)
             self._proposed_interval = pacer.decide()
         return self._proposed_interval or pacer.interval or 1
 
     def share_interval(self, step: int) -> None:
         """At each step the budget schedules, sampled or not, on every rank alike: take rank
-        0's interval (a broadcast in a distributed run) and say so when it changed."""
+        0's interval and sentinel's spread (broadcasts in a distributed run) and say so when
+        they changed."""
         proposed, self._proposed_interval = self._proposed_interval, None
+        spread, self._proposed_spread = self._proposed_spread, None
         sync = self._interval_sync
         if sync is not None:
             shared: list[int] = []
-            if not self.failures.run("share the sampling interval", lambda: shared.append(sync.broadcast(proposed or 0)), step):
+            if not self.failures.run("share the sampling interval", lambda: shared.extend(
+                    [sync.broadcast(proposed or 0), sync.broadcast(spread or 0)]), step):
                 return
-            proposed = shared[0] or None
+            proposed, spread = shared[0] or None, shared[1] or None
+        self._spread_to(spread)
         pacer = self.pacer
         if proposed is None or proposed == pacer.interval:
             return
         previous, pacer.interval = pacer.interval, proposed
         if is_writer_rank():
             self.failures.say(pacer.message(previous))
+
+    def _spread_to(self, spread: Optional[int]) -> None:
+        """Spread the sentinel's check over ``spread`` steps, when that is more (the sentinel
+        says what it checks then: :class:`~layerwatch.faults.Faults`)."""
+        if spread is not None and spread > self.sentinel_spread:
+            self.sentinel_spread = spread
 
     def state_dict(self) -> dict[str, int]:
         """The overhead budget's interval (empty under a fixed schedule, or before it is chosen)."""

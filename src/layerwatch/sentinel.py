@@ -10,9 +10,17 @@ On a GPU every gradient is checked on every step: the pass costs the device micr
 and the host one launch. On the CPU the pass is a synchronous read of memory, several per
 cent of a short step, so each step checks the next share of the gradients in turn, at most
 ``1 / CPU_ROTATION`` of their bytes (or ``CPU_MIN_BYTES``; a gradient larger than that is
-checked a slice a step): every value is checked at least every ``CPU_ROTATION`` steps. A NaN
-that stays (weights updated with it stay NaN) is found within that many steps; a NaN in a
-single step's gradients may be missed there.
+checked a slice a step) and at most ``CPU_MAX_TENSORS`` tensors (the host's work is per tensor,
+whatever its bytes): every value is checked at least every ``rotation`` steps
+(``CPU_ROTATION``, more for a model of many tensors). A NaN that stays (weights updated with
+it stay NaN) is found within that many steps; a NaN in a single step's gradients may be
+missed there.
+
+Where the check costs the host more than its share of the overhead budget, the budget spreads
+it over more steps (``watch(..., spread=)``, on a GPU as on the CPU): a share then holds at
+most a ``spread``-th of the tensors, and a NaN in a single step's gradients
+outside that step's share is found when it reaches the weights (their gradients turn NaN too).
+
 On the CPU, ``ord=inf`` (which never overflows) runs 10x slower and ``ord=1`` 2x slower.
 """
 
@@ -43,6 +51,7 @@ class Finding:
 
 CPU_ROTATION = 32  # a 32nd of the bytes: about 0.3 ms of a 45 ms CPU step, read from memory
 CPU_MIN_BYTES = 1 << 18
+CPU_MAX_TENSORS = 32  # a CPU share's tensors: a norm costs the host ~1 us a tensor, however small
 
 
 Piece = tuple[str, torch.nn.Parameter, Optional[slice]]  # a parameter's gradient, or the slice of its values to check
@@ -56,14 +65,18 @@ class NonfiniteSentinel:
         self._plans: list[Optional[list[Group]]] = []  # per share, when it is whole plain gradients
         self._next = 0
 
-    def watch(self, params: Sequence[tuple[str, torch.nn.Parameter]], local: Any) -> None:
+    def watch(self, params: Sequence[tuple[str, torch.nn.Parameter]], local: Any, spread: int = 1) -> None:
         """The parameters to check, split into the shares checked in turn (one on a GPU); a
         gradient larger than a share is split into slices of its values. ``local`` maps a
-        gradient to the part this rank holds."""
+        gradient to the part this rank holds. ``spread``: check them over at least that many
+        steps, a share holding at most ``1 / spread`` of the gradient tensors (the overhead
+        budget's doing, when the check costs the host more than its share of it)."""
         self._local = local
         on_gpu = any(p.device.type != "cpu" for _, p in params)
         total = sum(p.numel() * p.element_size() for _, p in params)
         budget = total if on_gpu else max(CPU_MIN_BYTES, -(-total // CPU_ROTATION))
+        most = max(-(-len(params) // spread), 1)  # tensors a share may hold: its host work is per tensor
+        most = most if on_gpu else min(most, CPU_MAX_TENSORS)
         self._shares, share, size = [], [], 0
         for name, p in params:
             nbytes = p.numel() * p.element_size()
@@ -73,7 +86,7 @@ class NonfiniteSentinel:
                 for start in range(0, p.numel(), per_slice)
             ]
             for values, piece_bytes in pieces:
-                if share and size + piece_bytes > budget:
+                if share and (size + piece_bytes > budget or len(share) == most):
                     self._shares.append(share)
                     share, size = [], 0
                 share.append((name, p, values))

@@ -1,0 +1,126 @@
+"""What layerwatch costs between samples where the host is the bottleneck (the CPU proxy).
+
+    python benchmarks/between_samples.py [--tensors 100,1000] [--rounds 7] [--steps 200]
+
+A chain of N/2 ``Linear(4, 4)`` layers (N gradient tensors, so small that compute is nothing
+and what is left is the host's work per tensor, as on a host-bound GPU step), SGD, batch 8,
+under ``Inspector(model, optimizer=opt, schedule=at_steps([0, 10]))`` at the defaults
+otherwise. After the two samples, rounds of ``--steps`` unsampled steps alternate with
+rounds of the same steps without layerwatch (one process, the same model). Reported:
+
+- ``step() us``: the median host time of ``inspector.step()`` on an unsampled step, with the
+  sentinel (the default) and without it (``sentinel=False``);
+- ``unsampled / base``: the whole unsampled step (forward, backward, optimizer step with
+  layerwatch's hooks, ``inspector.step()``) over the same step without layerwatch, the median
+  of the rounds' ratios; ``added us``: the same as a difference, per step (the sentinel's
+  check runs in the optimizer's step pre-hook, outside ``inspector.step()``);
+- ``calls per tensor``: the Python calls of sampled step 10 (``timing.counted_calls``, the
+  whole step) less an unsampled step's, per gradient tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import counted_calls  # noqa: E402
+
+from layerwatch import Inspector, at_steps  # noqa: E402
+
+SAMPLED = (0, 10)
+
+
+def chain(tensors: int) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(tensors // 2)])
+    return model, torch.optim.SGD(model.parameters(), lr=1e-4), torch.randn(8, 4)
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    opt.zero_grad(set_to_none=True)
+    model(x).pow(2).mean().backward()
+    opt.step()
+
+
+def measure(tensors: int, sentinel: bool, rounds: int, steps: int) -> dict[str, float]:
+    model, opt, x = chain(tensors)
+    with tempfile.TemporaryDirectory() as log_dir, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        inspector = Inspector(model, log_dir=log_dir, optimizer=opt, schedule=at_steps(list(SAMPLED)),
+                              sentinel=sentinel).start()
+        try:
+            for _ in range(SAMPLED[1] + 1):
+                train_step(model, opt, x)
+                inspector.step()
+            step_us, ratios, added_us = [], [], []
+            for _ in range(rounds):
+                watched = time.perf_counter()
+                for _ in range(steps):
+                    train_step(model, opt, x)
+                    started = time.perf_counter()
+                    inspector.step()
+                    step_us.append(1e6 * (time.perf_counter() - started))
+                watched = time.perf_counter() - watched
+                base = time.perf_counter()
+                for _ in range(steps):
+                    train_step(model, opt, x)
+                base = time.perf_counter() - base
+                ratios.append(watched / base)
+                added_us.append(1e6 * (watched - base) / steps)
+        finally:
+            inspector.finish()
+    return {"step_us": statistics.median(step_us), "ratio": statistics.median(ratios), "added_us": statistics.median(added_us)}
+
+
+def sample_calls(tensors: int) -> float:
+    """The Python calls sampled step 10 adds to an unsampled step, per gradient tensor."""
+    model, opt, x = chain(tensors)
+    with tempfile.TemporaryDirectory() as log_dir, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        inspector = Inspector(model, log_dir=log_dir, optimizer=opt, schedule=at_steps(list(SAMPLED))).start()
+        try:
+            for _ in range(SAMPLED[1] - 1):
+                train_step(model, opt, x)
+                inspector.step()
+
+            def one() -> None:
+                train_step(model, opt, x)
+                inspector.step()
+
+            opening = counted_calls(one)  # step 9, and the arming of step 10
+            sampled = counted_calls(one)  # step 10, written, and step 11 opened
+            unsampled = counted_calls(one)
+        finally:
+            inspector.finish()
+    return (opening + sampled - 2 * unsampled) / tensors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tensors", default="100,1000")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, 1 thread, chain of Linear(4, 4), SGD; medians of {args.rounds} rounds of {args.steps} steps")
+    print("| gradient tensors | step() us, sentinel on | off | added us, on | off | unsampled / base, on | off "
+          "| sample's calls per tensor |")
+    print("|---|---|---|---|---|---|---|---|")
+    for tensors in [int(n) for n in args.tensors.split(",")]:
+        on = measure(tensors, True, args.rounds, args.steps)
+        off = measure(tensors, False, args.rounds, args.steps)
+        print(f"| {tensors:,} | {on['step_us']:.0f} | {off['step_us']:.0f} | {on['added_us']:.0f} | {off['added_us']:.0f} "
+              f"| {on['ratio']:.3f} | {off['ratio']:.3f} | {sample_calls(tensors):.0f} |")
+
+
+if __name__ == "__main__":
+    main()
