@@ -555,8 +555,8 @@ def ranks_apart_worker(rank: int, world: int, out: str, case: str) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     import layerwatch.params as params
+    import layerwatch.probes.evidence as evidence
     import layerwatch.probes.outputs as outputs
-    import layerwatch.probes.runtime as runtime
     import layerwatch.stats as stats
 
     mesh = init_device_mesh("cpu", (world,))
@@ -577,7 +577,7 @@ def ranks_apart_worker(rank: int, world: int, out: str, case: str) -> None:
     if rank == 0 and case == "probe":
         def failing(t):
             raise RuntimeError("a probe that fails on rank 0 alone")
-        runtime.nonfinite_sum = failing
+        evidence.nonfinite_sum = failing  # where the runtime probe's flags read it
     if rank == 0 and case == "reduction":
         def failing_statistics(*args):
             raise RuntimeError("a reduction that fails on rank 0 alone")
