@@ -76,6 +76,20 @@ def test_histogram_counts_match_numpy(fast, bins):
         assert hist.bucket_counts[0] > 0 and hist.bucket_counts[-1] > 0  # trimmed to the support
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["cpu-fast", "generic"])
+def test_subnormal_values_a_vanished_gradient_holds_are_counted_in_one_bucket_or_two(fast):
+    """A range narrower than float32's smallest normal (here 1e-44) once made buckets of width
+    zero, and the batch raised (bincount of a NaN index): every tensor of it went unmeasured."""
+    tiny = torch.finfo(torch.float32).tiny
+    vanished = torch.tensor([0.0, 1.1210387714598537e-44, 2.2420775429197073e-44] * 6)
+    tensors = [torch.zeros(16), vanished, torch.randn(100)]
+    rows = S.reduce(tensors, 32, fast=fast).numpy()
+    hist = S.histogram(rows[1], 32)
+    assert hist.num == vanished.numel() == sum(hist.bucket_counts) and len(hist.bucket_counts) <= 2
+    assert rows[1][S.SCALE] == pytest.approx(tiny) and rows[1][S.MAX] == pytest.approx(2.24e-44, rel=0.01)
+    assert sum(S.histogram(rows[2], 32).bucket_counts) == 100  # its neighbours in the batch are measured
+
+
 def test_fast_and_generic_paths_agree():
     # Values exactly on a bucket edge may round either way (ties); nudge them off first.
     tensors = [off_edges(t, 64) if torch.isfinite(t).all() else t for t in zoo() + [torch.randn(1000, 100)]]

@@ -48,9 +48,12 @@ from layerwatch.stats.rows import HIST, MAX, MAX_BINS, MIN, host_reads_free, row
 
 
 def grid(mn: torch.Tensor, mx: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The histogram grid ``(scale, anchor, zero_point)`` for finite ranges ``[mn, mx]``."""
+    """The histogram grid ``(scale, anchor, zero_point)`` for finite ranges ``[mn, mx]``. A
+    range too narrow for float32 (subnormal values, as a vanishing gradient has: its buckets'
+    width would round to zero, where the values are bucketed) takes the smallest normal width:
+    its values then share one bucket or two."""
     span = mx - mn
-    scale = torch.where(span > 0, span / (bins - 1), torch.ones_like(span))
+    scale = torch.where(span > 0, (span / (bins - 1)).clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(span))
     anchor = torch.where((mn <= 0) & (mx >= 0), torch.zeros_like(mn), mn)
     zero_point = 1 - torch.floor((mn - anchor) / scale + 0.5)
     return scale, anchor, zero_point
