@@ -6,14 +6,14 @@ A chain of N/2 ``Linear(4, 4)`` layers (N gradient tensors, so small that comput
 and what is left is the host's work per tensor, as on a host-bound GPU step), SGD, batch 8,
 under ``Inspector(model, optimizer=opt, schedule=at_steps([0, 10]))`` at the defaults
 otherwise. After the two samples, rounds of ``--steps`` unsampled steps alternate with
-rounds of the same steps without layerwatch (one process, the same model). Reported:
+rounds of the same steps of a copy of the model without layerwatch (one process). Reported:
 
 - ``step() us``: the median host time of ``inspector.step()`` on an unsampled step, with the
   sentinel (the default) and without it (``sentinel=False``);
-- ``unsampled / base``: the whole unsampled step (forward, backward, optimizer step with
-  layerwatch's hooks, ``inspector.step()``) over the same step without layerwatch, the median
-  of the rounds' ratios; ``added us``: the same as a difference, per step (the sentinel's
-  check runs in the optimizer's step pre-hook, outside ``inspector.step()``);
+- ``unsampled / base``: the median whole unsampled step (forward, backward, optimizer step
+  with layerwatch's hooks, ``inspector.step()``) over the median step without layerwatch,
+  each step timed alone; ``added us``: the same as a difference (the sentinel's check runs in
+  the optimizer's step pre-hook, outside ``inspector.step()``);
 - ``calls per tensor``: the Python calls of sampled step 10 (``timing.counted_calls``, the
   whole step) less an unsampled step's, per gradient tensor.
 """
@@ -53,6 +53,7 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) ->
 
 def measure(tensors: int, sentinel: bool, rounds: int, steps: int) -> dict[str, float]:
     model, opt, x = chain(tensors)
+    plain, plain_opt, _ = chain(tensors)  # the same, with no hook of layerwatch's on it or its optimizer
     with tempfile.TemporaryDirectory() as log_dir, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         inspector = Inspector(model, log_dir=log_dir, optimizer=opt, schedule=at_steps(list(SAMPLED)),
@@ -61,24 +62,24 @@ def measure(tensors: int, sentinel: bool, rounds: int, steps: int) -> dict[str, 
             for _ in range(SAMPLED[1] + 1):
                 train_step(model, opt, x)
                 inspector.step()
-            step_us, ratios, added_us = [], [], []
+            step_us, watched_s, base_s = [], [], []
             for _ in range(rounds):
-                watched = time.perf_counter()
                 for _ in range(steps):
-                    train_step(model, opt, x)
                     started = time.perf_counter()
-                    inspector.step()
-                    step_us.append(1e6 * (time.perf_counter() - started))
-                watched = time.perf_counter() - watched
-                base = time.perf_counter()
-                for _ in range(steps):
                     train_step(model, opt, x)
-                base = time.perf_counter() - base
-                ratios.append(watched / base)
-                added_us.append(1e6 * (watched - base) / steps)
+                    stepping = time.perf_counter()
+                    inspector.step()
+                    ended = time.perf_counter()
+                    step_us.append(1e6 * (ended - stepping))
+                    watched_s.append(ended - started)
+                for _ in range(steps):
+                    started = time.perf_counter()
+                    train_step(plain, plain_opt, x)
+                    base_s.append(time.perf_counter() - started)
         finally:
             inspector.finish()
-    return {"step_us": statistics.median(step_us), "ratio": statistics.median(ratios), "added_us": statistics.median(added_us)}
+    watched, base = statistics.median(watched_s), statistics.median(base_s)
+    return {"step_us": statistics.median(step_us), "ratio": watched / base, "added_us": 1e6 * (watched - base)}
 
 
 def sample_calls(tensors: int) -> float:
