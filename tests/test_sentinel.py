@@ -43,7 +43,7 @@ def test_a_cpu_share_holds_at_most_its_tensors_and_a_spread_divides_them_further
     many = params([4] * 100)  # 1,600 bytes: one share by their bytes
     sentinel = NonfiniteSentinel()
     sentinel.watch(many, lambda t: t)
-    assert [len(share) for share in sentinel._shares] == [32, 32, 32, 4]
+    assert [len(share) for share in sentinel._shares] == [16] * 6 + [4]  # CPU_MAX_TENSORS
     sentinel.watch(many, lambda t: t, spread=10)
     assert sentinel.rotation == 10 and {len(share) for share in sentinel._shares} == {10}
     assert [name for share in sentinel._shares for name, _, _ in share] == [name for name, _ in many]  # each once

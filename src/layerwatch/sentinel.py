@@ -51,7 +51,7 @@ class Finding:
 
 CPU_ROTATION = 32  # a 32nd of the bytes: about 0.3 ms of a 45 ms CPU step, read from memory
 CPU_MIN_BYTES = 1 << 18
-CPU_MAX_TENSORS = 32  # a CPU share's tensors: a norm costs the host ~1 us a tensor, however small
+CPU_MAX_TENSORS = 16  # a CPU share's tensors: a norm costs the host ~1 us a tensor, however small
 
 
 Piece = tuple[str, torch.nn.Parameter, Optional[slice]]  # a parameter's gradient, or the slice of its values to check
