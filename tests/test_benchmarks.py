@@ -105,3 +105,11 @@ def test_the_call_count_of_a_sample_is_the_same_from_run_to_run(benchmarks):
     (adds, unsampled), (adds_again, unsampled_again) = step_calls("tfm-tiny", True), step_calls("tfm-tiny", True)
     assert unsampled == unsampled_again and abs(adds - adds_again) <= 4  # a cache or two filled once per process
     assert adds > 10 * unsampled > 0  # a sample is read, reduced and written; an unsampled step only checked
+
+
+def test_a_short_between_samples_run_reports_the_host_cost_and_the_calls(benchmarks):
+    from between_samples import measure, sample_calls
+
+    figures = measure(20, sentinel=True, rounds=1, steps=5)
+    assert set(figures) == {"step_us", "own_us", "ratio"} and figures["step_us"] > 0 and figures["ratio"] > 0
+    assert sample_calls(20) > 10  # a sample reads, reduces and writes every tensor
