@@ -138,3 +138,41 @@ def test_a_check_made_before_an_optimizer_step_that_is_then_skipped_is_no_fault(
     else:
         assert len(said) == 1 and "NaN/Inf gradients at step 2" in said[0]
         assert [e.step for e in events(tmp_path).Scalars("layerwatch/first_nonfinite_step")] == [2]
+
+
+def test_an_unsampled_step_checks_a_bounded_share_and_makes_the_same_calls_for_1000_tensors_as_for_100(
+        tmp_path, monkeypatch):
+    """The host's work between samples does not grow with the model: the sentinel norms at most
+    CPU_MAX_TENSORS gradients a step, and layerwatch's Python calls are the same (counted, not
+    timed: a count does not vary with the machine's load)."""
+    import sys
+
+    normed: list[int] = []
+    norms = sentinel_module._norms
+    monkeypatch.setattr(sentinel_module, "_norms", lambda tensors, *a: normed.append(len(tensors)) or norms(tensors, *a))
+
+    def calls_of_ours(tensors: int) -> int:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(tensors // 2)])
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        x = torch.randn(8, 4)
+        counted = [0]
+
+        def profile(frame, event, arg):
+            if event == "call" and "/layerwatch/" in frame.f_code.co_filename:
+                counted[0] += 1
+
+        with Inspector(model, log_dir=tmp_path / str(tensors), schedule=at_steps([0]), optimizer=opt) as inspector:
+            for step in range(6):
+                opt.zero_grad(set_to_none=True)
+                model(x).pow(2).mean().backward()
+                normed.clear()
+                if step == 5:  # an unsampled step, well after the sample
+                    sys.setprofile(profile)
+                opt.step()
+                inspector.step()
+                sys.setprofile(None)
+        assert normed == [sentinel_module.CPU_MAX_TENSORS]  # one share of the 100 or 1,000 gradients
+        return counted[0]
+
+    assert calls_of_ours(1000) == calls_of_ours(100) < 100
