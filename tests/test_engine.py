@@ -116,3 +116,19 @@ def test_every_front_door_takes_every_option_with_validate_options_default():
             assert parameters[name].default == reference[name].default, (door.__name__, name)
     assert reference["overhead_budget"].default is None  # None: 0.01 unless every_n_steps or schedule is given
     assert reference["memory_budget"].default is None  # None: no limit but a GPU's free memory
+
+
+def test_the_engine_stays_a_coordinator_and_no_class_grows_past_350_lines():
+    """The engine drives the protocol and its parts decide (docs/architecture.md): a new concern
+    gets a home of its own, not more lines here."""
+    import ast
+    from pathlib import Path
+
+    import layerwatch
+
+    src = Path(layerwatch.__file__).parent
+    assert len((src / "engine.py").read_text().splitlines()) <= 400
+    long = {f"{path.relative_to(src)}:{node.name}": node.end_lineno - node.lineno + 1
+            for path in src.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 350}
+    assert not long, long

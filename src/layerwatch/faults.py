@@ -102,16 +102,13 @@ class Faults:
                                 "a step later, after the optimizer step, so the bad step is not replayed")
 
     def close(self) -> None:
-        self.sentinel = None
+        self.sentinel, self._watching = None, None
         self.micro_batches, self.optimizers, self._within = [], [], lambda: None
-        self._watching = None
 
     def open(self, step: int, spread: int = 1) -> None:
         """Step ``step`` opens; the sentinel's check is spread over ``spread`` steps."""
         self.step = step
-        self.micro_batches = []
-        self._checked = False
-        self.check_s = 0.0
+        self.micro_batches, self._checked, self.check_s = [], False, 0.0
         if spread != self._spread:
             self._spread, self._watching = spread, None  # shares made anew at the next check
 
