@@ -421,3 +421,30 @@ def test_weights_already_non_finite_are_not_replayed_and_the_fault_is_said_to_co
     assert parts.asked == [1] and parts.faults.fault_step == 4
     (alert,), _ = parts.faults.offender_alerts(5, ProbeResult([], Offender("fc", "forward")), True)
     assert "The fault happened before step 4, between samples" in alert.message
+
+
+@pytest.mark.parametrize("lands_later, spread, waited", [(True, 1, [True]), (True, 3, []), (False, 3, [True])])
+def test_a_check_that_lands_later_is_not_waited_for_once_the_budget_spread_it(monkeypatch, lands_later, spread, waited):
+    """On a GPU the sentinel's check lands a step later, and replaying the step means waiting for
+    it before the optimizer step: a device sync a step. Once the budget spread the check, the
+    step is not waited for (the CPU's check costs no wait: it stays)."""
+    from layerwatch.faults import spread_message
+    from layerwatch.sentinel import NonfiniteSentinel
+
+    watch, poll, polled = NonfiniteSentinel.watch, NonfiniteSentinel.poll, []
+
+    def watching(self, *args, **kwargs):
+        watch(self, *args, **kwargs)
+        self.lands_later = lands_later  # as on a GPU (or not)
+
+    monkeypatch.setattr(NonfiniteSentinel, "watch", watching)
+    monkeypatch.setattr(NonfiniteSentinel, "poll", lambda self, wait=False: polled.append(wait) or poll(self, wait))
+    parts = Parts()
+    parts.clean_gradients()
+    end_step(parts, 3)  # the sentinel watches the gradients (spread comes later in a run: after measuring)
+    polled.clear()
+    parts.faults.open(4, spread)
+    parts.faults.offer(lambda: parts.model(torch.ones(1, 3)).sum(), voting=False)
+    assert parts.faults.check(parts.params, before_optimizer_step=True) is None
+    assert polled == waited
+    assert "Nor is its check waited for" in spread_message(5, True) and "waited" not in spread_message(5, False)

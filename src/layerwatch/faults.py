@@ -155,7 +155,8 @@ class Faults:
     def _check(self, sentinel: NonfiniteSentinel, params: Callable[[], Params],
                before_optimizer_step: bool) -> Optional[tuple[ProbeResult, float]]:
         step = self.step
-        replayable = before_optimizer_step and bool(self.micro_batches)
+        # Waiting for a check that lands later is a device sync a step: not once the budget spread the check.
+        replayable = before_optimizer_step and bool(self.micro_batches) and not (self._spread > 1 and sentinel.lands_later)
         if before_optimizer_step:
             stepped: Optional[bool] = True if replayable else None  # else settled at the end of the step
         else:
@@ -198,11 +199,7 @@ class Faults:
             before = sentinel.rotation
             sentinel.watch(params, local, self._spread)
             if self._spread > 1 and sentinel.rotation > before and is_writer_rank():
-                self.failures.say(
-                    "layerwatch: the NaN sentinel's check took the host more than its share of the overhead budget, so "
-                    f"it now checks the gradients in turn, each at least every {sentinel.rotation} steps: a NaN in one "
-                    "step's gradients outside that step's share is found when it reaches the weights, a step or more "
-                    "later, and that step is not replayed; pass every_n_steps= to keep the check as it was")
+                self.failures.say(spread_message(sentinel.rotation, sentinel.lands_later))
         sentinel.check_next(step, stepped)
 
     def unvoted(self) -> Optional[Finding]:
@@ -391,3 +388,13 @@ class Faults:
         return (f"first module to use a non-finite weight at step {step}: {user.name} ({names} held NaN/Inf before "
                 f"the step's forward). The fault happened {when}; the optimizer carried it into the weights, so the "
                 f"module that made it is not known ({how})")
+
+
+def spread_message(rotation: int, lands_later: bool) -> str:
+    """The one line that says the overhead budget spread the sentinel's check, and what is lost."""
+    waits = (" Nor is its check waited for before the optimizer step any more (there, a device sync a step), so "
+             "no bad step is replayed." if lands_later else "")
+    return ("layerwatch: the NaN sentinel's check took the host more than its share of the overhead budget, so it now "
+            f"checks the gradients in turn, each at least every {rotation} steps: a NaN in one step's gradients outside "
+            "that step's share is found when it reaches the weights, a step or more later, and that step is not "
+            f"replayed; pass every_n_steps= to keep the check as it was.{waits}")

@@ -63,6 +63,7 @@ class NonfiniteSentinel:
         self._pending: deque[tuple[int, list[list[str]], list[tuple[torch.Tensor, Any]], Optional[bool]]] = deque()
         self._shares: list[list[Piece]] = []
         self._plans: list[Optional[list[Group]]] = []  # per share, when it is whole plain gradients
+        self.lands_later = False
         self._next = 0
 
     def watch(self, params: Sequence[tuple[str, torch.nn.Parameter]], local: Any, spread: int = 1) -> None:
@@ -73,6 +74,7 @@ class NonfiniteSentinel:
         budget's doing, when the check costs the host more than its share of it)."""
         self._local = local
         on_gpu = any(p.device.type != "cpu" for _, p in params)
+        self.lands_later = on_gpu  # its checks are read a step or more later, or waited for (a device sync)
         total = sum(p.numel() * p.element_size() for _, p in params)
         budget = total if on_gpu else max(CPU_MIN_BYTES, -(-total // CPU_ROTATION))
         most = max(-(-len(params) // spread), 1)  # tensors a share may hold: its host work is per tensor
