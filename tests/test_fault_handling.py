@@ -448,3 +448,25 @@ def test_a_check_that_lands_later_is_not_waited_for_once_the_budget_spread_it(mo
     assert parts.faults.check(parts.params, before_optimizer_step=True) is None
     assert polled == waited
     assert "Nor is its check waited for" in spread_message(5, True) and "waited" not in spread_message(5, False)
+
+
+def test_the_sentinels_shares_are_made_again_only_for_other_tensors_or_a_new_spread(monkeypatch):
+    """A sample walks the parameters again (FSDP may have swapped them): the same tensors keep
+    their shares, whose making is work per tensor."""
+    from layerwatch.sentinel import NonfiniteSentinel
+
+    watch, watched = NonfiniteSentinel.watch, []
+    monkeypatch.setattr(NonfiniteSentinel, "watch", lambda self, params, *a: watched.append(len(params)) or watch(self, params, *a))
+    parts = Parts()
+    parts.clean_gradients()
+    end_step(parts, 0)
+    assert watched == [2]
+    end_step(parts, 1)  # walked again (Parts.params makes a new list each time): the same tensors
+    assert watched == [2]
+    parts.model.bias = nn.Parameter(torch.zeros(2))  # another tensor
+    parts.clean_gradients()
+    end_step(parts, 2)
+    assert watched == [2, 2]
+    parts.faults.open(3, spread=2)
+    parts.faults.check(parts.params)
+    assert watched == [2, 2, 2]

@@ -194,12 +194,13 @@ class Faults:
         if self._zero is not None:  # the group DeepSpeed steps now: its averaged gradient partition, this rank's
             sentinel.check(step, self._zero.flat_gradients(), stepped)
             return
-        if self._watching is not params:  # walked again at a sample, or spread anew: new shares
-            self._watching = params
-            before = sentinel.rotation
-            sentinel.watch(params, local, self._spread)
-            if self._spread > 1 and sentinel.rotation > before and is_writer_rank():
-                self.failures.say(spread_message(sentinel.rotation, sentinel.lands_later))
+        if self._watching is not params:  # walked again at a sample, or spread anew
+            watched, self._watching = self._watching, params
+            if not _same(watched, params):  # other tensors (FSDP swaps them), or a new spread: new shares
+                before = sentinel.rotation
+                sentinel.watch(params, local, self._spread)
+                if self._spread > 1 and sentinel.rotation > before and is_writer_rank():
+                    self.failures.say(spread_message(sentinel.rotation, sentinel.lands_later))
         sentinel.check_next(step, stepped)
 
     def unvoted(self) -> Optional[Finding]:
@@ -398,3 +399,10 @@ def spread_message(rotation: int, lands_later: bool) -> str:
             f"checks the gradients in turn, each at least every {rotation} steps: a NaN in one step's gradients outside "
             "that step's share is found when it reaches the weights, a step or more later, and that step is not "
             f"replayed; pass every_n_steps= to keep the check as it was.{waits}")
+
+
+def _same(watched: Optional[Params], params: Params) -> bool:
+    """The same parameters (the same tensors, under the same names) as the sentinel watches: a
+    sample walks them again, and its shares need not be made again (their work is per tensor)."""
+    return (watched is not None and [id(p) for _, p in watched] == [id(p) for _, p in params]
+            and [name for name, _ in watched] == [name for name, _ in params])
