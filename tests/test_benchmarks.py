@@ -104,7 +104,7 @@ def test_the_call_count_of_a_sample_is_the_same_from_run_to_run(benchmarks):
     assert counted_calls(lambda: math.sqrt(4.0)) == 1  # the lambda; a builtin is no Python call
     (adds, unsampled), (adds_again, unsampled_again) = step_calls("tfm-tiny", True), step_calls("tfm-tiny", True)
     assert unsampled == unsampled_again and abs(adds - adds_again) <= 4  # a cache or two filled once per process
-    assert adds > 10 * unsampled > 0  # a sample is read, reduced and written; an unsampled step only checked
+    assert adds > 2 * unsampled > 0  # a sample is read, reduced and written; an unsampled step only checked
 
 
 def test_a_short_between_samples_run_reports_the_host_cost_and_the_calls(benchmarks):
