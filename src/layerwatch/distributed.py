@@ -326,13 +326,13 @@ class RankSync:
         n = len(values)
         return bool((both[:n] == -both[n:]).all())
 
-    def broadcast(self, value: int) -> int:
-        """Global rank 0's ``value`` on every rank: one broadcast of one int."""
+    def broadcast(self, values: Sequence[int]) -> list[int]:
+        """Global rank 0's ``values`` on every rank: one broadcast of a few ints, one read."""
         import torch.distributed as dist
 
-        shared = torch.tensor([value], dtype=torch.int64)
+        shared = torch.tensor(list(values), dtype=torch.int64)
         dist.broadcast(shared, src=0, group=self.group)
-        return int(shared.item())
+        return shared.tolist()
 
     def all(self, obj: Any) -> list[Any]:
         """``obj`` (a small picklable object) from every rank, in rank order."""

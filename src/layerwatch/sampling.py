@@ -218,15 +218,15 @@ class Sampling:
 
     def share_interval(self, step: int) -> None:
         """At each step the budget schedules, sampled or not, on every rank alike: take rank
-        0's interval and sentinel's spread (broadcasts in a distributed run) and say so when
+        0's interval and sentinel's spread (one broadcast in a distributed run) and say so when
         they changed."""
         proposed, self._proposed_interval = self._proposed_interval, None
         spread, self._proposed_spread = self._proposed_spread, None
         sync = self._interval_sync
         if sync is not None:
             shared: list[int] = []
-            if not self.failures.run("share the sampling interval", lambda: shared.extend(
-                    [sync.broadcast(proposed or 0), sync.broadcast(spread or 0)]), step):
+            if not self.failures.run("share the sampling interval",
+                                     lambda: shared.extend(sync.broadcast([proposed or 0, spread or 0])), step):
                 return
             proposed, spread = shared[0] or None, shared[1] or None
         self._spread_to(spread)
