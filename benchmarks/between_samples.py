@@ -1,6 +1,6 @@
 """What layerwatch costs between samples where the host is the bottleneck (the CPU proxy).
 
-    python benchmarks/between_samples.py [--tensors 100,1000] [--rounds 7] [--steps 200]
+    python benchmarks/between_samples.py [--tensors 100,1000] [--rounds 7] [--steps 200] [--device cuda]
 
 A chain of N/2 ``Linear(4, 4)`` layers (N gradient tensors, so small that compute is nothing
 and what is left is the host's work per tensor, as on a host-bound GPU step), SGD, batch 8,
@@ -15,6 +15,9 @@ rounds of the same steps of a copy of the model without layerwatch (one process)
   optimizer's step pre-hook);
 - ``unsampled / base``: the median whole unsampled step over the median step of the copy (a
   whole-step ratio: it carries a per cent or two of noise between two copies of a model);
+With ``--device cuda`` the chain trains on the GPU and each step ends with a synchronize (in
+both loops alike), so that a step's time is the host's and the device's together.
+
 - ``calls per tensor``: the Python calls of sampled step 10 (``timing.counted_calls``, the
   whole step) less an unsampled step's, per gradient tensor.
 """
@@ -40,10 +43,16 @@ from layerwatch import Inspector, at_steps  # noqa: E402
 SAMPLED = (0, 10)
 
 
-def chain(tensors: int) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+def chain(tensors: int, device: str = "cpu") -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(tensors // 2)])
-    return model, torch.optim.SGD(model.parameters(), lr=1e-4), torch.randn(8, 4)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(tensors // 2)]).to(device)
+    return model, torch.optim.SGD(model.parameters(), lr=1e-4), torch.randn(8, 4, device=device)
+
+
+def done(device: str) -> None:
+    """The step's device work finished (a GPU's): its time is the host's and the device's."""
+    if device != "cpu":
+        torch.cuda.synchronize()
 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
@@ -52,9 +61,9 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) ->
     opt.step()
 
 
-def measure(tensors: int, sentinel: bool, rounds: int, steps: int) -> dict[str, float]:
-    model, opt, x = chain(tensors)
-    plain, plain_opt, _ = chain(tensors)  # the same, with no hook of layerwatch's on it or its optimizer
+def measure(tensors: int, sentinel: bool, rounds: int, steps: int, device: str = "cpu") -> dict[str, float]:
+    model, opt, x = chain(tensors, device)
+    plain, plain_opt, _ = chain(tensors, device)  # the same, with no hook of layerwatch's on it or its optimizer
     with tempfile.TemporaryDirectory() as log_dir, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         inspector = Inspector(model, log_dir=log_dir, optimizer=opt, schedule=at_steps(list(SAMPLED)),
@@ -74,9 +83,11 @@ def measure(tensors: int, sentinel: bool, rounds: int, steps: int) -> dict[str, 
                     stepped = time.perf_counter()
                     inspector.step()
                     ended = time.perf_counter()
+                    done(device)
+                    finished = time.perf_counter()
                     opt_us.append(1e6 * (stepped - stepping))
                     step_us.append(1e6 * (ended - stepped))
-                    watched_s.append(ended - started)
+                    watched_s.append(finished - started)
                 for _ in range(steps):
                     started = time.perf_counter()
                     plain_opt.zero_grad(set_to_none=True)
@@ -84,8 +95,9 @@ def measure(tensors: int, sentinel: bool, rounds: int, steps: int) -> dict[str, 
                     stepping = time.perf_counter()
                     plain_opt.step()
                     ended = time.perf_counter()
+                    done(device)
                     plain_opt_us.append(1e6 * (ended - stepping))
-                    base_s.append(ended - started)
+                    base_s.append(time.perf_counter() - started)
         finally:
             inspector.finish()
     watched, base = statistics.median(watched_s), statistics.median(base_s)
@@ -93,9 +105,9 @@ def measure(tensors: int, sentinel: bool, rounds: int, steps: int) -> dict[str, 
     return {"step_us": statistics.median(step_us), "own_us": in_hooks + statistics.median(step_us), "ratio": watched / base}
 
 
-def sample_calls(tensors: int) -> float:
+def sample_calls(tensors: int, device: str = "cpu") -> float:
     """The Python calls sampled step 10 adds to an unsampled step, per gradient tensor."""
-    model, opt, x = chain(tensors)
+    model, opt, x = chain(tensors, device)
     with tempfile.TemporaryDirectory() as log_dir, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         inspector = Inspector(model, log_dir=log_dir, optimizer=opt, schedule=at_steps(list(SAMPLED))).start()
@@ -121,17 +133,21 @@ def main() -> None:
     parser.add_argument("--tensors", default="100,1000")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device 'cuda': torch sees no CUDA device")
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, 1 thread, chain of Linear(4, 4), SGD; medians of {args.rounds} rounds of {args.steps} steps")
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "1 thread"
+    print(f"torch {torch.__version__}, {where}, chain of Linear(4, 4), SGD; medians of {args.rounds} rounds of {args.steps} steps")
     print("| gradient tensors | step() us, sentinel on | off | layerwatch us, on | off | unsampled / base, on | off "
           "| sample's calls per tensor |")
     print("|---|---|---|---|---|---|---|---|")
     for tensors in [int(n) for n in args.tensors.split(",")]:
-        on = measure(tensors, True, args.rounds, args.steps)
-        off = measure(tensors, False, args.rounds, args.steps)
+        on = measure(tensors, True, args.rounds, args.steps, args.device)
+        off = measure(tensors, False, args.rounds, args.steps, args.device)
         print(f"| {tensors:,} | {on['step_us']:.0f} | {off['step_us']:.0f} | {on['own_us']:.0f} | {off['own_us']:.0f} "
-              f"| {on['ratio']:.3f} | {off['ratio']:.3f} | {sample_calls(tensors):.0f} |")
+              f"| {on['ratio']:.3f} | {off['ratio']:.3f} | {sample_calls(tensors, args.device):.0f} |")
 
 
 if __name__ == "__main__":

@@ -310,40 +310,44 @@ def main() -> None:
     for name in args.workloads.split(","):
         if name not in WORKLOADS:
             parser.error(f"unknown workload {name!r} (choose from {', '.join(WORKLOADS)})")
-    results = []
-    for name in args.workloads.split(","):
-        for config in configs:
-            results.append(run(name, config, args.rounds, args.naive_rounds, args.wandb_rounds, families, not args.no_sentinel,
-                               args.device, args.compile))
-            if args.json:
-                print(json.dumps(results[-1]), flush=True)
     wandb = import_wandb() if args.wandb_rounds > 0 else None
+    naive = args.naive_rounds > 0
+    if not args.json:
+        print_header(args, clock, configs, wandb, naive)
+    for name in args.workloads.split(","):  # each row as it is measured: a time limit keeps those done
+        for config in configs:
+            result = run(name, config, args.rounds, args.naive_rounds, args.wandb_rounds, families, not args.no_sentinel,
+                         args.device, args.compile)
+            print(json.dumps(result) if args.json else row(result, naive), flush=True)
     if wandb is not None and hasattr(wandb, "teardown"):
         wandb.teardown()
-    if args.json:
-        return
+
+
+def print_header(args: argparse.Namespace, clock: Clock, configs: list[str], wandb: Any, naive: bool) -> None:
     print(f"torch {torch.__version__}, {clock.name()}, rounds={args.rounds}, "
           f"wandb={'yes' if wandb is not None else 'not importable' if args.wandb_rounds > 0 else 'skipped'}"
           + (f", custom: families={args.families} sentinel={'off' if args.no_sentinel else 'on'}" if "custom" in configs else ""))
-    naive = args.naive_rounds > 0
     columns = ["workload", "config", "tensors", "base step", "sampled step", "sampled", "first sampled", "off-step", "off-step call",
                "after sample", "amortized@50", "read once", "reported overhead_ms", "sampled delta", "reported/delta",
                "wandb"] + (["naive"] if naive else [])
     print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
+    print("|" + "---|" * len(columns), flush=True)
+
+
+def row(r: dict, naive: bool) -> str:
+    """One result as a row of the table."""
 
     def fmt(value: Optional[float], spec: str, unit: str = "") -> str:
         return "-" if value is None else f"{value:{spec}}{unit}"
 
-    for r in results:
-        cells = [
-            r["workload"], r["config"], str(r["tensors"]), f"{r['base_ms']:.1f} ms", f"{r['sampled_ms']:.1f} ms",
-            f"{r['sampled']:.3f}x", f"{r['first_sampled']:.2f}x", f"{r['off']:.3f}x", f"{r['off_call_us']:.1f} us",
-            f"{r['after']:.3f}x", f"{r['amortized@50']:.4f}x", f"{r['read_once']:.3f}x",
-            fmt(r["reported_overhead_ms"], ".2f", " ms"), f"{r['sampled_delta_ms']:.2f} ms",
-            fmt(r["reported_over_delta"], ".2f"), fmt(r["wandb"], ".2f", "x"),
-        ] + ([fmt(r["naive"], ".2f", "x")] if naive else [])
-        print("| " + " | ".join(cells) + " |")
+    cells = [
+        r["workload"], r["config"], str(r["tensors"]), f"{r['base_ms']:.1f} ms", f"{r['sampled_ms']:.1f} ms",
+        f"{r['sampled']:.3f}x", f"{r['first_sampled']:.2f}x", f"{r['off']:.3f}x", f"{r['off_call_us']:.1f} us",
+        f"{r['after']:.3f}x", f"{r['amortized@50']:.4f}x", f"{r['read_once']:.3f}x",
+        fmt(r["reported_overhead_ms"], ".2f", " ms"), f"{r['sampled_delta_ms']:.2f} ms",
+        fmt(r["reported_over_delta"], ".2f"), fmt(r["wandb"], ".2f", "x"),
+    ] + ([fmt(r["naive"], ".2f", "x")] if naive else [])
+    return "| " + " | ".join(cells) + " |"
 
 
 if __name__ == "__main__":
