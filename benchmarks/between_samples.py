@@ -10,9 +10,9 @@ rounds of the same steps of a copy of the model without layerwatch (one process)
 
 - ``step() us``: the median host time of ``inspector.step()`` on an unsampled step, with the
   sentinel (the default) and without it (``sentinel=False``);
-- ``layerwatch us``: what layerwatch adds to the host's step: ``step() us`` plus the median
-  ``opt.step()`` less that of the copy without layerwatch (the sentinel's check runs in the
-  optimizer's step pre-hook);
+- ``layerwatch us``: what layerwatch adds to the host's step: the median of ``inspector.step()``
+  plus the time inside layerwatch's optimizer step hooks (``timing.HookSpans``, host time: the
+  sentinel's check runs in the step pre-hook);
 - ``unsampled / base``: the median whole unsampled step over the median step of the copy (a
   whole-step ratio: it carries a per cent or two of noise between two copies of a model);
 With ``--device cuda`` the chain trains on the GPU and each step ends with a synchronize (in
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import counted_calls  # noqa: E402
+from timing import Clock, HookSpans, counted_calls  # noqa: E402
 
 from layerwatch import Inspector, at_steps  # noqa: E402
 
@@ -66,43 +66,41 @@ def measure(tensors: int, sentinel: bool, rounds: int, steps: int, device: str =
     plain, plain_opt, _ = chain(tensors, device)  # the same, with no hook of layerwatch's on it or its optimizer
     with tempfile.TemporaryDirectory() as log_dir, warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        hooks = HookSpans(opt, Clock("cpu"))  # the host's time in the inspector's optimizer hooks
         inspector = Inspector(model, log_dir=log_dir, optimizer=opt, schedule=at_steps(list(SAMPLED)),
                               sentinel=sentinel).start()
+        hooks.after_inspector()
         try:
             for _ in range(SAMPLED[1] + 1):
                 train_step(model, opt, x)
                 inspector.step()
-            step_us, opt_us, plain_opt_us, watched_s, base_s = [], [], [], [], []
+            step_us, own_us, watched_s, base_s = [], [], [], []
             for _ in range(rounds):
                 for _ in range(steps):
                     started = time.perf_counter()
                     opt.zero_grad(set_to_none=True)
                     model(x).pow(2).mean().backward()
-                    stepping = time.perf_counter()
                     opt.step()  # layerwatch's optimizer hooks: the sentinel's check
                     stepped = time.perf_counter()
                     inspector.step()
                     ended = time.perf_counter()
                     done(device)
                     finished = time.perf_counter()
-                    opt_us.append(1e6 * (stepped - stepping))
+                    own_us.append(1e6 * (ended - stepped + hooks.take()))
                     step_us.append(1e6 * (ended - stepped))
                     watched_s.append(finished - started)
                 for _ in range(steps):
                     started = time.perf_counter()
                     plain_opt.zero_grad(set_to_none=True)
                     plain(x).pow(2).mean().backward()
-                    stepping = time.perf_counter()
                     plain_opt.step()
-                    ended = time.perf_counter()
                     done(device)
-                    plain_opt_us.append(1e6 * (ended - stepping))
                     base_s.append(time.perf_counter() - started)
         finally:
             inspector.finish()
+            hooks.remove()
     watched, base = statistics.median(watched_s), statistics.median(base_s)
-    in_hooks = statistics.median(opt_us) - statistics.median(plain_opt_us)
-    return {"step_us": statistics.median(step_us), "own_us": in_hooks + statistics.median(step_us), "ratio": watched / base}
+    return {"step_us": statistics.median(step_us), "own_us": statistics.median(own_us), "ratio": watched / base}
 
 
 def sample_calls(tensors: int, device: str = "cpu") -> float:
