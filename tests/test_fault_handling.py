@@ -438,7 +438,7 @@ def test_a_check_that_lands_later_is_not_waited_for_once_the_budget_spread_it(mo
         self.lands_later = lands_later  # as on a GPU (or not)
 
     monkeypatch.setattr(NonfiniteSentinel, "watch", watching)
-    monkeypatch.setattr(NonfiniteSentinel, "poll", lambda self, wait=False: polled.append(wait) or poll(self, wait))
+    monkeypatch.setattr(NonfiniteSentinel, "poll", lambda self, wait=False, at_hand=None: polled.append(wait) or poll(self, wait, at_hand))
     parts = Parts()
     parts.clean_gradients()
     end_step(parts, 3)  # the sentinel watches the gradients (spread comes later in a run: after measuring)

@@ -142,14 +142,18 @@ def test_a_check_made_before_an_optimizer_step_that_is_then_skipped_is_no_fault(
 
 def test_an_unsampled_step_checks_a_bounded_share_and_makes_the_same_calls_for_1000_tensors_as_for_100(
         tmp_path, monkeypatch):
-    """The host's work between samples does not grow with the model: the sentinel norms at most
-    CPU_MAX_TENSORS gradients a step, and layerwatch's Python calls are the same (counted, not
-    timed: a count does not vary with the machine's load)."""
+    """The host's work between samples does not grow with the model: the sentinel flags at most
+    CPU_MAX_TENSORS gradients a step with one fused kernel (no norm, no tensor per gradient), and
+    layerwatch's Python calls are the same (counted, not timed: a count does not vary with the
+    machine's load)."""
     import sys
 
     normed: list[int] = []
-    norms = sentinel_module._norms
+    flagged: list[int] = []
+    norms, flag = sentinel_module._norms, torch._amp_foreach_non_finite_check_and_unscale_
     monkeypatch.setattr(sentinel_module, "_norms", lambda tensors, *a: normed.append(len(tensors)) or norms(tensors, *a))
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_",
+                        lambda tensors, *a: flagged.append(len(tensors)) or flag(tensors, *a))
 
     def calls_of_ours(tensors: int) -> int:
         torch.manual_seed(0)
@@ -167,12 +171,75 @@ def test_an_unsampled_step_checks_a_bounded_share_and_makes_the_same_calls_for_1
                 opt.zero_grad(set_to_none=True)
                 model(x).pow(2).mean().backward()
                 normed.clear()
+                flagged.clear()
                 if step == 5:  # an unsampled step, well after the sample
                     sys.setprofile(profile)
                 opt.step()
                 inspector.step()
                 sys.setprofile(None)
-        assert normed == [sentinel_module.CPU_MAX_TENSORS]  # one share of the 100 or 1,000 gradients
+        assert flagged == [sentinel_module.CPU_MAX_TENSORS] and normed == []  # one share of the 100 or 1,000 gradients
         return counted[0]
 
     assert calls_of_ours(1000) == calls_of_ours(100) < 100
+
+
+def gradients(named, values):
+    for (_, p), v in zip(named, values):
+        p.grad = torch.tensor(v, dtype=p.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_the_fused_flag_leaves_every_gradient_bitwise_as_it_was_and_names_the_offender_on_the_cpu(dtype):
+    """The flag kernel writes each value back: subnormals, -0.0, the largest finite, NaN and Inf keep
+    their bits. A hit read at once (the CPU) is named from the same gradients' norms."""
+    tiny = torch.finfo(dtype).tiny / 4  # subnormal
+    named = [(f"p{i}", nn.Parameter(torch.zeros(3, dtype=dtype))) for i in range(3)]
+    gradients(named, [[tiny, -0.0, torch.finfo(dtype).max], [1.0, 2.0, 3.0], [float("nan"), float("inf"), -tiny]])
+    before = [p.grad.clone() for _, p in named]
+    sentinel = NonfiniteSentinel()
+    sentinel.watch(named, lambda t: t)
+    assert sentinel._plans[0][0][2]  # the flag kernel takes the dtype on the CPU
+    sentinel.check_next(7, True)
+    for (_, p), b in zip(named, before):
+        assert torch.equal(p.grad.view(torch.uint8 if dtype.itemsize == 1 else {2: torch.int16, 4: torch.int32,
+                                                                                  8: torch.int64}[dtype.itemsize]),
+                           b.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]))
+    [finding] = sentinel.poll()
+    assert (finding.step, finding.tensors, finding.nan, finding.unnamed) == (7, ["p2"], True, False)
+
+
+def test_a_flag_that_lands_later_names_its_gradients_only_while_they_are_at_hand(monkeypatch):
+    """Where reads are not free (a GPU's: taken here on the CPU), the flag is read once it has
+    landed: in the same step, before the optimizer step (a replay's wait), its gradients still
+    name the offender; a step later they are gone, and the finding says it names none."""
+    from layerwatch import stats
+
+    monkeypatch.setattr(stats, "host_reads_free", lambda device: False)
+    named = params([2, 2])
+    sentinel = NonfiniteSentinel()
+    sentinel.watch(named, lambda t: t)
+    assert sentinel.lands_later
+    gradients(named, [[0.0, 1.0], [float("inf"), 0.0]])
+    sentinel.check_next(3, None)
+    [waited] = sentinel.poll(wait=True, at_hand=3)
+    assert (waited.tensors, waited.unnamed, waited.nan) == (["p1"], False, True)
+    sentinel.check_next(4, None)
+    [later] = sentinel.poll(at_hand=5)
+    assert (later.step, later.tensors, later.unnamed, later.nan) == (4, [], True, True)
+    gradients(named, [[0.0, 1.0], [2.0, 0.0]])
+    sentinel.check_next(6, None)
+    assert sentinel.poll() == []
+
+
+def test_a_missing_gradient_or_a_dtype_the_kernel_does_not_take_is_checked_by_norms():
+    """A parameter unused this step (no gradient) or a complex one is checked by its norm: the
+    others still are, and a NaN in them is named."""
+    named = params([2, 2]) + [("c", nn.Parameter(torch.zeros(2, dtype=torch.complex64)))]
+    sentinel = NonfiniteSentinel()
+    sentinel.watch(named, lambda t: t)
+    assert [flagged for _, _, flagged in sentinel._plans[0]] == [True, False]
+    named[1][1].grad = torch.tensor([float("nan"), 0.0])
+    named[2][1].grad = torch.tensor([float("inf"), 0.0], dtype=torch.complex64)
+    sentinel.check_next(1, True)  # p0 has no gradient
+    [finding] = sentinel.poll()
+    assert sorted(finding.tensors) == ["c", "p1"] and finding.nan

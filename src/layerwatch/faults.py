@@ -168,7 +168,7 @@ class Faults:
             self.failures.run("check the gradients for NaN/Inf", lambda: self._enqueue(sentinel, watched, step, stepped), step)
         if before_optimizer_step and not replayable:
             return None
-        findings = sentinel.poll(wait=replayable)
+        findings = sentinel.poll(wait=replayable, at_hand=step if replayable else None)
         skipped = None if before_optimizer_step or self._zero is None else self._zero.skipped_finding(step)
         findings += [skipped] if skipped is not None else []
         for finding in findings:
@@ -220,7 +220,7 @@ class Faults:
             mine = own is not None and own.step == decision.finding_step
             rotation = 1 if self.sentinel is None else self.sentinel.rotation
             finding = Finding(decision.finding_step, own.tensors if mine else [], None, decision.finding_nan, rotation,
-                              own.seen_by if mine else "")
+                              own.seen_by if mine else "", unnamed=mine and own.unnamed)
             self.failures.run("report NaN/Inf gradients", lambda: self._on_nonfinite(finding, step), step)
         self.sentinel = None
 
@@ -319,7 +319,8 @@ class Faults:
             return
         rec = R.build(finding.step, first_nonfinite_step=finding.step)
         names = ", ".join(finding.tensors[:5]) + (f" and {len(finding.tensors) - 5} more" if len(finding.tensors) > 5 else "")
-        where = f" in {names}" if names else " in gradients (shards, or a pipeline stage's) held by another rank"
+        where = (f" in {names}" if names else " in this step's share of the gradients (its one flag names none)"
+                 if finding.unnamed else " in gradients (shards, or a pipeline stage's) held by another rank")
         overflow = "" if finding.nan else " (or finite gradients whose norm passes ~1.8e19: an explosion)"
         every = "every step" if finding.rotation == 1 else f"each gradient at least every {finding.rotation} steps"
         if sampled_step is None:

@@ -1,10 +1,20 @@
 """The NaN sentinel: a fused finiteness check of the gradients between samples.
 
-``check`` enqueues the L2 norms of the gradients (``torch._foreach_norm``, one fused pass,
-accumulated in float32 at least: NaN or Inf when a value is; finite values read as
-non-finite only when a gradient's norm passes ~1.8e19, an explosion in any case) and starts
-a non-blocking copy to the host; ``poll`` reads the copies that have landed, a step or more
+``check_next`` runs, on each share of whole plain gradients, the one in-place multi-tensor
+kernel of mixed precision's loss scaler (``torch._amp_foreach_non_finite_check_and_unscale_``
+at an inverse scale of 1.0: it writes each value back unchanged and sets one flag when any is
+NaN or Inf), so the host's work is one launch per device and dtype and no tensor per gradient;
+the CUDA kernel takes float16, float32 and float64 (bfloat16 only on the CPU): other dtypes, slices
+of large gradients and DTensor shards get ``check``'s norms instead (``torch._foreach_norm``,
+accumulated in float32 at least: NaN or Inf when a value is; finite values read as non-finite
+only when a gradient's norm passes ~1.8e19, an explosion in any case). Either starts a
+non-blocking copy to the host; ``poll`` reads the copies that have landed, a step or more
 later on a GPU, at once on the CPU. Nothing waits on the device.
+
+A flag says that a share held NaN/Inf, not which gradient: where its gradients are still at
+hand (on the CPU, read at once; on a GPU, a check waited for before the optimizer step) their
+norms name them; a flag that lands a step later names none (``Finding.unnamed``), and the
+sample it asks for shows the modules.
 
 On a GPU every gradient is checked on every step: the pass costs the device microseconds
 and the host one launch. On the CPU the pass is a synchronous read of memory, several per
@@ -27,6 +37,7 @@ On the CPU, ``ord=inf`` (which never overflows) runs 10x slower and ``ord=1`` 2x
 from __future__ import annotations
 
 import math
+import operator
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -35,6 +46,7 @@ import torch
 
 from layerwatch.distributed import is_dtensor
 from layerwatch.hooks import is_compiling
+from layerwatch import stats as S
 
 
 @dataclass
@@ -44,9 +56,10 @@ class Finding:
     step: int
     tensors: list[str]  # the parameters whose gradient held them
     stepped: Optional[bool]  # whether the optimizer stepped (False: a GradScaler skip); None: unknown
-    nan: bool  # some norm was NaN; else only infinite, which finite values past ~1.8e19 also give
+    nan: bool  # NaN or Inf values for certain (a NaN norm, a flag); else only infinite norms, which finite values past ~1.8e19 also give
     rotation: int = 1  # steps the sentinel took to check every gradient once (see NonfiniteSentinel.rotation)
     seen_by: str = ""  # who found it, when not the sentinel's own check (DeepSpeed's skip of the step)
+    unnamed: bool = False  # a flag landed after its gradients were gone: ``tensors`` are not known
 
 
 CPU_ROTATION = 32  # a 32nd of the bytes: about 0.3 ms of a 45 ms CPU step, read from memory
@@ -55,14 +68,18 @@ CPU_MAX_TENSORS = 16  # a CPU share's tensors: a norm costs the host ~1 us a ten
 
 
 Piece = tuple[str, torch.nn.Parameter, Optional[slice]]  # a parameter's gradient, or the slice of its values to check
-Group = tuple[list[torch.nn.Parameter], list[str]]  # whole gradients of one device and dtype, and their names
+Group = tuple[list[torch.nn.Parameter], list[str], bool]  # whole gradients of one device and dtype, their names, flagged
+Check = tuple[torch.Tensor, list[str], Optional[list[torch.nn.Parameter]]]  # peaks or a flag (with its group's parameters)
+_GRAD = operator.attrgetter("grad")
 
 
 class NonfiniteSentinel:
     def __init__(self) -> None:
-        self._pending: deque[tuple[int, list[list[str]], list[tuple[torch.Tensor, Any]], Optional[bool]]] = deque()
+        self._pending: deque[tuple[int, list[tuple[list[str], Any]], list[tuple[torch.Tensor, Any]], Optional[bool]]] = deque()
         self._shares: list[list[Piece]] = []
         self._plans: list[Optional[list[Group]]] = []  # per share, when it is whole plain gradients
+        self._ones: dict[torch.device, torch.Tensor] = {}  # the fused check's inverse scale, 1.0, per device
+        self._read_at_once: dict[torch.device, torch.Tensor] = {}  # the flag, per device whose reads are free
         self.lands_later = False
         self._next = 0
 
@@ -74,7 +91,7 @@ class NonfiniteSentinel:
         budget's doing, when the check costs the host more than its share of it)."""
         self._local = local
         on_gpu = any(p.device.type != "cpu" for _, p in params)
-        self.lands_later = on_gpu  # its checks are read a step or more later, or waited for (a device sync)
+        self.lands_later = any(not S.host_reads_free(p.device) for _, p in params)  # read later, or waited for (a sync)
         total = sum(p.numel() * p.element_size() for _, p in params)
         budget = total if on_gpu else max(CPU_MIN_BYTES, -(-total // CPU_ROTATION))
         most = max(-(-len(params) // spread), 1)  # tensors a share may hold: its host work is per tensor
@@ -109,10 +126,15 @@ class NonfiniteSentinel:
         index = self._next % len(self._shares)
         self._next += 1
         plan = self._plans[index]
-        if plan is not None:  # the host's cost independent of the number of gradients but for one attribute read each
-            grads = [[p.grad for p in params] for params, _ in plan]
-            if True not in [g is None or g.is_sparse for group in grads for g in group]:  # (`None in` calls Tensor.__eq__)
-                self._enqueue(step, [names for _, names in plan], [_norms(group) for group in grads], stepped)
+        if plan is not None:  # no tensor per gradient, no Python loop over them: one kernel per device and dtype
+            grads = [list(map(_GRAD, params)) for params, _, _ in plan]
+            try:
+                checks = [(self._flag(group, params[0].device) if flagged else _norms(group), names, params if flagged else None)
+                          for (params, names, flagged), group in zip(plan, grads)]
+            except (TypeError, NotImplementedError):  # a gradient missing (unused this step) or sparse
+                checks = None
+            if checks is not None:
+                self._enqueue(step, checks, stepped)
                 return
         share = self._shares[index]
         local = self._local
@@ -124,33 +146,38 @@ class NonfiniteSentinel:
         if not named_grads:
             return
         groups = fused_norms([grad for _, grad in named_grads])
-        names = [[named_grads[i][0] for i in indices] for indices, _ in groups]
-        self._enqueue(step, names, [peaks for _, peaks in groups], stepped)
+        self._enqueue(step, [(peaks, [named_grads[i][0] for i in indices], None) for indices, peaks in groups], stepped)
 
-    def _enqueue(self, step: int, names: list[list[str]], norms: list[torch.Tensor], stepped: Optional[bool]) -> None:
-        """Start the copy of each group's ``norms`` (of the gradients ``names``) to the host."""
-        copies: list[tuple[torch.Tensor, Any]] = []
-        clean = True  # nothing to look at later: every check ran on the CPU and found no NaN/Inf
-        for peaks in norms:
-            if peaks.device.type == "cuda":
-                clean = False
-                host = torch.empty(peaks.shape, dtype=peaks.dtype, pin_memory=True)
-                host.copy_(peaks, non_blocking=True)  # on the current stream of the peaks' device
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(peaks.device))  # that stream, even off the current device
-                copies.append((host, event))
-            else:
-                copies.append((peaks, None))
-                clean = clean and math.isfinite(float(peaks.sum()))  # the CPU: read at once, no sync
-        if not clean:
-            self._pending.append((step, names, copies, stepped))
+    def _flag(self, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """One flag, nonzero when ``grads`` (on ``device``, of one dtype) hold a NaN or Inf: the loss
+        scaler's fused kernel at an inverse scale of 1.0, which writes every value back as it was."""
+        if device not in self._ones:
+            self._ones[device] = torch.ones(1, device=device)
+            self._read_at_once[device] = torch.zeros(1, device=device)
+        # A flag read at once is kept (the kernel only ever sets it; a hit zeroes it): one op fewer a step
+        flag = self._read_at_once[device] if S.host_reads_free(device) else torch.zeros(1, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, self._ones[device])
+        return flag
 
-    def poll(self, wait: bool = False) -> list[Finding]:
+    def _enqueue(self, step: int, checks: list[Check], stepped: Optional[bool]) -> None:
+        """Read each check where that is free (the CPU), else start its copy to the host."""
+        if all(S.host_reads_free(t.device) for t, _, _ in checks):  # read at once: nothing waits
+            hits = [(t, names, params) for t, names, params in checks if _hit(t, params is not None)]
+            if hits:  # a flag's gradients are at hand: their peaks name them
+                self._pending.append((step, *_landed([_named(t, names, params) for t, names, params in hits]), stepped))
+                for t, _, params in hits:
+                    if params is not None:
+                        t.zero_()
+            return
+        self._pending.append((step, *_landed(checks), stepped))
+
+    def poll(self, wait: bool = False, at_hand: Optional[int] = None) -> list[Finding]:
         """The checks that have landed, oldest first, that found a NaN or Inf. With ``wait``,
-        every check enqueued so far: on a GPU the host waits for them (a device sync)."""
+        every check enqueued so far: on a GPU the host waits for them (a device sync).
+        ``at_hand``: the step whose gradients are still those checked (a flag's are named)."""
         found = []
         while self._pending:
-            step, names, copies, stepped = self._pending[0]
+            step, kept, copies, stepped = self._pending[0]
             if wait:
                 for _, event in copies:
                     if event is not None:
@@ -158,21 +185,31 @@ class NonfiniteSentinel:
             elif any(event is not None and not event.query() for _, event in copies):
                 break
             self._pending.popleft()
-            peaks = torch.cat([host for host, _ in copies])
-            bad = set((~torch.isfinite(peaks)).nonzero().flatten().tolist())
-            if bad:
-                nan = bool(torch.isnan(peaks).any())
-                flat = [name for group in names for name in group]  # in the order of the peaks
-                hit = dict.fromkeys(name for i, name in enumerate(flat) if i in bad)  # a parameter's slices: once
-                found.append(Finding(step, list(hit), stepped, nan, self.rotation))
+            names: list[str] = []
+            nan = unnamed = False
+            for (host, _), (group, params) in zip(copies, kept):
+                values = host.tolist()  # a landed host copy: reading it waits for nothing
+                if params is not None and values[0]:  # a flag: some value of the group's is NaN or Inf
+                    nan = True
+                    if step == at_hand:
+                        peaks, group, _ = _named(host, group, params)
+                        names += [group[i] for i, v in enumerate(peaks.tolist()) if not math.isfinite(v)]
+                    else:
+                        unnamed = True
+                elif params is None:
+                    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+                    names += [group[i] for i in bad]
+                    nan = nan or any(math.isnan(values[i]) for i in bad)
+            if names or unnamed:  # a parameter's slices: named once
+                found.append(Finding(step, list(dict.fromkeys(names)), stepped, nan, self.rotation, unnamed=not names))
         return found
 
     def settle(self, step: int, stepped: Optional[bool]) -> None:
         """Whether the optimizer stepped, for the checks of ``step`` enqueued before it knew
         (before the optimizer step: a GradScaler may still skip it)."""
         if self._pending:
-            self._pending = deque((s, names, copies, stepped if s == step and was is None else was)
-                                  for s, names, copies, was in self._pending)
+            self._pending = deque((s, kept, copies, stepped if s == step and was is None else was)
+                                  for s, kept, copies, was in self._pending)
 
     def clear(self) -> None:
         self._pending.clear()
@@ -234,7 +271,45 @@ def _plan(share: list[Piece]) -> Optional[list[Group]]:
     if any(values is not None or is_dtensor(p) for _, p, values in share):
         return None
     params = [p for _, p, _ in share]
-    return [([params[i] for i in indices], [share[i][0] for i in indices]) for indices in _by_device_and_dtype(params)]
+    return [([params[i] for i in indices], [share[i][0] for i in indices], _flagged(params[indices[0]]))
+            for indices in _by_device_and_dtype(params)]
+
+
+def _flagged(p: torch.Tensor) -> bool:
+    """Whether the fused flag kernel takes ``p``'s gradients (their dtype, on their device)."""
+    return p.dtype in (torch.float16, torch.float32, torch.float64) or (p.dtype == torch.bfloat16 and p.device.type == "cpu")
+
+
+def _hit(t: torch.Tensor, flag: bool) -> bool:
+    """Whether a check read at once found a NaN or Inf: its flag set, or a norm not finite."""
+    return bool(t.item()) if flag else not math.isfinite(float(t.sum()))
+
+
+def _named(t: torch.Tensor, names: list[str], params: Optional[list[torch.nn.Parameter]]) -> Check:
+    """A check that found NaN/Inf, as peaks that name the gradients: a flag's, the largest magnitude
+    of each of its gradients present (which no finite value overflows)."""
+    if params is None:
+        return t, names, None
+    present = [(name, p.grad) for name, p in zip(names, params) if p.grad is not None]
+    with torch.no_grad():
+        peaks = torch.stack(torch._foreach_norm([g for _, g in present], math.inf)).cpu()  # in their own dtype
+    return peaks, [name for name, _ in present], None
+
+
+def _landed(checks: list[Check]) -> tuple[list[tuple[list[str], Any]], list[tuple[torch.Tensor, Any]]]:
+    """What a pending check keeps (names, a flag's parameters), and its copies to the host with
+    the events that say they landed (None: landed already)."""
+    return [(names, params) for _, names, params in checks], [_to_host(t) for t, _, _ in checks]
+
+
+def _to_host(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    if t.device.type != "cuda":  # the CPU's (or another device's, whose copy waits: none gets here today)
+        return t.to("cpu"), None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)  # on the current stream of the check's device
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(t.device))  # that stream, even off the current device
+    return host, event
 
 
 def _by_device_and_dtype(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
