@@ -423,11 +423,14 @@ def test_weights_already_non_finite_are_not_replayed_and_the_fault_is_said_to_co
     assert "The fault happened before step 4, between samples" in alert.message
 
 
-@pytest.mark.parametrize("lands_later, spread, waited", [(True, 1, [True]), (True, 3, []), (False, 3, [True])])
-def test_a_check_that_lands_later_is_not_waited_for_once_the_budget_spread_it(monkeypatch, lands_later, spread, waited):
+@pytest.mark.parametrize("lands_later, spread, measured, waited",
+                         [(True, 1, True, [True]), (True, 3, True, []), (True, 1, False, []), (False, 3, False, [True])])
+def test_a_check_that_lands_later_is_not_waited_for_once_the_budget_spread_it(monkeypatch, lands_later, spread, measured,
+                                                                              waited):
     """On a GPU the sentinel's check lands a step later, and replaying the step means waiting for
-    it before the optimizer step: a device sync a step. Once the budget spread the check, the
-    step is not waited for (the CPU's check costs no wait: it stays)."""
+    it before the optimizer step: a device sync a step. It is waited for only once the budget
+    measured the checks within their share: not before it measured them, nor once it spread the
+    check (the CPU's check costs no wait: it stays)."""
     from layerwatch.faults import spread_message
     from layerwatch.sentinel import NonfiniteSentinel
 
@@ -443,7 +446,7 @@ def test_a_check_that_lands_later_is_not_waited_for_once_the_budget_spread_it(mo
     parts.clean_gradients()
     end_step(parts, 3)  # the sentinel watches the gradients (spread comes later in a run: after measuring)
     polled.clear()
-    parts.faults.open(4, spread)
+    parts.faults.open(4, spread, measured)
     parts.faults.offer(lambda: parts.model(torch.ones(1, 3)).sum(), voting=False)
     assert parts.faults.check(parts.params, before_optimizer_step=True) is None
     assert polled == waited

@@ -90,3 +90,98 @@ def test_a_sampled_step_makes_the_host_wait_nowhere_but_its_one_transfer(tmp_pat
     # eager: the probes', the parameters'; a compiled model: the wrapper's eager probe too
     assert len(transfers) == {"eager": 2, "torch.compile(model)": 3, "torch.compile(loss_fn)": 2}[how]
     assert math.isfinite(loss.item())
+
+
+def _engine_of(door):
+    return door._engine
+
+
+@pytest.mark.parametrize("door", ["Inspector", "InspectCallback", "InspectTrainerCallback"])
+def test_an_unsampled_step_makes_the_host_wait_nowhere_on_every_front_door(tmp_path, monkeypatch, door):
+    """At the defaults (the overhead budget, the sentinel, Lightning's replay), taking the
+    accelerator's way on the CPU: no unsampled step issues an op that makes the host wait, and
+    the sentinel's check is waited for before the optimizer step (for a replay: a device sync)
+    only once the budget has measured the checks within their share, never before."""
+    from layerwatch import stats
+    from layerwatch.sentinel import NonfiniteSentinel
+
+    for home in (stats, stats.batched):
+        monkeypatch.setattr(home, "host_reads_free", lambda device: False)
+    engines, polled = [], []
+    poll = NonfiniteSentinel.poll
+
+    def recorded_poll(self, wait=False, at_hand=None):
+        engine = engines[0]
+        if wait and not engine.sampled:
+            polled.append((engine.current_step, engine._sampling.checks_measured, engine._sampling.sentinel_spread))
+        return poll(self, wait, at_hand)
+
+    monkeypatch.setattr(NonfiniteSentinel, "poll", recorded_poll)
+    unsampled_waits = []
+
+    class Unsampled(HostWaits):
+        """Waits issued by layerwatch's own code (the innermost frame outside torch is ours: the
+        loops' own reads of the loss, Lightning's and the Trainer's, are not) on unsampled steps."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            before = len(self.seen)
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if len(self.seen) > before and engines and not engines[0].sampled:
+                caller = next(frame for frame in reversed(traceback.extract_stack())
+                              if "/torch/" not in frame.filename and "test_host_waits" not in frame.filename)
+                if "/layerwatch/" in caller.filename:
+                    unsampled_waits.append(self.seen[-1] + (engines[0].current_step,))
+            return out
+
+    waits = Unsampled()
+    steps = 24  # past the budget's first measures of the checks (every 8 unsampled steps)
+    with warnings.catch_warnings(), waits:
+        warnings.simplefilter("ignore")
+        if door == "Inspector":
+            model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            inspector = Inspector(model, log_dir=tmp_path, optimizer=opt).start()
+            engines.append(_engine_of(inspector))
+            x, y = torch.randn(16, 8), torch.randn(16, 4)
+            for _ in range(steps):
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                inspector.step()
+            inspector.finish()
+        elif door == "InspectCallback":
+            from layerwatch import InspectCallback
+            from models import LitMLP, make_trainer
+
+            callback = InspectCallback()
+            original_setup = type(callback).setup
+
+            def setup(self, *args, **kwargs):
+                original_setup(self, *args, **kwargs)
+                engines.append(self._engine)
+
+            monkeypatch.setattr(type(callback), "setup", setup)
+            make_trainer(tmp_path, [callback], max_steps=steps).fit(LitMLP())
+        else:
+            transformers = pytest.importorskip("transformers")
+            from layerwatch.huggingface import InspectTrainerCallback
+            from test_huggingface import tiny, train
+
+            callback = InspectTrainerCallback()
+            original = type(callback).on_train_begin
+
+            def on_train_begin(self, *args, **kwargs):
+                out = original(self, *args, **kwargs)
+                engines.append(self._engine)
+                return out
+
+            monkeypatch.setattr(type(callback), "on_train_begin", on_train_begin)
+            assert transformers
+            train(tiny("gpt2"), tmp_path, [callback], max_steps=steps)
+    assert engines and engines[0].current_step >= steps - 2
+    assert unsampled_waits == [], unsampled_waits
+    # waited for (Lightning's replay) only once the budget measured the checks, and whole (not spread: this
+    # small model's step is short, so they were spread and never waited for)
+    assert all(measured and spread == 1 for _, measured, spread in polled), polled
+    if door != "InspectCallback":
+        assert polled == []  # no replay offered: nothing is ever waited for

@@ -356,3 +356,13 @@ def test_a_fixed_schedule_has_an_empty_state_and_ignores_a_loaded_interval():
 def test_a_fixed_schedule_still_refuses_a_bad_loaded_interval():
     with pytest.raises(ValueError, match="got 0"):
         fixed(3).load_state_dict({"sample_interval": 0})
+
+
+def test_the_checks_count_as_measured_once_the_budget_has_measured_them_and_always_without_a_budget(clock):
+    """The sentinel's wait for a replay (a device sync) waits for this: see Faults.check."""
+    assert fixed(1).checks_measured
+    sampling = budgeted(0.01)
+    unsampled_steps(sampling, clock, 5)
+    assert not sampling.checks_measured and sampling.sentinel_spread == 1
+    unsampled_steps(sampling, clock, 17)  # steps 8 and 16 ask the pacer: cheap checks, left whole
+    assert sampling.checks_measured and sampling.sentinel_spread == 1

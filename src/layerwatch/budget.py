@@ -104,13 +104,14 @@ class Pacer:
 
     def spread_for(self, spread: int) -> Optional[int]:
         """The spread (the steps the per-step checks are spread over: ``spread`` now) that
-        brings their median time within :meth:`checks_allowance`; None when it is within. What
-        they cost from then on is assumed to be the allowance, until it is measured."""
+        brings their median time within :meth:`checks_allowance`: ``spread`` itself when it is
+        within, None when too few steps were measured since (or at ``MAX_SPREAD``). What they
+        cost after a new spread is assumed to be the allowance, until it is measured."""
         if len(self._checks_s) < 3 or spread >= MAX_SPREAD:
             return None
         checks, allowance = statistics.median(self._checks_s), self.checks_allowance()
         if checks <= allowance:
-            return None
+            return spread
         fixed = max(statistics.median(self._own_s) - checks, 0.0)
         self._checks_s.clear()
         self._own_s.clear()

@@ -265,7 +265,7 @@ class Engine:
         started = self._sampling.open()
         self._drop_sample()
         self._step = step
-        self._faults.open(step, self._sampling.sentinel_spread)
+        self._faults.open(step, self._sampling.sentinel_spread, self._sampling.checks_measured)
         if not self._sampling.decide(step, may_sample, self._faults):
             self._sampling.own_s = time.perf_counter() - started
             return False

@@ -74,6 +74,7 @@ class Faults:
         self._checked = False
         self._watching: Optional[Params] = None  # the list the sentinel's shares were made from
         self._spread = 1  # the steps the sentinel's check is spread over (the overhead budget's)
+        self._measured = True  # the budget measured the checks within their share (or there is no budget)
         self.check_s = 0.0  # the sentinel's host time in the open step
         self._finding: Optional[Finding] = None  # this rank's, until the ranks have voted on it
         self._finding_voted = False
@@ -105,9 +106,10 @@ class Faults:
         self.sentinel, self._watching = None, None
         self.micro_batches, self.optimizers, self._within = [], [], lambda: None
 
-    def open(self, step: int, spread: int = 1) -> None:
-        """Step ``step`` opens; the sentinel's check is spread over ``spread`` steps."""
-        self.step = step
+    def open(self, step: int, spread: int = 1, measured: bool = True) -> None:
+        """Step ``step`` opens; the sentinel's check is spread over ``spread`` steps; ``measured``:
+        the overhead budget has measured the checks (or there is no budget)."""
+        self.step, self._measured = step, measured
         self.micro_batches, self._checked, self.check_s = [], False, 0.0
         if spread != self._spread:
             self._spread, self._watching = spread, None  # shares made anew at the next check
@@ -155,8 +157,10 @@ class Faults:
     def _check(self, sentinel: NonfiniteSentinel, params: Callable[[], Params],
                before_optimizer_step: bool) -> Optional[tuple[ProbeResult, float]]:
         step = self.step
-        # Waiting for a check that lands later is a device sync a step: not once the budget spread the check.
-        replayable = before_optimizer_step and bool(self.micro_batches) and not (self._spread > 1 and sentinel.lands_later)
+        # Waiting for a check that lands later is a device sync a step: only once the budget measured the checks
+        # within their share (it measures the waits too from then on, and spreads the check when they cost more).
+        free = not sentinel.lands_later or (self._measured and self._spread == 1)
+        replayable = before_optimizer_step and bool(self.micro_batches) and free
         if before_optimizer_step:
             stepped: Optional[bool] = True if replayable else None  # else settled at the end of the step
         else:
@@ -246,7 +250,7 @@ class Faults:
                and not self._probes.sees_nonfinite)  # sees it: sampled, saw it happen
         if can:  # weights NaN/Inf already: the fault came earlier, and a replay would name their first user
             bad: list[str] = []
-            self.failures.run("look for NaN/Inf weights", lambda: bad.extend(self._nonfinite(self._layout.parameters(model))), step)
+            self.failures.run("look for NaN/Inf weights", lambda: bad.extend(_nonfinite(self._layout.parameters(model))), step)
             self._fault_before, can = bool(bad), not bad
         found: list[Optional[tuple[int, ProbeResult]]] = [None]  # the micro-batch that named it, and its probes
         ranks: list[Any] = []
@@ -303,11 +307,6 @@ class Faults:
             params=[p for _, p in self._layout.parameters(model)], within=within,
             also=beyond + ([] if within is None else list(within.parameters())), copy_gradients=world_size() > 1,
         )
-
-    @staticmethod
-    def _nonfinite(params: Sequence[tuple[str, nn.Parameter]]) -> list[str]:
-        """The parameters whose values (this rank's) hold NaN/Inf."""
-        return nonfinite_names([(name, local(p)) for name, p in params])
 
     # ------------------------------------------------------------------ what is said
 
@@ -390,6 +389,11 @@ class Faults:
         return (f"first module to use a non-finite weight at step {step}: {user.name} ({names} held NaN/Inf before "
                 f"the step's forward). The fault happened {when}; the optimizer carried it into the weights, so the "
                 f"module that made it is not known ({how})")
+
+
+def _nonfinite(params: Sequence[tuple[str, nn.Parameter]]) -> list[str]:
+    """The parameters whose values (this rank's) hold NaN/Inf."""
+    return nonfinite_names([(name, local(p)) for name, p in params])
 
 
 def spread_message(rotation: int, lands_later: bool) -> str:
