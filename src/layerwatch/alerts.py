@@ -145,7 +145,7 @@ class HealthMonitor:
         new: list[Alert] = []
         w_idx, w_rows = self._stack(weights)
         g_idx, g_rows = self._stack(grads or {})
-        t_idx = np.array([self._slot(name) for name in trainable], dtype=int)
+        t_idx = self._slots(trainable)
         self._nonfinite(step, (("gradients", g_idx, g_rows), ("weights", w_idx, w_rows)), new)
         self._norms(step, "weights", w_idx, w_rows, new)
         self._norms(step, "grads", g_idx, g_rows, new)
@@ -267,14 +267,20 @@ class HealthMonitor:
 
     # ------------------------------------------------------------------ helpers
 
-    def _slot(self, name: str) -> int:
-        """The parameter's index in the state arrays (new ones get the next index)."""
-        index = self._index.get(name)
-        if index is None:
-            index = self._index[name] = len(self._names)
-            self._names.append(name)
+    def _slots(self, names: Iterable[str]) -> np.ndarray:
+        """The parameters' indices in the state arrays (new ones get the next indices)."""
+        names = list(names)
+        indices = list(map(self._index.get, names))
+        if None in indices:
+            for i, name in enumerate(names):
+                if indices[i] is None:
+                    index = self._index.get(name)  # a name twice in ``names``: its first place
+                    if index is None:
+                        index = self._index[name] = len(self._names)
+                        self._names.append(name)
+                    indices[i] = index
             self._grow(len(self._names))
-        return index
+        return np.array(indices, dtype=int)
 
     def _grow(self, size: int) -> None:
         if size <= len(self._unchanged):
@@ -287,8 +293,7 @@ class HealthMonitor:
 
     def _stack(self, rows: dict[str, np.ndarray]) -> tuple[np.ndarray, S.Rows]:
         """Indices and stacked rows of ``rows`` (name -> row)."""
-        idx = np.array([self._slot(name) for name in rows], dtype=int)
-        return idx, S.Rows.stack(list(rows.values()))
+        return self._slots(rows), S.Rows.stack(list(rows.values()))
 
     def report(self, kind: str, layer: str, step: int, message: str) -> list[Alert]:
         """Raise an alert found outside the rules (the runtime probes); [] when already raised."""

@@ -20,7 +20,7 @@ from layerwatch.vocabulary import (
     ALERTS, BYTE_SERIES, FIRST_NONFINITE_STEP, FIRST_OFFENDER, GRAD_NORM, MACS_PER_STEP, MODULE_SCALARS,
     NONFINITE_MODULES, NONFINITE_SERIES, OPTIMIZER_SKIPPED, OVERHEAD_MS, PARAMS_FROZEN, PARAMS_LEARNABLE, PARAMS_TOTAL,
     ROOT, RUN_WIDE, SAMPLE_INTERVAL, STRUCTURE, TENSOR_FAMILIES, histogram_tag, module_prefix, nonfinite_total_tag,
-    stat_prefix, stat_tag, update_ratio_tag,
+    stat_prefix, update_ratio_tag,
 )
 
 HostRows = dict[str, list[tuple[list[str], np.ndarray]]]  # family -> its pieces' names and rows, on the host
@@ -132,11 +132,12 @@ def _add_structure(rec: StepRecord, summary: Summary) -> None:
 
 def _add_probes(rec: StepRecord, result: ProbeResult, stats: Sequence[str], bins: int) -> None:
     """Per-module time, memory, activations and NaN/Inf flags of one step."""
+    prefixes = [(field_name, module_prefix(field_name)) for field_name in MODULE_SCALARS]
     for trace in result.modules:
-        for field_name in MODULE_SCALARS:
+        for field_name, prefix in prefixes:
             value = getattr(trace, field_name)
             if value is not None:
-                rec.scalars[module_prefix(field_name) + trace.name] = float(value)
+                rec.scalars[prefix + trace.name] = float(value)
         if trace.calls > 1:
             rec.scalars[f"calls/{trace.name}"] = trace.calls
     measured = [t for t in result.modules if t.activation_row is not None]
@@ -151,15 +152,15 @@ def _add_probes(rec: StepRecord, result: ProbeResult, stats: Sequence[str], bins
 def _add_tensor_family(rec: StepRecord, family: str, names: Sequence[str], rows: np.ndarray, stats: Sequence[str], bins: int) -> None:
     """The histograms (when ``bins``) and per-tensor stats of one family."""
     for stat, values in S.scalar_stats(rows, stats).items():
-        for name, value in zip(names, values.tolist()):
-            rec.scalars[stat_tag(family, stat, name)] = value
+        prefix = stat_prefix(family, stat)
+        rec.scalars.update(zip([prefix + name for name in names], values.tolist()))
         if stat == "nonfinite":  # a family may come in several pieces (optimizers, devices)
             total = nonfinite_total_tag(family)
             rec.scalars[total] = rec.scalars.get(total, 0.0) + float(values.sum())
     if bins:
-        for name, hist in zip(names, S.histograms(rows, bins)):
-            if hist is not None:
-                rec.histograms[histogram_tag(family, name)] = hist
+        prefix = histogram_tag(family, "")
+        hists = S.histograms(rows, bins)
+        rec.histograms.update([(prefix + name, hist) for name, hist in zip(names, hists) if hist is not None])
 
 
 class ScalarTags:

@@ -53,7 +53,7 @@ class Sample:
         mine = None if optimizer is None else {id(p) for group in optimizer.param_groups for p in group["params"]}
         out = [(n, p) for n, p in (self.params if keep is None else keep)
                if id(p) not in read and (mine is None or id(p) in mine)]
-        read.update(id(p) for _, p in out)
+        read.update([id(p) for _, p in out])
         return out
 
     def stepped(self, steps_now: Optional[int]) -> Optional[bool]:

@@ -69,10 +69,6 @@ def stat_prefix(family: str, stat: str) -> str:
     return f"{family}_{stat}/"
 
 
-def stat_tag(family: str, stat: str, name: str) -> str:
-    return stat_prefix(family, stat) + name
-
-
 def module_prefix(field_name: str) -> str:
     """The prefix of a per-module scalar's tags (one of ``MODULE_SCALARS``): ``fwd_ms/``."""
     return f"{field_name}/"

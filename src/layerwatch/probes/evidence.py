@@ -99,7 +99,7 @@ class Evidence:
         group = next(iter(groups)) if len(groups) == 1 else None  # FSDP: every gradient is a shard over one group
         if spread_ones:
             tensors = local_tensors(tensors)
-        on_cpu = all(S.host_reads_free(t.device) for t in tensors)
+        on_cpu = all(map(S.host_reads_free, {t.device for t in tensors}))
         for indices, norms in fused_norms(tensors, ord=2 if on_cpu else 1):
             total = norms.sum()
             if on_cpu and not math.isfinite(float(total)):

@@ -233,10 +233,10 @@ class RuntimeProbe:
         if self._nonfinite:
             for events, phase in ((self._fwd_events, "forward"), (self._bwd_events, "backward")):
                 for index, inputs, outputs in zip(events[0::3], events[1::3], events[2::3]):
-                    bad_out = any(nonfinite[f] for f in self._evidence.run(outputs))
+                    bad_out = any([nonfinite[f] for f in self._evidence.run(outputs)])
                     trace = traces[index]
                     trace.nonfinite = trace.nonfinite or bad_out
-                    if offender is None and bad_out and not any(nonfinite[f] for f in self._evidence.run(inputs)):
+                    if offender is None and bad_out and not any([nonfinite[f] for f in self._evidence.run(inputs)]):
                         if trace.name not in used.modules:
                             offender = Offender(trace.name, phase)
                         elif user is None:
@@ -312,7 +312,7 @@ class RuntimeProbe:
         """The modules whose forward is running (none once a hook failed)."""
         if self.error is not None:
             return ()
-        return dict.fromkeys(self._call_module[call] for call in self._stack)
+        return dict.fromkeys([self._call_module[call] for call in self._stack])
 
     def _enter(self, index: int, args: tuple, module: nn.Module) -> None:
         if torch._C._current_graph_task_id() != -1:
@@ -359,7 +359,7 @@ class RuntimeProbe:
         tensors = [output] if type(output) is torch.Tensor else list({id(t): t for t in tensors_in(output)}.values())
         if self._memory:  # this rank's bytes
             held = tensors if type(output) is torch.Tensor else local_tensors(tensors)
-            self._activation_bytes[index] += sum(t.numel() * t.element_size() for t in held)
+            self._activation_bytes[index] += sum([t.numel() * t.element_size() for t in held])
             if self._cuda:
                 self._cuda_alloc_bytes[index] += torch.cuda.memory_allocated() - self._call_alloc[call]
         measured = [t for t in tensors if is_float(t)]

@@ -76,7 +76,7 @@ class PluginData:
             for name in new:
                 known.insert(_place(known, name), name)
         positions.clear()
-        positions.update((name, i) for i, name in enumerate(known))
+        positions.update({name: i for i, name in enumerate(known)})
         return True
 
 
