@@ -395,7 +395,7 @@ class RuntimeProbe:
         gradients), flagged together (one fused norm per device)."""
         if not is_compiling() and self.error is None and self._call_bwd_start[call] >= 0:
             model = module()
-            grads = [] if model is None else [p.grad for p in model.parameters() if p.requires_grad]
+            grads = [] if model is None else gradients_of(model)
             self._guarded(self._finish_backward, call, grads, True)  # fused
 
     def _backward_done(self, call: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
@@ -429,6 +429,13 @@ class GradientHook:
             self.probe._backward_starts(self.call, grad)
         else:
             self.probe._backward_done(self.call, (grad,) if grad is None or isinstance(grad, torch.Tensor) else grad)
+
+
+def gradients_of(model: nn.Module) -> list[Optional[torch.Tensor]]:
+    """The gradients of ``model``'s parameters that require one, read from each module's own
+    (a parameter two modules hold comes twice: its NaN flag is the same): no generator resumed
+    per parameter, as ``model.parameters()`` is."""
+    return [p.grad for m in model.modules() for p in m._parameters.values() if p is not None and p.requires_grad]
 
 
 def on_gradients(tensors: list[torch.Tensor], probe: "RuntimeProbe", call: int, done: bool) -> Any:
