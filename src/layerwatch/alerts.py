@@ -117,6 +117,7 @@ class HealthMonitor:
         self._raised: set[tuple[str, str]] = set()
         self._index: dict[str, int] = {}
         self._names: list[str] = []
+        self._layers: list[str] = []  # each slot's module (its parameter's parent), made once
         size = 0
         self._zero_grads = np.zeros(size, dtype=int)
         self._zero_weights = np.zeros(size, dtype=int)
@@ -209,7 +210,7 @@ class HealthMonitor:
                         f"(AlertRules.dead_samples is {n}): zeroed by a bug, or a mask or an init run in the loop?")
         if g_idx is None or not len(g_idx):
             return
-        layers = [parent(self._names[i]) for i in g_idx]
+        layers = [self._layers[i] for i in g_idx]
         zero = g_rows.all_zero
         layer_zero = {layer: True for layer in layers}
         for layer, z in zip(layers, zero):
@@ -278,6 +279,7 @@ class HealthMonitor:
                     if index is None:
                         index = self._index[name] = len(self._names)
                         self._names.append(name)
+                        self._layers.append(parent(name))
                     indices[i] = index
             self._grow(len(self._names))
         return np.array(indices, dtype=int)

@@ -139,17 +139,18 @@ def _wrapper_types() -> tuple[type, ...]:
 def is_wrapper(module: nn.Module) -> bool:
     """An FSDP1, checkpoint or torch.compile wrapper: its wrapped module is the layer, under the
     same name."""
-    return isinstance(module, _wrapper_types()) or _is_compile_wrapper(module)
+    return isinstance(module, _all_wrapper_types())
 
 
-def _is_compile_wrapper(module: nn.Module) -> bool:
+def _all_wrapper_types() -> tuple[type, ...]:
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # imported once anything was compiled
-    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+    return _wrapper_types() + (() if eval_frame is None else (eval_frame.OptimizedModule,))
 
 
 def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``model.named_modules()`` without the wrappers, under their clean names."""
-    return [(clean_name(name), module) for name, module in model.named_modules() if not is_wrapper(module)]
+    wrappers = _all_wrapper_types()
+    return [(clean_name(name), module) for name, module in model.named_modules() if not isinstance(module, wrappers)]
 
 
 # ---------------------------------------------------------------------- the parameters' layout

@@ -84,8 +84,8 @@ def build(
     for family, estimated in (("update", False), ("update_estimate", True)):
         for names, (deltas, after_norms) in rows.get(family, ()):
             ratios = update_ratios(names, deltas, after_norms, {} if estimated else weight_norms)
-            for name, ratio in zip(names, ratios.tolist()):
-                rec.scalars[update_ratio_tag(name, estimated)] = ratio
+            prefix = update_ratio_tag("", estimated)
+            rec.scalars.update(zip([prefix + name for name in names], ratios.tolist()))
     if structure is not None:
         _add_structure(rec, structure)
     if probes is not None:

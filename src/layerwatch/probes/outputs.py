@@ -5,7 +5,7 @@ output (:class:`Outputs`), reduced together after the step."""
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -261,5 +261,11 @@ def nonfinite_sum(t: torch.Tensor) -> torch.Tensor:
 
 def is_float(t: torch.Tensor) -> bool:
     """A dense floating (or complex) tensor: one whose values can be NaN and can be reduced."""
-    return t.layout == torch.strided and (t.is_floating_point() or t.is_complex())
+    return bool(floats([t]))
+
+
+def floats(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The :func:`is_float` tensors of ``tensors`` (one call for all of them)."""
+    strided = torch.strided
+    return [t for t in tensors if t.layout == strided and (t.is_floating_point() or t.is_complex())]
 

@@ -18,10 +18,10 @@ from layerwatch.distributed import is_dtensor, local_tensors, spread
 from layerwatch.hooks import ForwardHooks, detached, entered_by_its_own_hook, inlined_only, is_compiling, tensors_in
 from layerwatch.probes.clocks import CudaClock, HostClock
 from layerwatch.probes.evidence import Evidence
-from layerwatch.probes.outputs import is_float
+from layerwatch.probes.outputs import floats
 from layerwatch.probes.saved import SavedBytes
 from layerwatch.probes.shards import LocalShards
-from layerwatch.probes.selection import probe_name
+from layerwatch.probes.selection import probe_names
 from layerwatch.probes.weights import NonfiniteWeights, WeightCheck
 from layerwatch.zero import is_zero3_param
 from layerwatch.stages import in_shape_inference
@@ -124,7 +124,7 @@ class RuntimeProbe:
         device = next((p.device for p in parameters), torch.device("cpu"))
         self._cuda = device.type == "cuda"
         self._clock: Any = CudaClock([] if cuda_events is None else cuda_events) if self._cuda else HostClock()
-        self._names = [probe_name(name) for name, _ in modules]
+        self._names = probe_names(modules)
         self._index = {id(module): index for index, (_, module) in enumerate(modules)}
         count = len(modules)
         self._calls = [0] * count  # per module
@@ -326,7 +326,7 @@ class RuntimeProbe:
         call = len(self._call_module)
         self._call_module.append(index)
         self._call_start.append(len(self._entered))
-        self._call_inputs.append(self._evidence.add_run([self._evidence.flag(t) for t in tensors if is_float(t)]) if self._nonfinite else -1)
+        self._call_inputs.append(self._evidence.add_run([self._evidence.flag(t) for t in floats(tensors)]) if self._nonfinite else -1)
         self._call_alloc.append(torch.cuda.memory_allocated() if self._memory and self._cuda else 0)
         self._call_bwd_start.append(-1)
         self._call_grad_outputs.append(-1)
@@ -362,7 +362,7 @@ class RuntimeProbe:
             self._activation_bytes[index] += sum([t.numel() * t.element_size() for t in held])
             if self._cuda:
                 self._cuda_alloc_bytes[index] += torch.cuda.memory_allocated() - self._call_alloc[call]
-        measured = [t for t in tensors if is_float(t)]
+        measured = floats(tensors)
         group = None
         if self._shards.raw or self._call_in_group[call] is not None:  # tensor parallel in sight
             group = self._call_group[call] = self._shards.output_group(index, self._call_in_group[call], measured)
@@ -407,7 +407,7 @@ class RuntimeProbe:
         self._bwd_spans += (index, self._call_bwd_start[call], len(self._entered))
         self._call_bwd_start[call] = -1
         if self._nonfinite:
-            grads = [g for g in grads if g is not None and is_float(g)]
+            grads = floats([g for g in grads if g is not None])
             group = self._call_in_group[call]
             flags = self._evidence.flag_together(grads) if fused else [self._evidence.flag(g, group) for g in grads]
             self._bwd_events += (index, self._call_grad_outputs[call], self._evidence.add_run(flags))

@@ -18,6 +18,11 @@ def probe_name(name: str) -> str:
     return name or ROOT
 
 
+def probe_names(modules: Sequence[tuple[str, nn.Module]]) -> list[str]:
+    """:func:`probe_name` of each module's name (one call for a model's thousand modules)."""
+    return [name or ROOT for name, _ in modules]
+
+
 def select_modules(model: nn.Module, modules: Optional[ModuleFilter]) -> list[tuple[str, nn.Module]]:
     """The modules to probe: every one, or those whose name matches a glob pattern or
     whose type is one of the given types. A wrapper (FSDP1, activation checkpointing) is

@@ -14,7 +14,7 @@ from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import FailedForwardGuard
 from layerwatch.probes.runtime import ProbeResult, RuntimeProbe
 from layerwatch.vocabulary import PROBE_FAMILIES
-from layerwatch.probes.selection import (ModuleFilter, is_compiled, probe_name, select_modules,
+from layerwatch.probes.selection import (ModuleFilter, is_compiled, probe_names, select_modules,
                                          split_at_compiled)
 from layerwatch.probes.shapes import CompiledTable
 from layerwatch.probes.traced import TracedProbe
@@ -217,7 +217,7 @@ class StepProbes:
             families = tuple(f for f in families if f != "latency")
         traced = None
         if not eager:  # for a compiled caller, should Dynamo trace these hooks: clear until it does
-            if self._traced is None or self._traced.names != [probe_name(name) for name, _ in modules]:
+            if self._traced is None or self._traced.names != probe_names(modules):
                 self.prepare(model, parameters)
             traced = self._traced
             traced.armed = True

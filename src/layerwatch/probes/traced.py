@@ -40,7 +40,7 @@ from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import inlined_only, tensors_in, with_first_replaced
 from layerwatch.probes.outputs import Outputs, is_float, nonfinite_sum
 from layerwatch.probes.runtime import ModuleTrace, Offender, ProbeResult
-from layerwatch.probes.selection import probe_name
+from layerwatch.probes.selection import probe_names
 from layerwatch.probes.weights import NonfiniteWeights, WeightCheck
 
 
@@ -50,7 +50,7 @@ class TracedProbe:
     def __init__(self, modules: Sequence[tuple[str, nn.Module]], *, families: Sequence[str], bins: int, zeros: bool,
                  centered: bool, device: torch.device) -> None:
         self.armed = False
-        self.names = [probe_name(name) for name, _ in modules]
+        self.names = probe_names(modules)
         self._index = {id(module): index for index, (_, module) in enumerate(modules)}
         self._activations = "activations" in families
         self._nonfinite = "nonfinite" in families
