@@ -243,3 +243,19 @@ def test_a_missing_gradient_or_a_dtype_the_kernel_does_not_take_is_checked_by_no
     sentinel.check_next(1, True)  # p0 has no gradient
     [finding] = sentinel.poll()
     assert sorted(finding.tensors) == ["c", "p1"] and finding.nan
+
+
+def test_the_flag_is_float32_whatever_the_default_dtype():
+    """The fused kernel takes float32 flags only: a run under torch.set_default_dtype(float64) is checked too."""
+    was = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        named = params([2, 2])
+        sentinel = NonfiniteSentinel()
+        sentinel.watch(named, lambda t: t)
+        gradients(named, [[0.0, 1.0], [float("nan"), 0.0]])
+        sentinel.check_next(2, True)
+        [finding] = sentinel.poll()
+    finally:
+        torch.set_default_dtype(was)
+    assert finding.tensors == ["p1"] and finding.nan

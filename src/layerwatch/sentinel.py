@@ -56,7 +56,7 @@ class Finding:
     step: int
     tensors: list[str]  # the parameters whose gradient held them
     stepped: Optional[bool]  # whether the optimizer stepped (False: a GradScaler skip); None: unknown
-    nan: bool  # NaN or Inf values for certain (a NaN norm, a flag); else only infinite norms, which finite values past ~1.8e19 also give
+    nan: bool  # NaN/Inf values for certain (a NaN norm, a flag); else only infinite norms (finite values past ~1.8e19 give them)
     rotation: int = 1  # steps the sentinel took to check every gradient once (see NonfiniteSentinel.rotation)
     seen_by: str = ""  # who found it, when not the sentinel's own check (DeepSpeed's skip of the step)
     unnamed: bool = False  # a flag landed after its gradients were gone: ``tensors`` are not known
@@ -152,10 +152,10 @@ class NonfiniteSentinel:
         """One flag, nonzero when ``grads`` (on ``device``, of one dtype) hold a NaN or Inf: the loss
         scaler's fused kernel at an inverse scale of 1.0, which writes every value back as it was."""
         if device not in self._ones:
-            self._ones[device] = torch.ones(1, device=device)
-            self._read_at_once[device] = torch.zeros(1, device=device)
+            self._ones[device] = torch.ones(1, dtype=torch.float32, device=device)
+            self._read_at_once[device] = torch.zeros(1, dtype=torch.float32, device=device)
         # A flag read at once is kept (the kernel only ever sets it; a hit zeroes it): one op fewer a step
-        flag = self._read_at_once[device] if S.host_reads_free(device) else torch.zeros(1, device=device)
+        flag = self._read_at_once[device] if S.host_reads_free(device) else torch.zeros(1, dtype=torch.float32, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, self._ones[device])
         return flag
 
