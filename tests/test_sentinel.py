@@ -259,3 +259,16 @@ def test_the_flag_is_float32_whatever_the_default_dtype():
     finally:
         torch.set_default_dtype(was)
     assert finding.tensors == ["p1"] and finding.nan
+
+
+def test_a_gradient_the_kernel_cannot_write_back_is_checked_by_norms():
+    """An expanded gradient (one memory location for several values, as a user may assign) cannot
+    be written in place: that step's share is checked by norms, and its NaN is found."""
+    named = params([4, 2])
+    sentinel = NonfiniteSentinel()
+    sentinel.watch(named, lambda t: t)
+    named[0][1].grad = torch.tensor([float("nan")]).expand(4)
+    named[1][1].grad = torch.zeros(2)
+    sentinel.check_next(5, True)
+    [finding] = sentinel.poll()
+    assert finding.tensors == ["p0"]

@@ -131,7 +131,7 @@ class NonfiniteSentinel:
             try:
                 checks = [(self._flag(group, params[0].device) if flagged else _norms(group), names, params if flagged else None)
                           for (params, names, flagged), group in zip(plan, grads)]
-            except (TypeError, NotImplementedError):  # a gradient missing (unused this step) or sparse
+            except (TypeError, RuntimeError):  # a gradient missing (unused this step), sparse, or expanded (not writable)
                 checks = None
             if checks is not None:
                 self._enqueue(step, checks, stepped)
