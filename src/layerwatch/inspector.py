@@ -87,8 +87,8 @@ class Inspector:
             ``"(root)"``) or that are instances of one of these types (``nn.Linear``).
             Default: every module.
         sentinel: Check the gradients for NaN/Inf between samples (on a GPU all of them every
-            step, on the CPU a rotating share; one fused reduction, read without stalling
-            the device); on the first hit log
+            step, on the CPU a rotating share; one fused kernel that sets a flag, read without
+            stalling the device); on the first hit log
             ``layerwatch/first_nonfinite_step``, warn, and replay that step's batch with every
             probe armed when :meth:`replay_with` gave it (else sample the next step with every
             probe armed: it shows what came after the fault). Pass ``optimizer=`` when a
