@@ -18,7 +18,7 @@ from layerwatch.hooks import Attachments
 from layerwatch.options import validate_options
 from layerwatch.output import Output
 from layerwatch.probes import Offender, ProbeResult, StepProbes
-from layerwatch.sentinel import StepCounter
+from layerwatch.sentinel import NonfiniteSentinel, StepCounter
 from layerwatch.vocabulary import FIRST_NONFINITE_STEP
 
 REPLAY_HINT = "to find it, let layerwatch replay the bad step: Inspector.replay_with(closure) before each step's forward"
@@ -118,12 +118,18 @@ def test_a_nan_gradient_found_at_the_end_of_a_step_asks_one_sample_warns_and_wri
     assert [(e.step, e.value) for e in events(tmp_path).Scalars(FIRST_NONFINITE_STEP)] == [(5, 5.0)]
 
 
-def test_an_inf_only_gradient_is_said_to_be_possibly_an_explosion():
+def test_an_inf_value_found_by_the_flag_is_said_as_such_and_an_infinite_norm_as_possibly_an_explosion():
+    """The fused flag sees values: an Inf is an Inf. A norm (the check of what the kernel does not
+    take) also turns infinite when finite values are large enough, and the warning says so."""
     parts = Parts()
     parts.clean_gradients()
     parts.model.bias.grad[1] = math.inf
     _, (message,) = end_step(parts, 2)
-    assert "at step 2 (the sentinel, every step) in bias (or finite gradients whose norm passes ~1.8e19: an explosion)" in message
+    assert "at step 2 (the sentinel, every step) in bias;" in message and "explosion" not in message
+    sentinel = NonfiniteSentinel()
+    sentinel.check(3, [("big", torch.full((4,), 1e30))], True)  # finite, but its float32 norm overflows
+    [finding] = sentinel.poll()
+    assert finding.tensors == ["big"] and not finding.nan
 
 
 def test_a_finding_whose_optimizer_step_was_skipped_is_no_fault():
@@ -432,7 +438,6 @@ def test_a_check_that_lands_later_is_not_waited_for_once_the_budget_spread_it(mo
     measured the checks within their share: not before it measured them, nor once it spread the
     check (the CPU's check costs no wait: it stays)."""
     from layerwatch.faults import spread_message
-    from layerwatch.sentinel import NonfiniteSentinel
 
     watch, poll, polled = NonfiniteSentinel.watch, NonfiniteSentinel.poll, []
 
@@ -451,6 +456,23 @@ def test_a_check_that_lands_later_is_not_waited_for_once_the_budget_spread_it(mo
     assert parts.faults.check(parts.params, before_optimizer_step=True) is None
     assert polled == waited
     assert "Nor is its check waited for" in spread_message(5, True) and "waited" not in spread_message(5, False)
+
+
+def test_the_first_check_is_not_waited_for_before_the_budget_measured_it(monkeypatch):
+    """Before its first check the sentinel does not know where the gradients are: taken as a GPU's,
+    whose check is not waited for (a sync) until the budget measured it; known once watched."""
+    poll, polled = NonfiniteSentinel.poll, []
+    monkeypatch.setattr(NonfiniteSentinel, "poll", lambda self, wait=False, at_hand=None: polled.append(wait) or poll(self, wait, at_hand))
+    parts = Parts()
+    parts.clean_gradients()
+    assert parts.faults.sentinel.lands_later is None
+    for step, waited in ((0, []), (1, [True])):  # the CPU's: known after the first check, and free to read
+        polled.clear()
+        parts.faults.open(step, 1, False)
+        parts.faults.offer(lambda: parts.model(torch.ones(1, 3)).sum(), voting=False)
+        assert parts.faults.check(parts.params, before_optimizer_step=True) is None
+        assert polled == waited, step
+        parts.faults.check(parts.params)
 
 
 def test_the_sentinels_shares_are_made_again_only_for_other_tensors_or_a_new_spread(monkeypatch):
@@ -473,3 +495,14 @@ def test_the_sentinels_shares_are_made_again_only_for_other_tensors_or_a_new_spr
     parts.faults.open(3, spread=2)
     parts.faults.check(parts.params)
     assert watched == [2, 2, 2]
+
+
+def test_the_warning_says_which_gradients_the_flag_did_not_name():
+    from layerwatch.faults import _where
+    from layerwatch.sentinel import Finding
+
+    assert _where(Finding(3, ["a"], True, True)) == " in a"
+    assert _where(Finding(3, [], True, True, unnamed=True)) == " in this step's share of the gradients (its one flag names none)"
+    assert _where(Finding(3, ["a"], True, True, unnamed=True)) == (
+        " in a and this step's share of the gradients (its one flag names none)")  # a norms group named a, a flag none
+    assert _where(Finding(3, [], True, True)) == " in gradients (shards, or a pipeline stage's) held by another rank"

@@ -366,3 +366,10 @@ def test_the_checks_count_as_measured_once_the_budget_has_measured_them_and_alwa
     assert not sampling.checks_measured and sampling.sentinel_spread == 1
     unsampled_steps(sampling, clock, 17)  # steps 8 and 16 ask the pacer: cheap checks, left whole
     assert sampling.checks_measured and sampling.sentinel_spread == 1
+
+
+def test_the_checks_count_as_measured_once_the_ranks_fall_back_to_a_fixed_interval():
+    sampling = budgeted(0.01)
+    assert not sampling.checks_measured
+    sampling.pacer = None  # as open_groups does when the ranks cannot share an interval
+    assert sampling.checks_measured

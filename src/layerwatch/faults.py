@@ -159,7 +159,7 @@ class Faults:
         step = self.step
         # Waiting for a check that lands later is a device sync a step: only once the budget measured the checks
         # within their share (it measures the waits too from then on, and spreads the check when they cost more).
-        free = not sentinel.lands_later or (self._measured and self._spread == 1)
+        free = sentinel.lands_later is False or (self._measured and self._spread == 1)
         replayable = before_optimizer_step and bool(self.micro_batches) and free
         if before_optimizer_step:
             stepped: Optional[bool] = True if replayable else None  # else settled at the end of the step
@@ -317,9 +317,7 @@ class Faults:
         if not is_writer_rank():
             return
         rec = R.build(finding.step, first_nonfinite_step=finding.step)
-        names = ", ".join(finding.tensors[:5]) + (f" and {len(finding.tensors) - 5} more" if len(finding.tensors) > 5 else "")
-        where = (f" in {names}" if names else " in this step's share of the gradients (its one flag names none)"
-                 if finding.unnamed else " in gradients (shards, or a pipeline stage's) held by another rank")
+        where = _where(finding)
         overflow = "" if finding.nan else " (or finite gradients whose norm passes ~1.8e19: an explosion)"
         every = "every step" if finding.rotation == 1 else f"each gradient at least every {finding.rotation} steps"
         if sampled_step is None:
@@ -389,6 +387,14 @@ class Faults:
         return (f"first module to use a non-finite weight at step {step}: {user.name} ({names} held NaN/Inf before "
                 f"the step's forward). The fault happened {when}; the optimizer carried it into the weights, so the "
                 f"module that made it is not known ({how})")
+
+
+def _where(finding: Finding) -> str:
+    """Where the warning says the NaN/Inf was: the gradients named, those a flag did not name, or another rank's."""
+    names = ", ".join(finding.tensors[:5]) + (f" and {len(finding.tensors) - 5} more" if len(finding.tensors) > 5 else "")
+    if finding.unnamed:
+        return f"{f' in {names} and' if names else ' in'} this step's share of the gradients (its one flag names none)"
+    return f" in {names}" if names else " in gradients (shards, or a pipeline stage's) held by another rank"
 
 
 def _nonfinite(params: Sequence[tuple[str, nn.Parameter]]) -> list[str]:

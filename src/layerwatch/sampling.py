@@ -56,7 +56,7 @@ class Sampling:
         self._interval_sync: Optional[RankSync] = None
         self._proposed_interval: Optional[int] = None  # rank 0's choice at this step, not shared yet
         self.sentinel_spread = 1  # the steps the sentinel's check is spread over (the budget's, shared by rank 0)
-        self.checks_measured = self.pacer is None  # the budget measured them (with no budget: nothing to measure)
+        self._checks_measured = False  # the budget measured the per-step checks (see checks_measured)
         self._proposed_spread: Optional[int] = None
         self._forced = False  # a fault asked for a sample
         self._checked = False  # the schedule's first call (its check) was made
@@ -238,12 +238,18 @@ class Sampling:
         if is_writer_rank():
             self.failures.say(pacer.message(previous))
 
+    @property
+    def checks_measured(self) -> bool:
+        """Whether the budget measured the per-step checks; always, with no budget (a fixed
+        schedule, or one the ranks fell back to): there is nothing to measure them against."""
+        return self.pacer is None or self._checks_measured
+
     def _spread_to(self, spread: Optional[int]) -> None:
         """Spread the sentinel's check over ``spread`` steps, when that is more (the sentinel
         says what it checks then: :class:`~layerwatch.faults.Faults`); any spread at all says
         the budget measured the checks."""
         if spread is not None:
-            self.checks_measured = True
+            self._checks_measured = True
             self.sentinel_spread = max(spread, self.sentinel_spread)
 
     def state_dict(self) -> dict[str, int]:

@@ -69,18 +69,20 @@ CPU_MAX_TENSORS = 16  # a CPU share's tensors: a norm costs the host ~1 us a ten
 
 Piece = tuple[str, torch.nn.Parameter, Optional[slice]]  # a parameter's gradient, or the slice of its values to check
 Group = tuple[list[torch.nn.Parameter], list[str], bool]  # whole gradients of one device and dtype, their names, flagged
-Check = tuple[torch.Tensor, list[str], Optional[list[torch.nn.Parameter]]]  # peaks or a flag (with its group's parameters)
+# peaks or a flag, the names, a flag's parameters (None: peaks), whether a non-finite peak is a NaN/Inf value for certain
+Check = tuple[torch.Tensor, list[str], Optional[list[torch.nn.Parameter]], bool]
 _GRAD = operator.attrgetter("grad")
 
 
 class NonfiniteSentinel:
     def __init__(self) -> None:
-        self._pending: deque[tuple[int, list[tuple[list[str], Any]], list[tuple[torch.Tensor, Any]], Optional[bool]]] = deque()
+        self._pending: deque[tuple[int, list[tuple[list[str], Any, bool]], list[tuple[torch.Tensor, Any]], Optional[bool]]]
+        self._pending = deque()
         self._shares: list[list[Piece]] = []
         self._plans: list[Optional[list[Group]]] = []  # per share, when it is whole plain gradients
         self._ones: dict[torch.device, torch.Tensor] = {}  # the fused check's inverse scale, 1.0, per device
         self._read_at_once: dict[torch.device, torch.Tensor] = {}  # the flag, per device whose reads are free
-        self.lands_later = False
+        self.lands_later: Optional[bool] = None  # not known before watch(): taken as later (see Faults.check)
         self._next = 0
 
     def watch(self, params: Sequence[tuple[str, torch.nn.Parameter]], local: Any, spread: int = 1) -> None:
@@ -128,13 +130,16 @@ class NonfiniteSentinel:
         plan = self._plans[index]
         if plan is not None:  # no tensor per gradient, no Python loop over them: one kernel per device and dtype
             grads = [list(map(_GRAD, params)) for params, _, _ in plan]
+            free = all(S.host_reads_free(params[0].device) for params, _, _ in plan)  # the whole share read at once
             try:
-                checks = [(self._flag(group, params[0].device) if flagged else _norms(group), names, params if flagged else None)
-                          for (params, names, flagged), group in zip(plan, grads)]
+                checks = [(self._flag(group, params[0].device, free), names, params, True) if flagged
+                          else (_norms(group), names, None, False) for (params, names, flagged), group in zip(plan, grads)]
             except (TypeError, RuntimeError):  # a gradient missing (unused this step), sparse, or expanded (not writable)
+                for flag in self._read_at_once.values():  # a group flagged before the failure: the norms check it again
+                    flag.zero_()
                 checks = None
             if checks is not None:
-                self._enqueue(step, checks, stepped)
+                self._enqueue(step, checks, stepped, free)
                 return
         share = self._shares[index]
         local = self._local
@@ -146,26 +151,29 @@ class NonfiniteSentinel:
         if not named_grads:
             return
         groups = fused_norms([grad for _, grad in named_grads])
-        self._enqueue(step, [(peaks, [named_grads[i][0] for i in indices], None) for indices, peaks in groups], stepped)
+        free = all(S.host_reads_free(peaks.device) for _, peaks in groups)
+        checks: list[Check] = [(peaks, [named_grads[i][0] for i in indices], None, False) for indices, peaks in groups]
+        self._enqueue(step, checks, stepped, free)
 
-    def _flag(self, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    def _flag(self, grads: list[torch.Tensor], device: torch.device, kept: bool) -> torch.Tensor:
         """One flag, nonzero when ``grads`` (on ``device``, of one dtype) hold a NaN or Inf: the loss
-        scaler's fused kernel at an inverse scale of 1.0, which writes every value back as it was."""
+        scaler's fused kernel at an inverse scale of 1.0, which writes every value back as it was.
+        ``kept``: the share is read at once, so the flag kept for the device serves (a hit zeroes it)."""
         if device not in self._ones:
             self._ones[device] = torch.ones(1, dtype=torch.float32, device=device)
             self._read_at_once[device] = torch.zeros(1, dtype=torch.float32, device=device)
         # A flag read at once is kept (the kernel only ever sets it; a hit zeroes it): one op fewer a step
-        flag = self._read_at_once[device] if S.host_reads_free(device) else torch.zeros(1, dtype=torch.float32, device=device)
+        flag = self._read_at_once[device] if kept else torch.zeros(1, dtype=torch.float32, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, self._ones[device])
         return flag
 
-    def _enqueue(self, step: int, checks: list[Check], stepped: Optional[bool]) -> None:
-        """Read each check where that is free (the CPU), else start its copy to the host."""
-        if all(S.host_reads_free(t.device) for t, _, _ in checks):  # read at once: nothing waits
-            hits = [(t, names, params) for t, names, params in checks if _hit(t, params is not None)]
+    def _enqueue(self, step: int, checks: list[Check], stepped: Optional[bool], free: bool) -> None:
+        """Read the checks at once where that is ``free`` (the CPU), else start their copies to the host."""
+        if free:  # read at once: nothing waits
+            hits = [check for check in checks if _hit(check[0], check[2] is not None)]
             if hits:  # a flag's gradients are at hand: their peaks name them
-                self._pending.append((step, *_landed([_named(t, names, params) for t, names, params in hits]), stepped))
-                for t, _, params in hits:
+                self._pending.append((step, *_landed([_named(*check) for check in hits]), stepped))
+                for t, _, params, _ in hits:
                     if params is not None:
                         t.zero_()
             return
@@ -187,21 +195,20 @@ class NonfiniteSentinel:
             self._pending.popleft()
             names: list[str] = []
             nan = unnamed = False
-            for (host, _), (group, params) in zip(copies, kept):
+            for (host, _), (group, params, certain) in zip(copies, kept):
                 values = host.tolist()  # a landed host copy: reading it waits for nothing
-                if params is not None and values[0]:  # a flag: some value of the group's is NaN or Inf
-                    nan = True
-                    if step == at_hand:
-                        peaks, group, _ = _named(host, group, params)
-                        names += [group[i] for i, v in enumerate(peaks.tolist()) if not math.isfinite(v)]
-                    else:
-                        unnamed = True
-                elif params is None:
-                    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
-                    names += [group[i] for i in bad]
-                    nan = nan or any(math.isnan(values[i]) for i in bad)
+                if params is not None:  # a flag: set when some value of the group's is NaN or Inf
+                    if values[0]:
+                        nan = True
+                        named = _offenders(group, params) if step == at_hand else []
+                        names += named
+                        unnamed = unnamed or not named
+                    continue
+                bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+                names += [group[i] for i in bad]
+                nan = nan or (bool(bad) and certain) or any(math.isnan(values[i]) for i in bad)
             if names or unnamed:  # a parameter's slices: named once
-                found.append(Finding(step, list(dict.fromkeys(names)), stepped, nan, self.rotation, unnamed=not names))
+                found.append(Finding(step, list(dict.fromkeys(names)), stepped, nan, self.rotation, unnamed=unnamed))
         return found
 
     def settle(self, step: int, stepped: Optional[bool]) -> None:
@@ -285,21 +292,32 @@ def _hit(t: torch.Tensor, flag: bool) -> bool:
     return bool(t.item()) if flag else not math.isfinite(float(t.sum()))
 
 
-def _named(t: torch.Tensor, names: list[str], params: Optional[list[torch.nn.Parameter]]) -> Check:
+def _named(t: torch.Tensor, names: list[str], params: Optional[list[torch.nn.Parameter]], certain: bool) -> Check:
     """A check that found NaN/Inf, as peaks that name the gradients: a flag's, the largest magnitude
-    of each of its gradients present (which no finite value overflows)."""
-    if params is None:
-        return t, names, None
+    of each of its gradients present (which no finite value overflows: a non-finite one is certain)."""
+    return (t, names, None, certain) if params is None else (*_peaks(names, params), None, True)
+
+
+def _peaks(names: list[str], params: list[torch.nn.Parameter]) -> tuple[torch.Tensor, list[str]]:
+    """The largest magnitude of each parameter's gradient (on the host, in their dtype), and the
+    names of those that have one."""
     present = [(name, p.grad) for name, p in zip(names, params) if p.grad is not None]
+    if not present:
+        return torch.zeros(0), []
     with torch.no_grad():
-        peaks = torch.stack(torch._foreach_norm([g for _, g in present], math.inf)).cpu()  # in their own dtype
-    return peaks, [name for name, _ in present], None
+        return torch.stack(torch._foreach_norm([g for _, g in present], math.inf)).cpu(), [name for name, _ in present]
 
 
-def _landed(checks: list[Check]) -> tuple[list[tuple[list[str], Any]], list[tuple[torch.Tensor, Any]]]:
-    """What a pending check keeps (names, a flag's parameters), and its copies to the host with
-    the events that say they landed (None: landed already)."""
-    return [(names, params) for _, names, params in checks], [_to_host(t) for t, _, _ in checks]
+def _offenders(names: list[str], params: list[torch.nn.Parameter]) -> list[str]:
+    """The parameters whose gradient (as it is now) holds a NaN or Inf."""
+    peaks, present = _peaks(names, params)
+    return [present[i] for i, v in enumerate(peaks.tolist()) if not math.isfinite(v)]
+
+
+def _landed(checks: list[Check]) -> tuple[list[tuple[list[str], Any, bool]], list[tuple[torch.Tensor, Any]]]:
+    """What a pending check keeps (names, a flag's parameters, certain), and its copies to the host
+    with the events that say they landed (None: landed already)."""
+    return [(names, params, certain) for _, names, params, certain in checks], [_to_host(t) for t, _, _, _ in checks]
 
 
 def _to_host(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
