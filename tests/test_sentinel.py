@@ -272,3 +272,21 @@ def test_a_gradient_the_kernel_cannot_write_back_is_checked_by_norms():
     sentinel.check_next(5, True)
     [finding] = sentinel.poll()
     assert finding.tensors == ["p0"]
+
+
+def test_a_frozen_parameter_is_not_watched_and_its_share_keeps_the_fused_flag(monkeypatch):
+    """A parameter that requires no gradient never has one: left out of the shares, it does not
+    send a frozen backbone's every share to the norms (a missing gradient would)."""
+    named = params([2, 2, 2])
+    named[1][1].requires_grad_(False)
+    sentinel = NonfiniteSentinel()
+    sentinel.watch(named, lambda t: t)
+    assert [name for share in sentinel._shares for name, _, _ in share] == ["p0", "p2"]
+    normed = []
+    norms = sentinel_module._norms
+    monkeypatch.setattr(sentinel_module, "_norms", lambda t, *a: normed.append(len(t)) or norms(t, *a))
+    gradients([named[0], named[2]], [[0.0, 1.0], [float("nan"), 0.0]])
+    sentinel.check_next(1, True)
+    assert normed == []  # the flag, not the norms
+    [finding] = sentinel.poll()
+    assert finding.tensors == ["p2"]

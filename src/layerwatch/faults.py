@@ -159,8 +159,8 @@ class Faults:
         step = self.step
         # Waiting for a check that lands later is a device sync a step: only once the budget measured the checks
         # within their share (it measures the waits too from then on, and spreads the check when they cost more).
-        free = sentinel.lands_later is False or (self._measured and self._spread == 1)
-        replayable = before_optimizer_step and bool(self.micro_batches) and free
+        may_wait = sentinel.lands_later is False or (self._measured and self._spread == 1)
+        replayable = before_optimizer_step and bool(self.micro_batches) and may_wait
         if before_optimizer_step:
             stepped: Optional[bool] = True if replayable else None  # else settled at the end of the step
         else:
@@ -413,7 +413,8 @@ def spread_message(rotation: int, lands_later: bool) -> str:
 
 
 def _same(watched: Optional[Params], params: Params) -> bool:
-    """The same parameters (the same tensors, under the same names) as the sentinel watches: a
-    sample walks them again, and its shares need not be made again (their work is per tensor)."""
-    return (watched is not None and [id(p) for _, p in watched] == [id(p) for _, p in params]
-            and [name for name, _ in watched] == [name for name, _ in params])
+    """The same parameters (the same tensors, under the same names, frozen or not) as the sentinel
+    watches: a sample walks them again, and its shares need not be made again (their work is per tensor)."""
+    if watched is None:
+        return False
+    return [(n, id(p), p.requires_grad) for n, p in watched] == [(n, id(p), p.requires_grad) for n, p in params]

@@ -37,7 +37,6 @@ On the CPU, ``ord=inf`` (which never overflows) runs 10x slower and ``ord=1`` 2x
 from __future__ import annotations
 
 import math
-import operator
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -71,7 +70,6 @@ Piece = tuple[str, torch.nn.Parameter, Optional[slice]]  # a parameter's gradien
 Group = tuple[list[torch.nn.Parameter], list[str], bool]  # whole gradients of one device and dtype, their names, flagged
 # peaks or a flag, the names, a flag's parameters (None: peaks), whether a non-finite peak is a NaN/Inf value for certain
 Check = tuple[torch.Tensor, list[str], Optional[list[torch.nn.Parameter]], bool]
-_GRAD = operator.attrgetter("grad")
 
 
 class NonfiniteSentinel:
@@ -92,6 +90,7 @@ class NonfiniteSentinel:
         steps, a share holding at most ``1 / spread`` of the gradient tensors (the overhead
         budget's doing, when the check costs the host more than its share of it)."""
         self._local = local
+        params = [(name, p) for name, p in params if p.requires_grad]  # a frozen one never has a gradient
         on_gpu = any(p.device.type != "cpu" for _, p in params)
         self.lands_later = any(not S.host_reads_free(p.device) for _, p in params)  # read later, or waited for (a sync)
         total = sum(p.numel() * p.element_size() for _, p in params)
@@ -128,8 +127,8 @@ class NonfiniteSentinel:
         index = self._next % len(self._shares)
         self._next += 1
         plan = self._plans[index]
-        if plan is not None:  # no tensor per gradient, no Python loop over them: one kernel per device and dtype
-            grads = [list(map(_GRAD, params)) for params, _, _ in plan]
+        if plan is not None:  # no tensor per gradient: one kernel per device and dtype
+            grads = [[p.grad for p in params] for params, _, _ in plan]
             free = all(S.host_reads_free(params[0].device) for params, _, _ in plan)  # the whole share read at once
             try:
                 checks = [(self._flag(group, params[0].device, free), names, params, True) if flagged
@@ -288,7 +287,8 @@ def _flagged(p: torch.Tensor) -> bool:
 
 
 def _hit(t: torch.Tensor, flag: bool) -> bool:
-    """Whether a check read at once found a NaN or Inf: its flag set, or a norm not finite."""
+    """Whether a check read at once found a NaN or Inf: its flag set, or a norm not finite. Only
+    where the host reads ``t`` freely (the CPU: a read of memory, no sync), one read a group."""
     return bool(t.item()) if flag else not math.isfinite(float(t.sum()))
 
 
