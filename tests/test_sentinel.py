@@ -198,7 +198,7 @@ def test_the_fused_flag_leaves_every_gradient_bitwise_as_it_was_and_names_the_of
     before = [p.grad.clone() for _, p in named]
     sentinel = NonfiniteSentinel()
     sentinel.watch(named, lambda t: t)
-    assert sentinel._plans[0][0][2]  # the flag kernel takes the dtype on the CPU
+    assert sentinel._plans[0][0][2] is not None  # the flag kernel takes the dtype on the CPU
     sentinel.check_next(7, True)
     for (_, p), b in zip(named, before):
         assert torch.equal(p.grad.view(torch.uint8 if dtype.itemsize == 1 else {2: torch.int16, 4: torch.int32,
@@ -237,7 +237,7 @@ def test_a_missing_gradient_or_a_dtype_the_kernel_does_not_take_is_checked_by_no
     named = params([2, 2]) + [("c", nn.Parameter(torch.zeros(2, dtype=torch.complex64)))]
     sentinel = NonfiniteSentinel()
     sentinel.watch(named, lambda t: t)
-    assert [flagged for _, _, flagged in sentinel._plans[0]] == [True, False]
+    assert [ones is not None for _, _, ones, _ in sentinel._plans[0]] == [True, False]
     named[1][1].grad = torch.tensor([float("nan"), 0.0])
     named[2][1].grad = torch.tensor([float("inf"), 0.0], dtype=torch.complex64)
     sentinel.check_next(1, True)  # p0 has no gradient

@@ -96,8 +96,8 @@ class Engine:
         self.owner = owner
         self.log_dir = None if log_dir is None else writable_dir(log_dir)
         self._model = weakref.ref(model)
-        self._state, self._step, self._samples_written = "new", 0, 0
-        self._sample: Optional[Sample] = None
+        self._state, self._step, self._samples_written, self._armed = "new", 0, 0, False
+        self._sample: Optional[Sample] = None  # _armed: its hooks are on, from a sampled step's start to the next step's
         self.failures = FailurePolicy()
         self._params = ParameterFamilies(options, self.failures)
         self._reads = SampleReads(options, self.failures, self._params)
@@ -275,6 +275,7 @@ class Engine:
         if model is not None and (is_writer_rank() or self._placement.together):
             self._probes.arm(model, [p for _, p in sample.params], step, writer=is_writer_rank())
             self._collector.attach()
+            self._armed = True
         sample.overhead_s += time.perf_counter() - started
         return True
 
@@ -360,9 +361,10 @@ class Engine:
             raise RuntimeError(f"{what}() called on an {self.owner.lower()} that is {self._state}; call start() first")
 
     def _drop_sample(self) -> None:
-        self._probes.disarm()
-        self._collector.remove()
-        self._sample = None
+        if self._armed:
+            self._probes.disarm()
+            self._collector.remove()
+        self._sample, self._armed = None, False
 
     def _parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The parameters as last walked (walked now, the first time)."""
@@ -373,8 +375,7 @@ class Engine:
     def _check_faults(self, before_optimizer_step: bool = False) -> None:
         """The sentinel's check (:meth:`Faults.check`); a replay that named the module makes the
         step sampled, with what the replay's probes saw."""
-        replayed = self._faults.check(self._parameters, before_optimizer_step)
-        if replayed is None:
+        if (replayed := self._faults.check(self._parameters, before_optimizer_step)) is None:
             return
         sample = self._sample = self._sample or Sample(self._step, self._parameters(), self._counter.count)
         self._param_cache = sample.params

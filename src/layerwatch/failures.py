@@ -72,6 +72,11 @@ class FailurePolicy:
         try:
             action()
         except Exception as e:  # an inspector must never break the training run
-            self.warn_once(f"fail:{what}", f"layerwatch: could not {what} at step {step}: {e!r}; skipped")
+            self.failed(what, e, step)
             return False
         return True
+
+    def failed(self, what: str, error: Exception, step: int) -> None:
+        """``error`` stopped ``what`` at ``step``: warned once (``could not <what>``), as :meth:`run`
+        does, for a path run every step that catches it itself (no closure to make a step)."""
+        self.warn_once(f"fail:{what}", f"layerwatch: could not {what} at step {step}: {error!r}; skipped")

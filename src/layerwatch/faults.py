@@ -168,8 +168,10 @@ class Faults:
             sentinel.settle(step, stepped)
         if before_optimizer_step or not self._checked:
             self._checked = True
-            watched = params()
-            self.failures.run("check the gradients for NaN/Inf", lambda: self._enqueue(sentinel, watched, step, stepped), step)
+            try:
+                self._enqueue(sentinel, params(), step, stepped)
+            except Exception as e:  # an inspector must never break the training run
+                self.failures.failed("check the gradients for NaN/Inf", e, step)
         if before_optimizer_step and not replayable:
             return None
         findings = sentinel.poll(wait=replayable, at_hand=step if replayable else None)

@@ -36,6 +36,7 @@ On the CPU, ``ord=inf`` (which never overflows) runs 10x slower and ``ord=1`` 2x
 
 from __future__ import annotations
 
+import array
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -67,7 +68,9 @@ CPU_MAX_TENSORS = 16  # a CPU share's tensors: a norm costs the host ~1 us a ten
 
 
 Piece = tuple[str, torch.nn.Parameter, Optional[slice]]  # a parameter's gradient, or the slice of its values to check
-Group = tuple[list[torch.nn.Parameter], list[str], bool]  # whole gradients of one device and dtype, their names, flagged
+# whole gradients of one device and dtype, their names, and for the flag kernel (None: norms instead) its inverse
+# scale (1.0, on their device) and the flag kept between steps (None: the share is read later, a fresh flag a step)
+Group = tuple[list[torch.nn.Parameter], list[str], Optional[torch.Tensor], Optional[torch.Tensor]]
 # peaks or a flag, the names, a flag's parameters (None: peaks), whether a non-finite peak is a NaN/Inf value for certain
 Check = tuple[torch.Tensor, list[str], Optional[list[torch.nn.Parameter]], bool]
 
@@ -78,8 +81,9 @@ class NonfiniteSentinel:
         self._pending = deque()
         self._shares: list[list[Piece]] = []
         self._plans: list[Optional[list[Group]]] = []  # per share, when it is whole plain gradients
+        self._free: list[bool] = []  # per share: whether the host reads all its checks at once (the CPU's)
         self._ones: dict[torch.device, torch.Tensor] = {}  # the fused check's inverse scale, 1.0, per device
-        self._read_at_once: dict[torch.device, torch.Tensor] = {}  # the flag, per device whose reads are free
+        self._kept: Optional[tuple[torch.Tensor, array.array]] = None  # the CPU's flag kept between steps, its memory
         self.lands_later: Optional[bool] = None  # not known before watch(): taken as later (see Faults.check)
         self._next = 0
 
@@ -113,7 +117,8 @@ class NonfiniteSentinel:
                 size += piece_bytes
         if share:
             self._shares.append(share)
-        self._plans = [_plan(share) for share in self._shares]
+        self._free = [all(S.host_reads_free(p.device) for _, p, _ in share) for share in self._shares]
+        self._plans = [self._plan(share, free) for share, free in zip(self._shares, self._free)]
 
     @property
     def rotation(self) -> int:
@@ -128,17 +133,24 @@ class NonfiniteSentinel:
         self._next += 1
         plan = self._plans[index]
         if plan is not None:  # no tensor per gradient: one kernel per device and dtype
-            grads = [[p.grad for p in params] for params, _, _ in plan]
-            free = all(S.host_reads_free(params[0].device) for params, _, _ in plan)  # the whole share read at once
+            checks: Optional[list[Check]] = []
             try:
-                checks = [(self._flag(group, params[0].device, free), names, params, True) if flagged
-                          else (_norms(group), names, None, False) for (params, names, flagged), group in zip(plan, grads)]
+                for params, names, ones, kept in plan:
+                    grads = [p.grad for p in params]
+                    if ones is None:  # a dtype the kernel does not take
+                        checks.append((_norms(grads), names, None, False))
+                        continue
+                    # The loss scaler's kernel at an inverse scale of 1.0 (``ones``) writes every value back as it
+                    # was and sets the flag on a NaN or Inf; a flag kept between steps (read at once), else a fresh one
+                    flag = torch.zeros(1, dtype=torch.float32, device=ones.device) if kept is None else kept
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, ones)
+                    checks.append((flag, names, params, True))
             except (TypeError, RuntimeError):  # a gradient missing (unused this step), sparse, or expanded (not writable)
-                for flag in self._read_at_once.values():  # a group flagged before the failure: the norms check it again
-                    flag.zero_()
+                if self._kept is not None:  # a group flagged before the failure: the norms check it again
+                    self._kept[0].zero_()
                 checks = None
             if checks is not None:
-                self._enqueue(step, checks, stepped, free)
+                self._enqueue(step, checks, stepped, self._free[index])
                 return
         share = self._shares[index]
         local = self._local
@@ -154,22 +166,38 @@ class NonfiniteSentinel:
         checks: list[Check] = [(peaks, [named_grads[i][0] for i in indices], None, False) for indices, peaks in groups]
         self._enqueue(step, checks, stepped, free)
 
-    def _flag(self, grads: list[torch.Tensor], device: torch.device, kept: bool) -> torch.Tensor:
-        """One flag, nonzero when ``grads`` (on ``device``, of one dtype) hold a NaN or Inf: the loss
-        scaler's fused kernel at an inverse scale of 1.0, which writes every value back as it was.
-        ``kept``: the share is read at once, so the flag kept for the device serves (a hit zeroes it)."""
-        if device not in self._ones:
-            self._ones[device] = torch.ones(1, dtype=torch.float32, device=device)
-            self._read_at_once[device] = torch.zeros(1, dtype=torch.float32, device=device)
-        # A flag read at once is kept (the kernel only ever sets it; a hit zeroes it): one op fewer a step
-        flag = self._read_at_once[device] if kept else torch.zeros(1, dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, self._ones[device])
-        return flag
+    def _plan(self, share: list[Piece], free: bool) -> Optional[list[Group]]:
+        """``share``'s parameters grouped by device and dtype, when each is checked whole and is a
+        plain tensor (no DTensor to take the local part of); else None. ``free``: the share is
+        read at once, so its flags are kept between steps (the kernel only ever sets one; a hit
+        zeroes it): one op fewer a step."""
+        if any(values is not None or is_dtensor(p) for _, p, values in share):
+            return None
+        params = [p for _, p, _ in share]
+        plan: list[Group] = []
+        for indices in _by_device_and_dtype(params):
+            group, device = [params[i] for i in indices], params[indices[0]].device
+            ones = kept = None
+            if _flagged(group[0]):
+                if device not in self._ones:
+                    self._ones[device] = torch.ones(1, dtype=torch.float32, device=device)
+                ones, kept = self._ones[device], self._cpu_flag() if free and device.type == "cpu" else None
+            plan.append((group, [share[i][0] for i in indices], ones, kept))
+        return plan
+
+    def _cpu_flag(self) -> torch.Tensor:
+        """The flag kept between steps on the CPU, over memory the host reads as a Python array:
+        reading it dispatches no op."""
+        if self._kept is None:
+            memory = array.array("f", [0.0])
+            self._kept = (torch.frombuffer(memory, dtype=torch.float32), memory)
+        return self._kept[0]
 
     def _enqueue(self, step: int, checks: list[Check], stepped: Optional[bool], free: bool) -> None:
         """Read the checks at once where that is ``free`` (the CPU), else start their copies to the host."""
         if free:  # read at once: nothing waits
-            hits = [check for check in checks if _hit(check[0], check[2] is not None)]
+            kept = self._kept
+            hits = [check for check in checks if _hit(check, kept)]
             if hits:  # a flag's gradients are at hand: their peaks name them
                 self._pending.append((step, *_landed([_named(*check) for check in hits]), stepped))
                 for t, _, params, _ in hits:
@@ -271,25 +299,19 @@ class StepCounter:
         self._handles = []
 
 
-def _plan(share: list[Piece]) -> Optional[list[Group]]:
-    """``share``'s parameters grouped by device and dtype, when each is checked whole and is
-    a plain tensor (no DTensor to take the local part of); else None."""
-    if any(values is not None or is_dtensor(p) for _, p, values in share):
-        return None
-    params = [p for _, p, _ in share]
-    return [([params[i] for i in indices], [share[i][0] for i in indices], _flagged(params[indices[0]]))
-            for indices in _by_device_and_dtype(params)]
-
-
 def _flagged(p: torch.Tensor) -> bool:
     """Whether the fused flag kernel takes ``p``'s gradients (their dtype, on their device)."""
     return p.dtype in (torch.float16, torch.float32, torch.float64) or (p.dtype == torch.bfloat16 and p.device.type == "cpu")
 
 
-def _hit(t: torch.Tensor, flag: bool) -> bool:
-    """Whether a check read at once found a NaN or Inf: its flag set, or a norm not finite. Only
-    where the host reads ``t`` freely (the CPU: a read of memory, no sync), one read a group."""
-    return bool(t.item()) if flag else not math.isfinite(float(t.sum()))
+def _hit(check: Check, kept: Optional[tuple[torch.Tensor, array.array]]) -> bool:
+    """Whether a check read at once found a NaN or Inf: its flag set (the ``kept`` flag read in
+    its memory), or a norm not finite. Only where the host reads it freely (the CPU: a read of
+    memory, no sync), one read a group."""
+    t, _, params, _ = check
+    if params is None:
+        return not math.isfinite(float(t.sum()))
+    return kept[1][0] != 0.0 if kept is not None and t is kept[0] else bool(t.item())
 
 
 def _named(t: torch.Tensor, names: list[str], params: Optional[list[torch.nn.Parameter]], certain: bool) -> Check:
