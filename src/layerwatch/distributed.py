@@ -150,7 +150,53 @@ def _all_wrapper_types() -> tuple[type, ...]:
 def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``model.named_modules()`` without the wrappers, under their clean names."""
     wrappers = _all_wrapper_types()
-    return [(clean_name(name), module) for name, module in model.named_modules() if not isinstance(module, wrappers)]
+    return [(name if "_wrapped_module" not in name and "_orig_mod" not in name else clean_name(name), module)
+            for name, module in walk(model) if not isinstance(module, wrappers)]
+
+
+_TORCH_NAMED_MODULES, _TORCH_NAMED_PARAMETERS = nn.Module.named_modules, nn.Module.named_parameters
+
+
+def walk(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``list(model.named_modules())``: each module once, depth first, under its qualified name,
+    in one frame (torch's recursion resumes a generator per module and per ancestor, each a
+    Python call: a sampled step walks the model several times). A model with a module of a class
+    that walks its own way is walked by its own ``named_modules``."""
+    out: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+    stack = [("", model)]
+    while stack:
+        prefix, module = stack.pop()
+        if id(module) in seen:
+            continue
+        if type(module).named_modules is not _TORCH_NAMED_MODULES:
+            return list(model.named_modules())
+        seen.add(id(module))
+        out.append((prefix, module))
+        children = module._modules
+        if children:
+            base = prefix + "." if prefix else ""
+            for name in reversed(children):  # popped in their order
+                child = children[name]
+                if child is not None:
+                    stack.append((base + name, child))
+    return out
+
+
+def named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``list(model.named_parameters())`` in one frame (see :func:`walk`); a model whose class
+    names its parameters its own way (FSDP1's) by its own ``named_parameters``."""
+    if type(model).named_parameters is not _TORCH_NAMED_PARAMETERS:
+        return list(model.named_parameters())
+    out: list[tuple[str, nn.Parameter]] = []
+    seen: set[int] = set()
+    for prefix, module in walk(model):
+        base = prefix + "." if prefix else ""
+        for name, p in module._parameters.items():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                out.append((base + name, p))
+    return out
 
 
 # ---------------------------------------------------------------------- the parameters' layout
@@ -181,7 +227,7 @@ class Layout:
         if model is None:
             return []
         out = []
-        for name, p in model.named_parameters():
+        for name, p in named_parameters(model):
             if getattr(p, "_is_flat_param", False):
                 continue
             name = clean_name(name)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from layerwatch import stats as S
-from layerwatch.distributed import is_dtensor, local_tensors, spread
+from layerwatch.distributed import is_dtensor, local_tensors, spread, walk
 from layerwatch.hooks import ForwardHooks, detached, entered_by_its_own_hook, inlined_only, is_compiling, tensors_in
 from layerwatch.probes.clocks import CudaClock, HostClock
 from layerwatch.probes.evidence import Evidence
@@ -435,7 +435,7 @@ def gradients_of(model: nn.Module) -> list[Optional[torch.Tensor]]:
     """The gradients of ``model``'s parameters that require one, read from each module's own
     (a parameter two modules hold comes twice: its NaN flag is the same): no generator resumed
     per parameter, as ``model.parameters()`` is."""
-    return [p.grad for m in model.modules() for p in m._parameters.values() if p is not None and p.requires_grad]
+    return [p.grad for _, m in walk(model) for p in m._parameters.values() if p is not None and p.requires_grad]
 
 
 def on_gradients(tensors: list[torch.Tensor], probe: "RuntimeProbe", call: int, done: bool) -> Any:

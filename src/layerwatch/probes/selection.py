@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence, Union
 
 from torch import nn
 
-from layerwatch.distributed import is_wrapper, named_modules
+from layerwatch.distributed import is_wrapper, named_modules, walk
 from layerwatch.vocabulary import ROOT
 
 
@@ -60,7 +60,7 @@ def check_module_filter(modules: Any) -> Optional[tuple[Union[str, type], ...]]:
 def is_compiled(model: nn.Module) -> bool:
     """Whether ``model`` or a part of it runs under torch.compile (module hooks would not
     see inside the compiled graph, and adding them forces a recompile)."""
-    return any(hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+    return any([hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None for _, m in walk(model)])
 
 
 def split_at_compiled(model: nn.Module, selected: Sequence[tuple[str, nn.Module]]

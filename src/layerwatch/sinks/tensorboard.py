@@ -113,7 +113,7 @@ class _ScalarBlock:
     the floats of a step go into their places in one vectorized assignment."""
 
     def __init__(self, tags: tuple[str, ...]) -> None:
-        entries = [_value({}, tag, b"\x15" + bytes(4)) for tag in tags]  # simple_value: a float32, zero here
+        entries = _scalar_entries(tags)
         self._template = b"".join(entries)
         ends = np.cumsum([len(entry) for entry in entries], dtype=np.intp)
         self._places = (ends - 4)[:, None] + np.arange(4)
@@ -129,12 +129,15 @@ def _scalar_block(tags: tuple[str, ...]) -> _ScalarBlock:
     return _ScalarBlock(tags)
 
 
-def _value(cache: dict[str, bytes], tag: str, rest: bytes) -> bytes:
-    """``Summary.value`` entry: the tag field, then ``rest`` (the value's other fields)."""
-    head = cache.get(tag)
-    if head is None:
-        head = cache[tag] = events.field(1, tag.encode())
-    return b"\x0a" + events.varint(len(head) + len(rest)) + head + rest
+def _scalar_entries(tags: tuple[str, ...]) -> list[bytes]:
+    """A ``Summary.value`` entry per tag: the tag (field 1), then a float32 ``simple_value`` of
+    zero (field 2), in one loop (no call per tag: a sampled step's new tags are thousands)."""
+    out, varint = [], events.varint
+    for tag in tags:
+        key = tag.encode()
+        head = b"\x0a" + varint(len(key)) + key
+        out.append(b"\x0a" + varint(len(head) + 5) + head + b"\x15" + bytes(4))
+    return out
 
 
 def _histogram_values(cache: dict[str, bytes], histograms: dict[str, Histogram]) -> list[bytes]:
@@ -143,8 +146,9 @@ def _histogram_values(cache: dict[str, bytes], histograms: dict[str, Histogram])
     out, pack, varint, asarray = [], _HISTO_HEAD.pack, events.varint, np.asarray
     for tag, h in histograms.items():
         head = cache.get(tag)
-        if head is None:
-            head = cache[tag] = events.field(1, tag.encode())
+        if head is None:  # the tag (field 1)
+            key = tag.encode()
+            head = cache[tag] = b"\x0a" + varint(len(key)) + key
         limits, counts = asarray(h.bucket_limits, dtype=_F8).tobytes(), asarray(h.bucket_counts, dtype=_F8).tobytes()
         size = varint(len(limits))
         fields = pack(1 << 3 | 1, h.min, 2 << 3 | 1, h.max, 3 << 3 | 1, h.num, 4 << 3 | 1, h.sum, 5 << 3 | 1, h.sum_squares)
