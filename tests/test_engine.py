@@ -11,7 +11,7 @@ import torch
 from layerwatch import probes
 from layerwatch.engine import Engine
 from layerwatch.options import validate_options
-from models import MLP, HiddenMiddle, Sluggish
+from models import MLP, HiddenMiddle, Sluggish, hook_count
 
 
 def drive(engine, model, opt, steps, x=None):
@@ -132,3 +132,22 @@ def test_the_engine_stays_a_coordinator_and_no_class_grows_past_350_lines():
             for path in src.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 350}
     assert not long, long
+
+
+def test_a_sampled_steps_hooks_come_off_when_the_next_step_begins_even_one_begun_again(tmp_path):
+    """A sampled step's module hooks stay on to its end and come off when the next step begins;
+    an unsampled step puts none on and takes none off; a sampled step begun again (no end_step
+    between) is armed once, not twice."""
+    model = MLP()
+    engine = Engine(model, validate_options(every_n_steps=2, sentinel=False), log_dir=tmp_path).start()
+    bare = hook_count(model)
+    assert engine.begin_step(0) and hook_count(model) > bare
+    armed = hook_count(model)
+    assert engine.begin_step(0) and hook_count(model) == armed  # begun again: armed once
+    model(torch.randn(4, 8)).sum().backward()
+    engine.end_step()
+    assert not engine.begin_step(1) and hook_count(model) == bare
+    engine.end_step()
+    assert engine.begin_step(2) and hook_count(model) > bare  # (fewer than step 0's: the layer table is made once)
+    engine.finish()
+    assert hook_count(model) == bare

@@ -290,3 +290,24 @@ def test_a_frozen_parameter_is_not_watched_and_its_share_keeps_the_fused_flag(mo
     assert normed == []  # the flag, not the norms
     [finding] = sentinel.poll()
     assert finding.tensors == ["p2"]
+
+
+def test_a_copied_sentinel_reads_its_own_kept_flag():
+    """The CPU's kept flag is a tensor over a Python array the host reads: a copy of the sentinel
+    gets a flag whose tensor and array still share their memory, and finds a NaN as the original does."""
+    import copy
+
+    named = params([2, 2])
+    sentinel = NonfiniteSentinel()
+    sentinel.watch(named, lambda t: t)
+    gradients(named, [[0.0, 1.0], [2.0, 3.0]])
+    sentinel.check_next(0, True)
+    assert sentinel.poll() == []
+    copied = copy.deepcopy(sentinel)
+    copied_named = [(name, p) for name, p, _ in copied._shares[0]]
+    gradients(copied_named, [[0.0, float("nan")], [2.0, 3.0]])
+    copied.check_next(1, True)
+    [finding] = copied.poll()
+    assert (finding.step, finding.tensors, finding.nan) == (1, ["p0"], True)
+    sentinel.check_next(2, True)  # the original's own flag was left alone
+    assert sentinel.poll() == []

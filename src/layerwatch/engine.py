@@ -273,9 +273,9 @@ class Engine:
         sample = self._sample = Sample(step, self._placement.layout.parameters(model), self._counter.count)
         self._param_cache = sample.params
         if model is not None and (is_writer_rank() or self._placement.together):
+            self._armed = True  # before: what a failed arming put on is taken off too
             self._probes.arm(model, [p for _, p in sample.params], step, writer=is_writer_rank())
             self._collector.attach()
-            self._armed = True
         sample.overhead_s += time.perf_counter() - started
         return True
 

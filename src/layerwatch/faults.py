@@ -73,6 +73,7 @@ class Faults:
         self.micro_batches: list[MicroBatch] = []
         self._checked = False
         self._watching: Optional[Params] = None  # the list the sentinel's shares were made from
+        self._watched: Optional[list[tuple[Any, ...]]] = None  # what was in it then (_watched_key)
         self._spread = 1  # the steps the sentinel's check is spread over (the overhead budget's)
         self._measured = True  # the budget measured the checks within their share (or there is no budget)
         self.check_s = 0.0  # the sentinel's host time in the open step
@@ -103,7 +104,7 @@ class Faults:
                                 "a step later, after the optimizer step, so the bad step is not replayed")
 
     def close(self) -> None:
-        self.sentinel, self._watching = None, None
+        self.sentinel, self._watching, self._watched = None, None, None
         self.micro_batches, self.optimizers, self._within = [], [], lambda: None
 
     def open(self, step: int, spread: int = 1, measured: bool = True) -> None:
@@ -112,7 +113,7 @@ class Faults:
         self.step, self._measured = step, measured
         self.micro_batches, self._checked, self.check_s = [], False, 0.0
         if spread != self._spread:
-            self._spread, self._watching = spread, None  # shares made anew at the next check
+            self._spread, self._watching, self._watched = spread, None, None  # shares made anew at the next check
 
     def offer(self, closure: Callable[[], Any], voting: bool) -> None:
         """The open step may be replayed: ``closure()`` computes the loss of this step's batch
@@ -201,8 +202,9 @@ class Faults:
             sentinel.check(step, self._zero.flat_gradients(), stepped)
             return
         if self._watching is not params:  # walked again at a sample, or spread anew
-            watched, self._watching = self._watching, params
-            if not _same(watched, params):  # other tensors (FSDP swaps them), or a new spread: new shares
+            self._watching, watched = params, _watched_key(params)
+            if watched != self._watched:  # other tensors (FSDP swaps them), moved, or a new spread: new shares
+                self._watched = watched
                 before = sentinel.rotation
                 sentinel.watch(params, local, self._spread)
                 if self._spread > 1 and sentinel.rotation > before and is_writer_rank():
@@ -414,9 +416,8 @@ def spread_message(rotation: int, lands_later: bool) -> str:
             f"replayed; pass every_n_steps= to keep the check as it was.{waits}")
 
 
-def _same(watched: Optional[Params], params: Params) -> bool:
-    """The same parameters (the same tensors, under the same names, frozen or not) as the sentinel
-    watches: a sample walks them again, and its shares need not be made again (their work is per tensor)."""
-    if watched is None:
-        return False
-    return [(n, id(p), p.requires_grad) for n, p in watched] == [(n, id(p), p.requires_grad) for n, p in params]
+def _watched_key(params: Params) -> list[tuple[Any, ...]]:
+    """What the sentinel's shares of ``params`` are made from: each tensor, its name, whether it is
+    frozen, its device and dtype. A sample walks the parameters again; where this is the same,
+    the shares need not be made again (their work is per tensor)."""
+    return [(n, id(p), p.requires_grad, p.device, p.dtype) for n, p in params]

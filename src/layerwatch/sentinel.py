@@ -68,9 +68,27 @@ CPU_MAX_TENSORS = 16  # a CPU share's tensors: a norm costs the host ~1 us a ten
 
 
 Piece = tuple[str, torch.nn.Parameter, Optional[slice]]  # a parameter's gradient, or the slice of its values to check
+class KeptFlag:
+    """The sentinel's flag kept between steps on the CPU: a float32 tensor over memory the host
+    reads as a Python array (reading it dispatches no op). A copy is a new flag over memory of
+    its own: the tensor and the array copied apart would no longer share it."""
+
+    __slots__ = ("memory", "tensor")
+
+    def __init__(self) -> None:
+        self.memory = array.array("f", [0.0])
+        self.tensor = torch.frombuffer(self.memory, dtype=torch.float32)
+
+    def __deepcopy__(self, memo: dict) -> "KeptFlag":
+        return KeptFlag()
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return KeptFlag, ()
+
+
 # whole gradients of one device and dtype, their names, and for the flag kernel (None: norms instead) its inverse
 # scale (1.0, on their device) and the flag kept between steps (None: the share is read later, a fresh flag a step)
-Group = tuple[list[torch.nn.Parameter], list[str], Optional[torch.Tensor], Optional[torch.Tensor]]
+Group = tuple[list[torch.nn.Parameter], list[str], Optional[torch.Tensor], Optional[KeptFlag]]
 # peaks or a flag, the names, a flag's parameters (None: peaks), whether a non-finite peak is a NaN/Inf value for certain
 Check = tuple[torch.Tensor, list[str], Optional[list[torch.nn.Parameter]], bool]
 
@@ -83,7 +101,7 @@ class NonfiniteSentinel:
         self._plans: list[Optional[list[Group]]] = []  # per share, when it is whole plain gradients
         self._free: list[bool] = []  # per share: whether the host reads all its checks at once (the CPU's)
         self._ones: dict[torch.device, torch.Tensor] = {}  # the fused check's inverse scale, 1.0, per device
-        self._kept: Optional[tuple[torch.Tensor, array.array]] = None  # the CPU's flag kept between steps, its memory
+        self._kept: Optional[KeptFlag] = None  # the CPU's flag kept between steps
         self.lands_later: Optional[bool] = None  # not known before watch(): taken as later (see Faults.check)
         self._next = 0
 
@@ -142,12 +160,12 @@ class NonfiniteSentinel:
                         continue
                     # The loss scaler's kernel at an inverse scale of 1.0 (``ones``) writes every value back as it
                     # was and sets the flag on a NaN or Inf; a flag kept between steps (read at once), else a fresh one
-                    flag = torch.zeros(1, dtype=torch.float32, device=ones.device) if kept is None else kept
+                    flag = torch.zeros(1, dtype=torch.float32, device=ones.device) if kept is None else kept.tensor
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, ones)
                     checks.append((flag, names, params, True))
             except (TypeError, RuntimeError):  # a gradient missing (unused this step), sparse, or expanded (not writable)
                 if self._kept is not None:  # a group flagged before the failure: the norms check it again
-                    self._kept[0].zero_()
+                    self._kept.tensor.zero_()
                 checks = None
             if checks is not None:
                 self._enqueue(step, checks, stepped, self._free[index])
@@ -185,13 +203,10 @@ class NonfiniteSentinel:
             plan.append((group, [share[i][0] for i in indices], ones, kept))
         return plan
 
-    def _cpu_flag(self) -> torch.Tensor:
-        """The flag kept between steps on the CPU, over memory the host reads as a Python array:
-        reading it dispatches no op."""
+    def _cpu_flag(self) -> KeptFlag:
         if self._kept is None:
-            memory = array.array("f", [0.0])
-            self._kept = (torch.frombuffer(memory, dtype=torch.float32), memory)
-        return self._kept[0]
+            self._kept = KeptFlag()
+        return self._kept
 
     def _enqueue(self, step: int, checks: list[Check], stepped: Optional[bool], free: bool) -> None:
         """Read the checks at once where that is ``free`` (the CPU), else start their copies to the host."""
@@ -304,14 +319,14 @@ def _flagged(p: torch.Tensor) -> bool:
     return p.dtype in (torch.float16, torch.float32, torch.float64) or (p.dtype == torch.bfloat16 and p.device.type == "cpu")
 
 
-def _hit(check: Check, kept: Optional[tuple[torch.Tensor, array.array]]) -> bool:
+def _hit(check: Check, kept: Optional[KeptFlag]) -> bool:
     """Whether a check read at once found a NaN or Inf: its flag set (the ``kept`` flag read in
     its memory), or a norm not finite. Only where the host reads it freely (the CPU: a read of
     memory, no sync), one read a group."""
     t, _, params, _ = check
     if params is None:
         return not math.isfinite(float(t.sum()))
-    return kept[1][0] != 0.0 if kept is not None and t is kept[0] else bool(t.item())
+    return kept.memory[0] != 0.0 if kept is not None and t is kept.tensor else bool(t.item())
 
 
 def _named(t: torch.Tensor, names: list[str], params: Optional[list[torch.nn.Parameter]], certain: bool) -> Check:
