@@ -3,6 +3,7 @@ attaching it adds no graph break, no graph and no recompile (counted by Dynamo i
 The ``aot_eager`` backend needs no C++ compiler."""
 
 import math
+import time
 import warnings
 
 import pytest
@@ -372,3 +373,24 @@ def test_a_layer_has_one_name_compiled_or_not(tmp_path, events, compiled):
     assert "fwd_ms/net" in tags and ("fwd_ms/net.0" in tags) is not compiled  # a compiled part is timed whole
     step, table = logged_table(acc)  # compiled: training_step calls no module of its own, so from the replay
     assert step == 0 and "    0 (Linear)" in table and "_orig_mod" not in table
+
+
+def test_overhead_ms_counts_the_operator_inside_compiled_code(tmp_path, monkeypatch, events):
+    """The traced probe's operator runs inside the compiled forward, where no hook's clock is:
+    its host time is timed in its body and counts in the sampled step's ``overhead_ms``."""
+    from layerwatch.probes.traced import TracedProbe
+
+    delay, measured = 0.005, []
+    original = TracedProbe.measure
+
+    def slow(self, outputs, inputs, index):
+        time.sleep(delay)
+        measured.append(index)
+        original(self, outputs, inputs, index)
+
+    monkeypatch.setattr(TracedProbe, "measure", slow)
+    run(tmp_path, how="torch.compile(model)", steps=4, every=2)
+    reported = [s.value for s in events(tmp_path).Scalars("layerwatch/overhead_ms")]
+    calls = len(measured) // len(reported)  # the same modules at each sampled step
+    assert calls >= 1 and len(reported) == 2, (measured, reported)
+    assert all(ms >= 1e3 * delay * calls for ms in reported), (reported, calls)

@@ -233,8 +233,8 @@ class StepProbes:
 
     @property
     def hook_seconds(self) -> float:
-        """Host time the runtime probes' hooks have spent so far this step."""
-        return 0.0 if self._runtime is None else self._runtime.hook_seconds
+        """Host time in the runtime probes' hooks and the traced probe's operator (compiled code) this step."""
+        return sum([probe.hook_seconds for probe in (self._runtime, self._traced) if probe is not None])
 
     def disarm(self) -> None:
         """Remove this step's hooks (not the inert or traced ones, which only stop recording)."""

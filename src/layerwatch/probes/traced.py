@@ -29,6 +29,7 @@ a graph break), the same operator runs, and records the same.
 from __future__ import annotations
 
 import weakref
+from time import perf_counter_ns
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -86,8 +87,14 @@ class TracedProbe:
     def disarm(self) -> None:
         self.armed = False
 
+    @property
+    def hook_seconds(self) -> float:
+        """The host's time in the operator's body this sampled step, while armed (no hook clock sees it)."""
+        return self.host_ns / 1e9 if self.armed else 0.0
+
     def _clear(self) -> None:
         self._call_module: list[int] = []  # per call, in order: its module
+        self.host_ns = 0  # the host's time in the operator's body
         self._evidence: list[torch.Tensor] = []  # per call: its inputs' and its outputs' nonfinite_sum
         self._calls = [0] * len(self.names)  # per module
         self._bytes = [0] * len(self.names)
@@ -226,7 +233,9 @@ def _measure_call(outputs: list[torch.Tensor], inputs: list[torch.Tensor], clock
     """One call of module ``index``, measured by traced probe ``probe`` (:meth:`TracedProbe.measure`)."""
     traced = _PROBES.get(probe)
     if traced is not None:
+        started = perf_counter_ns()
         traced.measure(outputs, inputs, index)
+        traced.host_ns += perf_counter_ns() - started
 
 
 def _as_one_op(function: Any) -> Any:
