@@ -68,3 +68,7 @@ def test_the_one_frame_walk_lists_what_torch_lists_in_its_order():
     assert [n for n, _ in named_parameters(own)] == ["own.0.weight", "own.0.bias"]
     nested = nn.Sequential(own)  # met below the root: the root's own walk
     assert [n for n, _ in walk(nested)] == ["", "0", "0.0"]
+    patched = nn.Sequential(nn.Linear(2, 2), nn.ReLU())  # an override set on the instance itself
+    inner = patched.named_modules
+    patched.named_modules = lambda *args, **kwargs: ((n, m) for n, m in inner(*args, **kwargs) if n != "1")
+    assert [n for n, _ in walk(patched)] == ["", "0"]

@@ -160,8 +160,8 @@ _TORCH_NAMED_MODULES, _TORCH_NAMED_PARAMETERS = nn.Module.named_modules, nn.Modu
 def walk(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``list(model.named_modules())``: each module once, depth first, under its qualified name,
     in one frame (torch's recursion resumes a generator per module and per ancestor, each a
-    Python call: a sampled step walks the model several times). A model with a module of a class
-    that walks its own way is walked by its own ``named_modules``."""
+    Python call: a sampled step walks the model several times). A model with a module that walks
+    its own way (its class's ``named_modules``, or one set on it) is walked by its own ``named_modules``."""
     out: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
     stack = [("", model)]
@@ -169,7 +169,7 @@ def walk(model: nn.Module) -> list[tuple[str, nn.Module]]:
         prefix, module = stack.pop()
         if id(module) in seen:
             continue
-        if type(module).named_modules is not _TORCH_NAMED_MODULES:
+        if type(module).named_modules is not _TORCH_NAMED_MODULES or "named_modules" in module.__dict__:
             return list(model.named_modules())
         seen.add(id(module))
         out.append((prefix, module))
@@ -186,7 +186,7 @@ def walk(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """``list(model.named_parameters())`` in one frame (see :func:`walk`); a model whose class
     names its parameters its own way (FSDP1's) by its own ``named_parameters``."""
-    if type(model).named_parameters is not _TORCH_NAMED_PARAMETERS:
+    if type(model).named_parameters is not _TORCH_NAMED_PARAMETERS or "named_parameters" in model.__dict__:
         return list(model.named_parameters())
     out: list[tuple[str, nn.Parameter]] = []
     seen: set[int] = set()
