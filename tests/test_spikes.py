@@ -77,3 +77,89 @@ def test_the_tap_starts_a_copy_where_reads_are_not_free_and_reads_it_once_landed
     tap.offer(3, loss)
     loss.fill_(0.0)  # the copy was taken at offer time
     assert tap.landed(closed=3) == [(3, 5.0)]
+
+
+def test_a_spike_is_said_and_asks_for_the_next_steps_and_a_second_one_soon_after_is_said_only():
+    import warnings
+
+    from layerwatch.failures import FailurePolicy
+    from layerwatch.spikes import Spikes
+
+    asked = []
+    spikes = Spikes(SpikeRule(warmup=8, window=16, capture=3), FailurePolicy(), lambda: asked.append(step))
+    rng = random.Random(2)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(40):
+            loss = {20: 10.0, 30: 1000.0}.get(step, 1.0 + 0.01 * rng.gauss(0, 1))  # the second stands out of a window holding the first
+            spikes.offer(step, torch.tensor(loss))
+            spikes.end_step(step)
+    said = [str(w.message) for w in seen]
+    assert [s.step for s in spikes.found] == [20, 30]
+    assert asked == [20, 21, 22]  # asked at the ends of steps 20-22: steps 21-23 are sampled
+    assert len(said) == 2 and "loss spike at step 20: 10" in said[0] and "steps 21 to 23 are sampled in full" in said[0]
+    assert "not captured: the last capture began at step 20, less than 16 steps ago" in said[1]
+
+
+def test_no_rule_judges_nothing_and_a_bad_loss_is_warned_once_and_skipped():
+    import warnings
+
+    from layerwatch.failures import FailurePolicy
+    from layerwatch.spikes import Spikes
+
+    off = Spikes(None, FailurePolicy(), lambda: pytest.fail("asked"))
+    off.offer(0, "not a loss")  # not even looked at
+    off.end_step(0)
+    on = Spikes(SpikeRule(), FailurePolicy(), lambda: None)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        on.offer(0, "not a loss")
+        on.offer(1, object())
+    assert [str(w.message) for w in seen] == [
+        "layerwatch: could not take the loss at step 0: TypeError('loss must be a tensor or a number, got str'); skipped"]
+
+
+def _train(tmp_path, spike_at=None, steps=80, **options):
+    """A small regression under an Inspector given each step's loss; at ``spike_at`` the batch is
+    scaled up 30 times (a loss spike). Returns the losses (exact), the steps written and what was said."""
+    import warnings
+
+    from torch import nn
+
+    from layerwatch import Inspector
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)) for _ in range(steps)]
+    losses = []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Inspector(model, log_dir=tmp_path, optimizer=opt, **options) as inspector:
+            for step, (x, y) in enumerate(batches):
+                if step == spike_at:
+                    x = x * 30
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                losses.append(repr(loss.item()))
+                inspector.step(loss=loss)
+    said = [str(w.message) for w in seen if "spike" in str(w.message)]
+    return losses, said
+
+
+def test_a_loss_spike_at_an_unsampled_step_is_found_and_the_next_steps_are_sampled(tmp_path, events):
+    losses, said = _train(tmp_path / "spiked", spike_at=60, every_n_steps=1000)
+    assert said[0].startswith("layerwatch: loss spike at step 60: ") and "steps 61 to 63 are sampled in full" in said[0]
+    assert all("not captured: the last capture began at step 60" in line for line in said[1:])  # what the jump left
+    written = [s.step for s in events(tmp_path / "spiked").Scalars("layerwatch/overhead_ms")]
+    assert written == [0, 61, 62, 63]
+    plain, _ = _train(tmp_path / "off", spike_at=60, every_n_steps=1000, spikes=False)
+    assert losses == plain  # bitwise: judging the loss and the capture change nothing
+
+
+def test_no_spike_is_said_on_a_healthy_run_at_the_defaults(tmp_path):
+    _, said = _train(tmp_path, steps=200)
+    assert said == []

@@ -54,6 +54,7 @@ from layerwatch.probes import ProbeResult, StepProbes
 from layerwatch.sample import Sample, SampleReads, table_eagerly
 from layerwatch.sampling import Sampling
 from layerwatch.schedule import Schedule
+from layerwatch.spikes import Spikes
 from layerwatch.sentinel import StepCounter
 from layerwatch.placement import Placement, find_placement
 from layerwatch.stages import StagePart
@@ -112,6 +113,7 @@ class Engine:
         self._output = Output(self._attached, self.failures, writer)
         self._sampling = Sampling(options, self.failures)
         self._faults = Faults(options, self.failures, self._probes, self._counter, self._output, self._sampling.ask)
+        self._spikes = Spikes(options.spikes, self.failures, self._sampling.ask)
         self._placement = Placement(Layout())  # where the parameters live: found at start()
         # The parameters as last walked (a walk costs per module: once, then at each sample).
         self._param_cache: Optional[list[tuple[str, nn.Parameter]]] = None
@@ -152,24 +154,20 @@ class Engine:
 
     def start(self, *, within: Optional[nn.Module] = None, compiled_by_caller: bool = False,
               deepspeed: Any = None) -> "Engine":
-        """Open the writer (rank 0) and write the chart layout. Opens no step. A model still
-        watched by an earlier engine that was never finished is taken from it: that engine
-        is finished first (its hooks removed, its writer flushed).
+        """Open the writer (rank 0) and write the chart layout. Opens no step. A model still watched by an earlier
+        engine that was never finished is taken from it: that engine is finished first (hooks removed, writer flushed).
 
-        ``within``: a module the model is wrapped in, whose FSDP units may hold some of its
-        parameters (Lightning's ``strategy="fsdp"`` wraps the LightningModule itself). In a
-        distributed run, call it on every rank at the same point: a sharded run makes the
-        ranks' group for agreeing here, which is collective.
+        ``within``: a module the model is wrapped in, whose FSDP units may hold some of its parameters (Lightning's
+        ``strategy="fsdp"`` wraps the LightningModule itself). In a distributed run, call it on every rank at the
+        same point: a sharded run makes the ranks' group for agreeing here, which is collective.
 
-        ``compiled_by_caller``: the caller will run the model under ``torch.compile`` (the Hugging
-        Face Trainer's ``torch_compile=True``), so its modules get the traced probe's hooks now,
-        before the first compiled forward.
+        ``compiled_by_caller``: the caller will run the model under ``torch.compile`` (the Hugging Face Trainer's
+        ``torch_compile=True``), so its modules get the traced probe's hooks now, before the first compiled forward.
 
-        ``deepspeed``: the DeepSpeed engine (or its ZeRO optimizer) that trains the model, when
-        the model is not that engine itself. A ``DeepSpeedEngine`` given as the model is watched
-        through the module it trains; with ZeRO, every rank reads its partitions
-        (:mod:`~layerwatch.zero`): the gradients in the step pre-hook of the optimizer DeepSpeed
-        steps (:attr:`deepspeed_client`, which the front door hooks).
+        ``deepspeed``: the DeepSpeed engine (or its ZeRO optimizer) that trains the model, when the model is not that
+        engine itself. A ``DeepSpeedEngine`` given as the model is watched through the module it trains; with ZeRO,
+        every rank reads its partitions (:mod:`~layerwatch.zero`): the gradients in the step pre-hook of the
+        optimizer DeepSpeed steps (:attr:`deepspeed_client`, which the front door hooks).
         """
         if self._state != "new":
             raise RuntimeError(f"start() called on an {self.owner.lower()} that is {self._state}")
@@ -183,8 +181,7 @@ class Engine:
         self._placement = find_placement(model, within, deepspeed, self.options, self._probes, self.failures)
         layout, zero, stages = self._placement.layout, self._placement.zero, self._placement.stages
         self._params.layout, self._params.zero = layout, zero
-        if stages is not None:
-            self._attached.removables.append(stages)
+        self._attached.removables += [] if stages is None else [stages]
         together = self._placement.together
         self._sampling.open_groups(together, self._attached)  # every rank, at the same point: collective
         self._params.sync = self._sampling.sync if layout.sharded else None  # stages reduce nothing together
@@ -294,6 +291,10 @@ class Engine:
             raise TypeError(f"closure must be callable, got {type(closure).__name__}")
         self._faults.offer(closure, self._placement.together)
 
+    def observe_loss(self, loss: Any) -> None:
+        """The open step's loss (a tensor or a number; per micro-batch: averaged), judged for a spike once it lands."""
+        self._spikes.offer(self._step, loss)
+
     def before_optimizer_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """The gradients of ``optimizer``'s parameters (of every parameter when None) are
         final: read those not read yet this step, and snapshot their weights for the update
@@ -323,11 +324,11 @@ class Engine:
         sample.overhead_s += time.perf_counter() - started
 
     def end_step(self) -> Optional[int]:
-        """Close the open step: the sentinel's check; a sampled step is read to the end and
-        written. Returns the step written, or None."""
+        """Close the open step: the sentinel's check, the loss's; a sampled step is read and written. Returns it, or None."""
         self._check_running("end_step")
         entered = time.perf_counter()
         self._check_faults()
+        self._spikes.end_step(self._step)
         micro_batches, self._faults.micro_batches = self._faults.micro_batches, []
         sample, self._sample = self._sample, None
         if sample is None:
@@ -373,8 +374,7 @@ class Engine:
         return self._param_cache
 
     def _check_faults(self, before_optimizer_step: bool = False) -> None:
-        """The sentinel's check (:meth:`Faults.check`); a replay that named the module makes the
-        step sampled, with what the replay's probes saw."""
+        """The sentinel's check (:meth:`Faults.check`); a replay that named the module makes the step sampled with it."""
         if (replayed := self._faults.check(self._parameters, before_optimizer_step)) is None:
             return
         sample = self._sample = self._sample or Sample(self._step, self._parameters(), self._counter.count)

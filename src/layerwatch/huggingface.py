@@ -45,6 +45,7 @@ from typing_extensions import override
 
 from layerwatch import vocabulary as V
 from layerwatch.alerts import Alert, AlertRules
+from layerwatch.spikes import SpikeRule
 from layerwatch.engine import Engine
 from layerwatch.hooks import FailedForwardGuard, engine_step_hooks, is_compiling
 from layerwatch.options import DEFAULT_STATS, options_from
@@ -87,8 +88,8 @@ class InspectTrainerCallback(TrainerCallback):
 
     Args: the options of :class:`~layerwatch.Inspector` (``every_n_steps``, ``schedule``,
         ``overhead_budget``, ``families``, ``stats``, ``histograms``, ``histogram_bins``,
-        ``alerts``, ``modules``, ``sentinel``, ``memory_budget``), with the same meaning and
-        checks, and:
+        ``alerts``, ``modules``, ``sentinel``, ``memory_budget``, ``spikes``: not wired to this door yet), with
+        the same meaning and checks, and:
 
         replay: On the sentinel's first hit, run that step's micro-batches again through the
             model (its own forward inputs, kept by a forward pre-hook) with every probe armed,
@@ -121,6 +122,7 @@ class InspectTrainerCallback(TrainerCallback):
         modules: Optional[ModuleFilter] = None,
         sentinel: bool = True,
         memory_budget: Optional[int | float] = None,
+        spikes: SpikeRule | bool = True,
         replay: bool = True,
     ) -> None:
         if not isinstance(replay, bool):

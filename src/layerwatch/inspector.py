@@ -17,6 +17,7 @@ from torch import nn
 from layerwatch import record as R
 from layerwatch import vocabulary as V
 from layerwatch.alerts import Alert, AlertRules
+from layerwatch.spikes import SpikeRule
 from layerwatch.budget import Pacer
 from layerwatch.engine import Engine
 from layerwatch.hooks import engine_step_hooks
@@ -98,6 +99,11 @@ class Inspector:
             the parameters' bytes (``0.5``: half). Beyond it, and on a GPU beyond its free
             memory less 5%, the ratios are estimated from a strided sample of each weight
             (``update_ratio_estimate/<param>``, said once). Default: no limit but the GPU's.
+        spikes: Judge each step's loss (``step(loss=...)``) against the steps before it: a
+            loss more than 6 standard deviations above the mean of the last 128 (once 32 were
+            seen) is a spike, said once, and the next 3 steps are sampled in full, whatever
+            the schedule (``SpikeRule(z=, window=, warmup=, capture=)`` changes them; False:
+            off). Nothing waits for the loss: on a GPU it is judged once its copy landed.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer,
@@ -125,6 +131,7 @@ class Inspector:
         modules: Optional[ModuleFilter] = None,
         sentinel: bool = True,
         memory_budget: Optional[int | float] = None,
+        spikes: SpikeRule | bool = True,
     ) -> None:
         self._deepspeed = None  # a DeepSpeed ZeRO optimizer given as optimizer=: the engine reads its partitions
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -253,8 +260,10 @@ class Inspector:
                              "step pre-hook, after the backward and before the weights change")
         self._engine.replay_with(closure)
 
-    def step(self) -> None:
-        """Close the current step (after ``optimizer.step()``); open the next one."""
+    def step(self, loss: Any = None) -> None:
+        """Close the current step (after ``optimizer.step()``); open the next one. ``loss``: this
+        step's loss (a tensor or a number), judged for a spike (the ``spikes`` option) once it
+        has reached the host, without waiting for it."""
         engine = self._engine
         if engine.state != "running":
             raise RuntimeError(
@@ -268,6 +277,8 @@ class Inspector:
                 "are read in step() instead, and update ratios are not logged at such steps",
             )
         self._optimizer_hook_ran = False
+        if loss is not None:
+            engine.observe_loss(loss)
         engine.end_step()
         engine.begin_step(engine.current_step + 1)
 

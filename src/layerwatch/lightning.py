@@ -20,6 +20,7 @@ from typing_extensions import override
 from layerwatch import record as R
 from layerwatch import vocabulary as V
 from layerwatch.alerts import Alert, AlertRules
+from layerwatch.spikes import SpikeRule
 from layerwatch.engine import Engine
 from layerwatch.options import DEFAULT_STATS, options_from
 from layerwatch.probes import ModuleFilter
@@ -96,6 +97,11 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
             the parameters' bytes (``0.5``: half). Beyond it, and on a GPU beyond its free
             memory less 5%, the ratios are estimated from a strided sample of each weight
             (``update_ratio_estimate/<param>``, said once). Default: no limit but the GPU's.
+        spikes: Judge each step's loss (``training_step``'s) against the steps before it: a
+            loss more than 6 standard deviations above the mean of the last 128 (once 32 were
+            seen) is a spike, said once, and the next 3 steps are sampled in full, whatever
+            the schedule (``SpikeRule(z=, window=, warmup=, capture=)`` changes them; False:
+            off). Not wired to this door yet: no loss is judged.
         replay: On the sentinel's first hit, run that step's batch again (``training_step``,
             then backward) with every probe armed, before the optimizer step, so the first
             offender is the module that made the NaN, not merely the first to use a poisoned
@@ -130,6 +136,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         modules: Optional[ModuleFilter] = None,
         sentinel: bool = True,
         memory_budget: Optional[int | float] = None,
+        spikes: SpikeRule | bool = True,
         replay: bool | Callable[[Any, Any, int], Any] = True,
     ) -> None:
         super().__init__()

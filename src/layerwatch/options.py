@@ -16,6 +16,7 @@ from layerwatch.alerts import AlertRules
 from layerwatch.budget import check_fraction
 from layerwatch.probes import ModuleFilter, check_module_filter
 from layerwatch.schedule import Schedule, ScheduleLike, as_schedule, every_n_steps as every_n
+from layerwatch.spikes import SpikeRule
 
 DEFAULT_OVERHEAD_BUDGET = 0.01  # the schedule when neither every_n_steps nor schedule is given
 DEFAULT_STATS = ("norm", "nonfinite")
@@ -34,6 +35,7 @@ class Options:
     modules: Optional[tuple[Any, ...]]  # None: every module
     sentinel: bool
     memory_budget: Optional[int | float]  # bytes (int) or a share of the parameters' bytes (float); None: no limit
+    spikes: Optional[SpikeRule] = None  # None: no loss spike detection
 
     @property
     def zeros(self) -> bool:
@@ -57,6 +59,7 @@ def validate_options(
     modules: Optional[ModuleFilter] = None,
     sentinel: bool = True,
     memory_budget: Optional[int | float] = None,
+    spikes: SpikeRule | bool = True,
 ) -> Options:
     """Check every option; raises with a message that names the bad value.
 
@@ -83,6 +86,8 @@ def validate_options(
         raise TypeError(f"alerts must be True, False or an AlertRules, got {alerts!r}")
     if not isinstance(sentinel, bool):
         raise TypeError(f"sentinel must be a bool, got {sentinel!r}")
+    if not isinstance(spikes, (bool, SpikeRule)):
+        raise TypeError(f"spikes must be True, False or a SpikeRule, got {spikes!r}")
     if memory_budget is not None and not _memory_budget_ok(memory_budget):
         raise ValueError("memory_budget must be an int of bytes >= 0 or a finite float > 0 (a share of the parameters' "
                          f"bytes), got {memory_budget!r}")
@@ -96,6 +101,7 @@ def validate_options(
         modules=check_module_filter(modules),
         sentinel=sentinel,
         memory_budget=memory_budget,
+        spikes=SpikeRule() if spikes is True else spikes or None,
     )
 
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from layerwatch import stats as S
+from layerwatch.failures import FailurePolicy
 from layerwatch.sentinel import _to_host
 
 FLAT = 1e-10  # a window whose deviation is below this (relative to its mean) is flat: no z-score (OLMo-core's floor)
@@ -54,6 +55,7 @@ class Spike:
     z: float
     mean: float
     std: float
+    over: int  # the values before it that it was judged against
 
 
 class SpikeDetector:
@@ -76,7 +78,7 @@ class SpikeDetector:
             mean = self._sum / n
             std = math.sqrt(max(self._squares / n - mean * mean, 0.0))
             if std > FLAT * max(1.0, abs(mean)) and (value - mean) / std > self.rule.z:
-                spike = Spike(step, self.what, value, (value - mean) / std, mean, std)
+                spike = Spike(step, self.what, value, (value - mean) / std, mean, std, n)
         if n == values.maxlen:
             oldest = values[0]
             self._sum -= oldest
@@ -123,3 +125,50 @@ class LossTap:
             values = [value if isinstance(value, float) else float(value[0]) for value, _ in copies]
             out.append((step, math.fsum(values) / len(values)))
         return out
+
+
+class Spikes:
+    """Each step's loss judged once it lands (:class:`LossTap`, :class:`SpikeDetector`); a
+    spike is said once and asks for the next ``capture`` steps to be sampled in full
+    (``ask()``: the next step that may be sampled is). A spike within ``window`` steps of the
+    last capture's start is said, not captured again: a run of many spikes does not sample
+    forever. With no ``rule``, nothing is judged. A failure is warned once and skipped."""
+
+    def __init__(self, rule: Optional[SpikeRule], failures: FailurePolicy, ask: Callable[[], None]) -> None:
+        self.rule, self._failures, self._ask = rule, failures, ask
+        self._tap = LossTap()
+        self._detector = None if rule is None else SpikeDetector(rule)
+        self._capture_left = 0
+        self._captured_at: Optional[int] = None
+        self.found: list[Spike] = []
+
+    def offer(self, step: int, loss: Any) -> None:
+        if self._detector is not None:
+            self._failures.run("take the loss", lambda: self._tap.offer(step, loss), step)
+
+    def end_step(self, step: int) -> None:
+        """``step`` closes: the losses that landed are judged; a capture under way asks for the next step."""
+        if self._detector is not None:
+            self._failures.run("judge the loss", lambda: self._judge(step), step)
+
+    def _judge(self, step: int) -> None:
+        for at, value in self._tap.landed(step):
+            spike = self._detector.observe(at, value)
+            if spike is not None:
+                self._on_spike(spike, step)
+        if self._capture_left:
+            self._capture_left -= 1
+            self._ask()
+
+    def _on_spike(self, spike: Spike, step: int) -> None:
+        self.found.append(spike)
+        rule, say = self.rule, self._failures.warn
+        seen = (f"loss spike at step {spike.step}: {spike.value:.4g}, {spike.z:.1f} standard deviations above the mean of "
+                f"the {spike.over} steps before it ({spike.mean:.4g} +- {spike.std:.3g})")
+        if self._captured_at is not None and step - self._captured_at < rule.window:
+            say(f"layerwatch: {seen}; not captured: the last capture began at step {self._captured_at}, "
+                f"less than {rule.window} steps ago")
+            return
+        self._captured_at, self._capture_left = step, rule.capture
+        then = f"steps {step + 1} to {step + rule.capture}" if rule.capture > 1 else f"step {step + 1}"
+        say(f"layerwatch: {seen}; {then} are sampled in full" if rule.capture else f"layerwatch: {seen}")
