@@ -833,6 +833,26 @@ class LitMLP(L.LightningModule):
         return DataLoader(dataset(), batch_size=8, shuffle=False)
 
 
+class LitSpike(LitMLP):
+    """LitMLP whose batch at global step ``spike_at`` is scaled up 30 times: a loss spike."""
+
+    def __init__(self, spike_at: Optional[int] = None, lr: float = 0.01) -> None:
+        super().__init__(lr=lr)
+        self.spike_at = spike_at
+        self.losses: list[str] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.trainer.global_step == self.spike_at:
+            x = x * 30
+        loss = F.binary_cross_entropy_with_logits(self.net(x), y)
+        self.losses.append(repr(loss.item()))
+        return loss
+
+    def train_dataloader(self):
+        return DataLoader(dataset(), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0))
+
+
 class TwoOptimizers(L.LightningModule):
     """Manual optimization with two optimizers: two global steps per batch."""
 

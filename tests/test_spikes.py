@@ -163,3 +163,63 @@ def test_a_loss_spike_at_an_unsampled_step_is_found_and_the_next_steps_are_sampl
 def test_no_spike_is_said_on_a_healthy_run_at_the_defaults(tmp_path):
     _, said = _train(tmp_path, steps=200)
     assert said == []
+
+
+def test_lightning_finds_a_spike_in_training_steps_loss_and_samples_the_next_steps(tmp_path, events):
+    """At the defaults but a fixed schedule, so that the captured steps are the only others sampled."""
+    import warnings
+
+    from layerwatch import InspectCallback
+    from models import LitSpike, make_trainer
+
+    runs = {}
+    for name, spikes in (("spiked", True), ("off", False)):
+        torch.manual_seed(0)
+        module = LitSpike(spike_at=60)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            make_trainer(tmp_path / name, [InspectCallback(every_n_steps=1000, spikes=spikes)], max_steps=80).fit(module)
+        runs[name] = (module.losses, [str(w.message) for w in seen if "spike" in str(w.message)])
+    losses, said = runs["spiked"]
+    assert said and said[0].startswith("layerwatch: loss spike at step 60: ") and "steps 61 to 63" in said[0], said
+    written = [s.step for s in events(tmp_path / "spiked" / "tb" / "version_0").Scalars("layerwatch/overhead_ms")]
+    assert written == [0, 61, 62, 63]
+    assert losses == runs["off"][0] and runs["off"][1] == []
+
+
+def test_the_trainer_finds_a_spike_in_the_models_loss_and_samples_the_next_steps(tmp_path, events):
+    """The Hugging Face door takes the loss the model's outputs hold; a hook scales the logits 30
+    times at the 60th training forward (step 60: the Trainer's steps count from 1)."""
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    from layerwatch.huggingface import InspectTrainerCallback
+    from test_huggingface import Tokens, event_dirs, tiny
+
+    runs = {}
+    for name, spikes in (("spiked", True), ("off", False)):
+        model = tiny("gpt2")
+        forwards = [0]
+
+        def scale(module, args, output):
+            if module.training and torch.is_grad_enabled():
+                forwards[0] += 1
+                return output * 30 if forwards[0] == 60 else None
+
+        model.lm_head.register_forward_hook(scale)
+        settings = dict(max_steps=80, per_device_train_batch_size=4, logging_steps=1, save_strategy="no", use_cpu=True,
+                        seed=0, disable_tqdm=True, report_to=["tensorboard"], learning_rate=1e-4)
+        trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(str(tmp_path / name), **settings),
+                                       train_dataset=Tokens(), callbacks=[InspectTrainerCallback(every_n_steps=1000, spikes=spikes)])
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            trainer.train()
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        runs[name] = (losses, [str(w.message) for w in seen if "spike" in str(w.message)], trainer)
+    losses, said, _ = runs["spiked"]
+    assert said and said[0].startswith("layerwatch: loss spike at step 60: ") and "steps 61 to 63" in said[0], said
+    accumulators = [events(d) for d in event_dirs(tmp_path / "spiked")]
+    written = {s.step for acc in accumulators if "layerwatch/overhead_ms" in acc.Tags()["scalars"]
+               for s in acc.Scalars("layerwatch/overhead_ms")}
+    assert {61, 62, 63} <= written and not written & set(range(2, 61)), sorted(written)
+    assert losses == runs["off"][0] and runs["off"][1] == []

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from layerwatch.lightning import InspectCallback
     from layerwatch.notebook import load, load_alerts, load_histograms
     from layerwatch.schedule import Schedule, at_steps, dense_then_every, every_n_steps, windowed
+    from layerwatch.spikes import SpikeRule
     from layerwatch.structure import summarize
     from layerwatch.table import Summary
 
@@ -26,6 +27,7 @@ _HOMES = {
     "Summary": "layerwatch.table",
     "AlertRules": "layerwatch.alerts",
     "Alert": "layerwatch.alerts",
+    "SpikeRule": "layerwatch.spikes",
     "Schedule": "layerwatch.schedule",
     "every_n_steps": "layerwatch.schedule",
     "at_steps": "layerwatch.schedule",
@@ -34,7 +36,7 @@ _HOMES = {
 }
 __all__ = [
     "Inspector", "InspectCallback", "load", "load_histograms", "load_alerts", "summarize", "Summary", "AlertRules", "Alert",
-    "Schedule", "every_n_steps", "at_steps", "windowed", "dense_then_every",
+    "SpikeRule", "Schedule", "every_n_steps", "at_steps", "windowed", "dense_then_every",
 ]  # spelled out (not list(_HOMES)) so that tools see what the package exports
 __version__ = "0.1.0"
 

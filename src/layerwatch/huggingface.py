@@ -45,12 +45,12 @@ from typing_extensions import override
 
 from layerwatch import vocabulary as V
 from layerwatch.alerts import Alert, AlertRules
-from layerwatch.spikes import SpikeRule
 from layerwatch.engine import Engine
 from layerwatch.hooks import FailedForwardGuard, engine_step_hooks, is_compiling
 from layerwatch.options import DEFAULT_STATS, options_from
 from layerwatch.probes import ModuleFilter
 from layerwatch.schedule import ScheduleLike
+from layerwatch.spikes import SpikeRule
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -88,8 +88,8 @@ class InspectTrainerCallback(TrainerCallback):
 
     Args: the options of :class:`~layerwatch.Inspector` (``every_n_steps``, ``schedule``,
         ``overhead_budget``, ``families``, ``stats``, ``histograms``, ``histogram_bins``,
-        ``alerts``, ``modules``, ``sentinel``, ``memory_budget``, ``spikes``: not wired to this door yet), with
-        the same meaning and checks, and:
+        ``alerts``, ``modules``, ``sentinel``, ``memory_budget``, ``spikes``: the loss the model's outputs
+        hold), with the same meaning and checks, and:
 
         replay: On the sentinel's first hit, run that step's micro-batches again through the
             model (its own forward inputs, kept by a forward pre-hook) with every probe armed,
@@ -168,11 +168,13 @@ class InspectTrainerCallback(TrainerCallback):
         if client is not None:  # DeepSpeed steps inside training_step, before the Trainer's optimizer events
             self._engine.track_optimizers([client])
             self._engine.attach(engine_step_hooks(self._engine, client))
+        outer = trainer.model_wrapped if trainer is not None and isinstance(trainer.model_wrapped, nn.Module) else model
+        if self._options.spikes is not None:  # the loss the model's outputs hold, at each training forward
+            self._engine.attach([outer.register_forward_hook(_LossSeen(self._engine), with_kwargs=True)])
         unreplayable = _why_not_replayed(self._replay, trainer, args, optimizer)
         if unreplayable is not None:
             self._engine.describe_replay(unreplayable=unreplayable)
             return
-        outer = trainer.model_wrapped if trainer is not None and isinstance(trainer.model_wrapped, nn.Module) else model
         note = _own_loss_note(trainer)
         if note:
             self._engine.describe_replay(differs=note)
@@ -210,6 +212,23 @@ class InspectTrainerCallback(TrainerCallback):
         engine, self._engine, self._inputs = self._engine, None, None
         if engine is not None:
             engine.finish()
+
+
+class _LossSeen:
+    """The forward hook on the module the Trainer calls: each training forward's loss, where the
+    model's outputs hold one (the Trainer's default ``compute_loss`` takes it there), goes to
+    the engine's spike check (micro-batches averaged). Holds the engine weakly."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = weakref.ref(engine)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> None:
+        if is_compiling() or not torch.is_grad_enabled() or not module.training:
+            return
+        engine = self._engine()
+        loss = outputs.get("loss") if isinstance(outputs, dict) else None
+        if engine is not None and engine.state == "running" and isinstance(loss, torch.Tensor):
+            engine.observe_loss(loss)
 
 
 class _InputsKept:

@@ -13,18 +13,19 @@ import importlib
 import inspect
 import os
 import sys
-from typing import Any, Callable, Collection, ContextManager, Optional, Sequence
+from typing import Any, Callable, Collection, ContextManager, Mapping, Optional, Sequence
 
+import torch
 from typing_extensions import override
 
 from layerwatch import record as R
 from layerwatch import vocabulary as V
 from layerwatch.alerts import Alert, AlertRules
-from layerwatch.spikes import SpikeRule
 from layerwatch.engine import Engine
 from layerwatch.options import DEFAULT_STATS, options_from
 from layerwatch.probes import ModuleFilter
 from layerwatch.schedule import ScheduleLike
+from layerwatch.spikes import SpikeRule
 
 _PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 
@@ -101,7 +102,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
             loss more than 6 standard deviations above the mean of the last 128 (once 32 were
             seen) is a spike, said once, and the next 3 steps are sampled in full, whatever
             the schedule (``SpikeRule(z=, window=, warmup=, capture=)`` changes them; False:
-            off). Not wired to this door yet: no loss is judged.
+            off). Nothing waits for the loss: on a GPU it is judged once its copy landed.
         replay: On the sentinel's first hit, run that step's batch again (``training_step``,
             then backward) with every probe armed, before the optimizer step, so the first
             offender is the module that made the NaN, not merely the first to use a poisoned
@@ -219,7 +220,12 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         engine = self._engine
-        if engine is None or trainer.global_step == engine.current_step:
+        if engine is None:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs  # training_step's (None: skipped)
+        if isinstance(loss, torch.Tensor):
+            engine.observe_loss(loss)  # each micro-batch's: averaged over the step
+        if trainer.global_step == engine.current_step:
             return  # no optimizer step finished in this batch (gradient accumulation)
         engine.after_optimizer_step()
         written = engine.end_step()

@@ -1,4 +1,4 @@
-"""Loss spikes between samples (work in progress, not wired to the engine yet: issue 45).
+"""Loss spikes between samples: each step's loss, where the front door has it, against the steps before it.
 
 A step's loss is a spike when it stands more than ``SpikeRule.z`` standard deviations above the
 mean of the ``window`` losses before it, once ``warmup`` of them were seen (OLMo-core's and
@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from layerwatch import stats as S
+from layerwatch.distributed import is_writer_rank
 from layerwatch.failures import FailurePolicy
 from layerwatch.sentinel import _to_host
 
@@ -162,7 +163,8 @@ class Spikes:
 
     def _on_spike(self, spike: Spike, step: int) -> None:
         self.found.append(spike)
-        rule, say = self.rule, self._failures.warn
+        rule = self.rule
+        say = self._failures.warn if is_writer_rank() else (lambda message: None)  # every rank asks; rank 0 says
         seen = (f"loss spike at step {spike.step}: {spike.value:.4g}, {spike.z:.1f} standard deviations above the mean of "
                 f"the {spike.over} steps before it ({spike.mean:.4g} +- {spike.std:.3g})")
         if self._captured_at is not None and step - self._captured_at < rule.window:
