@@ -359,7 +359,7 @@ def _landed(checks: list[Check]) -> tuple[list[tuple[list[str], Any, bool]], lis
 
 def _to_host(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
     if t.device.type != "cuda":  # the CPU's (or another device's, whose copy waits: none gets here today)
-        return t.to("cpu"), None
+        return t.to("cpu", copy=True), None
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)  # on the current stream of the check's device
     event = torch.cuda.Event()
