@@ -1,6 +1,6 @@
 """What layerwatch costs between samples where the host is the bottleneck (the CPU proxy).
 
-    python benchmarks/between_samples.py [--tensors 100,1000] [--rounds 7] [--steps 200] [--device cuda]
+    python benchmarks/between_samples.py [--tensors 100,1000] [--rounds 7] [--steps 200] [--device cuda] [--loss]
 
 A chain of N/2 ``Linear(4, 4)`` layers (N gradient tensors, so small that compute is nothing
 and what is left is the host's work per tensor, as on a host-bound GPU step), SGD, batch 8,
@@ -17,6 +17,9 @@ rounds of the same steps of a copy of the model without layerwatch (one process)
   whole-step ratio: it carries a per cent or two of noise between two copies of a model);
 With ``--device cuda`` the chain trains on the GPU and each step ends with a synchronize (in
 both loops alike), so that a step's time is the host's and the device's together.
+
+With ``--loss`` each step also gives ``inspector.step(loss=...)`` its loss (the spike check, on in
+both columns; ``sentinel`` only turns the sentinel off).
 
 - ``calls per tensor``: the Python calls of sampled step 10 (``timing.counted_calls``, the
   whole step) less an unsampled step's, per gradient tensor.
@@ -61,7 +64,8 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) ->
     opt.step()
 
 
-def measure(tensors: int, sentinel: bool, rounds: int, steps: int, device: str = "cpu") -> dict[str, float]:
+def measure(tensors: int, sentinel: bool, rounds: int, steps: int, device: str = "cpu",
+            loss: bool = False) -> dict[str, float]:
     model, opt, x = chain(tensors, device)
     plain, plain_opt, _ = chain(tensors, device)  # the same, with no hook of layerwatch's on it or its optimizer
     with tempfile.TemporaryDirectory() as log_dir, warnings.catch_warnings():
@@ -79,10 +83,11 @@ def measure(tensors: int, sentinel: bool, rounds: int, steps: int, device: str =
                 for _ in range(steps):
                     started = time.perf_counter()
                     opt.zero_grad(set_to_none=True)
-                    model(x).pow(2).mean().backward()
+                    out = model(x).pow(2).mean()
+                    out.backward()
                     opt.step()  # layerwatch's optimizer hooks: the sentinel's check
                     stepped = time.perf_counter()
-                    inspector.step()
+                    inspector.step(loss=out if loss else None)
                     ended = time.perf_counter()
                     done(device)
                     finished = time.perf_counter()
@@ -92,7 +97,8 @@ def measure(tensors: int, sentinel: bool, rounds: int, steps: int, device: str =
                 for _ in range(steps):
                     started = time.perf_counter()
                     plain_opt.zero_grad(set_to_none=True)
-                    plain(x).pow(2).mean().backward()
+                    out = plain(x).pow(2).mean()
+                    out.backward()
                     plain_opt.step()
                     done(device)
                     base_s.append(time.perf_counter() - started)
@@ -132,6 +138,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--loss", action="store_true", help="give inspector.step() the loss (the spike check) as well")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device 'cuda': torch sees no CUDA device")
@@ -142,8 +149,8 @@ def main() -> None:
           "| sample's calls per tensor |")
     print("|---|---|---|---|---|---|---|---|")
     for tensors in [int(n) for n in args.tensors.split(",")]:
-        on = measure(tensors, True, args.rounds, args.steps, args.device)
-        off = measure(tensors, False, args.rounds, args.steps, args.device)
+        on = measure(tensors, True, args.rounds, args.steps, args.device, args.loss)
+        off = measure(tensors, False, args.rounds, args.steps, args.device, args.loss)
         print(f"| {tensors:,} | {on['step_us']:.0f} | {off['step_us']:.0f} | {on['own_us']:.0f} | {off['own_us']:.0f} "
               f"| {on['ratio']:.3f} | {off['ratio']:.3f} | {sample_calls(tensors, args.device):.0f} |")
 
