@@ -169,18 +169,15 @@ class InspectTrainerCallback(TrainerCallback):
             self._engine.track_optimizers([client])
             self._engine.attach(engine_step_hooks(self._engine, client))
         outer = trainer.model_wrapped if trainer is not None and isinstance(trainer.model_wrapped, nn.Module) else model
-        if self._options.spikes is not None:  # the loss the model's outputs hold, at each training forward
-            self._engine.attach([outer.register_forward_hook(_LossSeen(self._engine), with_kwargs=True)])
         unreplayable = _why_not_replayed(self._replay, trainer, args, optimizer)
-        if unreplayable is not None:
-            self._engine.describe_replay(unreplayable=unreplayable)
-            return
-        note = _own_loss_note(trainer)
-        if note:
-            self._engine.describe_replay(differs=note)
-        self._inputs = _InputsKept(self._engine, outer, model)
-        self._inputs.attach()
-        self._engine.attach([self._inputs])
+        note = _own_loss_note(trainer) if unreplayable is None else ""
+        if unreplayable is not None or note:
+            self._engine.describe_replay(unreplayable=unreplayable, differs=note or None)
+        losses = self._options.spikes is not None  # the loss the model's outputs hold, for the spike check
+        if unreplayable is None or losses:
+            self._inputs = _InputsKept(self._engine, outer, model, replay=unreplayable is None, losses=losses)
+            self._inputs.attach()
+            self._engine.attach([self._inputs])
 
     @override
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -214,35 +211,21 @@ class InspectTrainerCallback(TrainerCallback):
             engine.finish()
 
 
-class _LossSeen:
-    """The forward hook on the module the Trainer calls: each training forward's loss, where the
-    model's outputs hold one (the Trainer's default ``compute_loss`` takes it there), goes to
-    the engine's spike check (micro-batches averaged). Holds the engine weakly."""
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = weakref.ref(engine)
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> None:
-        if is_compiling() or not torch.is_grad_enabled() or not module.training:
-            return
-        engine = self._engine()
-        loss = outputs.get("loss") if isinstance(outputs, dict) else None
-        if engine is not None and engine.state == "running" and isinstance(loss, torch.Tensor):
-            engine.observe_loss(loss)
-
-
 class _InputsKept:
-    """The forward pre-hook on the module the Trainer calls: each training forward of the open
-    step offers the engine a closure that calls the model again with the same inputs
-    (:meth:`Engine.replay_with`). Evaluation (no autograd, or ``eval()``), traced calls and the
-    replay's own forwards are passed over. A forward that raises takes the hook off at once
+    """The hooks on the module the Trainer calls, at each training forward of the open step:
+    with ``replay``, a pre-hook offers the engine a closure that calls the model again with the
+    same inputs (:meth:`Engine.replay_with`); with ``losses``, a hook hands the engine the loss
+    the model's outputs hold (:meth:`Engine.observe_loss`: the Trainer's default
+    ``compute_loss`` takes it there). Evaluation (no autograd, or ``eval()``), traced calls and
+    the replay's own forwards are passed over. A forward that raises takes the hooks off at once
     (the exception may end training, and no event of the Trainer's says so); the next step
-    puts it back. It holds the engine and the modules weakly; ``remove()`` is safe twice."""
+    puts them back. It holds the engine and the modules weakly; ``remove()`` is safe twice."""
 
-    def __init__(self, engine: Engine, outer: nn.Module, model: nn.Module) -> None:
+    def __init__(self, engine: Engine, outer: nn.Module, model: nn.Module, replay: bool = True, losses: bool = False) -> None:
         self._engine = weakref.ref(engine)
         self._outer = weakref.ref(outer)
         self._model = weakref.ref(model)
+        self._replay, self._losses = replay, losses
         self._replaying = False
         self._handles: list[Any] = []
 
@@ -250,7 +233,19 @@ class _InputsKept:
         outer, model = self._outer(), self._model()
         if self._handles or outer is None or model is None:
             return
-        self._handles = [outer.register_forward_pre_hook(self, with_kwargs=True), FailedForwardGuard(model, self.remove)]
+        self._handles = [FailedForwardGuard(model, self.remove)]
+        if self._replay:
+            self._handles.append(outer.register_forward_pre_hook(self, with_kwargs=True))
+        if self._losses:
+            self._handles.append(outer.register_forward_hook(self._loss_seen, with_kwargs=True))
+
+    def _loss_seen(self, module: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> None:
+        if is_compiling() or self._replaying or not torch.is_grad_enabled() or not module.training:
+            return
+        engine = self._engine()
+        loss = outputs.get("loss") if isinstance(outputs, dict) else None
+        if engine is not None and engine.state == "running" and isinstance(loss, torch.Tensor):
+            engine.observe_loss(loss)
 
     def remove(self) -> None:
         handles, self._handles = self._handles, []
