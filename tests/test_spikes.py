@@ -1,4 +1,4 @@
-"""The spike rule and the loss tap (layerwatch.spikes), on their own: not wired to the engine yet."""
+"""Loss spikes (layerwatch.spikes): the rule, the loss tap, what a spike says and captures, on every front door."""
 
 import math
 import random
@@ -61,8 +61,8 @@ def test_the_tap_averages_a_steps_losses_and_gives_each_closed_step_once(monkeyp
     tap.offer(0, torch.tensor(2.0))
     tap.offer(0, 4.0)  # a second micro-batch
     tap.offer(1, torch.tensor([1.0, 3.0]))  # several values: their mean
-    assert tap.landed(closed=0) == [(0, 3.0)]
-    assert tap.landed(closed=1) == [(1, 2.0)] and tap.landed(closed=1) == []
+    assert tap.landed(closed=0) == [(0, 3.0, 1)]  # the mean, and the micro-batch with the largest loss
+    assert tap.landed(closed=1) == [(1, 2.0, 0)] and tap.landed(closed=1) == []
     with pytest.raises(TypeError, match="loss must be a tensor or a number, got str"):
         tap.offer(2, "2.0")
 
@@ -76,7 +76,7 @@ def test_the_tap_starts_a_copy_where_reads_are_not_free_and_reads_it_once_landed
     loss = torch.tensor(5.0)
     tap.offer(3, loss)
     loss.fill_(0.0)  # the copy was taken at offer time
-    assert tap.landed(closed=3) == [(3, 5.0)]
+    assert tap.landed(closed=3) == [(3, 5.0, 0)]
 
 
 def test_a_spike_is_said_and_asks_for_the_next_steps_and_a_second_one_soon_after_is_said_only():
@@ -85,7 +85,7 @@ def test_a_spike_is_said_and_asks_for_the_next_steps_and_a_second_one_soon_after
     from layerwatch.failures import FailurePolicy
     from layerwatch.spikes import Spikes
 
-    asked = []
+    asked, now = [], []
     spikes = Spikes(SpikeRule(warmup=8, window=16, capture=3), FailurePolicy(), lambda: asked.append(step))
     rng = random.Random(2)
     with warnings.catch_warnings(record=True) as seen:
@@ -93,11 +93,13 @@ def test_a_spike_is_said_and_asks_for_the_next_steps_and_a_second_one_soon_after
         for step in range(40):
             loss = {20: 10.0, 30: 1000.0}.get(step, 1.0 + 0.01 * rng.gauss(0, 1))  # the second stands out of a window holding the first
             spikes.offer(step, torch.tensor(loss))
-            spikes.end_step(step)
+            now.append(spikes.judge(step, closing=True))
     said = [str(w.message) for w in seen]
     assert [s.step for s in spikes.found] == [20, 30]
+    assert [step for step, micro in enumerate(now) if micro is not None] == [20]  # found in its own step: sampled now
     assert asked == [20, 21, 22]  # asked at the ends of steps 20-22: steps 21-23 are sampled
-    assert len(said) == 2 and "loss spike at step 20: 10" in said[0] and "steps 21 to 23 are sampled in full" in said[0]
+    assert len(said) == 2 and "loss spike at step 20: 10" in said[0]
+    assert said[0].endswith("step 20 and steps 21 to 23 are sampled in full")
     assert "not captured: the last capture began at step 20, less than 16 steps ago" in said[1]
 
 
@@ -109,7 +111,7 @@ def test_no_rule_judges_nothing_and_a_bad_loss_is_warned_once_and_skipped():
 
     off = Spikes(None, FailurePolicy(), lambda: pytest.fail("asked"))
     off.offer(0, "not a loss")  # not even looked at
-    off.end_step(0)
+    assert off.judge(0, closing=True) is None
     on = Spikes(SpikeRule(), FailurePolicy(), lambda: None)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -146,16 +148,17 @@ def _train(tmp_path, spike_at=None, steps=80, **options):
                 opt.step()
                 losses.append(repr(loss.item()))
                 inspector.step(loss=loss)
-    said = [str(w.message) for w in seen if "spike" in str(w.message)]
+    said = [str(w.message) for w in seen if str(w.message).startswith("layerwatch: loss spike")]
     return losses, said
 
 
 def test_a_loss_spike_at_an_unsampled_step_is_found_and_the_next_steps_are_sampled(tmp_path, events):
     losses, said = _train(tmp_path / "spiked", spike_at=60, every_n_steps=1000)
-    assert said[0].startswith("layerwatch: loss spike at step 60: ") and "steps 61 to 63 are sampled in full" in said[0]
+    assert said[0].startswith("layerwatch: loss spike at step 60: ")
+    assert said[0].endswith("step 60 and steps 61 to 63 are sampled in full")  # read at once on the CPU: at its end
     assert all("not captured: the last capture began at step 60" in line for line in said[1:])  # what the jump left
     written = [s.step for s in events(tmp_path / "spiked").Scalars("layerwatch/overhead_ms")]
-    assert written == [0, 61, 62, 63]
+    assert written == [0, 60, 61, 62, 63]
     plain, _ = _train(tmp_path / "off", spike_at=60, every_n_steps=1000, spikes=False)
     assert losses == plain  # bitwise: judging the loss and the capture change nothing
 
@@ -179,11 +182,12 @@ def test_lightning_finds_a_spike_in_training_steps_loss_and_samples_the_next_ste
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             make_trainer(tmp_path / name, [InspectCallback(every_n_steps=1000, spikes=spikes)], max_steps=80).fit(module)
-        runs[name] = (module.losses, [str(w.message) for w in seen if "spike" in str(w.message)])
+        runs[name] = (module.losses, [str(w.message) for w in seen if str(w.message).startswith("layerwatch: loss spike")])
     losses, said = runs["spiked"]
-    assert said and said[0].startswith("layerwatch: loss spike at step 60: ") and "steps 61 to 63" in said[0], said
+    assert said and said[0].startswith("layerwatch: loss spike at step 60: "), said
+    assert said[0].endswith("step 60 and steps 61 to 63 are sampled in full"), said  # read before its optimizer step
     written = [s.step for s in events(tmp_path / "spiked" / "tb" / "version_0").Scalars("layerwatch/overhead_ms")]
-    assert written == [0, 61, 62, 63]
+    assert written == [0, 60, 61, 62, 63]
     assert losses == runs["off"][0] and runs["off"][1] == []
 
 
@@ -215,11 +219,12 @@ def test_the_trainer_finds_a_spike_in_the_models_loss_and_samples_the_next_steps
             warnings.simplefilter("always")
             trainer.train()
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-        runs[name] = (losses, [str(w.message) for w in seen if "spike" in str(w.message)], trainer)
+        runs[name] = (losses, [str(w.message) for w in seen if str(w.message).startswith("layerwatch: loss spike")], trainer)
     losses, said, _ = runs["spiked"]
-    assert said and said[0].startswith("layerwatch: loss spike at step 60: ") and "steps 61 to 63" in said[0], said
+    assert said and said[0].startswith("layerwatch: loss spike at step 60: "), said
+    assert said[0].endswith("step 60 and steps 61 to 63 are sampled in full"), said  # read before its optimizer step
     accumulators = [events(d) for d in event_dirs(tmp_path / "spiked")]
     written = {s.step for acc in accumulators if "layerwatch/overhead_ms" in acc.Tags()["scalars"]
                for s in acc.Scalars("layerwatch/overhead_ms")}
-    assert {61, 62, 63} <= written and not written & set(range(2, 61)), sorted(written)
+    assert {60, 61, 62, 63} <= written and not written & set(range(2, 60)), sorted(written)
     assert losses == runs["off"][0] and runs["off"][1] == []

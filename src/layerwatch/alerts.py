@@ -36,7 +36,8 @@ from layerwatch.vocabulary import ROOT, parent
 
 logger = logging.getLogger("layerwatch")
 
-KINDS = ("dead", "stuck", "exploding", "vanishing", "nonfinite")
+KINDS = ("dead", "stuck", "exploding", "vanishing", "nonfinite", "spike")
+EVENT_KINDS = ("spike",)  # raised at each step they happen; the others once per layer
 
 Bounds = tuple[Optional[float], Optional[float]]
 
@@ -114,7 +115,7 @@ class HealthMonitor:
     def __init__(self, rules: AlertRules) -> None:
         self.rules = rules
         self.alerts: list[Alert] = []
-        self._raised: set[tuple[str, str]] = set()
+        self._raised: set[tuple] = set()
         self._index: dict[str, int] = {}
         self._names: list[str] = []
         self._layers: list[str] = []  # each slot's module (its parameter's parent), made once
@@ -307,9 +308,10 @@ class HealthMonitor:
         self._raise_for(new, kind, parent(param) or param, step, message)
 
     def _raise_for(self, new: list[Alert], kind: str, layer: str, step: int, message: str) -> None:
-        if (kind, layer) in self._raised:
+        key = (kind, layer, step) if kind in EVENT_KINDS else (kind, layer)
+        if key in self._raised:
             return
-        self._raised.add((kind, layer))
+        self._raised.add(key)
         alert = Alert(kind, layer, step, message)
         self.alerts.append(alert)
         new.append(alert)

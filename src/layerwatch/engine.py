@@ -188,6 +188,7 @@ class Engine:
         if is_writer_rank():
             self._output.open(self.log_dir)
         self._faults.start(self._model, layout, zero, within, together, stages is not None)
+        self._spikes.now = not together
         self._state = "running"
         model = self._model()
         if model is not None and (is_writer_rank() or together):
@@ -224,8 +225,7 @@ class Engine:
         self._state = "finished"
 
     def track_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        """Count these optimizers' steps (a post-hook each, until :meth:`finish`), so that a step
-        the optimizer skipped (a GradScaler overflow) is not taken for a model fault."""
+        """Count these optimizers' steps (a post-hook each, until :meth:`finish`): a skipped step (a GradScaler's) is no fault."""
         self._counter.track(optimizers)
         self._faults.optimizers += [weakref.ref(optimizer) for optimizer in optimizers]
 
@@ -234,21 +234,15 @@ class Engine:
         self._output.add(sink)
 
     def attach(self, handles: Sequence[Any]) -> None:
-        """Hooks a front door put on the user's objects (anything with ``remove()``): removed
-        at :meth:`finish`, or when the engine is garbage-collected."""
+        """Hooks a front door put on the user's objects (with ``remove()``): removed at :meth:`finish`, or when collected."""
         self._attached.handles += list(handles)
 
     def state_dict(self) -> dict[str, int]:
-        """What a resumed run needs to sample as this one would: the overhead budget's interval
-        (empty under a fixed schedule, or before the interval is chosen)."""
+        """What a resumed run needs to sample as this one would (:meth:`~layerwatch.sampling.Sampling.state_dict`)."""
         return self._sampling.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Go on with a saved :meth:`state_dict` (ignored under a fixed schedule).
-
-        Raises:
-            ValueError: ``sample_interval`` is not an int >= 1.
-        """
+        """Go on with a saved :meth:`state_dict` (:meth:`~layerwatch.sampling.Sampling.load_state_dict`)."""
         self._sampling.load_state_dict(state)
 
     # ------------------------------------------------------------------ the step protocol
@@ -289,7 +283,7 @@ class Engine:
         self._check_running("replay_with")
         if not callable(closure):
             raise TypeError(f"closure must be callable, got {type(closure).__name__}")
-        self._faults.offer(closure, self._placement.together)
+        self._faults.offer(closure, self._placement.together, keep=self._spikes.rule is not None)
 
     def observe_loss(self, loss: Any) -> None:
         """The open step's loss (a tensor or a number; per micro-batch: averaged), judged for a spike once it lands."""
@@ -328,7 +322,6 @@ class Engine:
         self._check_running("end_step")
         entered = time.perf_counter()
         self._check_faults()
-        self._spikes.end_step(self._step)
         micro_batches, self._faults.micro_batches = self._faults.micro_batches, []
         sample, self._sample = self._sample, None
         if sample is None:
@@ -374,13 +367,19 @@ class Engine:
         return self._param_cache
 
     def _check_faults(self, before_optimizer_step: bool = False) -> None:
-        """The sentinel's check (:meth:`Faults.check`); a replay that named the module makes the step sampled with it."""
-        if (replayed := self._faults.check(self._parameters, before_optimizer_step)) is None:
+        """The sentinel's check (:meth:`Faults.check`) and the loss's (:meth:`Spikes.judge`): a replay that named the
+        module makes the step sampled with it, and so does a spike at the step, with its batch replayed where it can be."""
+        replayed = self._faults.check(self._parameters, before_optimizer_step)
+        spiked = self._spikes.judge(self._step, closing=not before_optimizer_step)
+        if replayed is None and spiked is not None and self._sample is None:
+            replayed = self._faults.replay_spike(spiked) or False
+        if replayed is None:
             return
         sample = self._sample = self._sample or Sample(self._step, self._parameters(), self._counter.count)
         self._param_cache = sample.params
-        sample.replay, seconds = replayed
-        sample.overhead_s += seconds
+        if replayed:
+            sample.replay, seconds = replayed
+            sample.overhead_s += seconds
 
     def _write(self, sample: Sample, started: float, structure: Optional[Summary], probes: Optional[ProbeResult],
                stages: Optional[StagePart] = None) -> None:
@@ -390,10 +389,11 @@ class Engine:
         rows = self._reads.host_rows(sample) if stages is None else stages.rows
         stepped = sample.stepped(self._counter.count)
         found, offender = self._faults.offender_alerts(sample.step, probes, stepped)
-        findings = R.Findings(alerts=found) if self._health is None else self._health.judge(
+        spiked = self._spikes.explain(sample.step, rows, replayed=sample.replay is not None)
+        findings = R.Findings(alerts=found + spiked.alerts) if self._health is None else self._health.judge(
             sample.step, rows, "grads" in self.options.families, sample.trainable() if stages is None else stages.trainable,
-            stepped, found)
-        findings.offender = offender
+            stepped, found + spiked.alerts)
+        findings.offender, findings.spikes, findings.history = offender, spiked.spikes, spiked.history
         cost_s, interval = self._sampling.cost(sample.step, sample.overhead_s, started, self._collector.seconds)
         self._samples_written += 1
         self._sampling.last_write_s = self._output.write_step(sample.step, rows, probes, structure, findings, self.options,

@@ -115,7 +115,7 @@ class Faults:
         if spread != self._spread:
             self._spread, self._watching, self._watched = spread, None, None  # shares made anew at the next check
 
-    def offer(self, closure: Callable[[], Any], voting: bool) -> None:
+    def offer(self, closure: Callable[[], Any], voting: bool, keep: bool = False) -> None:
         """The open step may be replayed: ``closure()`` computes the loss of this step's batch
         again (a micro-batch's, with gradient accumulation: one closure per micro-batch), and
         is offered before that forward, so that the RNG state it starts from is noted.
@@ -128,8 +128,9 @@ class Faults:
         past the step. On compiled code whose layer table cannot come from the shapes of its
         inputs, the first sampled step's closure gives it (one more forward, run eagerly,
         after the step; see :func:`~layerwatch.sample.table_eagerly`). Not taken when the
-        ranks vote (``voting``): they agree on a finding a step later."""
-        if (self.sentinel is not None or self._probes.table_waits) and not voting:
+        ranks vote (``voting``): they agree on a finding a step later. ``keep``: kept whatever
+        the sentinel does (a loss spike replays the step too: :meth:`replay_spike`)."""
+        if (self.sentinel is not None or self._probes.table_waits or keep) and not voting:
             self._replay_offered = True
             self.micro_batches.append(MicroBatch(closure, RngState.capture()))
 
@@ -301,16 +302,27 @@ class Faults:
         result.offender = offender
         return result, time.perf_counter() - started
 
-    def _run_again(self, model: nn.Module) -> Optional[tuple[int, ProbeResult]]:
-        """The micro-batches replayed until one's probes name an offender (replay.py): its
-        index and their result; None when none did."""
+    def _run_again(self, model: nn.Module, only: Optional[int] = None) -> Optional[tuple[int, ProbeResult]]:
+        """The micro-batches replayed until one's probes name an offender (replay.py): its index
+        and their result; None when none did (``only``: that micro-batch alone, and its result)."""
         within = self._within()
         beyond = [p for ref in self.optimizers if ref() is not None for group in ref().param_groups for p in group["params"]]
         return replay_until_named(
             model, self.micro_batches, self._probes, self.step, writer=is_writer_rank(),
             params=[p for _, p in self._layout.parameters(model)], within=within,
             also=beyond + ([] if within is None else list(within.parameters())), copy_gradients=world_size() > 1,
+            only=only,
         )
+
+    def replay_spike(self, index: int) -> Optional[tuple[ProbeResult, float]]:
+        """Run micro-batch ``index`` of the open step again with every probe armed (the one with
+        the largest loss of a step whose loss spiked) in a single process: what the probes saw and
+        the seconds it took; None where it cannot be (no runtime probe, or ranks that must agree first)."""
+        model, started, found = self._model(), time.perf_counter(), [None]
+        if model is None or world_size() > 1 or not self._probes.runtime_on or index >= len(self.micro_batches):
+            return None
+        self.failures.run(f"replay step {self.step}'s batch", lambda: found.__setitem__(0, self._run_again(model, index)), self.step)
+        return None if found[0] is None else (found[0][1], time.perf_counter() - started)
 
     # ------------------------------------------------------------------ what is said
 
@@ -361,8 +373,13 @@ class Faults:
             return [], None
         self._offender_found = True  # raised before the rules, whose alert on the same layer says less
         named = None
-        if offender is None:
-            message = self._weights_came_first(step, user, probes.nonfinite_weights)
+        if offender is None and self.fault_step is not None:
+            when = f"{'before step' if self._fault_before else 'at step'} {self.fault_step}, between samples"
+            message = _weights_came_first(step, user, probes.nonfinite_weights, when, self._unreplayed())
+        elif offender is None:
+            message = _weights_came_first(step, user, probes.nonfinite_weights, f"before step {step}, where no probe saw it",
+                                          "the sentinel is off; with sentinel=True it is found at its step"
+                                          if not self.options.sentinel else "the sentinel had not checked those gradients yet")
         elif offender.replayed_from is None and self.fault_step is not None and step > self.fault_step:
             message = self._after_fault(step, offender)
         else:
@@ -377,20 +394,14 @@ class Faults:
                 f"happened {when} {self.fault_step}, between samples; step {step} shows what came after it, which "
                 f"need not be where it began ({self._unreplayed()})")
 
-    def _weights_came_first(self, step: int, user: Offender, weights: Sequence[str]) -> str:
-        """What a module that computed with a weight that was non-finite already is: it used the
-        fault, the optimizer having carried it into the weights; it did not make it."""
-        names = ", ".join(weights[:3]) + (f" and {len(weights) - 3} more" if len(weights) > 3 else "")
-        if self.fault_step is not None:
-            when = f"{'before step' if self._fault_before else 'at step'} {self.fault_step}, between samples"
-            how = self._unreplayed()
-        else:
-            when = f"before step {step}, where no probe saw it"
-            how = ("the sentinel is off; with sentinel=True it is found at its step" if not self.options.sentinel
-                   else "the sentinel had not checked those gradients yet")
-        return (f"first module to use a non-finite weight at step {step}: {user.name} ({names} held NaN/Inf before "
-                f"the step's forward). The fault happened {when}; the optimizer carried it into the weights, so the "
-                f"module that made it is not known ({how})")
+def _weights_came_first(step: int, user: Offender, weights: Sequence[str], when: str, how: str) -> str:
+    """What a module that computed with a weight that was non-finite already is: it used the
+    fault (which happened ``when``), the optimizer having carried it into the weights; it did
+    not make it (``how``: why that module is not known)."""
+    names = ", ".join(weights[:3]) + (f" and {len(weights) - 3} more" if len(weights) > 3 else "")
+    return (f"first module to use a non-finite weight at step {step}: {user.name} ({names} held NaN/Inf before "
+            f"the step's forward). The fault happened {when}; the optimizer carried it into the weights, so the "
+            f"module that made it is not known ({how})")
 
 
 def _where(finding: Finding) -> str:

@@ -13,7 +13,7 @@ import importlib
 import inspect
 import os
 import sys
-from typing import Any, Callable, Collection, ContextManager, Mapping, Optional, Sequence
+from typing import Any, Callable, Collection, ContextManager, Optional, Sequence
 
 import torch
 from typing_extensions import override
@@ -218,13 +218,15 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
             self._engine.before_optimizer_step(optimizer)
 
     @override
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        if self._engine is not None:  # before the optimizer step: a spike there is sampled at once, where it is read
+            self._engine.observe_loss(loss)  # each micro-batch's (divided by their number): averaged over the step
+
+    @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         engine = self._engine
         if engine is None:
             return
-        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs  # training_step's (None: skipped)
-        if isinstance(loss, torch.Tensor):
-            engine.observe_loss(loss)  # each micro-batch's: averaged over the step
         if trainer.global_step == engine.current_step:
             return  # no optimizer step finished in this batch (gradient accumulation)
         engine.after_optimizer_step()

@@ -36,6 +36,8 @@ class StepRecord:
     texts: dict[str, str] = field(default_factory=dict)
     alerts: list = field(default_factory=list)  # the alerts.Alert raised at this step
     offender: Optional[Offender] = None  # the first offender, at the step it was found
+    spikes: list = field(default_factory=list)  # the loss spikes found since the last sample (events/spikes)
+    history: dict = field(default_factory=dict)  # tag -> [(step, value)] of steps before this one, written before it
 
 
 @dataclass
@@ -48,6 +50,8 @@ class Findings:
     alert_table: Optional[str] = None  # the table of them all, when some are new
     optimizer_skipped: bool = False  # the optimizer skipped the step, its gradients non-finite
     offender: Optional[Offender] = None  # the first offender, named at this step
+    spikes: list = field(default_factory=list)  # the loss spikes found since the last sample (spikes.Spike.event, explained)
+    history: dict = field(default_factory=dict)  # tag -> [(step, value)] of earlier steps: a spike's lead-up
 
 
 def build(
@@ -101,6 +105,7 @@ def build(
         if findings.alert_table is not None:
             rec.texts[ALERTS] = findings.alert_table
         rec.alerts = list(findings.alerts)
+        rec.spikes, rec.history = list(findings.spikes), dict(findings.history)
     if overhead_ms is not None:
         rec.scalars[OVERHEAD_MS] = overhead_ms
     if sample_interval is not None:

@@ -166,15 +166,20 @@ def gradient_sync_off(*models: Optional[nn.Module]) -> Iterator[None]:
 
 def replay_until_named(model: nn.Module, micro_batches: Sequence[MicroBatch], probes: "StepProbes", step: int, *,
                        writer: bool, params: Sequence[nn.Parameter], within: Optional[nn.Module],
-                       also: Iterable[torch.Tensor], copy_gradients: bool) -> Optional[tuple[int, "ProbeResult"]]:
+                       also: Iterable[torch.Tensor], copy_gradients: bool,
+                       only: Optional[int] = None) -> Optional[tuple[int, "ProbeResult"]]:
     """Run ``micro_batches`` again in order, each from its RNG state, with fresh gradients and
     ``probes`` armed, compiled code eager and DDP's gradient sync off, until one's probes name
-    an offender: its index and their result (None: none did). The state is put back after,
-    whatever happened (``also``: parameters beyond ``model`` whose gradients a closure may reach)."""
+    an offender: its index and their result (None: none did). ``only``: run that micro-batch
+    alone, and return what its probes saw, an offender named or not. The state is put back
+    after, whatever happened (``also``: parameters beyond ``model`` whose gradients a closure
+    may reach)."""
     saved = SavedState(model, copy_gradients, also)
     try:
         with gradient_sync_off(model, within), run_eagerly():
             for index, micro in enumerate(micro_batches):
+                if only is not None and index != only:
+                    continue
                 saved.clear_gradients()
                 micro.rng.restore()
                 probes.arm(model, params, step, writer=writer, structure=False, eager=True)
@@ -182,7 +187,7 @@ def replay_until_named(model: nn.Module, micro_batches: Sequence[MicroBatch], pr
                     run_closure(micro.closure)
                 finally:
                     _, result = probes.take()
-                if result is not None and result.offender is not None:
+                if result is not None and (result.offender is not None or only is not None):
                     return index, result
         return None
     finally:

@@ -354,10 +354,12 @@ def _offenders(names: list[str], params: list[torch.nn.Parameter]) -> list[str]:
 def _landed(checks: list[Check]) -> tuple[list[tuple[list[str], Any, bool]], list[tuple[torch.Tensor, Any]]]:
     """What a pending check keeps (names, a flag's parameters, certain), and its copies to the host
     with the events that say they landed (None: landed already)."""
-    return [(names, params, certain) for _, names, params, certain in checks], [_to_host(t) for t, _, _, _ in checks]
+    return [(names, params, certain) for _, names, params, certain in checks], [to_host(t) for t, _, _, _ in checks]
 
 
-def _to_host(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+def to_host(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """A copy of ``t`` on the host, and the event that says it landed (None: landed already): on
+    a GPU a non-blocking copy into pinned memory, nothing waiting for it."""
     if t.device.type != "cuda":  # the CPU's (or another device's, whose copy waits: none gets here today)
         return t.to("cpu", copy=True), None
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)

@@ -16,10 +16,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from layerwatch import record as R
+from layerwatch.alerts import Alert
 from layerwatch import stats as S
 from layerwatch.distributed import is_writer_rank
 from layerwatch.failures import FailurePolicy
-from layerwatch.sentinel import _to_host
+from layerwatch.sentinel import to_host
+from layerwatch.vocabulary import LOSS, parent
 
 FLAT = 1e-10  # a window whose deviation is below this (relative to its mean) is flat: no z-score (OLMo-core's floor)
 
@@ -48,7 +51,8 @@ class SpikeRule:
 
 @dataclass(frozen=True)
 class Spike:
-    """A value that stood ``z`` standard deviations above the trailing ``mean`` (``std``)."""
+    """A value that stood ``z`` standard deviations above the trailing ``mean`` (``std``) of the
+    ``lead_up``: the steps judged before it and their values, oldest first."""
 
     step: int
     what: str  # "loss"
@@ -56,7 +60,16 @@ class Spike:
     z: float
     mean: float
     std: float
-    over: int  # the values before it that it was judged against
+    lead_up: tuple[tuple[int, float], ...] = ()
+
+    def event(self) -> dict[str, Any]:
+        """What ``layerwatch/events/spikes`` says of it (the tab's and the report's)."""
+        return {"step": self.step, "what": self.what, "value": self.value, "z": self.z, "mean": self.mean,
+                "std": self.std, "over": len(self.lead_up), "text": self.describe()}
+
+    def describe(self) -> str:
+        return (f"{self.what} spike at step {self.step}: {self.value:.4g}, {self.z:.1f} standard deviations above the mean "
+                f"of the {len(self.lead_up)} steps before it ({self.mean:.4g} +- {self.std:.3g})")
 
 
 class SpikeDetector:
@@ -64,7 +77,7 @@ class SpikeDetector:
 
     def __init__(self, rule: SpikeRule, what: str = "loss") -> None:
         self.rule, self.what = rule, what
-        self._values: deque[float] = deque(maxlen=rule.window)
+        self._window: deque[tuple[int, float]] = deque(maxlen=rule.window)  # (step, value), oldest first
         self._sum = self._squares = 0.0
         self._added = 0
 
@@ -73,23 +86,23 @@ class SpikeDetector:
         is the sentinel's to find: neither judged nor kept."""
         if not math.isfinite(value):
             return None
-        values, spike = self._values, None
-        n = len(values)
+        window, spike = self._window, None
+        n = len(window)
         if n >= self.rule.warmup:
             mean = self._sum / n
             std = math.sqrt(max(self._squares / n - mean * mean, 0.0))
             if std > FLAT * max(1.0, abs(mean)) and (value - mean) / std > self.rule.z:
-                spike = Spike(step, self.what, value, (value - mean) / std, mean, std, n)
-        if n == values.maxlen:
-            oldest = values[0]
+                spike = Spike(step, self.what, value, (value - mean) / std, mean, std, tuple(window))
+        if n == window.maxlen:
+            oldest = window[0][1]
             self._sum -= oldest
             self._squares -= oldest * oldest
-        values.append(value)
+        window.append((step, value))
         self._sum += value
         self._squares += value * value
         self._added += 1
-        if self._added % values.maxlen == 0:  # running sums drift by rounding: made anew once a window
-            self._sum, self._squares = math.fsum(values), math.fsum([v * v for v in values])
+        if self._added % window.maxlen == 0:  # running sums drift by rounding: made anew once a window
+            self._sum, self._squares = math.fsum(v for _, v in window), math.fsum(v * v for _, v in window)
         return spike
 
 
@@ -111,7 +124,7 @@ class LossTap:
             if S.host_reads_free(loss.device):
                 copy = (float(loss) if one else float(loss.detach().float().mean()), None)
             else:
-                copy = _to_host(loss.detach().reshape(1) if one else loss.detach().float().mean().reshape(1))
+                copy = to_host(loss.detach().reshape(1) if one else loss.detach().float().mean().reshape(1))
         else:
             copy = (float(loss), None)
         if self._pending and self._pending[-1][0] == step:
@@ -119,24 +132,30 @@ class LossTap:
         else:
             self._pending.append((step, [copy]))
 
-    def landed(self, closed: int) -> list[tuple[int, float]]:
-        """The mean loss of each step up to ``closed`` whose losses have all landed, oldest first
-        (a step waits for the one before it); each step once."""
+    def landed(self, closed: int) -> list[tuple[int, float, int]]:
+        """The mean loss of each step up to ``closed`` whose losses have all landed, and which of
+        them was the largest (its index), oldest first (a step waits for the one before it); each
+        step once."""
         out = []
         pending = self._pending
         while pending and pending[0][0] <= closed and all(event is None or event.query() for _, event in pending[0][1]):
             step, copies = pending.popleft()
             values = [value if isinstance(value, float) else value.tolist()[0] for value, _ in copies]  # landed: no wait
-            out.append((step, math.fsum(values) / len(values)))
+            out.append((step, math.fsum(values) / len(values), max(range(len(values)), key=values.__getitem__)))
         return out
 
 
 class Spikes:
-    """Each step's loss judged once it lands (:class:`LossTap`, :class:`SpikeDetector`); a
-    spike is said once and asks for the next ``capture`` steps to be sampled in full
-    (``ask()``: the next step that may be sampled is). A spike within ``window`` steps of the
-    last capture's start is said, not captured again: a run of many spikes does not sample
-    forever. With no ``rule``, nothing is judged. A failure is warned once and skipped."""
+    """Each step's loss judged once it lands (:class:`LossTap`, :class:`SpikeDetector`).
+
+    A spike is said once and asks for the next ``capture`` steps to be sampled in full
+    (``ask()``: the next step that may be sampled is). Where it is found in its own step (its
+    loss read at once, on the CPU: before the optimizer step when the door hands the loss over
+    before the backward, else at the step's end), that step is sampled too (:meth:`judge`
+    says so). A spike within ``window`` steps of the last capture's start is said, not
+    captured again: a run of many spikes does not sample forever. At the next sample written,
+    :meth:`explain` ranks the layers that grew most. With no ``rule``, nothing is judged. A
+    failure is warned once and skipped."""
 
     def __init__(self, rule: Optional[SpikeRule], failures: FailurePolicy, ask: Callable[[], None]) -> None:
         self.rule, self._failures, self._ask = rule, failures, ask
@@ -144,36 +163,130 @@ class Spikes:
         self._detector = None if rule is None else SpikeDetector(rule)
         self._capture_left = 0
         self._captured_at: Optional[int] = None
+        self._growth = LayerGrowth()
+        self._unwritten: list[Spike] = []  # found since the last sample written
+        self._written_to = -1  # the last step of the loss written as a lead-up (a tag's steps only grow)
         self.found: list[Spike] = []
+        self.now = True  # a spike's own step may be sampled when it is found (not where the ranks vote on samples)
 
     def offer(self, step: int, loss: Any) -> None:
         if self._detector is not None:
-            self._failures.run("take the loss", lambda: self._tap.offer(step, loss), step)
+            try:
+                self._tap.offer(step, loss)
+            except Exception as e:  # an inspector must never break the training run
+                self._failures.failed("take the loss", e, step)
 
-    def end_step(self, step: int) -> None:
-        """``step`` closes: the losses that landed are judged; a capture under way asks for the next step."""
-        if self._detector is not None:
-            self._failures.run("judge the loss", lambda: self._judge(step), step)
+    def judge(self, step: int, closing: bool) -> Optional[int]:
+        """Judge the losses that have landed, before ``step``'s optimizer step or (``closing``)
+        at its end; a capture under way asks for the next step at the end. Returns, when
+        ``step`` itself spiked and is captured now (``now``: not where the ranks sample
+        together), which of its micro-batches had the largest loss; else None."""
+        if self._detector is None:
+            return None
+        now = None
+        try:
+            for at, value, largest in self._tap.landed(step):
+                spike = self._detector.observe(at, value)
+                if spike is not None and self._on_spike(spike, step) and at == step:
+                    now = largest
+            if closing and self._capture_left:
+                self._capture_left -= 1
+                self._ask()
+        except Exception as e:  # an inspector must never break the training run
+            self._failures.failed("judge the loss", e, step)
+        return now
 
-    def _judge(self, step: int) -> None:
-        for at, value in self._tap.landed(step):
-            spike = self._detector.observe(at, value)
-            if spike is not None:
-                self._on_spike(spike, step)
-        if self._capture_left:
-            self._capture_left -= 1
-            self._ask()
-
-    def _on_spike(self, spike: Spike, step: int) -> None:
+    def _on_spike(self, spike: Spike, step: int) -> bool:
+        """Say ``spike`` (found at ``step``) and capture what follows; True: ``step`` itself is captured now."""
         self.found.append(spike)
+        self._unwritten.append(spike)
         rule = self.rule
         say = self._failures.warn if is_writer_rank() else (lambda message: None)  # every rank asks; rank 0 says
-        seen = (f"loss spike at step {spike.step}: {spike.value:.4g}, {spike.z:.1f} standard deviations above the mean of "
-                f"the {spike.over} steps before it ({spike.mean:.4g} +- {spike.std:.3g})")
         if self._captured_at is not None and step - self._captured_at < rule.window:
-            say(f"layerwatch: {seen}; not captured: the last capture began at step {self._captured_at}, "
+            say(f"layerwatch: {spike.describe()}; not captured: the last capture began at step {self._captured_at}, "
                 f"less than {rule.window} steps ago")
-            return
+            return False
         self._captured_at, self._capture_left = step, rule.capture
-        then = f"steps {step + 1} to {step + rule.capture}" if rule.capture > 1 else f"step {step + 1}"
-        say(f"layerwatch: {seen}; {then} are sampled in full" if rule.capture else f"layerwatch: {seen}")
+        now = self.now and spike.step == step
+        steps = [f"step {step}"] if now else []
+        if rule.capture:
+            steps.append(f"steps {step + 1} to {step + rule.capture}" if rule.capture > 1 else f"step {step + 1}")
+        plural = len(steps) > 1 or rule.capture > 1
+        say(f"layerwatch: {spike.describe()}" + (f"; {' and '.join(steps)} {'are' if plural else 'is'} sampled in full"
+                                                 if steps else ""))
+        return now
+
+    def explain(self, step: int, rows: R.HostRows, replayed: bool = False) -> R.Findings:
+        """At a sample written (rank 0): the spikes found since the last one, as findings: their
+        ``spike`` alerts and events, each with the layers whose gradient or update grew most
+        since the sample before (:class:`LayerGrowth`), and the lead-up to write (each one's
+        window of losses and its own, the steps not written before). ``replayed``: the sample's
+        module probes come from its batch run again."""
+        ranked = self._growth.observe(rows)
+        spikes, self._unwritten = self._unwritten, []
+        lead_up = []
+        for spike in spikes:
+            for at, value in (*spike.lead_up, (spike.step, spike.value)):
+                if at > self._written_to:
+                    lead_up.append((at, value))
+                    self._written_to = at
+        grew = ", ".join(f"{g.layer} ({g.what} {_times(g.factor)})" for g in ranked)
+        return R.Findings(
+            alerts=[Alert("spike", ranked[0].layer if ranked else spike.what, spike.step,
+                          spike.describe() + (f"; grew most by step {step}: {grew}" if grew else "")) for spike in spikes],
+            spikes=[{**spike.event(), "sampled_at": step, "replayed": replayed and spike.step == step,
+                     "layers": [g.as_dict() for g in ranked]} for spike in spikes],
+            history={LOSS: lead_up} if lead_up else {})
+
+
+def _times(factor: float) -> str:
+    return f"x{factor:.3g}" if factor < 1e4 else f"x{factor:.2e}"
+
+
+@dataclass(frozen=True)
+class Growth:
+    """How much a layer's gradient norm or update ratio (``what``) grew against the sample before."""
+
+    layer: str
+    what: str  # "gradient" or "update"
+    factor: float
+    before: float
+    now: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"layer": self.layer, "what": self.what, "factor": self.factor, "before": self.before, "now": self.now}
+
+
+class LayerGrowth:
+    """Each layer's gradient norm and update ratio at the last sample written: a sample's are
+    ranked against them by how much they grew (the largest of a layer's parameters' factors)."""
+
+    TOP = 5
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, str], float] = {}
+
+    def observe(self, rows: R.HostRows) -> list[Growth]:
+        """The layers whose gradient or update grew most since the last call, largest first (at
+        most ``TOP``, each layer once); ``rows`` are kept for the next call."""
+        now = _per_parameter(rows)
+        best: dict[str, Growth] = {}
+        for (what, name), value in now.items():
+            before = self._last.get((what, name))
+            if before is None or not before > 0 or not math.isfinite(value):
+                continue
+            layer = parent(name) or name
+            growth = Growth(layer, what, value / before, before, value)
+            if layer not in best or growth.factor > best[layer].factor:
+                best[layer] = growth
+        self._last = now
+        return sorted(best.values(), key=lambda g: -g.factor)[: self.TOP]
+
+
+def _per_parameter(rows: R.HostRows) -> dict[tuple[str, str], float]:
+    """Each parameter's gradient norm and update ratio in ``rows``, keyed ``("gradient", name)``, ``("update", name)``."""
+    out = {("gradient", name): float(norm) for names, r in rows.get("grads", ()) for name, norm in zip(names, S.Rows(r).norm)}
+    weights = {name: norm for names, r in rows.get("weights", ()) for name, norm in zip(names, S.Rows(r).norm)}
+    for names, (deltas, after) in rows.get("update", ()):
+        out.update(zip([("update", name) for name in names], R.update_ratios(names, deltas, after, weights).tolist()))
+    return out

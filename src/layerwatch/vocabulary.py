@@ -36,6 +36,7 @@ OPTIMIZER_SKIPPED = "layerwatch/optimizer_skipped"
 NONFINITE_MODULES = "layerwatch/nonfinite_modules"
 FIRST_OFFENDER = "layerwatch/first_offender"  # text
 FIRST_NONFINITE_STEP = "layerwatch/first_nonfinite_step"
+LOSS = "layerwatch/loss"  # the loss as the spike check saw it: each spike's lead-up, every step of it
 
 # Per-module scalars of the runtime probes, tagged <field>/<module> after the ModuleTrace field.
 FWD_MS, BWD_MS = "fwd_ms", "bwd_ms"
@@ -56,7 +57,7 @@ NONFINITE_SERIES = ("weights_nonfinite", "grads_nonfinite", "activations_nonfini
 PLUGIN_NAME = "layerwatch"
 SERIES = "layerwatch/series/"  # + a series key: float32 [n], one value per layer of the layout's names
 LAYOUT = "layerwatch/layout"  # JSON {"series": {series key: [layer names]}}
-EVENTS = "layerwatch/events/"  # + alerts, first_offender, first_nonfinite_step: JSON
+EVENTS = "layerwatch/events/"  # + alerts, first_offender, first_nonfinite_step, spikes: JSON
 
 
 def series_key(family: str, stat: str) -> str:

@@ -98,7 +98,7 @@ def _place(names: list[str], new: str) -> int:
 
 
 def record_events(record: R.StepRecord) -> dict[str, Any]:
-    """The alerts, first offender and first non-finite step that appear in ``record``."""
+    """The alerts, first offender, first non-finite step and loss spikes that appear in ``record``."""
     events: dict[str, Any] = {}
     if record.alerts:
         events["alerts"] = [
@@ -109,6 +109,8 @@ def record_events(record: R.StepRecord) -> dict[str, Any]:
             "layer": record.offender.name, "step": record.step, "phase": record.offender.phase,
             "text": record.offender.describe(record.step), "replayed_from": record.offender.replayed_from,
         }
+    if record.spikes:
+        events["spikes"] = record.spikes
     if V.FIRST_NONFINITE_STEP in record.scalars:
         events["first_nonfinite_step"] = int(record.scalars[V.FIRST_NONFINITE_STEP])
     return events

@@ -48,6 +48,9 @@ class TensorBoardSink:
         self._plugin = PluginData()
 
     def write(self, record: StepRecord) -> None:
+        for tag, points in record.history.items():  # earlier steps' values (a spike's lead-up): rare, before the step's
+            for step, value in points:
+                self.writer.add_scalar(tag, value, step)
         if self._batched:
             summary = encode_summary(record, self._tag_fields, self._cards(record.scalars)) + self._plugin.encode(record)
             if events.append(self.writer, [events.event(time.time(), record.step, summary)]):
