@@ -60,9 +60,9 @@ def test_the_demo_fault_layer_is_the_identity_until_it_fires():
     import torch
     from torch import nn
 
-    from layerwatch.demo import FAULT, DemoModule, NaNInjector
+    from layerwatch.demo import FAULT, DemoModule, FaultInjector
 
-    layer = NaNInjector()
+    layer = FaultInjector()
     x = torch.randn(3, 5)
     assert layer(x) is x
     layer.fire = True

@@ -63,6 +63,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--inject-nan", type=_step, default=None, metavar="STEP",
         help="make the layer encoder.fault emit a NaN at STEP (0 to --steps - 1); layerwatch replays that step to name it",
     )
+    demo.add_argument(
+        "--inject-spike", type=_step, default=None, metavar="STEP",
+        help="make the layer encoder.fault multiply its output by 1000 at STEP (0 to --steps - 1): a loss spike, "
+        "which layerwatch samples and explains",
+    )
     summary = commands.add_parser(
         "summary",
         help="print the per-layer table (shapes, parameters, bytes, MACs) of a model built by a factory",
@@ -82,9 +87,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     summary.add_argument("--format", choices=_FORMATS, default="table", help="output format (default table)")
     report = commands.add_parser(
         "report",
-        help="summarize a TensorBoard log directory: alerts, first NaN/Inf, extreme norms",
+        help="summarize a TensorBoard log directory: alerts, loss spikes, first NaN/Inf, extreme norms",
         description="Read a finished or running log directory (every run under it) with TensorBoard's "
-        "event reader and print the alerts, the first non-finite step, the largest and fastest-changing norms, "
+        "event reader and print the alerts, the loss spikes, the first non-finite step, the largest and fastest-changing norms, "
         "and the slowest and largest layers when they were logged.",
     )
     report.add_argument("logdir", metavar="LOGDIR", help="a TensorBoard log directory")
@@ -93,7 +98,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--fail-on",
         metavar="KIND[,KIND]",
         default=None,
-        help="exit with status 1 when alerts of these kinds exist (dead, stuck, exploding, vanishing, nonfinite, any); "
+        help="exit with status 1 when alerts of these kinds exist (dead, stuck, exploding, vanishing, nonfinite, spike, any); "
         "with status 2 when LOGDIR holds no layerwatch data to judge",
     )
     export = commands.add_parser(
@@ -121,7 +126,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _check_demo(demo, args)
         from layerwatch.demo import run_demo
 
-        run_demo(steps=args.steps, log_dir=args.logdir, every=args.every, inject_nan=args.inject_nan)
+        run_demo(steps=args.steps, log_dir=args.logdir, every=args.every, inject_nan=args.inject_nan,
+                 inject_spike=args.inject_spike)
     elif args.command == "summary":
         return _summary(summary, args)
     elif args.command == "report":
@@ -135,9 +141,10 @@ def _check_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     """What argparse cannot check alone, before Lightning is imported; exits 2 naming the bad value."""
     from layerwatch.options import writable_dir
 
-    if args.inject_nan is not None and not 0 <= args.inject_nan < args.steps:
-        parser.error(f"argument --inject-nan: step {args.inject_nan} is outside the run; choose a step in "
-                     f"0..{args.steps - 1} (--steps {args.steps})")
+    for flag, step in (("--inject-nan", args.inject_nan), ("--inject-spike", args.inject_spike)):
+        if step is not None and not 0 <= step < args.steps:
+            parser.error(f"argument {flag}: step {step} is outside the run; choose a step in "
+                         f"0..{args.steps - 1} (--steps {args.steps})")
     try:
         writable_dir(args.logdir)
     except ValueError as e:

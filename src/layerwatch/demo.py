@@ -24,7 +24,8 @@ except ImportError:  # the older package name
 from layerwatch.lightning import InspectCallback
 from layerwatch.options import writable_dir
 
-FAULT = "encoder.fault"  # the layer that emits the injected NaN
+FAULT = "encoder.fault"  # the layer that emits the injected NaN or loss spike
+SPIKE_SCALE = 1e3  # what the fault layer multiplies its output by at a spike's step
 
 
 def make_data(n: int, d_in: int = 32, classes: int = 4, seed: int = 0) -> TensorDataset:
@@ -35,15 +36,19 @@ def make_data(n: int, d_in: int = 32, classes: int = 4, seed: int = 0) -> Tensor
     return TensorDataset(centres[y] + torch.randn(n, d_in, generator=g), y)
 
 
-class NaNInjector(nn.Module):
-    """An identity layer (it returns its input itself) until ``fire`` is set; then its first
-    unit outputs NaN. A layer of its own, so that layerwatch's first offender names it."""
+class FaultInjector(nn.Module):
+    """An identity layer (it returns its input itself) until ``fire`` is set: then its first
+    unit outputs NaN; or until ``scale`` is set: then its output is its input times that (a
+    loss spike). A layer of its own, so that layerwatch's first offender names it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fire = False
+        self.scale: Optional[float] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is not None:
+            return x * self.scale
         if not self.fire:
             return x
         return x * torch.where(torch.arange(x.shape[-1], device=x.device) == 0, math.nan, 1.0)
@@ -51,21 +56,25 @@ class NaNInjector(nn.Module):
 
 class DemoModule(L.LightningModule):
     """An MLP classifier; at step ``inject_nan`` its layer ``encoder.fault`` (after the second
-    Linear) outputs NaN in its first unit, for that one step."""
+    Linear) outputs NaN in its first unit, for that one step; at step ``inject_spike`` it
+    multiplies its output by ``SPIKE_SCALE`` (a loss spike), for that one step."""
 
-    def __init__(self, d_in: int = 32, hidden: int = 256, classes: int = 4, inject_nan: Optional[int] = None) -> None:
+    def __init__(self, d_in: int = 32, hidden: int = 256, classes: int = 4, inject_nan: Optional[int] = None,
+                 inject_spike: Optional[int] = None) -> None:
         super().__init__()
         # The named fault layer has no parameters and keeps the numbered layers' names.
         self.encoder = nn.Sequential(OrderedDict([
             ("0", nn.Linear(d_in, hidden)), ("1", nn.ReLU()), ("2", nn.Linear(hidden, hidden)),
-            ("fault", NaNInjector()),
+            ("fault", FaultInjector()),
             ("3", nn.ReLU()), ("4", nn.Linear(hidden, hidden)), ("5", nn.ReLU()),
         ]))
         self.head = nn.Linear(hidden, classes)
-        self.inject_nan = inject_nan
+        self.inject_nan, self.inject_spike = inject_nan, inject_spike
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.encoder.fault.fire = self.training and self.global_step == self.inject_nan
+        spiking = self.training and self.global_step == self.inject_spike
+        self.encoder.fault.scale = SPIKE_SCALE if spiking else None
         return self.head(self.encoder(x))
 
     def training_step(self, batch, batch_idx):
@@ -80,22 +89,19 @@ class DemoModule(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
-def check_demo_options(steps: int, every: int, inject_nan: Optional[int]) -> None:
+def check_demo_options(steps: int, every: int, inject_nan: Optional[int], inject_spike: Optional[int] = None) -> None:
     """Raises ValueError naming the bad value: ``steps`` and ``every`` must be ints >= 1,
-    ``inject_nan`` None or a step of the run (``0 <= inject_nan < steps``)."""
+    ``inject_nan`` and ``inject_spike`` None or a step of the run (``0 <= step < steps``)."""
     for name, value in (("steps", steps), ("every", every)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if inject_nan is not None and (
-        isinstance(inject_nan, bool) or not isinstance(inject_nan, int) or not 0 <= inject_nan < steps
-    ):
-        raise ValueError(
-            f"inject_nan must be a step of the run, an int in 0..{steps - 1} (steps={steps}), got {inject_nan!r}"
-        )
+    for name, step in (("inject_nan", inject_nan), ("inject_spike", inject_spike)):
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < steps):
+            raise ValueError(f"{name} must be a step of the run, an int in 0..{steps - 1} (steps={steps}), got {step!r}")
 
 
 def run_demo(steps: int = 8000, log_dir: str = "runs/layerwatch-demo", every: int = 50,
-             inject_nan: Optional[int] = None, batch: int = 128) -> Path:
+             inject_nan: Optional[int] = None, batch: int = 128, inject_spike: Optional[int] = None) -> Path:
     """Train ``DemoModule`` for ``steps`` optimizer steps; returns the run directory.
 
     Lightning's progress bar counts the epochs those steps span: the default 8,000 steps of
@@ -108,11 +114,15 @@ def run_demo(steps: int = 8000, log_dir: str = "runs/layerwatch-demo", every: in
     step after it could not tell: Adam has spread the NaN into every weight by then, so the
     first layer is merely the first to use one.)
 
+    With ``inject_spike``, ``encoder.fault`` multiplies its output by ``SPIKE_SCALE`` at that
+    step: the loss spikes, that step is sampled with its batch replayed, and the layers whose
+    gradients grew most are ranked (the ``spike`` alert, the tab's spike mark).
+
     Raises:
-        ValueError: a bad ``steps``, ``every`` or ``inject_nan`` (see :func:`check_demo_options`),
+        ValueError: a bad ``steps``, ``every``, ``inject_nan`` or ``inject_spike`` (see :func:`check_demo_options`),
             or a ``log_dir`` that cannot be written; before training starts.
     """
-    check_demo_options(steps, every, inject_nan)
+    check_demo_options(steps, every, inject_nan, inject_spike)
     writable_dir(log_dir)
     callback = InspectCallback(every_n_steps=every)
     L.seed_everything(0, verbose=False)
@@ -132,7 +142,7 @@ def run_demo(steps: int = 8000, log_dir: str = "runs/layerwatch-demo", every: in
         enable_model_summary=False,
     )
     started = time.perf_counter()
-    trainer.fit(DemoModule(inject_nan=inject_nan), loader)
+    trainer.fit(DemoModule(inject_nan=inject_nan, inject_spike=inject_spike), loader)
     run_dir = Path(logger.log_dir)
     print(f"\nlayerwatch demo: {steps} steps in {time.perf_counter() - started:.0f} s; TensorBoard logs in {run_dir.resolve()}")
     if inject_nan is not None:
@@ -142,6 +152,11 @@ def run_demo(steps: int = 8000, log_dir: str = "runs/layerwatch-demo", every: in
         print(f"a NaN was injected at step {inject_nan} ({sampled}) by layer {FAULT} (its first unit's output); "
               f"layerwatch's {found}. See the LAYERWATCH tab, the layerwatch/first_offender text, "
               "layerwatch/first_nonfinite_step, and the grads_nonfinite/ and weights_nonfinite/ cards")
+    if inject_spike is not None:
+        found = next((a.message for a in callback.alerts if a.kind == "spike" and a.step == inject_spike),
+                     "no spike found at that step")
+        print(f"the loss was made to spike at step {inject_spike} by layer {FAULT} (its output times {SPIKE_SCALE:g}); "
+              f"layerwatch: {found}. See the LAYERWATCH tab's spike mark, layerwatch/loss and `layerwatch report`")
     print(f"view them with:\n  tensorboard --logdir {log_dir}\n(the LAYERWATCH tab shows every layer at every "
           f"sampled step)\nor summarize them (alerts, extreme norms) with:\n  layerwatch report {log_dir}")
     return run_dir

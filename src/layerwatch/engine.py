@@ -389,7 +389,7 @@ class Engine:
         rows = self._reads.host_rows(sample) if stages is None else stages.rows
         stepped = sample.stepped(self._counter.count)
         found, offender = self._faults.offender_alerts(sample.step, probes, stepped)
-        spiked = self._spikes.explain(sample.step, rows, replayed=sample.replay is not None)
+        spiked = self._spikes.explain(sample.step, rows, probes, replayed=sample.replay is not None)
         findings = R.Findings(alerts=found + spiked.alerts) if self._health is None else self._health.judge(
             sample.step, rows, "grads" in self.options.families, sample.trainable() if stages is None else stages.trainable,
             stepped, found + spiked.alerts)

@@ -41,6 +41,7 @@ _LAYERWATCH_PREFIXES = (
     *(V.module_prefix(name) for name in V.MODULE_SCALARS),
     V.update_ratio_tag(""),
 )
+SPIKES = V.EVENTS + "spikes"
 OTHER_TAGS_SHOWN = 5
 NAME_WIDTH = 60  # longer layer names lose their middle
 
@@ -153,7 +154,7 @@ def _read(files: list[Path]) -> _Run:
                 if kind == "simple_value":
                     if value.tag.startswith(CARD_PREFIXES):
                         run.scalars.setdefault(value.tag, []).append((step, value.simple_value))
-                elif kind == "tensor" and value.tag.startswith((V.SERIES, V.LAYOUT)):
+                elif kind == "tensor" and value.tag.startswith((V.SERIES, V.LAYOUT, SPIKES)):
                     run.tab.add_tensor(step, event.wall_time, value.tag, value.tensor)
                 elif kind == "tensor" and value.tag == V.ALERTS_TEXT and value.tensor.string_val:
                     if run.alerts_text is None or step >= run.alerts_text[0]:
@@ -165,8 +166,13 @@ def _summarize(name: str, run: _Run) -> dict[str, Any]:
     from layerwatch.alerts import parse_alerts_markdown  # here: the rest of the report needs no torch
 
     alerts = [] if run.alerts_text is None else [a.as_dict() for a in parse_alerts_markdown(run.alerts_text[1])]
+    spikes = sorted((spike for _, events in run.tab.events for spike in events.get("spikes", [])), key=lambda s: s["step"])
+    tabled = {(a["kind"], a["step"]) for a in alerts}  # a run without the health rules has no table: its spikes are alerts still
+    alerts += [{"kind": "spike", "name": s["layer"], "step": s["step"], "message": s["message"]}
+               for s in spikes if ("spike", s["step"]) not in tabled]
     tables = {key: _series_table(run, key) for key in _SERIES}
-    steps = sorted({step for series in run.scalars.values() for step, _ in series} | set(run.tab.steps()))
+    steps = sorted({step for tag, series in run.scalars.items() if tag != V.LOSS for step, _ in series}  # LOSS: a lead-up
+                   | set(run.tab.steps()))
     nonfinite = _first_nonfinite([tables[key] for key in _NONFINITE])
     until = None if nonfinite is None else nonfinite["step"]  # norms of finite values mean little after it
     return {
@@ -176,6 +182,7 @@ def _summarize(name: str, run: _Run) -> dict[str, Any]:
         "steps": {"first": steps[0], "last": steps[-1], "samples": len(steps)} if steps else None,
         "alerts": alerts,
         "first_nonfinite": nonfinite,
+        "spikes": spikes,
         "norms_until_step": until,
         "weights": rankings.norms(tables[_NORMS["weights"]], until),
         "grads": rankings.norms(tables[_NORMS["grads"]], until),
@@ -231,6 +238,15 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ["", f"== {run['run']}: {covered}"]
         lines.append(f"Alerts ({len(run['alerts'])}):" if run["alerts"] else "Alerts: none")
         lines += [f"  step {a['step']:<8} {a['kind']:<10} {a['name']}: {a['message']}" for a in run["alerts"]]
+        lines.append(f"Loss spikes ({len(run['spikes'])}):" if run["spikes"] else "Loss spikes: none")
+        for spike in run["spikes"]:
+            grew = ", ".join(f"{g['layer']} ({g['what']} {_factor(g['factor'])})" for g in spike["layers"][:3])
+            began = spike["origin"][0] if spike["origin"] else None
+            how = "replayed" if spike["replayed"] else f"measured at step {spike['sampled_at']}"
+            lines.append(f"  step {spike['step']:<8} {spike['what']} {_number(spike['value'])}, z = {_number(spike['z'])} "
+                         f"(mean {_number(spike['mean'])} of {spike['over']} steps); {how}"
+                         + (f"; began at {began['layer']} (output {_factor(began['factor'])} its input's)" if began else "")
+                         + (f"; grew most: {grew}" if grew else ""))
         nonfinite = run["first_nonfinite"]
         lines.append(
             f"First non-finite: step {nonfinite['step']} in {', '.join(nonfinite['tensors'][:6])}"

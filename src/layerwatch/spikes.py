@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 from layerwatch import record as R
@@ -22,7 +23,8 @@ from layerwatch import stats as S
 from layerwatch.distributed import is_writer_rank
 from layerwatch.failures import FailurePolicy
 from layerwatch.sentinel import to_host
-from layerwatch.vocabulary import LOSS, parent
+from layerwatch.probes import ProbeResult
+from layerwatch.vocabulary import LOSS, ROOT, parent
 
 FLAT = 1e-10  # a window whose deviation is below this (relative to its mean) is flat: no z-score (OLMo-core's floor)
 
@@ -68,7 +70,7 @@ class Spike:
                 "std": self.std, "over": len(self.lead_up), "text": self.describe()}
 
     def describe(self) -> str:
-        return (f"{self.what} spike at step {self.step}: {self.value:.4g}, {self.z:.1f} standard deviations above the mean "
+        return (f"{self.what} spike at step {self.step}: {self.value:.4g}, {_z(self.z)} standard deviations above the mean "
                 f"of the {len(self.lead_up)} steps before it ({self.mean:.4g} +- {self.std:.3g})")
 
 
@@ -122,7 +124,7 @@ class LossTap:
         if isinstance(loss, torch.Tensor):  # as few ops as can be: one read on the CPU, one copy elsewhere
             one = loss.numel() == 1
             if S.host_reads_free(loss.device):
-                copy = (float(loss) if one else float(loss.detach().float().mean()), None)
+                copy = (float(loss.item()) if one else loss.detach().float().mean().item(), None)  # item(): no autograd warning
             else:
                 copy = to_host(loss.detach().reshape(1) if one else loss.detach().float().mean().reshape(1))
         else:
@@ -216,31 +218,44 @@ class Spikes:
                                                  if steps else ""))
         return now
 
-    def explain(self, step: int, rows: R.HostRows, replayed: bool = False) -> R.Findings:
+    def explain(self, step: int, rows: R.HostRows, probes: Optional[ProbeResult] = None, replayed: bool = False) -> R.Findings:
         """At a sample written (rank 0): the spikes found since the last one, as findings: their
-        ``spike`` alerts and events, each with the layers whose gradient or update grew most
-        since the sample before (:class:`LayerGrowth`), and the lead-up to write (each one's
-        window of losses and its own, the steps not written before). ``replayed``: the sample's
-        module probes come from its batch run again."""
-        ranked = self._growth.observe(rows)
+        ``spike`` alerts and events, each with the layers ranked by growth since they were last
+        sampled (:class:`LayerGrowth`: ``origin``, the modules whose output grew most beyond
+        their input's, where ``probes`` saw the forward; ``layers``, whose gradient or update
+        grew most), and the lead-up to write (each one's window of losses and its own, the steps
+        not written before). ``replayed``: ``probes`` come from the step's batch run again. The
+        alert names the first of ``origin``, else of ``layers``."""
         spikes, self._unwritten = self._unwritten, []
+        try:
+            ranked, origin = self._growth.observe(rows, probes, rank=bool(spikes))
+        except Exception as e:  # an inspector must never break the training run: the spikes are said unranked
+            self._failures.failed("rank the layers that grew at a loss spike", e, step)
+            ranked, origin = [], []
         lead_up = []
         for spike in spikes:
             for at, value in (*spike.lead_up, (spike.step, spike.value)):
                 if at > self._written_to:
                     lead_up.append((at, value))
                     self._written_to = at
+        began = f"; began at {origin[0].layer} (its output grew {_times(origin[0].factor)} more than its input)" if origin else ""
         grew = ", ".join(f"{g.layer} ({g.what} {_times(g.factor)})" for g in ranked)
-        return R.Findings(
-            alerts=[Alert("spike", ranked[0].layer if ranked else spike.what, spike.step,
-                          spike.describe() + (f"; grew most by step {step}: {grew}" if grew else "")) for spike in spikes],
-            spikes=[{**spike.event(), "sampled_at": step, "replayed": replayed and spike.step == step,
-                     "layers": [g.as_dict() for g in ranked]} for spike in spikes],
-            history={LOSS: lead_up} if lead_up else {})
+        said = began + (f"; grew most: {grew}" if grew else "")
+        events = [{**spike.event(), "layer": (origin or ranked)[0].layer if origin or ranked else spike.what,
+                   "sampled_at": step, "replayed": replayed and spike.step == step,
+                   "origin": [g.as_dict() for g in origin], "layers": [g.as_dict() for g in ranked],
+                   "message": spike.describe() + said + (f" (measured at step {step})" if said and step != spike.step else "")}
+                  for spike in spikes]
+        return R.Findings(alerts=[Alert("spike", e["layer"], e["step"], e["message"]) for e in events], spikes=events,
+                          history={LOSS: lead_up} if lead_up else {})
+
+
+def _z(z: float) -> str:
+    return f"{z:.1f}" if z < 1e4 else f"{z:.2e}"
 
 
 def _times(factor: float) -> str:
-    return f"x{factor:.3g}" if factor < 1e4 else f"x{factor:.2e}"
+    return f"x{factor:.3g}" if factor < 100 else f"x{factor:,.0f}" if factor < 1e6 else f"x{factor:.2e}"
 
 
 @dataclass(frozen=True)
@@ -258,29 +273,69 @@ class Growth:
 
 
 class LayerGrowth:
-    """Each layer's gradient norm and update ratio at the last sample written: a sample's are
-    ranked against them by how much they grew (the largest of a layer's parameters' factors)."""
+    """Each layer's gradient norm and update ratio, and each module's output norm, at the last
+    sample: a sample's are ranked against them by how much they grew.
+
+    A module's output grows with its input's: where the sample's forward was probed, the
+    leaf modules are also ranked by how much more their output grew than the output of the
+    leaf called before them (in model order: their input, in a chain), so that the module
+    where a growth began comes first, not those it carried on to (:meth:`origin`).
+
+    A sample is only kept (no work per tensor) until a spike asks for a ranking."""
 
     TOP = 5
 
     def __init__(self) -> None:
-        self._last: dict[tuple[str, str], float] = {}
+        self._last: Optional[tuple[R.HostRows, Optional[ProbeResult]]] = None
 
-    def observe(self, rows: R.HostRows) -> list[Growth]:
-        """The layers whose gradient or update grew most since the last call, largest first (at
-        most ``TOP``, each layer once); ``rows`` are kept for the next call."""
-        now = _per_parameter(rows)
+    def observe(self, rows: R.HostRows, probes: Optional[ProbeResult], rank: bool) -> tuple[list[Growth], list[Growth]]:
+        """With ``rank``: the layers whose gradient or update grew most since the last sample,
+        largest first (at most ``TOP``, each layer once), and the leaf modules whose output grew
+        most beyond their input's (:meth:`origin`). This sample is kept for the next call."""
+        last, self._last = self._last, (rows, probes)
+        if not rank or last is None:
+            return [], []
+        before = _per_parameter(last[0])
         best: dict[str, Growth] = {}
-        for (what, name), value in now.items():
-            before = self._last.get((what, name))
-            if before is None or not before > 0 or not math.isfinite(value):
+        for (what, name), value in _per_parameter(rows).items():
+            growth = _growth(what, parent(name) or name, before.get((what, name)), value)
+            if growth is not None and (growth.layer not in best or growth.factor > best[growth.layer].factor):
+                best[growth.layer] = growth
+        return sorted(best.values(), key=lambda g: -g.factor)[: self.TOP], self.origin(dict(_outputs(last[1])), _outputs(probes))
+
+    def origin(self, before: dict[str, float], outputs: list[tuple[str, float]]) -> list[Growth]:
+        """The leaf modules of ``outputs`` (name and output norm, in model order) ranked by their
+        output's growth since ``before`` over the growth of the leaf's before them (the first
+        leaf's input, the batch, is taken as unchanged): ``factor`` is that ratio, ``before``
+        and ``now`` the module's own norms."""
+        names = [name for name, _ in outputs]
+        leaves = [(name, value) for name, value in outputs if not any(other.startswith(name + ".") for other in names)
+                  and name != ROOT]
+        ranked, carried = [], 1.0
+        for name, value in leaves:
+            growth = _growth("output", name, before.get(name), value)
+            if growth is None:
+                carried = 1.0  # not known: the next leaf is judged on its own growth
                 continue
-            layer = parent(name) or name
-            growth = Growth(layer, what, value / before, before, value)
-            if layer not in best or growth.factor > best[layer].factor:
-                best[layer] = growth
-        self._last = now
-        return sorted(best.values(), key=lambda g: -g.factor)[: self.TOP]
+            ranked.append(Growth(name, "output", growth.factor / carried if carried > 0 else growth.factor,
+                                 growth.before, growth.now))
+            carried = growth.factor
+        return sorted(ranked, key=lambda g: -g.factor)[: self.TOP]
+
+
+def _growth(what: str, layer: str, before: Optional[float], now: float) -> Optional[Growth]:
+    if before is None or not before > 0 or not math.isfinite(now) or not math.isfinite(before):
+        return None
+    return Growth(layer, what, now / before, before, now)
+
+
+def _outputs(probes: Optional[ProbeResult]) -> list[tuple[str, float]]:
+    """Each probed module's output norm (its first call's), in model order."""
+    measured = [] if probes is None else [t for t in probes.modules if t.activation_row is not None]
+    if not measured:
+        return []
+    norms = S.Rows(np.stack([t.activation_row for t in measured])).norm.tolist()
+    return [(t.name, norm) for t, norm in zip(measured, norms)]
 
 
 def _per_parameter(rows: R.HostRows) -> dict[tuple[str, str], float]:

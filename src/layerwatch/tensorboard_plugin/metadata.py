@@ -12,10 +12,13 @@ the ``layerwatch`` plugin:
   event as the first step's series, and again when a series meets a layer it had not seen (the
   lists only grow, so a layer that comes and goes does not rewrite them);
 - ``layerwatch/events/<kind>``: a JSON string at the step where it appears, for the kinds
-  ``alerts`` (the new alerts, a list), ``first_offender`` (``layer``, ``step``, ``phase``,
-  ``text``, and ``replayed_from``: the step whose batch was run again to find it, or null)
-  and ``first_nonfinite_step``: one tag each, as a step may have several and a time series
-  keeps one value per step.
+  ``alerts`` (the new alerts, a list); ``first_offender`` (``layer``, ``step``, ``phase``,
+  ``text``, and ``replayed_from``: the step whose batch was run again to find it, or null);
+  ``first_nonfinite_step``; and ``spikes`` (the loss spikes found since the sample before, a
+  list: ``step``, ``what``, ``value``, ``z``, ``mean``, ``std``, ``over``, ``layer`` (the
+  top-ranked), ``layers`` (ranked: ``layer``, ``what``, ``factor``, ``before``, ``now``),
+  ``sampled_at``, ``replayed``, ``text``, ``message``): one tag each, as a step may have
+  several and a time series keeps one value per step.
 """
 
 from __future__ import annotations

@@ -232,14 +232,16 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
         run = _arg(args, "run")
         reader = self._reader(ctx, experiment, run, [])
         alerts: list[dict[str, Any]] = []
+        spikes: list[dict[str, Any]] = []
         offender, first_step = None, None
         for _, events in sorted(reader.events, key=lambda item: item[0]):
             alerts += events.get("alerts", [])
+            spikes += events.get("spikes", [])
             offender = offender or events.get("first_offender")
             step = events.get("first_nonfinite_step")
             if step is not None and (first_step is None or step < first_step):
                 first_step = step
-        return {"alerts": alerts, "first_nonfinite_step": first_step, "first_offender": offender}
+        return {"alerts": alerts, "first_nonfinite_step": first_step, "first_offender": offender, "spikes": spikes}
 
     def rankings(self, ctx: Any, experiment: str, args: Any) -> dict[str, Any]:
         run = _arg(args, "run")

@@ -13,6 +13,7 @@
 const ROOT = '(root)';
 const ACCENT = '#f57c00';
 const NAN_CSS = '#ff00ff';
+const SPIKE_CSS = '#e53935';  // a loss spike's step: red stands out of viridis
 const NOT_MEASURED_CSS = '#e8eaed';
 const LABEL_WIDTH = 260;
 const LABEL_FONT = '12px Roboto, system-ui, -apple-system, "Segoe UI", Arial, sans-serif';
@@ -502,6 +503,7 @@ function placeMarks(events, steps, rangeOf) {
     alertsByRow,
     offender: events.first_offender ? rangeOf(events.first_offender.layer) : null,
     nonfiniteStep: events.first_nonfinite_step ?? null,
+    spikeSteps: [...new Set((events.spikes ?? []).map((spike) => spike.step))].sort((a, b) => a - b),
   };
 }
 
@@ -624,6 +626,8 @@ class HeatmapView {
     dataset.stat = this.model.stat;
     if (this.marks.nonfiniteStep === null) delete dataset.firstNonfiniteStep;
     else dataset.firstNonfiniteStep = String(this.marks.nonfiniteStep);
+    if (!this.marks.spikeSteps.length) delete dataset.spikeSteps;
+    else dataset.spikeSteps = this.marks.spikeSteps.join(',');
   }
 
   requestDraw() {
@@ -699,7 +703,18 @@ class HeatmapView {
     const cellWidth = width / Math.max(1, steps.length);
     const rangeBox = ([from, to], inset) => [inset, from * h - top + inset, width - 2 * inset, (to - from) * h - 2 * inset];
     const visible = (range) => range !== null && range[1] > first && range[0] < last;
-    const {alertsByRow, offender, nonfiniteStep} = this.marks;
+    const {alertsByRow, offender, nonfiniteStep, spikeSteps} = this.marks;
+    for (const step of steps.length ? spikeSteps : []) {
+      const x = clamp(stepToX(steps, step, cellWidth), 1, width - 1);
+      ctx.save();
+      ctx.strokeStyle = SPIKE_CSS;
+      ctx.lineWidth = 2;
+      ctx.beginPath();
+      ctx.moveTo(x, 0);
+      ctx.lineTo(x, height);
+      ctx.stroke();
+      ctx.restore();
+    }
     if (nonfiniteStep !== null && steps.length) {
       const x = clamp(stepToX(steps, nonfiniteStep, cellWidth) - cellWidth / 2, 1, width - 1);
       ctx.save();
@@ -799,16 +814,25 @@ class HeatmapView {
 
   renderMarkStrip(width) {
     const {steps} = this.model;
-    const step = this.marks.nonfiniteStep;
-    this.markStrip.hidden = step === null || !steps.length;
+    const {nonfiniteStep, spikeSteps} = this.marks;
+    this.markStrip.hidden = (nonfiniteStep === null && !spikeSteps.length) || !steps.length;
     if (this.markStrip.hidden) return;
     const cellWidth = width / steps.length;
-    const x = clamp(stepToX(steps, step, cellWidth) - cellWidth / 2, 1, width - 1);
-    const onLeft = x > width - 170;
-    this.markStrip.replaceChildren(el('span', {
-      class: `lw-nonfinite-label${onLeft ? ' lw-left' : ''}`,
-      style: `left:${LABEL_WIDTH + x}px`,
-    }, `first NaN/Inf @ step ${step}`));
+    const label = (className, x, text) => el('span', {
+      class: `${className}${x > width - 170 ? ' lw-left' : ''}`, style: `left:${LABEL_WIDTH + x}px`}, text);
+    const labels = [];
+    let freeFrom = -Infinity;  // spike labels that would overlap the one before are left to the line alone
+    for (const step of spikeSteps) {
+      const x = clamp(stepToX(steps, step, cellWidth), 1, width - 1);
+      if (x < freeFrom) continue;
+      labels.push(label('lw-spike-label', x, `spike @ ${step}`));
+      freeFrom = x + 80;
+    }
+    if (nonfiniteStep !== null) {
+      const x = clamp(stepToX(steps, nonfiniteStep, cellWidth) - cellWidth / 2, 1, width - 1);
+      labels.push(label('lw-nonfinite-label', x, `first NaN/Inf @ step ${nonfiniteStep}`));
+    }
+    this.markStrip.replaceChildren(...labels);
   }
 
   cellAt(event) {
@@ -902,7 +926,8 @@ function legendElement(scale, statInfo) {
       swatch('lw-sw-none', 'not measured'),
       swatch('lw-sw-alert', 'alert'),
       swatch('lw-sw-offender', 'first offender'),
-      swatch('lw-sw-nonfinite', 'first NaN/Inf')));
+      swatch('lw-sw-nonfinite', 'first NaN/Inf'),
+      swatch('lw-sw-spike', 'loss spike')));
 }
 
 // ------------------------------------------------------------------------------ events and rankings
@@ -927,9 +952,31 @@ function renderEvents(container, events, onSelect) {
           title: 'found by running this step\'s batch again with every probe armed, before the optimizer step'},
         `replayed from step ${offender.replayed_from}`) : ''),
       offender.text && el('div', {class: 'lw-muted lw-small'}, offender.text))] : []),
+    ...spikeEvents(events.spikes ?? [], layerLink),
     el('div', {class: 'lw-subhead'}, `Alerts (${alerts.length})`),
     el('ul', {id: 'lw-alerts', class: 'lw-alerts'},
       ...(alerts.length ? alerts.map((alert) => alertItem(alert, onSelect)) : [el('li', {class: 'lw-muted'}, 'No alerts.')])));
+}
+
+/** Each loss spike: its step, how far it stood out, and the layers that grew most by the sample that explains it. */
+function spikeEvents(spikes, layerLink) {
+  if (!spikes.length) return [el('div', {class: 'lw-event lw-muted'}, 'No loss spikes seen.')];
+  return [el('div', {class: 'lw-subhead'}, `Loss spikes (${spikes.length})`),
+    el('ul', {id: 'lw-spikes', class: 'lw-alerts'}, ...spikes.map((spike) => el('li', {
+      class: 'lw-spike', 'data-step': String(spike.step), title: spike.message ?? ''},
+    el('div', {class: 'lw-alert-head'},
+      el('span', {class: 'lw-kind lw-kind-spike'}, 'spike'),
+      el('span', {class: 'lw-alert-layer'}, `${spike.what} ${formatNumber(spike.value)}, z ${formatNumber(spike.z)}`),
+      el('span', {class: 'lw-alert-step'}, `@ ${spike.step}`)),
+    (spike.origin ?? []).length ? el('div', {class: 'lw-alert-message'}, 'began at ', layerLink(spike.origin[0].layer),
+      ` (output ×${formatNumber(spike.origin[0].factor)} its input's)`,
+      spike.replayed ? el('span', {class: 'lw-badge lw-badge-replayed',
+        title: 'its batch run again with every probe armed, before its optimizer step'}, 'replayed') : '') : '',
+    spike.layers.length ? el('div', {class: 'lw-alert-message'}, 'grew most: ',
+      ...spike.layers.slice(0, 3).flatMap((grew, i) => [i ? ', ' : '', layerLink(grew.layer),
+        ` (${grew.what} ×${formatNumber(grew.factor)})`]),
+      spike.sampled_at !== spike.step ? ` (measured at step ${spike.sampled_at})` : '')
+      : el('div', {class: 'lw-alert-message lw-muted'}, 'no sample before it to compare the layers with'))))];
 }
 
 function alertItem(alert, onSelect) {
@@ -941,7 +988,7 @@ function alertItem(alert, onSelect) {
     onclick: () => onSelect(alert.layer),
   },
   el('div', {class: 'lw-alert-head'},
-    el('span', {class: `lw-kind${alert.kind === 'nonfinite' ? ' lw-kind-nonfinite' : ''}`}, alert.kind),
+    el('span', {class: `lw-kind${alert.kind === 'nonfinite' || alert.kind === 'spike' ? ` lw-kind-${alert.kind}` : ''}`}, alert.kind),
     el('span', {class: 'lw-alert-layer', title: alert.layer}, alert.layer),
     el('span', {class: 'lw-alert-step'}, `@ ${alert.step}`)),
   alert.message && el('div', {class: 'lw-alert-message'}, alert.message));
@@ -1066,7 +1113,7 @@ function drawNonfiniteLine(ctx, plot, x) {
 }
 
 /** A line chart of one series; NaN points are magenta triangles on the top edge, gaps are not measured. */
-function drawSeriesChart(canvas, width, {steps, values, log, unit, nonfiniteStep}) {
+function drawSeriesChart(canvas, width, {steps, values, log, unit, nonfiniteStep, spikeSteps = []}) {
   const ctx = sizeCanvas(canvas, width, SERIES_HEIGHT);
   const plot = plotBox(width);
   const span = stepSpan(steps);
@@ -1076,6 +1123,15 @@ function drawSeriesChart(canvas, width, {steps, values, log, unit, nonfiniteStep
   if (nonfiniteStep != null && nonfiniteStep >= span[0] && nonfiniteStep <= span[1]) {
     drawNonfiniteLine(ctx, plot, x(nonfiniteStep));
   }
+  ctx.save();
+  ctx.strokeStyle = SPIKE_CSS;
+  for (const step of spikeSteps.filter((step) => step >= span[0] && step <= span[1])) {
+    ctx.beginPath();
+    ctx.moveTo(x(step), plot.top);
+    ctx.lineTo(x(step), plot.bottom);
+    ctx.stroke();
+  }
+  ctx.restore();
   ctx.strokeStyle = ACCENT;
   ctx.fillStyle = ACCENT;
   ctx.lineWidth = 1.5;
@@ -1217,7 +1273,7 @@ function renderDetailPlaceholder(detail) {
 }
 
 /** Charts are drawn after they are in the page, at the width their grid cell got. */
-function renderDetail(detail, layer, statsInfo, nonfiniteStep) {
+function renderDetail(detail, layer, statsInfo, nonfiniteStep, spikeSteps = []) {
   const steps = layer.steps ?? [];
   const order = [...statsInfo.keys()];
   const position = (key) => (order.includes(key) ? order.indexOf(key) : order.length);
@@ -1228,7 +1284,7 @@ function renderDetail(detail, layer, statsInfo, nonfiniteStep) {
     const values = Float64Array.from(layer.series[key], jsonValue);
     const log = wantsLogAxis(values);
     const {figure, canvas, readout} = chartFigure(info.label, [info.unit, log && 'log'].filter(Boolean).join(' · '));
-    drawings.push(() => drawSeriesChart(canvas, figure.clientWidth, {steps, values, log, unit: info.unit, nonfiniteStep}));
+    drawings.push(() => drawSeriesChart(canvas, figure.clientWidth, {steps, values, log, unit: info.unit, nonfiniteStep, spikeSteps}));
     attachReadout(canvas, readout, stepSpan(steps), steps, (i) => formatValue(values[i], info.unit));
     return figure;
   });
@@ -1293,7 +1349,7 @@ function statsOf(run) {
 function eventsOf(run) {
   if (!app.cache.events.has(run)) {
     app.cache.events.set(run, getJson('events', {run})
-      .catch((error) => ({alerts: [], first_nonfinite_step: null, first_offender: null, error})));
+      .catch((error) => ({alerts: [], first_nonfinite_step: null, first_offender: null, spikes: [], error})));
   }
   return app.cache.events.get(run);
 }
@@ -1604,7 +1660,8 @@ async function loadDetail(name) {
     const [layer, stats, events] = await Promise.all([getJson('layer', {run, name}), statsOf(run), eventsOf(run)]);
     if (ticket !== app.tickets.detail) return;
     const statsInfo = new Map((stats.stats ?? []).map((stat) => [stat.key, stat]));
-    renderDetail(detail, {...layer, name: layer.name ?? name}, statsInfo, events.first_nonfinite_step);
+    renderDetail(detail, {...layer, name: layer.name ?? name}, statsInfo, events.first_nonfinite_step,
+      (events.spikes ?? []).map((spike) => spike.step));
   } catch (error) {
     if (ticket !== app.tickets.detail) return;
     detail.replaceChildren(el('h3', {}, name), el('div', {class: 'lw-error-text'}, `Could not load ${name}: ${error.message}`));
@@ -1700,6 +1757,10 @@ code { font-family: "Roboto Mono", ui-monospace, monospace; font-size: 12px; bac
 .lw-sw-alert { width: 10px !important; background: #111; clip-path: polygon(0 0, 100% 0, 50% 100%); }
 .lw-sw-offender { border: 2px solid var(--lw-accent); }
 .lw-sw-nonfinite { width: 2px !important; border-left: 2px dashed #111; }
+.lw-sw-spike { width: 2px !important; border-left: 2px solid ${SPIKE_CSS}; }
+.lw-spike-label { position: absolute; bottom: 2px; white-space: nowrap; font-size: 11px; font-weight: 500;
+  padding: 0 6px; border-left: 2px solid ${SPIKE_CSS}; color: ${SPIKE_CSS}; }
+.lw-spike-label.lw-left { transform: translateX(-100%); border-left: 0; border-right: 2px solid ${SPIKE_CSS}; }
 
 .lw-event { margin: 4px 0 8px; display: flex; flex-direction: column; gap: 2px; }
 .lw-event-nonfinite { flex-direction: row; align-items: center; gap: 6px; font-weight: 500; }
@@ -1716,6 +1777,7 @@ code { font-family: "Roboto Mono", ui-monospace, monospace; font-size: 12px; bac
 .lw-kind { flex: none; font-size: 10px; text-transform: uppercase; letter-spacing: .04em; padding: 0 5px; border-radius: 7px;
   background: #ffe0b2; color: #8a3b00; }
 .lw-kind-nonfinite { background: ${NAN_CSS}; color: #fff; }
+.lw-kind-spike { background: ${SPIKE_CSS}; color: #fff; }
 
 .lw-ranking { margin-top: 10px; }
 .lw-ranking:first-of-type { margin-top: 0; }
