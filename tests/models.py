@@ -854,6 +854,30 @@ class LitSpike(LitMLP):
         return DataLoader(dataset(), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0))
 
 
+class LitAmplified(LitSpike):
+    """A deeper MLP whose layer ``net.2`` has its output scaled ``amplify`` times at global step
+    ``spike_at`` (a forward hook times a buffer: one graph compiled); ``compiled``: its net runs
+    under torch.compile (aot_eager)."""
+
+    def __init__(self, spike_at: Optional[int] = None, amplify: float = 1e3, compiled: bool = False) -> None:
+        super().__init__(spike_at=spike_at, lr=1e-3)
+        torch.manual_seed(0)
+        layer = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 1)
+        layer[1].register_buffer("amplify", torch.ones(()))
+        layer[1].register_forward_hook(lambda module, args, output: output * module.amplify)
+        self.net = nn.Sequential(layer[0], nn.ReLU(), layer[1], nn.ReLU(), layer[2], nn.ReLU(), layer[3])
+        self.amplify, self.compiled = amplify, compiled
+        object.__setattr__(self, "call", torch.compile(self.net, backend="aot_eager") if compiled else self.net)  # no submodule
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.net[2].amplify.fill_(self.amplify if self.trainer.global_step == self.spike_at else 1.0)
+        return F.binary_cross_entropy_with_logits(self.call(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
 class TwoOptimizers(L.LightningModule):
     """Manual optimization with two optimizers: two global steps per batch."""
 

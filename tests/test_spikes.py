@@ -2,6 +2,7 @@
 
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -228,3 +229,178 @@ def test_the_trainer_finds_a_spike_in_the_models_loss_and_samples_the_next_steps
                for s in acc.Scalars("layerwatch/overhead_ms")}
     assert {60, 61, 62, 63} <= written and not written & set(range(2, 60)), sorted(written)
     assert losses == runs["off"][0] and runs["off"][1] == []
+
+
+# ------------------------------------------------------------------ a layer's output scaled: the layer named
+
+SPIKE_STEP = 60  # unsampled under every_n_steps=25 (0, 25, 50, 75 are)
+
+
+def amplifiable(layer: torch.nn.Module) -> torch.nn.Module:
+    """``layer``'s output times its buffer ``amplify`` (1 until a test sets it): a forward hook,
+    and a buffer rather than a Python flag, so that compiled code runs one graph either way."""
+    layer.register_buffer("amplify", torch.ones(()))
+    layer.register_forward_hook(lambda module, args, output: output * module.amplify)
+    return layer
+
+
+def _spike_alerts(alerts):
+    return [a for a in alerts if a.kind == "spike"]
+
+
+def _mlp() -> torch.nn.Module:
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), amplifiable(nn.Linear(32, 32)), nn.ReLU(), nn.Linear(32, 32),
+                         nn.ReLU(), nn.Linear(32, 1))
+
+
+def _plain_amplified(log_dir, compiled=False, amplify=1e3, spikes=True):
+    """A plain loop over ``_mlp()`` whose layer 2's output is scaled ``amplify`` times at
+    SPIKE_STEP; returns the losses (exact), the alerts and the steps written."""
+    import warnings
+
+    from torch import nn
+
+    from layerwatch import Inspector
+
+    model = _mlp()
+    call = torch.compile(model, backend="aot_eager") if compiled else model
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Inspector(call, log_dir=log_dir, optimizer=opt, every_n_steps=25, spikes=spikes) as inspector:
+            for step in range(80):
+                x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
+                model[2].amplify.fill_(amplify if step == SPIKE_STEP else 1.0)
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(call(x), y)
+                loss.backward()
+                opt.step()
+                losses.append(repr(loss.item()))
+                inspector.step(loss=loss)
+            alerts = inspector.alerts
+    return losses, alerts
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_plain_loop_names_the_layer_whose_output_was_scaled_at_an_unsampled_step(tmp_path, events, compiled):
+    """The loss comes to step(), after the optimizer step: the spiking step is sampled at its
+    end (on the CPU), its gradients as they were; no replay (its weights changed since). The
+    layer ranked first is the scaled one's neighbour in the graph, the Linear after it (4): every
+    gradient grew some 1e5 times, the layers after the scaled one's a little more (their inputs
+    grew too); only the forward tells the scaled layer itself (the Lightning and Trainer tests)."""
+    losses, alerts = _plain_amplified(tmp_path / "spiked", compiled)
+    spike, = [a for a in _spike_alerts(alerts) if a.step == SPIKE_STEP]
+    assert spike.name == "4" and "grew most: 4 (gradient x" in spike.message and "2 (gradient x" in spike.message, spike.message
+    written = [s.step for s in events(tmp_path / "spiked").Scalars("layerwatch/overhead_ms")]
+    assert SPIKE_STEP in written and {61, 62, 63} <= set(written)
+    plain, _ = _plain_amplified(tmp_path / "off", compiled, spikes=False)
+    assert losses == plain  # bitwise
+
+
+def test_a_healthy_plain_loop_says_no_spike_at_the_defaults(tmp_path):
+    _, alerts = _plain_amplified(tmp_path, amplify=1.0)
+    assert _spike_alerts(alerts) == []
+
+
+def _lightning_amplified(root, compiled=False, amplify=1e3, spikes=True):
+    import warnings
+
+    from layerwatch import InspectCallback
+    from models import LitAmplified, make_trainer
+
+    module = LitAmplified(spike_at=SPIKE_STEP, amplify=amplify, compiled=compiled)
+    callback = InspectCallback(every_n_steps=25, spikes=spikes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(root, [callback], max_steps=80).fit(module)
+    return module.losses, callback.alerts
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_lightning_replays_the_spiking_step_and_names_the_layer_whose_output_was_scaled(tmp_path, events, compiled):
+    """Lightning hands the loss over before the backward: on the CPU the spike is found before
+    the optimizer step, and the step's batch is run again with every probe armed (compiled code
+    eagerly). The scaled layer itself comes first: its output grew 1000 times more than its
+    input's."""
+    losses, alerts = _lightning_amplified(tmp_path / "spiked", compiled)
+    spike, = [a for a in _spike_alerts(alerts) if a.step == SPIKE_STEP]
+    began = re.search(r"began at (\S+) \(its output grew x([\d,]+) more than its input\)", spike.message)
+    assert spike.name == "net.2" and began and began[1] == "net.2", spike.message
+    assert 800 < int(began[2].replace(",", "")) < 1250  # 1000, as the weights moved a little since the last sample
+    run = events(tmp_path / "spiked" / "tb" / "version_0")
+    assert SPIKE_STEP in [s.step for s in run.Scalars("activations_norm/net.2")]  # the replay's probes, at the step
+    plain, _ = _lightning_amplified(tmp_path / "off", compiled, spikes=False)
+    assert losses == plain  # bitwise: the replay restored what it changed
+
+
+def test_a_healthy_lightning_run_says_no_spike_at_the_defaults(tmp_path):
+    _, alerts = _lightning_amplified(tmp_path, amplify=1.0)
+    assert _spike_alerts(alerts) == []
+
+
+def _trainer_amplified(root, amplify=-1e3, spikes=True, compiled=False):
+    """The tiny GPT-2 under the Hugging Face Trainer, learning to count, its final norm
+    ``transformer.ln_f``'s output scaled ``amplify`` times at step SPIKE_STEP (the Trainer's
+    steps count from 1: its ``global_step`` is one less during the step, its replay included).
+
+    Not a block's layer: GPT-2 normalizes each block's input and its last output, so a block's
+    output scaled 1000 times moved the loss 2 times, 3 standard deviations of the window (measured
+    with ``transformer.h.1.mlp.c_proj``): no spike to find. The final norm's output goes to the
+    head as it is; scaled -1000 times (+1000 makes a model that counts right surer of it: the
+    loss fell 10 times), it makes the head sure of the wrong tokens."""
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    from layerwatch.huggingface import InspectTrainerCallback
+    from test_huggingface import SEQ, VOCAB, tiny
+
+    class Counting(torch.utils.data.Dataset):  # learnable: each token is the one before it plus one
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            ids = (i + torch.arange(SEQ)) % VOCAB
+            return {"input_ids": ids, "labels": ids}
+
+    model = tiny("gpt2")
+    layer = amplifiable(model.transformer.ln_f)
+    state = []
+
+    def set_amplify(module, args):
+        layer.amplify.fill_(amplify if state and state[0].state.global_step + 1 == SPIKE_STEP else 1.0)
+
+    model.register_forward_pre_hook(set_amplify)
+    settings = dict(max_steps=80, per_device_train_batch_size=4, save_strategy="no", use_cpu=True, seed=0,
+                    disable_tqdm=True, report_to=["tensorboard"], learning_rate=1e-3, logging_steps=1,
+                    **(dict(torch_compile=True, torch_compile_backend="aot_eager") if compiled else {}))
+    callback = InspectTrainerCallback(every_n_steps=25, spikes=spikes)
+    trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(str(root), **settings),
+                                   train_dataset=Counting(), callbacks=[callback])
+    state.append(trainer)  # its state is made anew by train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry], callback.alerts
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_trainer_replays_the_spiking_step_and_names_the_layer_whose_output_was_scaled(tmp_path, compiled):
+    """The Trainer's door reads the loss from the model's outputs in a forward hook, before the
+    backward: as in Lightning, the step is replayed and the scaled layer comes first."""
+    losses, alerts = _trainer_amplified(tmp_path / "spiked", compiled=compiled)
+    spike, = [a for a in _spike_alerts(alerts) if a.step == SPIKE_STEP]
+    began = re.search(r"began at (\S+) \(its output grew x([\d,]+) more than its input\)", spike.message)
+    assert spike.name == "transformer.ln_f" and began and began[1] == spike.name, spike.message
+    if not compiled:  # the replay puts back the same state compiled or not; a compiled run twice costs 10 s more
+        plain, _ = _trainer_amplified(tmp_path / "off", spikes=False)
+        assert losses == plain  # bitwise
+
+
+def test_a_healthy_trainer_run_says_no_spike_at_the_defaults(tmp_path):
+    _, alerts = _trainer_amplified(tmp_path, amplify=1.0)
+    assert _spike_alerts(alerts) == []
