@@ -404,3 +404,88 @@ def test_the_trainer_replays_the_spiking_step_and_names_the_layer_whose_output_w
 def test_a_healthy_trainer_run_says_no_spike_at_the_defaults(tmp_path):
     _, alerts = _trainer_amplified(tmp_path, amplify=1.0)
     assert _spike_alerts(alerts) == []
+
+
+# ------------------------------------------------------------------ sharded: the same spikes and captures on every rank
+
+def sharded_spike_worker(rank: int, world: int, out: str, how: str, spiking_rank: int) -> None:
+    """60 Adam steps of an MLP (FSDP2 per layer, or DDP), each rank its own data; at step 40 the
+    batch of ``spiking_rank`` alone is scaled up 30 times. Each rank records what it judged a
+    spike, the steps it sampled, and its losses."""
+    import json
+    import warnings
+
+    from torch import nn
+
+    from layerwatch import Inspector
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    if how == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in (model[0], model[2], model[4]):
+            fully_shard(layer, mesh=mesh)
+        model = fully_shard(model, mesh=mesh)
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sampled, losses = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Inspector(model, log_dir=f"{out}/run", optimizer=opt, every_n_steps=25) as inspector:
+            for step in range(60):
+                sampled += [step] if inspector.sampled else []
+                g = torch.Generator().manual_seed(100 + 10 * step + rank)
+                x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+                x = x * 30 if step == 40 and rank == spiking_rank else x
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+                inspector.step(loss=loss)
+            found = [(s.step, s.value) for s in inspector._engine._spikes.found]
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump({"found": found, "sampled": sampled, "losses": losses}, f)
+
+
+def _sharded(tmp_path, how, spiking_rank):
+    import json
+
+    from ranks import run_ranks
+
+    run_ranks(sharded_spike_worker, str(tmp_path), how, spiking_rank, tmp=tmp_path,
+              debug="INFO" if how == "ddp" else "DETAIL")  # DETAIL crashes DDP's constructor (see run_ranks)
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_fsdp2_the_ranks_judge_their_largest_loss_alike_and_capture_the_same_steps(tmp_path, events):
+    """Rank 1's batch alone spikes: the ranks vote on each step with their losses, so both judge
+    the largest, see the same spike, and sample the same steps (a step or two later than a
+    single process: the losses ride on the next votes); rank 0 writes it."""
+    zero, one = _sharded(tmp_path, "fsdp2", spiking_rank=1)
+    assert zero["found"] == one["found"] and [step for step, _ in zero["found"]][:1] == [40], zero["found"]
+    assert max(one["losses"][40], zero["losses"][40]) == zero["found"][0][1]  # the largest of the ranks' losses
+    assert zero["sampled"] == one["sampled"] and {0, 25, 50} < set(zero["sampled"])
+    captured = sorted(set(zero["sampled"]) - {0, 25, 50})
+    assert captured == [43, 44, 45]  # its loss went out in step 42's vote: judged there, captured from the next
+    run = events(tmp_path / "run")
+    assert [s.step for s in run.Scalars("layerwatch/overhead_ms")] == [0, 25, 43, 44, 45, 50]
+    assert [s.step for s in run.Scalars("layerwatch/loss")] == list(range(41))  # the lead-up: the 40 steps before, the spike
+
+
+@pytest.mark.parametrize("spiking_rank", [0, 1])
+def test_ddp_rank_zero_judges_its_own_losses_and_no_rank_waits(tmp_path, events, spiking_rank):
+    """Under DDP rank 0 alone samples and writes (sampling is no collective there): it alone
+    judges, its own losses; a spike in another rank's batch is seen where it reaches rank 0's."""
+    zero, one = _sharded(tmp_path, "ddp", spiking_rank)
+    assert one["found"] == []  # not judged off rank 0
+    if spiking_rank == 0:
+        assert [step for step, _ in zero["found"]][:1] == [40]
+        written = [s.step for s in events(tmp_path / "run").Scalars("layerwatch/overhead_ms")]
+        assert {40, 41, 42, 43} <= set(written)  # the step itself, at its end, and the three after

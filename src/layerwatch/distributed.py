@@ -19,6 +19,7 @@ for its measurements (the overhead budget shares rank 0's interval: :meth:`RankS
 from __future__ import annotations
 
 import functools
+import struct
 import sys
 import zlib
 from dataclasses import dataclass, field
@@ -411,28 +412,46 @@ class RankSync:
 @dataclass
 class Ballot:
     """One rank's say on one step: rank 0's schedule; a sample this rank asks for (a NaN/Inf
-    finding not sampled yet); and its sentinel's first finding, if any (its step, and whether a
-    value was NaN)."""
+    finding not sampled yet); its sentinel's first finding, if any (its step, and whether a
+    value was NaN); and the oldest loss it has that the ranks have not voted on (its step and
+    value: the spike check's, see :class:`~layerwatch.spikes.Spikes`)."""
 
     scheduled: bool
     forced: bool = False
     finding_step: Optional[int] = None
     finding_nan: bool = False
+    loss: Optional[tuple[int, float]] = None
 
 
 @dataclass
 class Decision:
     """What the ranks decided for one step: sampled or not, whether a rank asked for it beyond
-    the schedule (``forced``), and the earliest NaN/Inf finding of any rank (its step; NaN, or
-    only Inf), if one came in."""
+    the schedule (``forced``), the earliest NaN/Inf finding of any rank (its step; NaN, or
+    only Inf), if one came in, and the largest of the ranks' losses of one step, when every
+    rank sent its loss of that step (else None: they vote again; ``losses_from``, when every
+    rank sent one but of different steps: the latest, the others lacking the steps before it)."""
 
     sampled: bool
     finding_step: Optional[int] = None
     finding_nan: bool = False
     forced: bool = False
+    loss: Optional[tuple[int, float]] = None
+    losses_from: Optional[int] = None
 
 
 _NO_FINDING = 1 << 62
+_NO_LOSS = 1 << 62  # a step no rank can have: the ballot holds no loss
+_INT64_MIN = -(1 << 63)
+
+
+def _orderable(value: float) -> int:
+    """``value``'s float64 bits as an int64 that orders as the floats do (a MAX of ints is a MAX of floats)."""
+    bits = struct.unpack("<q", struct.pack("<d", value))[0]
+    return bits if bits >= 0 else bits ^ 0x7FFFFFFFFFFFFFFF
+
+
+def _from_orderable(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits if bits >= 0 else bits ^ 0x7FFFFFFFFFFFFFFF))[0]
 
 
 class StepVote:
@@ -465,7 +484,10 @@ class StepVote:
         self._take(None)
         # The earliest finding wins the MAX, and at one step a NaN over an Inf: -(2 step + not NaN).
         finding = _NO_FINDING if ballot.finding_step is None else 2 * ballot.finding_step + (not ballot.finding_nan)
-        votes = torch.tensor([int(ballot.scheduled), int(ballot.forced), -finding], dtype=torch.int64)
+        # A loss's step, MAXed and MIN-ed (as -step): the same on every rank, or no loss is taken.
+        loss_step, loss = (_NO_LOSS, _INT64_MIN) if ballot.loss is None else (ballot.loss[0], _orderable(ballot.loss[1]))
+        votes = torch.tensor([int(ballot.scheduled), int(ballot.forced), -finding, loss_step, -loss_step, loss],
+                             dtype=torch.int64)
         work = dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self._sync.group, async_op=True)
         self._pending = (step, votes, work)
 
@@ -485,7 +507,9 @@ class StepVote:
         work.wait()
         if sent_for != step:
             return None
-        scheduled, forced, finding = votes.tolist()
+        scheduled, forced, finding, latest, earliest, loss = votes.tolist()
+        agreed = (latest, _from_orderable(loss)) if latest == -earliest != _NO_LOSS else None
+        losses = dict(loss=agreed, losses_from=latest if agreed is None and latest != _NO_LOSS else None)
         if -finding == _NO_FINDING:
-            return Decision(bool(scheduled or forced), forced=bool(forced))
-        return Decision(True, -finding // 2, -finding % 2 == 0, forced=True)
+            return Decision(bool(scheduled or forced), forced=bool(forced), **losses)
+        return Decision(True, -finding // 2, -finding % 2 == 0, forced=True, **losses)

@@ -183,12 +183,12 @@ class Engine:
         self._params.layout, self._params.zero = layout, zero
         self._attached.removables += [] if stages is None else [stages]
         together = self._placement.together
-        self._sampling.open_groups(together, self._attached)  # every rank, at the same point: collective
+        self._sampling.open_groups(together, self._attached, self._spikes)  # every rank, at the same point: collective
         self._params.sync = self._sampling.sync if layout.sharded else None  # stages reduce nothing together
         if is_writer_rank():
             self._output.open(self.log_dir)
         self._faults.start(self._model, layout, zero, within, together, stages is not None)
-        self._spikes.now = not together
+        self._spikes.start(together, is_writer_rank())
         self._state = "running"
         model = self._model()
         if model is not None and (is_writer_rank() or together):

@@ -38,6 +38,14 @@ class VotedFindings(Protocol):
     def on_voted(self, decision: Decision, step: int) -> None: ...  # every rank knows a finding now
 
 
+class VotedLosses(Protocol):
+    """The spike check's side of the vote (:class:`~layerwatch.spikes.Spikes`)."""
+
+    def unvoted(self) -> Optional[tuple[int, float]]: ...  # this rank's oldest loss not voted on: its step, its value
+
+    def on_voted(self, decision: Decision, step: int) -> None: ...  # the ranks' largest loss of one step, or none
+
+
 class Sampling:
     """Which steps are sampled, and (under the overhead budget) what sampling costs.
 
@@ -52,6 +60,7 @@ class Sampling:
         self.schedule: Schedule | Pacer = options.schedule if self.pacer is None else self.pacer
         self.sync: Optional[RankSync] = None  # the ranks' group for agreeing (and reducing, when sharded)
         self.vote: Optional[StepVote] = None
+        self.losses: Optional[VotedLosses] = None  # the losses that ride on the vote (the spike check's)
         self._together = False  # the ranks sample together (sharded, or pipeline stages): by vote, or not at all
         self._interval_sync: Optional[RankSync] = None
         self._proposed_interval: Optional[int] = None  # rank 0's choice at this step, not shared yet
@@ -59,6 +68,7 @@ class Sampling:
         self._checks_measured = False  # the budget measured the per-step checks (see checks_measured)
         self._proposed_spread: Optional[int] = None
         self._forced = False  # a fault asked for a sample
+        self._forced_sent = False  # in the ballot last sent
         self._checked = False  # the schedule's first call (its check) was made
         self.own_s = 0.0  # layerwatch's time in the open step, while it is unsampled
         self._last_off_own_s: Optional[float] = None  # the previous step's, when it was unsampled
@@ -70,11 +80,13 @@ class Sampling:
         self._off_steps: deque[float] = deque(maxlen=16)
         self.last_write_s = 0.0
 
-    def open_groups(self, together: bool, attached: Attachments) -> None:
+    def open_groups(self, together: bool, attached: Attachments, losses: Optional[VotedLosses] = None) -> None:
         """At start, on every rank at the same point (making a group is collective): the ranks'
-        group for voting when they sample ``together``; the group that shares the budget's
-        interval in any distributed run, or a fixed interval when it cannot be made."""
+        group for voting when they sample ``together`` (``losses`` ride on the vote then); the
+        group that shares the budget's interval in any distributed run, or a fixed interval when
+        it cannot be made."""
         self._together = together
+        self.losses = losses if together else None
         if together:
             self.failures.run("make the ranks' group for agreeing (no step is sampled)", lambda: self._open_vote(attached), 0)
         if self.pacer is not None and world_size() > 1:
@@ -131,8 +143,11 @@ class Sampling:
         if decision.finding_step is not None:
             findings.on_voted(decision, step)
         # Every rank alike (may_sample is the same on every rank): a sample asked for and not
-        # taken now is asked for again.
-        self._forced = decision.sampled and not may_sample and (self._forced or decision.finding_step is not None)
+        # taken now is asked for again; one asked for since the ballot went out, in the next.
+        asked_since = self._forced and not self._forced_sent and not (decision.sampled and may_sample)
+        self._forced = asked_since or (decision.sampled and not may_sample and (self._forced or decision.finding_step is not None))
+        if self.losses is not None:  # what it asks for goes out in the next ballot
+            self.losses.on_voted(decision, step)
         vote.send(step + 1, self._ballot(step + 1, findings))
         if self.pacer is not None and not decision.forced:  # the ballot went out before the interval last changed
             return may_sample and decision.sampled and self.pacer(step)
@@ -141,8 +156,9 @@ class Sampling:
     def _ballot(self, step: int, findings: VotedFindings) -> Ballot:
         scheduled = self.scheduled(step)
         finding = findings.unvoted()
+        self._forced_sent = self._forced
         return Ballot(scheduled and is_writer_rank(), self._forced, None if finding is None else finding.step,
-                      finding is not None and finding.nan)
+                      finding is not None and finding.nan, None if self.losses is None else self.losses.unvoted())
 
     def scheduled(self, step: int) -> bool:
         """The schedule's answer for ``step``. Its first call is its check: what it raises then

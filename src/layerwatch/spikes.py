@@ -20,7 +20,7 @@ import torch
 from layerwatch import record as R
 from layerwatch.alerts import Alert
 from layerwatch import stats as S
-from layerwatch.distributed import is_writer_rank
+from layerwatch.distributed import Decision, is_writer_rank
 from layerwatch.failures import FailurePolicy
 from layerwatch.sentinel import to_host
 from layerwatch.probes import ProbeResult
@@ -170,6 +170,18 @@ class Spikes:
         self._written_to = -1  # the last step of the loss written as a lead-up (a tag's steps only grow)
         self.found: list[Spike] = []
         self.now = True  # a spike's own step may be sampled when it is found (not where the ranks vote on samples)
+        self._voted: Optional[deque[tuple[int, float]]] = None  # the landed losses the ranks vote on, oldest first
+
+    def start(self, together: bool, writer: bool) -> None:
+        """Where the run's ranks sample together (they vote on each step), each rank's losses
+        ride on the vote and every rank judges the largest of them, step by step, the same
+        values (:meth:`unvoted`, :meth:`on_voted`): the same spikes and captures on every rank.
+        Where they do not, rank 0 alone samples and writes, and alone judges its own losses."""
+        self.now = not together
+        if together:
+            self._voted = deque()
+        elif not writer:
+            self._detector = None
 
     def offer(self, step: int, loss: Any) -> None:
         if self._detector is not None:
@@ -187,16 +199,49 @@ class Spikes:
             return None
         now = None
         try:
-            for at, value, largest in self._tap.landed(step):
+            if self._voted is not None:  # judged when the ranks have voted on them
+                self._voted.extend((at, value) for at, value, _ in self._tap.landed(step))
+            for at, value, largest in [] if self._voted is not None else self._tap.landed(step):
                 spike = self._detector.observe(at, value)
                 if spike is not None and self._on_spike(spike, step) and at == step:
                     now = largest
-            if closing and self._capture_left:
+            if closing and self._capture_left and self._voted is None:  # the ranks' votes ask in on_voted
                 self._capture_left -= 1
                 self._ask()
         except Exception as e:  # an inspector must never break the training run
             self._failures.failed("judge the loss", e, step)
         return now
+
+    def unvoted(self) -> Optional[tuple[int, float]]:
+        """This rank's oldest loss the ranks have not voted on (a NaN or Inf as -inf: the others' count)."""
+        if not self._voted:
+            return None
+        at, value = self._voted[0]
+        return at, value if math.isfinite(value) else -math.inf
+
+    def on_voted(self, decision: Decision, step: int) -> None:
+        """The vote of ``step``'s decision: the ranks' largest loss of a step, judged on every rank
+        alike; or the step the ranks' losses go on from (a rank lacked those before it). A capture
+        under way asks for the next step (in the ballot that goes out next)."""
+        voted = self._voted
+        if voted is None or self._detector is None:
+            return
+        try:
+            if decision.loss is not None:
+                at, value = decision.loss
+                while voted and voted[0][0] <= at:
+                    voted.popleft()
+                spike = self._detector.observe(at, value)
+                if spike is not None:
+                    self._on_spike(spike, step)
+            elif decision.losses_from is not None:
+                while voted and voted[0][0] < decision.losses_from:
+                    voted.popleft()
+            if self._capture_left:  # one ballot a step: the next steps, one by one
+                self._capture_left -= 1
+                self._ask()
+        except Exception as e:  # an inspector must never break the training run
+            self._failures.failed("judge the loss", e, step)
 
     def _on_spike(self, spike: Spike, step: int) -> bool:
         """Say ``spike`` (found at ``step``) and capture what follows; True: ``step`` itself is captured now."""
