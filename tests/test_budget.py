@@ -49,6 +49,20 @@ def test_the_interval_is_the_smallest_grid_value_within_the_budget():
     assert pacer.decide() == 1
 
 
+def test_samples_the_pacer_did_not_schedule_are_paid_out_of_the_budget_then_forgotten():
+    from layerwatch.budget import EXTRA_SPAN
+
+    pacer = Pacer(0.01)
+    measured(pacer, base_ms=10, own_ms=0, cost_ms=16)  # 0.08 ms a step to spend: every 200 steps
+    for step in (1001, 1002, 1003):  # a spike's capture: 3 x 16 ms over the next 1024 steps, 0.047 ms a step
+        pacer.unscheduled(step, 0.016)
+    assert pacer.extra_per_step() == pytest.approx(0.048 / EXTRA_SPAN)
+    assert pacer.ideal() == pytest.approx(0.016 / (0.08e-3 - 0.048 / EXTRA_SPAN)) and pacer.decide() == 500
+    assert pacer.expected_share(500) == pytest.approx((0.016 / 500 + 0.048 / EXTRA_SPAN) / 0.010)
+    pacer.sampled(0.016, 0.026, step=1003 + EXTRA_SPAN)  # the capture has left the span
+    assert pacer.extra_per_step() == 0 and pacer.decide() == 200
+
+
 def test_the_first_sample_is_left_out_and_every_step_is_sampled_until_a_cost_is_known():
     pacer = Pacer(0.01)
     assert [k for k in range(5) if pacer(k)] == [0, 1, 2, 3, 4]

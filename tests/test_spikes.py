@@ -256,7 +256,7 @@ def _mlp() -> torch.nn.Module:
                          nn.ReLU(), nn.Linear(32, 1))
 
 
-def _plain_amplified(log_dir, compiled=False, amplify=1e3, spikes=True):
+def _plain_amplified(log_dir, compiled=False, amplify=1e3, spikes=True, **options):
     """A plain loop over ``_mlp()`` whose layer 2's output is scaled ``amplify`` times at
     SPIKE_STEP; returns the losses (exact), the alerts and the steps written."""
     import warnings
@@ -272,7 +272,7 @@ def _plain_amplified(log_dir, compiled=False, amplify=1e3, spikes=True):
     losses = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with Inspector(call, log_dir=log_dir, optimizer=opt, every_n_steps=25, spikes=spikes) as inspector:
+        with Inspector(call, log_dir=log_dir, optimizer=opt, spikes=spikes, **{"every_n_steps": 25, **options}) as inspector:
             for step in range(80):
                 x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
                 model[2].amplify.fill_(amplify if step == SPIKE_STEP else 1.0)
@@ -300,6 +300,26 @@ def test_a_plain_loop_names_the_layer_whose_output_was_scaled_at_an_unsampled_st
     assert SPIKE_STEP in written and {61, 62, 63} <= set(written)
     plain, _ = _plain_amplified(tmp_path / "off", compiled, spikes=False)
     assert losses == plain  # bitwise
+
+
+def test_under_the_overhead_budget_the_capture_is_taken_and_paid_for(tmp_path, events):
+    """At the real defaults (the budget's pacer): the spiking step and the three after it are
+    sampled whatever the interval, and their cost is counted against the budget."""
+    from layerwatch.budget import Pacer
+
+    Pacer_unscheduled, paid = Pacer.unscheduled, []
+
+    def unscheduled(self, step, cost_s):
+        paid.append(step)
+        Pacer_unscheduled(self, step, cost_s)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Pacer, "unscheduled", unscheduled)
+        _plain_amplified(tmp_path, every_n_steps=None)
+    written = [s.step for s in events(tmp_path).Scalars("layerwatch/overhead_ms")]
+    interval = [s.value for s in events(tmp_path).Scalars("layerwatch/sample_interval")][-1]
+    assert {60, 61, 62, 63} <= set(written) and interval > 1
+    assert {step for step in (60, 61, 62, 63) if step % interval} <= set(paid)
 
 
 def test_a_healthy_plain_loop_says_no_spike_at_the_defaults(tmp_path):

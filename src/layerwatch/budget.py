@@ -15,8 +15,12 @@ pacer spreads them over more steps (:meth:`Pacer.spread_for`), and the samples g
 a per-step cost that spreading can bring down never drives the interval to ``MAX_INTERVAL``.
 Checks that cost under ``CHECKS_FLOOR_S`` a step are kept whole.
 
-Sampling every ``n`` steps costs ``C / n + s`` per step, so the interval is the smallest value
-of the 1-2-5 grid (1, 2, 5, 10, 20, 50, ...) with ``C / n + s <= HEADROOM * budget * T``: ``C``
+Samples the pacer did not schedule (a NaN's, a loss spike's capture) are taken whatever it
+says, and paid out of the budget: their costs over the last ``EXTRA_SPAN`` steps, per step,
+``e``, are counted with ``s`` (:meth:`Pacer.unscheduled`).
+
+Sampling every ``n`` steps costs ``C / n + s + e`` per step, so the interval is the smallest value
+of the 1-2-5 grid (1, 2, 5, 10, 20, 50, ...) with ``C / n + s + e <= HEADROOM * budget * T``: ``C``
 is known to within 20%, and the budget is a ceiling. Until the first
 cost is known every step is sampled (the first two steps of a run). The interval is
 re-evaluated at each sampled step it scheduled. It grows at once when the budget is
@@ -41,6 +45,7 @@ WINDOW = 32  # recent measurements each median is taken over
 PER_STEP_SHARE = 0.5  # of the budget's headroom: what the checks made every step may take
 MAX_SPREAD = 1024  # the most steps the per-step checks are spread over (a share is one tensor before that)
 CHECKS_FLOOR_S = 50e-6  # per-step checks cheaper than this are kept whole: spreading them saves little, loses a replay
+EXTRA_SPAN = 1024  # the steps an unscheduled sample's cost is spread over
 
 
 def check_fraction(name: str, value: object) -> float:
@@ -79,6 +84,8 @@ class Pacer:
         self._own_s: deque[float] = deque(maxlen=WINDOW)  # layerwatch's own time in them
         self._checks_s: deque[float] = deque(maxlen=WINDOW)  # of which the per-step checks' (the sentinel)
         self._costs_s: deque[float] = deque(maxlen=WINDOW)  # added cost of sampled steps
+        self._extra: deque[tuple[int, float]] = deque()  # (step, cost) of the unscheduled samples of the last EXTRA_SPAN steps
+        self._step = 0  # the latest step a sample was seen at
         self._samples_seen = 0
 
     def __call__(self, step: int) -> bool:
@@ -118,9 +125,10 @@ class Pacer:
         self._own_s.append(fixed + allowance)
         return min(math.ceil(spread * checks / allowance), MAX_SPREAD)
 
-    def sampled(self, cost_s: float, step_s: float) -> None:
-        """A step this pacer scheduled was sampled: it added ``cost_s`` and ran ``step_s`` from
-        its start to its end, cost included."""
+    def sampled(self, cost_s: float, step_s: float, step: Optional[int] = None) -> None:
+        """A step this pacer scheduled (``step``) was sampled: it added ``cost_s`` and ran ``step_s``
+        from its start to its end, cost included."""
+        self._step = self._step if step is None else step
         self._samples_seen += 1
         if self._samples_seen == 1:
             return  # the first sample pays for plans and the layer table once
@@ -131,12 +139,25 @@ class Pacer:
             # corrected there, since the interval grows at once
             self._base_s.append(max(step_s - cost_s, FIRST_BASE_SHARE * step_s))
 
+    def unscheduled(self, step: int, cost_s: float) -> None:
+        """Step ``step``, which this pacer did not schedule, was sampled (a fault's or a spike's
+        capture) and added ``cost_s``: paid out of the budget over the ``EXTRA_SPAN`` steps after it."""
+        self._step = step
+        self._extra.append((step, cost_s))
+
+    def extra_per_step(self) -> float:
+        """The unscheduled samples' cost per step, over the last ``EXTRA_SPAN`` steps."""
+        while self._extra and self._extra[0][0] <= self._step - EXTRA_SPAN:
+            self._extra.popleft()
+        return sum(cost for _, cost in self._extra) / EXTRA_SPAN
+
     def ideal(self) -> Optional[float]:
         """The interval that spends exactly ``HEADROOM`` of the budget (inf: none does); None
         before a cost is known."""
         if not self._costs_s:
             return None
-        spare = HEADROOM * self.budget * statistics.median(self._base_s) - statistics.median(self._own_s or [0.0])
+        spare = (HEADROOM * self.budget * statistics.median(self._base_s) - statistics.median(self._own_s or [0.0])
+                 - self.extra_per_step())
         return math.inf if spare <= 0 else statistics.median(self._costs_s) / spare
 
     def decide(self) -> Optional[int]:
@@ -154,7 +175,7 @@ class Pacer:
         base = statistics.median(self._base_s)
         own = statistics.median(self._own_s or [0.0])
         cost = statistics.median(self._costs_s) if self._costs_s else 0.0
-        return (cost / interval + own) / base
+        return (cost / interval + own + self.extra_per_step()) / base
 
     def message(self, previous: Optional[int]) -> str:
         """The one line that tells the user the interval (after a change to it)."""

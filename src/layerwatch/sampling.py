@@ -228,9 +228,11 @@ class Sampling:
         count when the budget scheduled it."""
         pacer = self.pacer
         if pacer(step):  # the step's time counts the write as the cost does: the previous sample's
-            pacer.sampled(cost_s, time.perf_counter() - self.opened_at + self.last_write_s)
+            pacer.sampled(cost_s, time.perf_counter() - self.opened_at + self.last_write_s, step)
             self._proposed_spread = pacer.spread_for(self.sentinel_spread)
             self._proposed_interval = pacer.decide()
+        else:  # a fault's or a spike's: paid out of the budget, never skipped for it
+            pacer.unscheduled(step, cost_s)
         return self._proposed_interval or pacer.interval or 1
 
     def share_interval(self, step: int) -> None:
