@@ -114,25 +114,29 @@ class LossTap:
     later on a GPU). Several losses a step (micro-batches) are averaged."""
 
     def __init__(self) -> None:
-        # per step, in order: its losses, each a float read already or a host copy with the event that says it landed
-        self._pending: deque[tuple[int, list[tuple[Any, Any]]]] = deque()
+        # per step, in order: [step, its losses (floats read, or host copies), the events of copies not read yet or None]
+        self._pending: deque[list] = deque()
 
     def offer(self, step: int, loss: Any) -> None:
         """A loss of ``step`` (a tensor, averaged if it has several values, or a number)."""
-        if isinstance(loss, bool) or not isinstance(loss, (int, float, torch.Tensor)):
-            raise TypeError(f"loss must be a tensor or a number, got {type(loss).__name__}")
+        event = None
         if isinstance(loss, torch.Tensor):  # as few ops as can be: one read on the CPU, one copy elsewhere
             one = loss.numel() == 1
             if S.host_reads_free(loss.device):
-                copy = (float(loss.item()) if one else loss.detach().float().mean().item(), None)  # item(): no autograd warning
+                value = loss.item() if one else loss.detach().float().mean().item()  # item(): no autograd warning
             else:
-                copy = to_host(loss.detach().reshape(1) if one else loss.detach().float().mean().reshape(1))
+                value, event = to_host(loss.detach().reshape(1) if one else loss.detach().float().mean().reshape(1))
+        elif isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            value = loss
         else:
-            copy = (float(loss), None)
-        if self._pending and self._pending[-1][0] == step:
-            self._pending[-1][1].append(copy)
-        else:
-            self._pending.append((step, [copy]))
+            raise TypeError(f"loss must be a tensor or a number, got {type(loss).__name__}")
+        pending = self._pending
+        if not pending or pending[-1][0] != step:
+            pending.append([step, [], None])
+        entry = pending[-1]
+        entry[1].append(value)
+        if event is not None:
+            entry[2] = (entry[2] or []) + [event]
 
     def landed(self, closed: int) -> list[tuple[int, float, int]]:
         """The mean loss of each step up to ``closed`` whose losses have all landed, and which of
@@ -140,10 +144,17 @@ class LossTap:
         step once."""
         out = []
         pending = self._pending
-        while pending and pending[0][0] <= closed and all(event is None or event.query() for _, event in pending[0][1]):
-            step, copies = pending.popleft()
-            values = [value if isinstance(value, float) else value.tolist()[0] for value, _ in copies]  # landed: no wait
-            out.append((step, math.fsum(values) / len(values), max(range(len(values)), key=values.__getitem__)))
+        while pending and pending[0][0] <= closed:
+            step, values, events = pending[0]
+            if events is not None:
+                if not all(event.query() for event in events):
+                    break
+                values = [float(v) if isinstance(v, (int, float)) else v.tolist()[0] for v in values]  # landed: no wait
+            pending.popleft()
+            if len(values) == 1:
+                out.append((step, float(values[0]), 0))
+            else:
+                out.append((step, math.fsum(values) / len(values), max(range(len(values)), key=values.__getitem__)))
         return out
 
 
