@@ -5,6 +5,7 @@ set -euo pipefail
 work=$(mktemp -d)
 layerwatch demo --logdir "$work/runs"
 layerwatch demo --logdir "$work/runs" --inject-nan 4000
+layerwatch demo --logdir "$work/runs" --steps 1000 --inject-spike 630
 tensorboard --logdir "$work/runs" --host 127.0.0.1 --port 6123 --load_fast false >/dev/null 2>&1 & all=$!
 tensorboard --logdir "$work/runs/demo/version_0" --host 127.0.0.1 --port 6124 --load_fast false >/dev/null 2>&1 & one=$!
 tensorboard --logdir "$work/runs/demo/version_1" --host 127.0.0.1 --port 6125 --load_fast false >/dev/null 2>&1 & nan=$!

@@ -1,7 +1,10 @@
-"""The LAYERWATCH tab's pictures in docs/img, from a TensorBoard serving the demo's two runs
-(version_0 healthy, version_1 with --inject-nan). Called by docs/screenshots.sh:
+"""The LAYERWATCH tab's pictures in docs/img, from a TensorBoard serving the demo's three runs
+(version_0 healthy, version_1 with --inject-nan, version_2 with --inject-spike). Called by
+docs/screenshots.sh:
 
-    python docs/tab_screenshots.py http://127.0.0.1:6123 docs/img
+    python docs/tab_screenshots.py http://127.0.0.1:6123 docs/img [PICTURES]
+
+PICTURES: a comma-separated list of layer-view, spike (default: both).
 """
 
 import shutil
@@ -14,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tb_server import open_tab  # noqa: E402
 
 url, out = sys.argv[1], sys.argv[2]
+pictures = sys.argv[3].split(",") if len(sys.argv) > 3 else ["layer-view", "spike"]
 
 
 def show(frame, run, stat="grads_norm", compare=""):
@@ -31,17 +35,23 @@ def show(frame, run, stat="grads_norm", compare=""):
 
 with sync_playwright() as p:
     browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
-    page, frame = open_tab(browser, url)
-    show(frame, "demo/version_1")
-    page.screenshot(path=f"{out}/layer-view.png")
-    frame.locator('.lw-row-label[data-name="encoder.2.weight"]').first.click()
-    frame.wait_for_selector('#lw-detail[data-layer="encoder.2.weight"]')
-    frame.wait_for_timeout(300)
-    frame.locator("#lw-detail").scroll_into_view_if_needed()
-    page.screenshot(path=f"{out}/layer-view-detail.png")
-    page.close()
-    page, frame = open_tab(browser, url)
-    show(frame, "demo/version_0", stat="fwd_ms")
-    page.screenshot(path=f"{out}/layer-view-latency.png")
-    page.close()
+    if "layer-view" in pictures:
+        page, frame = open_tab(browser, url)
+        show(frame, "demo/version_1")
+        page.screenshot(path=f"{out}/layer-view.png")
+        frame.locator('.lw-row-label[data-name="encoder.2.weight"]').first.click()
+        frame.wait_for_selector('#lw-detail[data-layer="encoder.2.weight"]')
+        frame.wait_for_timeout(300)
+        frame.locator("#lw-detail").scroll_into_view_if_needed()
+        page.screenshot(path=f"{out}/layer-view-detail.png")
+        page.close()
+        page, frame = open_tab(browser, url)
+        show(frame, "demo/version_0", stat="fwd_ms")
+        page.screenshot(path=f"{out}/layer-view-latency.png")
+        page.close()
+    if "spike" in pictures:
+        page, frame = open_tab(browser, url)
+        show(frame, "demo/version_2", stat="activations_norm")
+        page.screenshot(path=f"{out}/spike.png")
+        page.close()
     browser.close()

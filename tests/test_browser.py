@@ -17,6 +17,7 @@ playwright = pytest.importorskip("playwright.sync_api", reason="playwright is no
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on the PATH (apt-get install chromium)")
 
 INJECT = 43  # the demo's NaN, from encoder.fault, between samples: found by replaying step 43
+SPIKE = 36  # the demo's loss spike, from encoder.fault too, between samples: replayed at step 36
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def demo_logs(tmp_path_factory):
 
     logdir = tmp_path_factory.mktemp("demo")
     with pytest.warns(RuntimeWarning):
-        run_demo(steps=80, log_dir=str(logdir), every=10, inject_nan=INJECT, batch=32)
+        run_demo(steps=80, log_dir=str(logdir), every=10, inject_nan=INJECT, batch=32, inject_spike=SPIKE)
     return logdir
 
 
@@ -65,6 +66,11 @@ def test_the_tab_is_listed_and_its_heatmap_has_a_row_per_layer(browser, server, 
     offender = frame.locator(".lw-event-offender").inner_text()
     assert "encoder.fault" in offender and f"@ step {INJECT}" in offender and f"replayed from step {INJECT}" in offender
     assert float(frame.evaluate("() => document.body.dataset.heatmapMs")) > 0
+    # The loss spike: a line at its step, and listed with the layer it began at, replayed.
+    assert heatmap.get_attribute("data-spike-steps") == str(SPIKE)
+    assert "spike @ 36" in frame.locator(".lw-hm-marks").first.inner_text()
+    spikes = frame.locator("#lw-spikes").inner_text()
+    assert "began at encoder.fault" in spikes and "replayed" in spikes and f"@ {SPIKE}" in spikes
     page.screenshot(path=str(tmp_path / "layer-view.png"))
     page.close()
 
