@@ -27,7 +27,8 @@ VOCAB, SEQ, BATCH = 128, 16, 8
 def watched_run(log_dir: Path, model: nn.Module, batch: Callable[[int], dict],
                 loss_of: Callable[[nn.Module, dict], torch.Tensor], opt: torch.optim.Optimizer, *,
                 before_step: Callable[[nn.Module, int], None] = lambda m, k: None) -> list:
-    """``STEPS`` steps of ``opt`` on ``loss_of(model, batch(k))``, watched at the defaults; the alerts."""
+    """``STEPS`` steps of ``opt`` on ``loss_of(model, batch(k))``, watched at the defaults, the loss
+    given to the spike check (it judges the steps after its warm-up of 32); the alerts."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the alerts are read from the inspector, not from warnings
         with Inspector(model, every_n_steps=EVERY, optimizer=opt, log_dir=log_dir) as inspector:
@@ -37,7 +38,7 @@ def watched_run(log_dir: Path, model: nn.Module, batch: Callable[[int], dict],
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-                inspector.step()
+                inspector.step(loss=loss)
     return inspector.alerts
 
 

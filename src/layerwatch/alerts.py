@@ -474,7 +474,7 @@ class HealthCheck:
 
         new: list[Alert] = []
         for alert in found:
-            new += self.monitor.report(alert.kind, alert.name, step, alert.message)
+            new += self.monitor.report(alert.kind, alert.name, alert.step, alert.message)  # a spike's step is its own
         grads = by_name("grads") if grads_read else None
         if grads and S.Rows.stack(list(grads.values())).all_zero.all():
             self.failures.warn_once(

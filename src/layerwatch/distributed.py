@@ -421,6 +421,7 @@ class Ballot:
     finding_step: Optional[int] = None
     finding_nan: bool = False
     loss: Optional[tuple[int, float]] = None
+    loss_pending: bool = False  # no loss to give yet, but some coming (the others wait); neither: it has none (a stage)
 
 
 @dataclass
@@ -440,7 +441,8 @@ class Decision:
 
 
 _NO_FINDING = 1 << 62
-_NO_LOSS = 1 << 62  # a step no rank can have: the ballot holds no loss
+_PENDING = 1 << 62  # a loss's step past any step: a rank waits for its loss
+_NO_LOSS = -(1 << 62)  # before any step: a rank that has no loss to give
 _INT64_MIN = -(1 << 63)
 
 
@@ -484,9 +486,13 @@ class StepVote:
         self._take(None)
         # The earliest finding wins the MAX, and at one step a NaN over an Inf: -(2 step + not NaN).
         finding = _NO_FINDING if ballot.finding_step is None else 2 * ballot.finding_step + (not ballot.finding_nan)
-        # A loss's step, MAXed and MIN-ed (as -step): the same on every rank, or no loss is taken.
-        loss_step, loss = (_NO_LOSS, _INT64_MIN) if ballot.loss is None else (ballot.loss[0], _orderable(ballot.loss[1]))
-        votes = torch.tensor([int(ballot.scheduled), int(ballot.forced), -finding, loss_step, -loss_step, loss],
+        # A loss's step, MAXed and MIN-ed (as -step) over the ranks that have one: the same on every rank,
+        # or no loss is taken; a rank waiting for its loss holds the others back, one without any stands aside.
+        if ballot.loss is not None:
+            latest, earliest, loss = ballot.loss[0], -ballot.loss[0], _orderable(ballot.loss[1])
+        else:
+            latest, earliest, loss = (_PENDING if ballot.loss_pending else _NO_LOSS), _NO_LOSS, _INT64_MIN
+        votes = torch.tensor([int(ballot.scheduled), int(ballot.forced), -finding, latest, earliest, loss],
                              dtype=torch.int64)
         work = dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self._sync.group, async_op=True)
         self._pending = (step, votes, work)
@@ -508,8 +514,9 @@ class StepVote:
         if sent_for != step:
             return None
         scheduled, forced, finding, latest, earliest, loss = votes.tolist()
-        agreed = (latest, _from_orderable(loss)) if latest == -earliest != _NO_LOSS else None
-        losses = dict(loss=agreed, losses_from=latest if agreed is None and latest != _NO_LOSS else None)
+        given = _NO_LOSS < latest < _PENDING  # every rank with losses sent one
+        agreed = (latest, _from_orderable(loss)) if given and latest == -earliest else None
+        losses = dict(loss=agreed, losses_from=latest if given and agreed is None else None)
         if -finding == _NO_FINDING:
             return Decision(bool(scheduled or forced), forced=bool(forced), **losses)
         return Decision(True, -finding // 2, -finding % 2 == 0, forced=True, **losses)

@@ -113,7 +113,7 @@ class Engine:
         self._output = Output(self._attached, self.failures, writer)
         self._sampling = Sampling(options, self.failures)
         self._faults = Faults(options, self.failures, self._probes, self._counter, self._output, self._sampling.ask)
-        self._spikes = Spikes(options.spikes, self.failures, self._sampling.ask)
+        self._spikes = Spikes(options.spikes, self.failures, self._sampling.ask, self._output)
         self._placement = Placement(Layout())  # where the parameters live: found at start()
         # The parameters as last walked (a walk costs per module: once, then at each sample).
         self._param_cache: Optional[list[tuple[str, nn.Parameter]]] = None
@@ -147,8 +147,7 @@ class Engine:
         return self._sample is not None
 
     def describe_replay(self, *, unreplayable: Optional[str] = None, differs: Optional[str] = None) -> None:
-        """The front door's words of its replay, for the messages: why a fault's step cannot be
-        replayed (``unreplayable``), or what a replay runs differently from the step (``differs``)."""
+        """The front door's words of its replay: why a fault's step cannot be replayed, or what a replay runs differently."""
         self._faults.replay_hint = self._faults.replay_hint if unreplayable is None else unreplayable
         self._faults.replay_note = self._faults.replay_note if differs is None else differs
 
@@ -202,9 +201,8 @@ class Engine:
 
     @property
     def deepspeed_client(self) -> Optional[torch.optim.Optimizer]:
-        """The optimizer a DeepSpeed ZeRO engine steps (the one it was given), whose step hooks
-        must call :meth:`before_optimizer_step` and :meth:`after_optimizer_step`: its gradients
-        exist there only. None outside ZeRO."""
+        """The optimizer a DeepSpeed ZeRO engine steps (the one it was given), whose step hooks must call
+        :meth:`before_optimizer_step` and :meth:`after_optimizer_step` (its gradients exist there only); else None."""
         zero = self._placement.zero
         return None if zero is None else zero.client
 
@@ -212,8 +210,10 @@ class Engine:
         """Remove every hook, flush and (if owned) close the writer. Safe to call twice."""
         if self._state == "finished":
             return
-        if self._health is not None and self._state == "running":
-            self._health.say_if_too_short(self._samples_written)
+        if self._state == "running":
+            self._spikes.close(self._step, self._health)  # the spikes found since the last sample
+            if self._health is not None:
+                self._health.say_if_too_short(self._samples_written)
         self._drop_sample()
         self._faults.close()
         self._sampling.close()  # its groups are closed with the hooks, below

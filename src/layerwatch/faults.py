@@ -246,7 +246,7 @@ class Faults:
         replays its own batch, and they share what they found."""
         model = self._model()
         step = self.step
-        unseeable = model is not None and is_compiled(model) and not hasattr(torch.compiler, "set_stance")
+        unseeable = _unseeable(model)
         if unseeable:
             self.replay_hint = ("the model is compiled, and this torch (before 2.6) cannot run it eagerly for the "
                                 "probes to see inside, so it is not replayed")
@@ -319,7 +319,7 @@ class Faults:
         the largest loss of a step whose loss spiked) in a single process: what the probes saw and
         the seconds it took; None where it cannot be (no runtime probe, or ranks that must agree first)."""
         model, started, found = self._model(), time.perf_counter(), [None]
-        if model is None or world_size() > 1 or not self._probes.runtime_on or index >= len(self.micro_batches):
+        if model is None or world_size() > 1 or not self._probes.runtime_on or index >= len(self.micro_batches) or _unseeable(model):
             return None
         self.failures.run(f"replay step {self.step}'s batch", lambda: found.__setitem__(0, self._run_again(model, index)), self.step)
         return None if found[0] is None else (found[0][1], time.perf_counter() - started)
@@ -393,6 +393,11 @@ class Faults:
         return (f"first module with a non-finite {offender.phase} output at step {step}: {offender.name}. The fault "
                 f"happened {when} {self.fault_step}, between samples; step {step} shows what came after it, which "
                 f"need not be where it began ({self._unreplayed()})")
+
+def _unseeable(model: Optional[nn.Module]) -> bool:
+    """A compiled model that this torch (before 2.6: no ``set_stance``) cannot run eagerly for the probes to see inside."""
+    return model is not None and is_compiled(model) and not hasattr(torch.compiler, "set_stance")
+
 
 def _weights_came_first(step: int, user: Offender, weights: Sequence[str], when: str, how: str) -> str:
     """What a module that computed with a weight that was non-finite already is: it used the

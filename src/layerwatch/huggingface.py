@@ -91,7 +91,8 @@ class InspectTrainerCallback(TrainerCallback):
         ``alerts``, ``modules``, ``sentinel``, ``memory_budget``, ``spikes``: the loss the model's outputs
         hold), with the same meaning and checks, and:
 
-        replay: On the sentinel's first hit, run that step's micro-batches again through the
+        replay: On the sentinel's first hit, and at a loss spike found before its step's
+            optimizer step (on the CPU), run that step's micro-batches again through the
             model (its own forward inputs, kept by a forward pre-hook) with every probe armed,
             then backward from the model's own loss, before the optimizer step, so the first
             offender is the module that made the NaN (``"replayed from step N"``), not merely

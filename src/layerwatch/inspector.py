@@ -101,9 +101,11 @@ class Inspector:
             (``update_ratio_estimate/<param>``, said once). Default: no limit but the GPU's.
         spikes: Judge each step's loss (``step(loss=...)``) against the steps before it: a
             loss more than 6 standard deviations above the mean of the last 128 (once 32 were
-            seen) is a spike, said once, and the next 3 steps are sampled in full, whatever
-            the schedule (``SpikeRule(z=, window=, warmup=, capture=)`` changes them; False:
-            off). Nothing waits for the loss: on a GPU it is judged once its copy landed.
+            seen, on the logarithm of the loss) is a spike, said once; the next 3 steps are
+            sampled in full, whatever the schedule, and the spiking step too where it is found
+            in it (on the CPU), and the next sample ranks the layers that grew most (a ``spike``
+            alert). ``SpikeRule(z=, window=, warmup=, capture=)`` changes them; False: off.
+            Nothing waits for the loss: on a GPU it is judged once its copy landed.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer,

@@ -13,7 +13,7 @@ import importlib
 import inspect
 import os
 import sys
-from typing import Any, Callable, Collection, ContextManager, Optional, Sequence
+from typing import Any, Callable, Collection, ContextManager, Mapping, Optional, Sequence
 
 import torch
 from typing_extensions import override
@@ -100,10 +100,13 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
             (``update_ratio_estimate/<param>``, said once). Default: no limit but the GPU's.
         spikes: Judge each step's loss (``training_step``'s) against the steps before it: a
             loss more than 6 standard deviations above the mean of the last 128 (once 32 were
-            seen) is a spike, said once, and the next 3 steps are sampled in full, whatever
-            the schedule (``SpikeRule(z=, window=, warmup=, capture=)`` changes them; False:
-            off). Nothing waits for the loss: on a GPU it is judged once its copy landed.
-        replay: On the sentinel's first hit, run that step's batch again (``training_step``,
+            seen, on the logarithm of the loss) is a spike, said once; the next 3 steps are
+            sampled in full, whatever the schedule, and the spiking step too where it is found
+            in it (on the CPU), and the next sample ranks the layers that grew most (a ``spike``
+            alert). ``SpikeRule(z=, window=, warmup=, capture=)`` changes them; False: off.
+            Nothing waits for the loss: on a GPU it is judged once its copy landed.
+        replay: On the sentinel's first hit, and at a loss spike found before its step's
+            optimizer step (on the CPU), run that step's batch again (``training_step``,
             then backward) with every probe armed, before the optimizer step, so the first
             offender is the module that made the NaN, not merely the first to use a poisoned
             weight a step later. With gradient accumulation, each micro-batch of the step in
@@ -115,6 +118,8 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
             returning the batch's loss without stepping anything (it is used in place of
             ``training_step`` in either mode). Not under a GradScaler (its skipped steps are
             not faults) or with sharded parameters (the ranks agree on a finding a step later).
+            Python state ``training_step`` changes outside the module (a metric's ``update``, a
+            counter) changes again in a replay.
 
     Use one InspectCallback per Trainer: Lightning refuses a second one (or the same
     object twice) when the Trainer is built, because their checkpoint states would collide.
@@ -147,6 +152,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         self._options = options_from(locals())
         self._replay = replay
         self._replaying = False  # this run's steps can be replayed
+        self._loss_in_backward, self._accumulated = True, 1  # where the loss is taken (set at the start of training)
         self._engine: Optional[Engine] = None
         self._alerts: list[Alert] = []
         self._last_written_step = -1
@@ -197,6 +203,9 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         self._engine.track_optimizers(trainer.optimizers)
         custom = callable(self._replay)
         self._replaying = bool(self._replay) and (custom or pl_module.automatic_optimization) and _scaler(trainer) is None
+        # The loss before the backward, where a spike can still be sampled in its step; a GradScaler's is scaled then.
+        self._loss_in_backward = _scaler(trainer) is None
+        self._accumulated = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
         if self._replay is False:
             self._engine.describe_replay(unreplayable="InspectCallback(replay=False) turned the replay of the bad step off")
         elif not self._replaying and not pl_module.automatic_optimization:
@@ -219,14 +228,19 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
 
     @override
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
-        if self._engine is not None:  # before the optimizer step: a spike there is sampled at once, where it is read
-            self._engine.observe_loss(loss)  # each micro-batch's (divided by their number): averaged over the step
+        if self._engine is not None and self._loss_in_backward:  # a spike there is sampled in its step, where it is read
+            n = self._accumulated  # Lightning divided each micro-batch's loss by their number
+            self._engine.observe_loss(loss if n == 1 else loss.detach() * n)  # averaged over the step
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         engine = self._engine
         if engine is None:
             return
+        if not self._loss_in_backward:  # training_step's own (None: skipped), unscaled
+            loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+            if isinstance(loss, torch.Tensor):
+                engine.observe_loss(loss)
         if trainer.global_step == engine.current_step:
             return  # no optimizer step finished in this batch (gradient accumulation)
         engine.after_optimizer_step()

@@ -43,6 +43,9 @@ class VotedLosses(Protocol):
 
     def unvoted(self) -> Optional[tuple[int, float]]: ...  # this rank's oldest loss not voted on: its step, its value
 
+    @property
+    def has_losses(self) -> bool: ...  # this rank was given a loss (a pipeline stage but the last never is)
+
     def on_voted(self, decision: Decision, step: int) -> None: ...  # the ranks' largest loss of one step, or none
 
 
@@ -157,8 +160,9 @@ class Sampling:
         scheduled = self.scheduled(step)
         finding = findings.unvoted()
         self._forced_sent = self._forced
+        loss = None if self.losses is None else self.losses.unvoted()
         return Ballot(scheduled and is_writer_rank(), self._forced, None if finding is None else finding.step,
-                      finding is not None and finding.nan, None if self.losses is None else self.losses.unvoted())
+                      finding is not None and finding.nan, loss, loss is None and self.losses is not None and self.losses.has_losses)
 
     def scheduled(self, step: int) -> bool:
         """The schedule's answer for ``step``. Its first call is its check: what it raises then

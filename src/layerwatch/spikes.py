@@ -2,7 +2,8 @@
 
 A step's loss is a spike when it stands more than ``SpikeRule.z`` standard deviations above the
 mean of the ``window`` losses before it, once ``warmup`` of them were seen (OLMo-core's and
-Levanter's rule: 6 over the last 128). The detector runs on the host over floats that landed
+Levanter's rule: 6 over the last 128), on the logarithm of the losses while they are positive
+(:class:`SpikeDetector`). The detector runs on the host over floats that landed
 there (:class:`LossTap`): one non-blocking copy a step on a GPU, a free read on the CPU, and
 O(1) work a step (running sums, recomputed once a window so that rounding cannot drift).
 """
@@ -12,19 +13,23 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 import torch
 
 from layerwatch import record as R
-from layerwatch.alerts import Alert
+from layerwatch.alerts import Alert, HealthCheck
 from layerwatch import stats as S
 from layerwatch.distributed import Decision, is_writer_rank
 from layerwatch.failures import FailurePolicy
 from layerwatch.sentinel import to_host
 from layerwatch.probes import ProbeResult
 from layerwatch.vocabulary import LOSS, ROOT, parent
+
+MOST_UNVOTED = 1024  # losses kept for the ranks' vote: a run whose vote stalls does not keep them all
+if TYPE_CHECKING:  # the output's module imports the options', which import this one
+    from layerwatch.output import Output
 
 FLAT = 1e-10  # a window whose deviation is below this (relative to its mean) is flat: no z-score (OLMo-core's floor)
 
@@ -53,8 +58,10 @@ class SpikeRule:
 
 @dataclass(frozen=True)
 class Spike:
-    """A value that stood ``z`` standard deviations above the trailing ``mean`` (``std``) of the
-    ``lead_up``: the steps judged before it and their values, oldest first."""
+    """A value that stood ``z`` standard deviations above the trailing mean of the ``lead_up``
+    (the steps judged before it and their values, oldest first), on the ``scale`` it was judged
+    on: ``"log"``, the logarithm of the values (``mean`` is then their geometric mean, ``std``
+    the deviation of their logarithm), or ``"linear"``, the values themselves."""
 
     step: int
     what: str  # "loss"
@@ -63,24 +70,34 @@ class Spike:
     mean: float
     std: float
     lead_up: tuple[tuple[int, float], ...] = ()
+    scale: str = "log"
 
     def event(self) -> dict[str, Any]:
         """What ``layerwatch/events/spikes`` says of it (the tab's and the report's)."""
         return {"step": self.step, "what": self.what, "value": self.value, "z": self.z, "mean": self.mean,
-                "std": self.std, "over": len(self.lead_up), "text": self.describe()}
+                "std": self.std, "scale": self.scale, "over": len(self.lead_up), "text": self.describe()}
 
     def describe(self) -> str:
+        n = len(self.lead_up)
+        if self.scale == "log":
+            return (f"{self.what} spike at step {self.step}: {self.value:.4g}, {_times(self.value / self.mean)} the geometric "
+                    f"mean of the {n} steps before it ({self.mean:.4g}), {_z(self.z)} standard deviations of their "
+                    f"logarithm above it")
         return (f"{self.what} spike at step {self.step}: {self.value:.4g}, {_z(self.z)} standard deviations above the mean "
-                f"of the {len(self.lead_up)} steps before it ({self.mean:.4g} +- {self.std:.3g})")
+                f"of the {n} steps before it ({self.mean:.4g} +- {self.std:.3g})")
 
 
 class SpikeDetector:
-    """The rule over the values of one quantity, one per step, in step order."""
+    """The rule over the values of one quantity, one per step, in step order, on the logarithm
+    of the values while every one is positive (a spike is a jump by a factor: a loss near zero
+    that varies by factors of ten from batch to batch, as a classifier's that fits its data, is
+    not spiking), and on the values themselves from the first one that is not."""
 
     def __init__(self, rule: SpikeRule, what: str = "loss") -> None:
         self.rule, self.what = rule, what
         self._window: deque[tuple[int, float]] = deque(maxlen=rule.window)  # (step, value), oldest first
-        self._sum = self._squares = 0.0
+        self.log = True  # judged on the logarithm: no value <= 0 came yet
+        self._sum = self._squares = 0.0  # of the window's values on the scale judged
         self._added = 0
 
     def observe(self, step: int, value: float) -> Optional[Spike]:
@@ -88,42 +105,69 @@ class SpikeDetector:
         is the sentinel's to find: neither judged nor kept."""
         if not math.isfinite(value):
             return None
+        if self.log and value <= 0:
+            self.log = False
+            self._resum()
         window, spike = self._window, None
+        t = math.log(value) if self.log else value
         n = len(window)
         if n >= self.rule.warmup:
             mean = self._sum / n
             std = math.sqrt(max(self._squares / n - mean * mean, 0.0))
-            if std > FLAT * max(1.0, abs(mean)) and (value - mean) / std > self.rule.z:
-                spike = Spike(step, self.what, value, (value - mean) / std, mean, std, tuple(window))
+            if std > FLAT * max(1.0, abs(mean)) and (t - mean) / std > self.rule.z:
+                spike = Spike(step, self.what, value, (t - mean) / std, math.exp(mean) if self.log else mean, std,
+                              tuple(window), "log" if self.log else "linear")
         if n == window.maxlen:
             oldest = window[0][1]
+            oldest = math.log(oldest) if self.log else oldest
             self._sum -= oldest
             self._squares -= oldest * oldest
         window.append((step, value))
-        self._sum += value
-        self._squares += value * value
+        self._sum += t
+        self._squares += t * t
         self._added += 1
         if self._added % window.maxlen == 0:  # running sums drift by rounding: made anew once a window
-            self._sum, self._squares = math.fsum(v for _, v in window), math.fsum(v * v for _, v in window)
+            self._resum()
         return spike
+
+    def _resum(self) -> None:
+        values = [math.log(v) if self.log else v for _, v in self._window]
+        self._sum, self._squares = math.fsum(values), math.fsum(v * v for v in values)
+
+
+class Unreadable(Exception):
+    """A loss on a device whose values the host cannot read without waiting for it (neither the
+    CPU's nor a CUDA device's, whose copy to the host waits for nothing)."""
 
 
 class LossTap:
     """Each step's loss brought to the host without the host waiting: read at once where reads
-    are free (the CPU); elsewhere a copy is started and read once it has landed (a step or more
-    later on a GPU). Several losses a step (micro-batches) are averaged."""
+    are free (the CPU); on a CUDA device a copy is started and read once it has landed (a step or
+    more later). Several losses a step (micro-batches) are averaged; a loss offered for a step
+    already given out (a second optimizer's, after the first one's step) is not taken."""
 
     def __init__(self) -> None:
         # per step, in order: [step, its losses (floats read, or host copies), the events of copies not read yet or None]
         self._pending: deque[list] = deque()
+        self._given = -1  # the last step given out by landed()
+        self.offered = False  # a loss was ever offered
 
     def offer(self, step: int, loss: Any) -> None:
-        """A loss of ``step`` (a tensor, averaged if it has several values, or a number)."""
+        """A loss of ``step`` (a tensor, averaged if it has several values, or a number).
+
+        Raises:
+            TypeError: ``loss`` is neither.
+            Unreadable: a tensor on a device other than the CPU or a CUDA device.
+        """
+        if step <= self._given:
+            return
         event = None
         if isinstance(loss, torch.Tensor):  # as few ops as can be: one read on the CPU, one copy elsewhere
             one = loss.numel() == 1
             if S.host_reads_free(loss.device):
                 value = loss.item() if one else loss.detach().float().mean().item()  # item(): no autograd warning
+            elif loss.device.type not in ("cuda", "cpu"):  # (the CPU: a test taking the accelerator's way)
+                raise Unreadable(f"a loss on {loss.device} is not judged: its host copy would wait for the device")
             else:
                 value, event = to_host(loss.detach().reshape(1) if one else loss.detach().float().mean().reshape(1))
         elif isinstance(loss, (int, float)) and not isinstance(loss, bool):
@@ -131,6 +175,7 @@ class LossTap:
         else:
             raise TypeError(f"loss must be a tensor or a number, got {type(loss).__name__}")
         pending = self._pending
+        self.offered = True
         if not pending or pending[-1][0] != step:
             pending.append([step, [], None])
         entry = pending[-1]
@@ -138,19 +183,23 @@ class LossTap:
         if event is not None:
             entry[2] = (entry[2] or []) + [event]
 
-    def landed(self, closed: int) -> list[tuple[int, float, int]]:
+    def landed(self, closed: float, wait: bool = False) -> list[tuple[int, float, int]]:
         """The mean loss of each step up to ``closed`` whose losses have all landed, and which of
         them was the largest (its index), oldest first (a step waits for the one before it); each
-        step once."""
+        step once. ``wait``: the host waits for them to land (at the end of a run)."""
         out = []
         pending = self._pending
         while pending and pending[0][0] <= closed:
             step, values, events = pending[0]
             if events is not None:
-                if not all(event.query() for event in events):
+                if wait:
+                    for event in events:
+                        event.synchronize()
+                elif not all(event.query() for event in events):
                     break
                 values = [float(v) if isinstance(v, (int, float)) else v.tolist()[0] for v in values]  # landed: no wait
             pending.popleft()
+            self._given = step
             if len(values) == 1:
                 out.append((step, float(values[0]), 0))
             else:
@@ -170,8 +219,9 @@ class Spikes:
     :meth:`explain` ranks the layers that grew most. With no ``rule``, nothing is judged. A
     failure is warned once and skipped."""
 
-    def __init__(self, rule: Optional[SpikeRule], failures: FailurePolicy, ask: Callable[[], None]) -> None:
-        self.rule, self._failures, self._ask = rule, failures, ask
+    def __init__(self, rule: Optional[SpikeRule], failures: FailurePolicy, ask: Callable[[], None],
+                 output: Optional[Output] = None) -> None:
+        self.rule, self._failures, self._ask, self._output = rule, failures, ask, output
         self._tap = LossTap()
         self._detector = None if rule is None else SpikeDetector(rule)
         self._capture_left = 0
@@ -190,7 +240,7 @@ class Spikes:
         Where they do not, rank 0 alone samples and writes, and alone judges its own losses."""
         self.now = not together
         if together:
-            self._voted = deque()
+            self._voted = deque(maxlen=MOST_UNVOTED)
         elif not writer:
             self._detector = None
 
@@ -198,8 +248,16 @@ class Spikes:
         if self._detector is not None:
             try:
                 self._tap.offer(step, loss)
+            except Unreadable as e:
+                self._failures.warn(f"layerwatch: {e}; loss spikes are not looked for in this run")
+                self._detector = None
             except Exception as e:  # an inspector must never break the training run
                 self._failures.failed("take the loss", e, step)
+
+    @property
+    def has_losses(self) -> bool:
+        """Whether this rank was given a loss: a pipeline stage but the last never is, and stands aside in the vote."""
+        return self._tap.offered
 
     def judge(self, step: int, closing: bool) -> Optional[int]:
         """Judge the losses that have landed, before ``step``'s optimizer step or (``closing``)
@@ -222,6 +280,28 @@ class Spikes:
         except Exception as e:  # an inspector must never break the training run
             self._failures.failed("judge the loss", e, step)
         return now
+
+    def close(self, step: int, health: Optional[HealthCheck] = None) -> None:
+        """The run ends at ``step``: the losses not judged yet are (waiting for those still on
+        their way: training is over), and rank 0 writes the spikes no sample explained, at
+        ``step``, unranked, their alerts raised with ``health``'s. Not where the ranks vote:
+        they no longer do."""
+        if self._detector is None or self._voted is not None:
+            return
+        try:
+            for at, value, _ in self._tap.landed(math.inf, wait=True):
+                spike = self._detector.observe(at, value)
+                if spike is not None:
+                    self._on_spike(spike, step, ended=True)
+            if not self._unwritten or self._output is None:
+                return
+            findings = self.explain(step, {})
+            alerts = findings.alerts if health is None else [
+                new for a in findings.alerts for new in health.monitor.report(a.kind, a.name, a.step, a.message)]
+            self._output.emit(R.build(step, findings=findings), step)
+            self._output.announce(step, alerts)
+        except Exception as e:  # an inspector must never break the training run
+            self._failures.failed("write the last loss spikes", e, step)
 
     def unvoted(self) -> Optional[tuple[int, float]]:
         """This rank's oldest loss the ranks have not voted on (a NaN or Inf as -inf: the others' count)."""
@@ -254,12 +334,17 @@ class Spikes:
         except Exception as e:  # an inspector must never break the training run
             self._failures.failed("judge the loss", e, step)
 
-    def _on_spike(self, spike: Spike, step: int) -> bool:
-        """Say ``spike`` (found at ``step``) and capture what follows; True: ``step`` itself is captured now."""
+    def _on_spike(self, spike: Spike, step: int, ended: bool = False) -> bool:
+        """Say ``spike`` (found at ``step``; ``ended``: as the run ends) and capture what follows;
+        True: ``step`` itself is captured now."""
         self.found.append(spike)
-        self._unwritten.append(spike)
+        if is_writer_rank():  # rank 0 writes it
+            self._unwritten.append(spike)
         rule = self.rule
         say = self._failures.warn if is_writer_rank() else (lambda message: None)  # every rank asks; rank 0 says
+        if ended:
+            say(f"layerwatch: {spike.describe()}; found as the run ended: not captured")
+            return False
         if self._captured_at is not None and step - self._captured_at < rule.window:
             say(f"layerwatch: {spike.describe()}; not captured: the last capture began at step {self._captured_at}, "
                 f"less than {rule.window} steps ago")
