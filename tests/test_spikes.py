@@ -38,6 +38,7 @@ def test_a_loss_that_is_not_positive_is_judged_as_it_is_from_then_on():
     for step in range(10):
         detector.observe(step, 1.0 + 0.01 * (step % 3))
     assert detector.log
+    assert detector.observe(10, 0.0) is None and detector.log  # a classifier sure of every answer: passed over
     detector.observe(10, -0.5)  # an ELBO, a reward: no logarithm
     assert not detector.log
     for step in range(11, 30):
@@ -653,3 +654,23 @@ def test_the_vote_carries_the_largest_loss_of_one_step_and_lets_ranks_without_on
         "no rank has a loss": [None, None],
         "a negative loss": [[5, -0.5], None],
     }
+
+
+def test_lightning_under_gradient_accumulation_judges_the_steps_mean_loss(tmp_path, events):
+    """Lightning divides each micro-batch's loss by their number before the backward: the door
+    multiplies it back, so the loss judged (and its lead-up, written) is the step's mean loss."""
+    import warnings
+
+    from layerwatch import InspectCallback
+    from models import LitSpike, make_trainer
+
+    torch.manual_seed(0)
+    module = LitSpike(spike_at=40)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(tmp_path, [InspectCallback(every_n_steps=1000)], max_steps=50, accumulate_grad_batches=2).fit(module)
+    written = {s.step: s.value for s in events(tmp_path / "tb" / "version_0").Scalars("layerwatch/loss")}
+    assert sorted(written) == list(range(41))  # the 40 steps before the spike, and the spike
+    losses = [float(loss) for loss in module.losses]  # each micro-batch's, divided by 2 in the outputs too
+    for step in (0, 20, 40):
+        assert written[step] == pytest.approx(losses[2 * step] + losses[2 * step + 1], rel=1e-6)  # their mean

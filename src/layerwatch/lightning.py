@@ -237,10 +237,10 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         engine = self._engine
         if engine is None:
             return
-        if not self._loss_in_backward:  # training_step's own (None: skipped), unscaled
+        if not self._loss_in_backward:  # training_step's (None: skipped), unscaled, divided as before the backward
             loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
             if isinstance(loss, torch.Tensor):
-                engine.observe_loss(loss)
+                engine.observe_loss(loss if self._accumulated == 1 else loss.detach() * self._accumulated)
         if trainer.global_step == engine.current_step:
             return  # no optimizer step finished in this batch (gradient accumulation)
         engine.after_optimizer_step()

@@ -243,8 +243,10 @@ def format_report(report: dict[str, Any]) -> str:
             grew = ", ".join(f"{g['layer']} ({g['what']} {_factor(g['factor'])})" for g in spike["layers"][:3])
             began = spike["origin"][0] if spike["origin"] else None
             how = "replayed" if spike["replayed"] else f"measured at step {spike['sampled_at']}"
-            lines.append(f"  step {spike['step']:<8} {spike['what']} {_number(spike['value'])}, z = {_number(spike['z'])} "
-                         f"(mean {_number(spike['mean'])} of {spike['over']} steps); {how}"
+            against = (f"{_factor(spike['value'] / spike['mean'])} the geometric mean {_number(spike['mean'])} of "
+                       f"{spike['over']} steps, z = {_number(spike['z'])} on its logarithm" if spike.get("scale") == "log"
+                       else f"z = {_number(spike['z'])} over the mean {_number(spike['mean'])} of {spike['over']} steps")
+            lines.append(f"  step {spike['step']:<8} {spike['what']} {_number(spike['value'])}, {against}; {how}"
                          + (f"; began at {began['layer']} (output {_factor(began['factor'])} its input's)" if began else "")
                          + (f"; grew most: {grew}" if grew else ""))
         nonfinite = run["first_nonfinite"]

@@ -89,9 +89,9 @@ class Spike:
 
 class SpikeDetector:
     """The rule over the values of one quantity, one per step, in step order, on the logarithm
-    of the values while every one is positive (a spike is a jump by a factor: a loss near zero
-    that varies by factors of ten from batch to batch, as a classifier's that fits its data, is
-    not spiking), and on the values themselves from the first one that is not."""
+    of the values while none is negative (a spike is a jump by a factor: a loss near zero that
+    varies by factors of ten from batch to batch, as a classifier's that fits its data, is not
+    spiking), and on the values themselves from the first one that is."""
 
     def __init__(self, rule: SpikeRule, what: str = "loss") -> None:
         self.rule, self.what = rule, what
@@ -102,10 +102,13 @@ class SpikeDetector:
 
     def observe(self, step: int, value: float) -> Optional[Spike]:
         """Judge ``value`` against the window before it, then add it to the window. A NaN or Inf
-        is the sentinel's to find: neither judged nor kept."""
+        is the sentinel's to find: neither judged nor kept; nor is a loss of exactly 0 while the
+        logarithm is judged (a classifier sure of every answer: no spike, and no logarithm)."""
         if not math.isfinite(value):
             return None
         if self.log and value <= 0:
+            if value == 0:
+                return None
             self.log = False
             self._resum()
         window, spike = self._window, None

@@ -15,7 +15,8 @@ the ``layerwatch`` plugin:
   ``alerts`` (the new alerts, a list); ``first_offender`` (``layer``, ``step``, ``phase``,
   ``text``, and ``replayed_from``: the step whose batch was run again to find it, or null);
   ``first_nonfinite_step``; and ``spikes`` (the loss spikes found since the sample before, a
-  list: ``step``, ``what``, ``value``, ``z``, ``mean``, ``std``, ``over``, ``layer`` (the
+  list: ``step``, ``what``, ``value``, ``z``, ``mean``, ``std``, ``scale`` (``"log"``: ``z``
+  and ``std`` of the logarithm, ``mean`` the geometric mean; ``"linear"``), ``over``, ``layer`` (the
   top-ranked), ``layers`` (ranked: ``layer``, ``what``, ``factor``, ``before``, ``now``),
   ``sampled_at``, ``replayed``, ``text``, ``message``): one tag each, as a step may have
   several and a time series keeps one value per step.

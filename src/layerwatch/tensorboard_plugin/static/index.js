@@ -966,7 +966,9 @@ function spikeEvents(spikes, layerLink) {
       class: 'lw-spike', 'data-step': String(spike.step), title: spike.message ?? ''},
     el('div', {class: 'lw-alert-head'},
       el('span', {class: 'lw-kind lw-kind-spike'}, 'spike'),
-      el('span', {class: 'lw-alert-layer'}, `${spike.what} ${formatNumber(spike.value)}, z ${formatNumber(spike.z)}`),
+      el('span', {class: 'lw-alert-layer', title: spike.text ?? ''}, spike.scale === 'log'
+        ? `${spike.what} ${formatNumber(spike.value)}, ×${formatNumber(spike.value / spike.mean)} (z ${formatNumber(spike.z)})`
+        : `${spike.what} ${formatNumber(spike.value)}, z ${formatNumber(spike.z)}`),
       el('span', {class: 'lw-alert-step'}, `@ ${spike.step}`)),
     (spike.origin ?? []).length ? el('div', {class: 'lw-alert-message'}, 'began at ', layerLink(spike.origin[0].layer),
       ` (output ×${formatNumber(spike.origin[0].factor)} its input's)`,
