@@ -16,8 +16,11 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on the PATH (apt-get install chromium)")
 
-INJECT = 43  # the demo's NaN, from encoder.fault, between samples: found by replaying step 43
-SPIKE = 36  # the demo's loss spike, from encoder.fault too, between samples: replayed at step 36
+INJECT = 183  # the demo's NaN, from encoder.fault, between samples: found by replaying step 183
+# The demo's loss spike, from encoder.fault too, between samples: replayed at step 166. Not
+# earlier: while the loss still falls 50 times over the window (its first 40 steps), a spike
+# stands fewer than 6 deviations of the window's logarithm above it.
+SPIKE = 166
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +29,7 @@ def demo_logs(tmp_path_factory):
 
     logdir = tmp_path_factory.mktemp("demo")
     with pytest.warns(RuntimeWarning):
-        run_demo(steps=80, log_dir=str(logdir), every=10, inject_nan=INJECT, batch=32, inject_spike=SPIKE)
+        run_demo(steps=200, log_dir=str(logdir), every=10, inject_nan=INJECT, batch=32, inject_spike=SPIKE)
     return logdir
 
 
@@ -34,7 +37,7 @@ def demo_logs(tmp_path_factory):
 def server(demo_logs):
     def loaded(server):
         runs = server.get_json("/data/plugin/layerwatch/runs")["runs"]
-        return bool(runs) and runs[0]["last_step"] == 70
+        return bool(runs) and runs[0]["last_step"] == 190
 
     with serve(demo_logs, ready=loaded) as server:
         yield server
@@ -68,7 +71,7 @@ def test_the_tab_is_listed_and_its_heatmap_has_a_row_per_layer(browser, server, 
     assert float(frame.evaluate("() => document.body.dataset.heatmapMs")) > 0
     # The loss spike: a line at its step, and listed with the layer it began at, replayed.
     assert heatmap.get_attribute("data-spike-steps") == str(SPIKE)
-    assert "spike @ 36" in frame.locator(".lw-hm-marks").first.inner_text()
+    assert f"spike @ {SPIKE}" in frame.locator(".lw-hm-marks").first.inner_text()
     spikes = frame.locator("#lw-spikes").inner_text()
     assert "began at encoder.fault" in spikes and "replayed" in spikes and f"@ {SPIKE}" in spikes
     page.screenshot(path=str(tmp_path / "layer-view.png"))

@@ -163,21 +163,29 @@ def _train(tmp_path, spike_at=None, steps=80, **options):
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)) for _ in range(steps)]
-    losses = []
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         with Inspector(model, log_dir=tmp_path, optimizer=opt, **options) as inspector:
-            for step, (x, y) in enumerate(batches):
-                if step == spike_at:
-                    x = x * 30
-                opt.zero_grad()
-                loss = nn.functional.mse_loss(model(x), y)
-                loss.backward()
-                opt.step()
-                losses.append(repr(loss.item()))
-                inspector.step(loss=loss)
+            losses = _plain_steps(inspector, model, opt, batches, lambda step, x: x * 30 if step == spike_at else x)
     said = [str(w.message) for w in seen if str(w.message).startswith("layerwatch: loss spike")]
     return losses, said
+
+
+def _plain_steps(inspector, call, opt, batches, before):
+    """The plain loop of these tests: each batch's MSE step (its input as ``before(step, x)``
+    makes it), the loss given to ``inspector.step``; the losses (exact)."""
+    from torch import nn
+
+    losses = []
+    for step, (x, y) in enumerate(batches):
+        x = before(step, x)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(call(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(repr(loss.item()))
+        inspector.step(loss=loss)
+    return losses
 
 
 def test_a_loss_spike_at_an_unsampled_step_is_found_and_the_next_steps_are_sampled(tmp_path, events):
@@ -285,10 +293,8 @@ def _mlp() -> torch.nn.Module:
 
 def _plain_amplified(log_dir, compiled=False, amplify=1e3, spikes=True, **options):
     """A plain loop over ``_mlp()`` whose layer 2's output is scaled ``amplify`` times at
-    SPIKE_STEP; returns the losses (exact), the alerts and the steps written."""
+    SPIKE_STEP; returns the losses (exact) and the alerts."""
     import warnings
-
-    from torch import nn
 
     from layerwatch import Inspector
 
@@ -296,19 +302,16 @@ def _plain_amplified(log_dir, compiled=False, amplify=1e3, spikes=True, **option
     call = torch.compile(model, backend="aot_eager") if compiled else model
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
-    losses = []
+    batches = [(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)) for _ in range(80)]
+
+    def amplified(step, x):
+        model[2].amplify.fill_(amplify if step == SPIKE_STEP else 1.0)
+        return x
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with Inspector(call, log_dir=log_dir, optimizer=opt, spikes=spikes, **{"every_n_steps": 25, **options}) as inspector:
-            for step in range(80):
-                x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
-                model[2].amplify.fill_(amplify if step == SPIKE_STEP else 1.0)
-                opt.zero_grad()
-                loss = nn.functional.mse_loss(call(x), y)
-                loss.backward()
-                opt.step()
-                losses.append(repr(loss.item()))
-                inspector.step(loss=loss)
+            losses = _plain_steps(inspector, call, opt, batches, amplified)
             alerts = inspector.alerts
     return losses, alerts
 

@@ -65,7 +65,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     demo.add_argument(
         "--inject-spike", type=_step, default=None, metavar="STEP",
-        help="make the layer encoder.fault multiply its output by 1000 at STEP (0 to --steps - 1): a loss spike, "
+        help="make the layer encoder.fault multiply its output by -1000 at STEP (0 to --steps - 1): a loss spike, "
         "which layerwatch samples and explains",
     )
     summary = commands.add_parser(

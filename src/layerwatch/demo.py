@@ -25,7 +25,7 @@ from layerwatch.lightning import InspectCallback
 from layerwatch.options import writable_dir
 
 FAULT = "encoder.fault"  # the layer that emits the injected NaN or loss spike
-SPIKE_SCALE = 1e3  # what the fault layer multiplies its output by at a spike's step
+SPIKE_SCALE = -1e3  # what the fault layer multiplies its output by at a spike's step: sure of the wrong answers
 
 
 def make_data(n: int, d_in: int = 32, classes: int = 4, seed: int = 0) -> TensorDataset:
@@ -114,9 +114,11 @@ def run_demo(steps: int = 8000, log_dir: str = "runs/layerwatch-demo", every: in
     step after it could not tell: Adam has spread the NaN into every weight by then, so the
     first layer is merely the first to use one.)
 
-    With ``inject_spike``, ``encoder.fault`` multiplies its output by ``SPIKE_SCALE`` at that
-    step: the loss spikes, that step is sampled with its batch replayed, and the layers whose
-    gradients grew most are ranked (the ``spike`` alert, the tab's spike mark).
+    With ``inject_spike``, ``encoder.fault`` multiplies its output by ``SPIKE_SCALE`` (-1000)
+    at that step: the model is sure of the wrong answers, the loss spikes, that step is sampled
+    with its batch replayed, and the spike is said to have begun at ``encoder.fault`` (the
+    ``spike`` alert, the tab's spike mark). (Times +1000, a classifier that fits its data is
+    sure of the right answers: its loss falls.)
 
     Raises:
         ValueError: a bad ``steps``, ``every``, ``inject_nan`` or ``inject_spike`` (see :func:`check_demo_options`),

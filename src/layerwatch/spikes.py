@@ -150,7 +150,7 @@ class LossTap:
     already given out (a second optimizer's, after the first one's step) is not taken."""
 
     def __init__(self) -> None:
-        # per step, in order: [step, its losses (floats read, or host copies), the events of copies not read yet or None]
+        # per step, in order: [step, its losses (floats read, or host copies), its copies' events or None: no copy]
         self._pending: deque[list] = deque()
         self._given = -1  # the last step given out by landed()
         self.offered = False  # a loss was ever offered
@@ -183,7 +183,7 @@ class LossTap:
             pending.append([step, [], None])
         entry = pending[-1]
         entry[1].append(value)
-        if event is not None:
+        if not isinstance(value, (int, float)):  # a host copy: read once landed (its event None: landed already)
             entry[2] = (entry[2] or []) + [event]
 
     def landed(self, closed: float, wait: bool = False) -> list[tuple[int, float, int]]:
@@ -197,8 +197,9 @@ class LossTap:
             if events is not None:
                 if wait:
                     for event in events:
-                        event.synchronize()
-                elif not all(event.query() for event in events):
+                        if event is not None:
+                            event.synchronize()
+                elif not all(event is None or event.query() for event in events):
                     break
                 values = [float(v) if isinstance(v, (int, float)) else v.tolist()[0] for v in values]  # landed: no wait
             pending.popleft()
