@@ -15,7 +15,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import numpy as np
 import torch
 
 from layerwatch import record as R
@@ -24,8 +23,9 @@ from layerwatch import stats as S
 from layerwatch.distributed import Decision, is_writer_rank
 from layerwatch.failures import FailurePolicy
 from layerwatch.sentinel import to_host
+from layerwatch.growth import LayerGrowth
 from layerwatch.probes import ProbeResult
-from layerwatch.vocabulary import LOSS, ROOT, parent
+from layerwatch.vocabulary import LOSS
 
 MOST_UNVOTED = 1024  # losses kept for the ranks' vote: a run whose vote stalls does not keep them all
 if TYPE_CHECKING:  # the output's module imports the options', which import this one
@@ -366,7 +366,7 @@ class Spikes:
     def explain(self, step: int, rows: R.HostRows, probes: Optional[ProbeResult] = None, replayed: bool = False) -> R.Findings:
         """At a sample written (rank 0): the spikes found since the last one, as findings: their
         ``spike`` alerts and events, each with the layers ranked by growth since they were last
-        sampled (:class:`LayerGrowth`: ``origin``, the modules whose output grew most beyond
+        sampled (:class:`~layerwatch.growth.LayerGrowth`: ``origin``, the modules whose output grew most beyond
         their input's, where ``probes`` saw the forward; ``layers``, whose gradient or update
         grew most), and the lead-up to write (each one's window of losses and its own, the steps
         not written before). ``replayed``: ``probes`` come from the step's batch run again. The
@@ -401,92 +401,3 @@ def _z(z: float) -> str:
 
 def _times(factor: float) -> str:
     return f"x{factor:.3g}" if factor < 100 else f"x{factor:,.0f}" if factor < 1e6 else f"x{factor:.2e}"
-
-
-@dataclass(frozen=True)
-class Growth:
-    """How much a layer's gradient norm or update ratio (``what``) grew against the sample before."""
-
-    layer: str
-    what: str  # "gradient" or "update"
-    factor: float
-    before: float
-    now: float
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"layer": self.layer, "what": self.what, "factor": self.factor, "before": self.before, "now": self.now}
-
-
-class LayerGrowth:
-    """Each layer's gradient norm and update ratio, and each module's output norm, at the last
-    sample: a sample's are ranked against them by how much they grew.
-
-    A module's output grows with its input's: where the sample's forward was probed, the
-    leaf modules are also ranked by how much more their output grew than the output of the
-    leaf called before them (in model order: their input, in a chain), so that the module
-    where a growth began comes first, not those it carried on to (:meth:`origin`).
-
-    A sample is only kept (no work per tensor) until a spike asks for a ranking."""
-
-    TOP = 5
-
-    def __init__(self) -> None:
-        self._last: Optional[tuple[R.HostRows, Optional[ProbeResult]]] = None
-
-    def observe(self, rows: R.HostRows, probes: Optional[ProbeResult], rank: bool) -> tuple[list[Growth], list[Growth]]:
-        """With ``rank``: the layers whose gradient or update grew most since the last sample,
-        largest first (at most ``TOP``, each layer once), and the leaf modules whose output grew
-        most beyond their input's (:meth:`origin`). This sample is kept for the next call."""
-        last, self._last = self._last, (rows, probes)
-        if not rank or last is None:
-            return [], []
-        before = _per_parameter(last[0])
-        best: dict[str, Growth] = {}
-        for (what, name), value in _per_parameter(rows).items():
-            growth = _growth(what, parent(name) or name, before.get((what, name)), value)
-            if growth is not None and (growth.layer not in best or growth.factor > best[growth.layer].factor):
-                best[growth.layer] = growth
-        return sorted(best.values(), key=lambda g: -g.factor)[: self.TOP], self.origin(dict(_outputs(last[1])), _outputs(probes))
-
-    def origin(self, before: dict[str, float], outputs: list[tuple[str, float]]) -> list[Growth]:
-        """The leaf modules of ``outputs`` (name and output norm, in model order) ranked by their
-        output's growth since ``before`` over the growth of the leaf's before them (the first
-        leaf's input, the batch, is taken as unchanged): ``factor`` is that ratio, ``before``
-        and ``now`` the module's own norms."""
-        names = [name for name, _ in outputs]
-        leaves = [(name, value) for name, value in outputs if not any(other.startswith(name + ".") for other in names)
-                  and name != ROOT]
-        ranked, carried = [], 1.0
-        for name, value in leaves:
-            growth = _growth("output", name, before.get(name), value)
-            if growth is None:
-                carried = 1.0  # not known: the next leaf is judged on its own growth
-                continue
-            ranked.append(Growth(name, "output", growth.factor / carried if carried > 0 else growth.factor,
-                                 growth.before, growth.now))
-            carried = growth.factor
-        return sorted(ranked, key=lambda g: -g.factor)[: self.TOP]
-
-
-def _growth(what: str, layer: str, before: Optional[float], now: float) -> Optional[Growth]:
-    if before is None or not before > 0 or not math.isfinite(now) or not math.isfinite(before):
-        return None
-    return Growth(layer, what, now / before, before, now)
-
-
-def _outputs(probes: Optional[ProbeResult]) -> list[tuple[str, float]]:
-    """Each probed module's output norm (its first call's), in model order."""
-    measured = [] if probes is None else [t for t in probes.modules if t.activation_row is not None]
-    if not measured:
-        return []
-    norms = S.Rows(np.stack([t.activation_row for t in measured])).norm.tolist()
-    return [(t.name, norm) for t, norm in zip(measured, norms)]
-
-
-def _per_parameter(rows: R.HostRows) -> dict[tuple[str, str], float]:
-    """Each parameter's gradient norm and update ratio in ``rows``, keyed ``("gradient", name)``, ``("update", name)``."""
-    out = {("gradient", name): float(norm) for names, r in rows.get("grads", ()) for name, norm in zip(names, S.Rows(r).norm)}
-    weights = {name: norm for names, r in rows.get("weights", ()) for name, norm in zip(names, S.Rows(r).norm)}
-    for names, (deltas, after) in rows.get("update", ()):
-        out.update(zip([("update", name) for name in names], R.update_ratios(names, deltas, after, weights).tolist()))
-    return out
