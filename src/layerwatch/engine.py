@@ -372,7 +372,7 @@ class Engine:
         replayed = self._faults.check(self._parameters, before_optimizer_step)
         spiked = self._spikes.judge(self._step, closing=not before_optimizer_step)
         if replayed is None and spiked is not None and self._sample is None:  # replayed only as it ran: before its update
-            replayed = before_optimizer_step and self._faults.replay_spike(spiked) or False
+            replayed = (self._faults.replay_spike(spiked) if before_optimizer_step else None) or False
         if replayed is None:
             return
         sample = self._sample = self._sample or Sample(self._step, self._parameters(), self._counter.count)

@@ -18,10 +18,10 @@ from layerwatch.vocabulary import ROOT, parent
 
 @dataclass(frozen=True)
 class Growth:
-    """How much a layer's gradient norm or update ratio (``what``) grew against the sample before."""
+    """How much a layer's gradient norm, update ratio or output norm (``what``) grew against the sample before."""
 
     layer: str
-    what: str  # "gradient" or "update"
+    what: str  # "gradient", "update" or "output"
     factor: float
     before: float
     now: float
@@ -66,9 +66,10 @@ class LayerGrowth:
         output's growth since ``before`` over the growth of the leaf's before them (the first
         leaf's input, the batch, is taken as unchanged): ``factor`` is that ratio, ``before``
         and ``now`` the module's own norms."""
-        names = [name for name, _ in outputs]
-        leaves = [(name, value) for name, value in outputs if not any(other.startswith(name + ".") for other in names)
-                  and name != ROOT]
+        # Model order is depth first: a module with a measured descendant is followed by one.
+        after = [name for name, _ in outputs[1:]] + [""]
+        leaves = [(name, value) for (name, value), following in zip(outputs, after)
+                  if name != ROOT and not following.startswith(name + ".")]
         ranked, carried = [], 1.0
         for name, value in leaves:
             growth = _growth("output", name, before.get(name), value)

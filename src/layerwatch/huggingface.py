@@ -240,8 +240,12 @@ class _InputsKept:
         if self._losses:
             self._handles.append(outer.register_forward_hook(self._loss_seen, with_kwargs=True))
 
+    def _passed_over(self, module: nn.Module) -> bool:
+        """An evaluation forward (no autograd, or ``eval()``), a traced call, or the replay's own."""
+        return is_compiling() or self._replaying or not torch.is_grad_enabled() or not module.training
+
     def _loss_seen(self, module: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> None:
-        if is_compiling() or self._replaying or not torch.is_grad_enabled() or not module.training:
+        if self._passed_over(module):
             return
         engine = self._engine()
         loss = outputs.get("loss") if isinstance(outputs, dict) else None
@@ -254,7 +258,7 @@ class _InputsKept:
             handle.remove()
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if is_compiling() or self._replaying or not torch.is_grad_enabled() or not module.training:
+        if self._passed_over(module):
             return
         engine = self._engine()
         if engine is not None and engine.state == "running":

@@ -98,13 +98,9 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
             the parameters' bytes (``0.5``: half). Beyond it, and on a GPU beyond its free
             memory less 5%, the ratios are estimated from a strided sample of each weight
             (``update_ratio_estimate/<param>``, said once). Default: no limit but the GPU's.
-        spikes: Judge each step's loss (``training_step``'s) against the steps before it: a
-            loss more than 6 standard deviations above the mean of the last 128 (once 32 were
-            seen, on the logarithm of the loss) is a spike, said once; the next 3 steps are
-            sampled in full, whatever the schedule, and the spiking step too where it is found
-            in it (on the CPU), and the next sample ranks the layers that grew most (a ``spike``
-            alert). ``SpikeRule(z=, window=, warmup=, capture=)`` changes them; False: off.
-            Nothing waits for the loss: on a GPU it is judged once its copy landed.
+        spikes: As :class:`~layerwatch.Inspector`'s, on ``training_step``'s loss: taken before
+            the backward (so that on the CPU a spike is found, and its step sampled and
+            replayed, before its optimizer step), or after the step under a GradScaler.
         replay: On the sentinel's first hit, and at a loss spike found before its step's
             optimizer step (on the CPU), run that step's batch again (``training_step``,
             then backward) with every probe armed, before the optimizer step, so the first

@@ -168,7 +168,8 @@ class LossTap:
         if isinstance(loss, torch.Tensor):  # as few ops as can be: one read on the CPU, one copy elsewhere
             one = loss.numel() == 1
             if S.host_reads_free(loss.device):
-                value = loss.item() if one else loss.detach().float().mean().item()  # item(): no autograd warning
+                # the CPU's: a read of memory, no device to wait for (item(): no autograd warning)
+                value = loss.item() if one else loss.detach().float().mean().item()
             elif loss.device.type not in ("cuda", "cpu"):  # (the CPU: a test taking the accelerator's way)
                 raise Unreadable(f"a loss on {loss.device} is not judged: its host copy would wait for the device")
             else:
@@ -272,12 +273,11 @@ class Spikes:
             return None
         now = None
         try:
+            landed = self._tap.landed(step)
             if self._voted is not None:  # judged when the ranks have voted on them
-                self._voted.extend((at, value) for at, value, _ in self._tap.landed(step))
-            for at, value, largest in [] if self._voted is not None else self._tap.landed(step):
-                spike = self._detector.observe(at, value)
-                if spike is not None and self._on_spike(spike, step) and at == step:
-                    now = largest
+                self._voted.extend((at, value) for at, value, _ in landed)
+            else:
+                now = self._observe(landed, step)
             if closing and self._capture_left and self._voted is None:  # the ranks' votes ask in on_voted
                 self._capture_left -= 1
                 self._ask()
@@ -293,10 +293,7 @@ class Spikes:
         if self._detector is None or self._voted is not None:
             return
         try:
-            for at, value, _ in self._tap.landed(math.inf, wait=True):
-                spike = self._detector.observe(at, value)
-                if spike is not None:
-                    self._on_spike(spike, step, ended=True)
+            self._observe(self._tap.landed(math.inf, wait=True), step, ended=True)
             if not self._unwritten or self._output is None:
                 return
             findings = self.explain(step, {})
@@ -326,9 +323,7 @@ class Spikes:
                 at, value = decision.loss
                 while voted and voted[0][0] <= at:
                     voted.popleft()
-                spike = self._detector.observe(at, value)
-                if spike is not None:
-                    self._on_spike(spike, step)
+                self._observe([(at, value, 0)], step)
             elif decision.losses_from is not None:
                 while voted and voted[0][0] < decision.losses_from:
                     voted.popleft()
@@ -337,6 +332,16 @@ class Spikes:
                 self._ask()
         except Exception as e:  # an inspector must never break the training run
             self._failures.failed("judge the loss", e, step)
+
+    def _observe(self, landed: list[tuple[int, float, int]], step: int, ended: bool = False) -> Optional[int]:
+        """Judge ``landed`` losses (step, value, largest micro-batch) at ``step``: each spike said and
+        captured (:meth:`_on_spike`); the largest micro-batch of ``step`` itself when it spiked and is captured now."""
+        now = None
+        for at, value, largest in landed:
+            spike = self._detector.observe(at, value)
+            if spike is not None and self._on_spike(spike, step, ended) and at == step:
+                now = largest
+        return now
 
     def _on_spike(self, spike: Spike, step: int, ended: bool = False) -> bool:
         """Say ``spike`` (found at ``step``; ``ended``: as the run ends) and capture what follows;
