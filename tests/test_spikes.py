@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from layerwatch.alerts import Alert
-from layerwatch.spikes import LossTap, SpikeDetector, SpikeRule
+from layerwatch.spikes import ValueTap, SpikeDetector, SpikeRule
 
 
 def test_a_jump_past_six_deviations_of_the_trailing_window_is_a_spike_and_noise_is_not():
@@ -85,7 +85,7 @@ def test_a_bad_rule_is_refused_with_its_value(bad):
 
 
 def test_the_tap_averages_a_steps_losses_and_gives_each_closed_step_once(monkeypatch):
-    tap = LossTap()
+    tap = ValueTap()
     tap.offer(0, torch.tensor(2.0))
     tap.offer(0, 4.0)  # a second micro-batch
     tap.offer(1, torch.tensor([1.0, 3.0]))  # several values: their mean
@@ -100,7 +100,7 @@ def test_the_tap_starts_a_copy_where_reads_are_not_free_and_reads_it_once_landed
     from layerwatch import stats
 
     monkeypatch.setattr(stats, "host_reads_free", lambda device: False)
-    tap = LossTap()
+    tap = ValueTap()
     loss = torch.tensor(5.0)
     tap.offer(3, loss)
     loss.fill_(0.0)  # the copy was taken at offer time
@@ -146,7 +146,70 @@ def test_no_rule_judges_nothing_and_a_bad_loss_is_warned_once_and_skipped():
         on.offer(0, "not a loss")
         on.offer(1, object())
     assert [str(w.message) for w in seen] == [
-        "layerwatch: could not take the loss at step 0: TypeError('loss must be a tensor or a number, got str'); skipped"]
+        "layerwatch: could not take the loss at step 0: TypeError('a loss must be a tensor or a number, got str'); skipped"]
+
+
+def test_the_gradient_norm_is_judged_apart_from_the_loss_and_each_spike_writes_both_lead_ups():
+    """A gradient norm that jumps while the loss does not is a spike of its own ("gradient
+    norm"); the same step's loss spiking too is captured once; each spike's lead-up is both
+    quantities' steps up to it, each step written once."""
+    import warnings
+
+    from layerwatch.failures import FailurePolicy
+    from layerwatch.spikes import Spikes
+
+    asked = []
+    spikes = Spikes(SpikeRule(warmup=8, window=16, capture=2), FailurePolicy(), lambda: asked.append(step))
+    rng = random.Random(3)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(60):
+            loss, norm = 1.0 + 0.01 * rng.gauss(0, 1), 2.0 + 0.02 * rng.gauss(0, 1)
+            spikes.offer(step, torch.tensor(loss if step != 50 else 40.0))
+            spikes.offer(step, torch.tensor(norm if step not in (20, 50) else 300.0), "grad_norm")
+            spikes.judge(step, closing=True)
+            if step == 30:
+                first = spikes.explain(step, {})
+    said = [str(w.message) for w in seen]
+    assert [(s.step, s.what) for s in spikes.found] == [(20, "grad_norm"), (50, "loss"), (50, "grad_norm")]
+    assert said[0].startswith("layerwatch: gradient norm spike at step 20: 300, x1")
+    assert said[0].endswith("step 20 and steps 21 to 22 are sampled in full")
+    assert said[2].endswith("; captured with the loss spike of its step")  # one capture for the step
+    assert asked == [20, 21, 50, 51]
+    assert [e["what"] for e in first.spikes] == ["grad_norm"] and first.alerts[0].message.startswith("gradient norm spike")
+    assert [at for at, _ in first.history["layerwatch/grad_norm_lead_up"]] == list(range(4, 21))  # its window, then itself
+    assert [at for at, _ in first.history["layerwatch/loss"]] == list(range(4, 21))  # the loss's window up to the step
+    second = spikes.explain(55, {})
+    assert [at for at, _ in second.history["layerwatch/loss"]] == list(range(34, 51))  # the steps not written before
+    assert [at for at, _ in second.history["layerwatch/grad_norm_lead_up"]] == list(range(34, 51))
+
+
+def test_a_gradient_norm_of_sharded_gradients_is_not_judged_said_once():
+    """torch's clip_grad_norm_ over FSDP2's gradients returns a DTensor whose value is partial
+    on each rank: reading it would be a collective one rank issues alone. The loss goes on."""
+    import warnings
+
+    from torch.distributed.tensor import DTensor, Partial
+
+    from layerwatch.failures import FailurePolicy
+    from layerwatch.spikes import Spikes
+
+    class Partly(DTensor):  # placements without a mesh: what the tap reads of it
+        def __new__(cls):
+            return torch.Tensor._make_subclass(cls, torch.zeros(()))
+
+        placements = (Partial(),)
+
+    spikes = Spikes(SpikeRule(), FailurePolicy(), lambda: None)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        spikes.offer(0, Partly(), "grad_norm")
+        spikes.offer(1, Partly(), "grad_norm")
+        spikes.offer(1, torch.tensor(2.0))
+    assert [str(w.message) for w in seen] == [
+        "layerwatch: a gradient norm that is a DTensor placed (Partial(sum),) is not judged: reading it is a collective; "
+        "gradient norm spikes are not looked for in this run"]
+    assert spikes.has_losses
 
 
 def _train(tmp_path, spike_at=None, steps=80, **options):
@@ -173,7 +236,7 @@ def _train(tmp_path, spike_at=None, steps=80, **options):
 
 def _plain_steps(inspector, call, opt, batches, before):
     """The plain loop of these tests: each batch's MSE step (its input as ``before(step, x)``
-    makes it), the loss given to ``inspector.step``; the losses (exact)."""
+    makes it), the loss and the gradient norm given to ``inspector.step``; the losses (exact)."""
     from torch import nn
 
     losses = []
@@ -182,9 +245,10 @@ def _plain_steps(inspector, call, opt, batches, before):
         opt.zero_grad()
         loss = nn.functional.mse_loss(call(x), y)
         loss.backward()
+        norm = torch.nn.utils.get_total_norm([p.grad for p in opt.param_groups[0]["params"]])  # changes nothing
         opt.step()
         losses.append(repr(loss.item()))
-        inspector.step(loss=loss)
+        inspector.step(loss=loss, grad_norm=norm)
     return losses
 
 
@@ -332,6 +396,40 @@ def test_a_plain_loop_names_the_layer_whose_output_was_scaled_at_an_unsampled_st
     assert losses == plain  # bitwise
 
 
+def test_a_plain_loop_names_the_layer_whose_gradient_alone_was_scaled_by_the_gradient_norm(tmp_path, events):
+    """Layer 4's weight gradient scaled 1e3 times at an unsampled step, its forward untouched:
+    the loss does not spike (its step is over before the update), the gradient norm does,
+    and the layer whose gradient grew most is the one scaled. Lead-ups of both are written."""
+    import warnings
+
+    from layerwatch import Inspector
+
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scale = [1.0]
+    model[4].weight.register_hook(lambda grad: grad * scale[0])
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)) for _ in range(70)]
+
+    def scaled(step, x):
+        scale[0] = 1e3 if step == SPIKE_STEP else 1.0
+        return x
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Inspector(model, log_dir=tmp_path, optimizer=opt, every_n_steps=25) as inspector:
+            _plain_steps(inspector, model, opt, batches, scaled)
+            alerts = inspector.alerts
+    said = [str(w.message) for w in seen if " spike at step" in str(w.message)]
+    assert said[0].startswith(f"layerwatch: gradient norm spike at step {SPIKE_STEP}: "), said
+    assert said[0].endswith(f"step {SPIKE_STEP} and steps 61 to 63 are sampled in full") and "loss spike" not in str(said)
+    spike, = _spike_alerts(alerts)
+    assert spike.name == "4" and re.search(r"grew most: 4 \(gradient x[\d,]+\)", spike.message), spike.message
+    run = events(tmp_path)
+    assert [s.step for s in run.Scalars("layerwatch/grad_norm_lead_up")] == list(range(SPIKE_STEP + 1))  # every step before it
+    assert [s.step for s in run.Scalars("layerwatch/loss")] == list(range(SPIKE_STEP + 1))
+
+
 def test_under_the_overhead_budget_the_capture_is_taken_and_paid_for(tmp_path, events):
     """At the real defaults (the budget's pacer): the spiking step and the three after it are
     sampled whatever the interval, and their cost is counted against the budget."""
@@ -393,7 +491,7 @@ def test_a_healthy_lightning_run_says_no_spike_at_the_defaults(tmp_path):
     assert _spike_alerts(alerts) == []
 
 
-def _trainer_amplified(root, amplify=-1e3, spikes=True, compiled=False):
+def _trainer_amplified(root, amplify=-1e3, spikes=True, compiled=False, gradient=False):
     """The tiny GPT-2 under the Hugging Face Trainer, learning to count, its final norm
     ``transformer.ln_f``'s output scaled ``amplify`` times at step SPIKE_STEP (the Trainer's
     steps count from 1: its ``global_step`` is one less during the step, its replay included).
@@ -402,7 +500,8 @@ def _trainer_amplified(root, amplify=-1e3, spikes=True, compiled=False):
     output scaled 1000 times moved the loss 2 times, 3 standard deviations of the window (measured
     with ``transformer.h.1.mlp.c_proj``): no spike to find. The final norm's output goes to the
     head as it is; scaled -1000 times (+1000 makes a model that counts right surer of it: the
-    loss fell 10 times), it makes the head sure of the wrong tokens."""
+    loss fell 10 times), it makes the head sure of the wrong tokens. ``gradient``: the forward
+    is left alone, and the first block's ``mlp.c_fc.weight`` gradient is scaled instead."""
     import warnings
 
     transformers = pytest.importorskip("transformers")
@@ -418,8 +517,10 @@ def _trainer_amplified(root, amplify=-1e3, spikes=True, compiled=False):
             return {"input_ids": ids, "labels": ids}
 
     model = tiny("gpt2")
-    layer = amplifiable(model.transformer.ln_f)
+    layer = amplifiable(torch.nn.Identity() if gradient else model.transformer.ln_f)
     state = []
+    if gradient:
+        model.transformer.h[0].mlp.c_fc.weight.register_hook(lambda grad: grad * layer.amplify)
 
     def set_amplify(module, args):
         layer.amplify.fill_(amplify if state and state[0].state.global_step + 1 == SPIKE_STEP else 1.0)
@@ -449,6 +550,21 @@ def test_the_trainer_replays_the_spiking_step_and_names_the_layer_whose_output_w
     if not compiled:  # the replay puts back the same state compiled or not; a compiled run twice costs 10 s more
         plain, _ = _trainer_amplified(tmp_path / "off", spikes=False)
         assert losses == plain  # bitwise
+
+
+def test_the_trainer_judges_its_own_gradient_norm_and_names_the_layer_whose_gradient_grew(tmp_path, events):
+    """The Trainer computes the gradient norm each step (to clip it): the door takes that value,
+    before clipping. A weight's gradient scaled 1000 times spikes it, not the loss; the step is
+    found before its optimizer step and sampled there, and the layer is named by its gradient."""
+    _, alerts = _trainer_amplified(tmp_path, amplify=1e3, gradient=True)
+    spike, = [a for a in _spike_alerts(alerts) if a.step == SPIKE_STEP]
+    assert spike.message.startswith(f"gradient norm spike at step {SPIKE_STEP}: "), spike.message
+    assert spike.name == "transformer.h.0.mlp.c_fc" and "began at" not in spike.message, spike.message
+    from test_huggingface import event_dirs
+
+    lead_up = {s.step for d in event_dirs(tmp_path) for acc in [events(d)]
+               if "layerwatch/grad_norm_lead_up" in acc.Tags()["scalars"] for s in acc.Scalars("layerwatch/grad_norm_lead_up")}
+    assert lead_up == set(range(1, SPIKE_STEP + 1))  # every step before it: the Trainer's steps count from 1
 
 
 def test_a_healthy_trainer_run_says_no_spike_at_the_defaults(tmp_path):
@@ -496,10 +612,11 @@ def sharded_spike_worker(rank: int, world: int, out: str, how: str, spiking_rank
                 opt.zero_grad()
                 loss = nn.functional.mse_loss(model(x), y)
                 loss.backward()
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # scales the gradients by 1: none
                 opt.step()
                 losses.append(loss.item())
-                inspector.step(loss=loss)
-            found = [(s.step, s.value) for s in inspector._engine._spikes.found]
+                inspector.step(loss=loss, grad_norm=norm.full_tensor() if how == "fsdp2" else norm)
+            found = [(s.step, s.what, s.value) for s in inspector._engine._spikes.found]
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump({"found": found, "sampled": sampled, "losses": losses}, f)
 
@@ -519,26 +636,33 @@ def test_fsdp2_the_ranks_judge_their_largest_loss_alike_and_capture_the_same_ste
     the largest, see the same spike, and sample the same steps (a step or two later than a
     single process: the losses ride on the next votes); rank 0 writes it."""
     zero, one = _sharded(tmp_path, "fsdp2", spiking_rank=1)
-    assert zero["found"] == one["found"] and [step for step, _ in zero["found"]][:1] == [40], zero["found"]
-    assert max(one["losses"][40], zero["losses"][40]) == zero["found"][0][1]  # the largest of the ranks' losses
+    losses = [found for found in zero["found"] if found[1] == "loss"]
+    assert losses == one["found"] and [step for step, _, _ in losses][:1] == [40], zero["found"]
+    assert max(one["losses"][40], zero["losses"][40]) == losses[0][2]  # the largest of the ranks' losses
+    assert [(step, what) for step, what, _ in zero["found"]][:1] == [(40, "grad_norm")]  # rank 0's alone: at once
     assert zero["sampled"] == one["sampled"] and {0, 25, 50} < set(zero["sampled"])
     captured = sorted(set(zero["sampled"]) - {0, 25, 50})
-    assert captured == [43, 44, 45]  # its loss went out in step 42's vote: judged there, captured from the next
+    # rank 0 asked for 42-44 (the gradient norm, judged at step 40's end: its ask goes out in the next ballot); rank 1
+    # for 43-45 (the loss went out in step 42's vote, judged there on both; rank 0 had captured it): through the vote
+    # each rank's asks are every rank's
+    assert captured == [42, 43, 44, 45]
     run = events(tmp_path / "run")
-    assert [s.step for s in run.Scalars("layerwatch/overhead_ms")] == [0, 25, 43, 44, 45, 50]
+    assert [s.step for s in run.Scalars("layerwatch/overhead_ms")] == [0, 25, *captured, 50]
     assert [s.step for s in run.Scalars("layerwatch/loss")] == list(range(41))  # the lead-up: the 40 steps before, the spike
+    assert [s.step for s in run.Scalars("layerwatch/grad_norm_lead_up")] == list(range(41))
 
 
 @pytest.mark.parametrize("spiking_rank", [0, 1])
 def test_ddp_rank_zero_judges_its_own_losses_and_no_rank_waits(tmp_path, events, spiking_rank):
     """Under DDP rank 0 alone samples and writes (sampling is no collective there): it alone
-    judges, its own losses; a spike in another rank's batch is seen where it reaches rank 0's."""
+    judges, its own losses; a spike in another rank's batch is seen where it reaches rank 0's:
+    at once in the gradient norm (of the averaged gradients)."""
     zero, one = _sharded(tmp_path, "ddp", spiking_rank)
     assert one["found"] == []  # not judged off rank 0
-    if spiking_rank == 0:
-        assert [step for step, _ in zero["found"]][:1] == [40]
-        written = [s.step for s in events(tmp_path / "run").Scalars("layerwatch/overhead_ms")]
-        assert {40, 41, 42, 43} <= set(written)  # the step itself, at its end, and the three after
+    found = [(step, what) for step, what, _ in zero["found"]]
+    assert found[:2] == ([(40, "loss"), (40, "grad_norm")] if spiking_rank == 0 else [(40, "grad_norm")])  # averaged
+    written = [s.step for s in events(tmp_path / "run").Scalars("layerwatch/overhead_ms")]
+    assert {40, 41, 42, 43} <= set(written)  # the step itself, at its end, and the three after
 
 
 # ------------------------------------------------------------------ what the review found
@@ -546,7 +670,7 @@ def test_ddp_rank_zero_judges_its_own_losses_and_no_rank_waits(tmp_path, events,
 def test_a_loss_offered_after_its_step_was_given_out_is_not_taken():
     """Manual optimization with two optimizers: the first one's step judged the step's loss; the
     second optimizer's loss, offered after, would make the step's window hold two losses."""
-    tap = LossTap()
+    tap = ValueTap()
     tap.offer(4, 1.0)
     assert tap.landed(closed=4) == [(4, 1.0, 0)]
     tap.offer(4, 9.0)  # the discriminator's, after the generator's step

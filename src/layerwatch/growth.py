@@ -37,11 +37,13 @@ class LayerGrowth:
     A module's output grows with its input's: where the sample's forward was probed, the
     leaf modules are also ranked by how much more their output grew than the output of the
     leaf called before them (in model order: their input, in a chain), so that the module
-    where a growth began comes first, not those it carried on to (:meth:`origin`).
+    where a growth began comes first, not those it carried on to (:meth:`origin`: those that
+    grew ``BEGAN`` times more than their input or more; a gradient that grew alone has none).
 
     A sample is only kept (no work per tensor) until a spike asks for a ranking."""
 
     TOP = 5
+    BEGAN = 2.0  # a module's output grew at least this many times more than its input's: a growth began there
 
     def __init__(self) -> None:
         self._last: Optional[tuple[R.HostRows, Optional[ProbeResult]]] = None
@@ -64,8 +66,8 @@ class LayerGrowth:
     def origin(self, before: dict[str, float], outputs: list[tuple[str, float]]) -> list[Growth]:
         """The leaf modules of ``outputs`` (name and output norm, in model order) ranked by their
         output's growth since ``before`` over the growth of the leaf's before them (the first
-        leaf's input, the batch, is taken as unchanged): ``factor`` is that ratio, ``before``
-        and ``now`` the module's own norms."""
+        leaf's input, the batch, is taken as unchanged), those of ``BEGAN`` or more: ``factor``
+        is that ratio, ``before`` and ``now`` the module's own norms."""
         # Model order is depth first: a module with a measured descendant is followed by one.
         after = [name for name, _ in outputs[1:]] + [""]
         leaves = [(name, value) for (name, value), following in zip(outputs, after)
@@ -79,7 +81,7 @@ class LayerGrowth:
             ranked.append(Growth(name, "output", growth.factor / carried if carried > 0 else growth.factor,
                                  growth.before, growth.now))
             carried = growth.factor
-        return sorted(ranked, key=lambda g: -g.factor)[: self.TOP]
+        return sorted((g for g in ranked if g.factor >= self.BEGAN), key=lambda g: -g.factor)[: self.TOP]
 
 
 def _growth(what: str, layer: str, before: Optional[float], now: float) -> Optional[Growth]:

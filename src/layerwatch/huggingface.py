@@ -89,7 +89,8 @@ class InspectTrainerCallback(TrainerCallback):
     Args: the options of :class:`~layerwatch.Inspector` (``every_n_steps``, ``schedule``,
         ``overhead_budget``, ``families``, ``stats``, ``histograms``, ``histogram_bins``,
         ``alerts``, ``modules``, ``sentinel``, ``memory_budget``, ``spikes``: the loss the model's outputs
-        hold), with the same meaning and checks, and:
+        hold and the gradient norm the Trainer computes each step, before clipping), with the
+        same meaning and checks, and:
 
         replay: On the sentinel's first hit, and at a loss spike found before its step's
             optimizer step (on the CPU), run that step's micro-batches again through the
@@ -179,6 +180,8 @@ class InspectTrainerCallback(TrainerCallback):
             self._inputs = _InputsKept(self._engine, outer, model, replay=unreplayable is None, losses=losses)
             self._inputs.attach()
             self._engine.attach([self._inputs])
+        if losses and getattr(trainer, "accelerator", None) is not None:
+            self._engine.attach([_GradNormTaken(self._engine, trainer.accelerator)])
 
     @override
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -271,6 +274,40 @@ class _InputsKept:
         finally:
             self._replaying = False
         return _model_loss(outputs, "labels" in kwargs)
+
+
+class _GradNormTaken:
+    """The Trainer's own global gradient norm, before clipping, handed to the engine's spike check
+    (:meth:`Engine.observe_loss`): the Trainer asks its accelerator's ``clip_grad_norm_`` for
+    it once an optimizer step (to clip at ``max_grad_norm``, or with no limit to log it), so
+    nothing is computed twice. The method is wrapped on that accelerator for the run's life;
+    ``remove()`` puts back what was there (safe twice; a wrapper put on after this one stays,
+    and this one then only passes the call on)."""
+
+    _NONE = object()
+
+    def __init__(self, engine: Engine, accelerator: Any) -> None:
+        self._engine, self._accelerator = weakref.ref(engine), accelerator
+        self._before = vars(accelerator).get("clip_grad_norm_", self._NONE)
+        clip = accelerator.clip_grad_norm_
+
+        def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+            norm = clip(*args, **kwargs)
+            engine = self._engine()
+            if norm is not None and engine is not None and engine.state == "running":
+                engine.observe_loss(norm, "grad_norm")
+            return norm
+
+        self._wrapper = accelerator.clip_grad_norm_ = clip_grad_norm_
+
+    def remove(self) -> None:
+        accelerator = self._accelerator
+        if vars(accelerator).get("clip_grad_norm_") is self._wrapper:
+            if self._before is self._NONE:
+                del accelerator.clip_grad_norm_
+            else:
+                accelerator.clip_grad_norm_ = self._before
+        self._engine = lambda: None
 
 
 def _model_loss(outputs: Any, labels_given: bool) -> torch.Tensor:

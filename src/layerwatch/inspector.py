@@ -99,13 +99,14 @@ class Inspector:
             the parameters' bytes (``0.5``: half). Beyond it, and on a GPU beyond its free
             memory less 5%, the ratios are estimated from a strided sample of each weight
             (``update_ratio_estimate/<param>``, said once). Default: no limit but the GPU's.
-        spikes: Judge each step's loss (``step(loss=...)``) against the steps before it: a
-            loss more than 6 standard deviations above the mean of the last 128 (once 32 were
-            seen, on the logarithm of the loss) is a spike, said once; the next 3 steps are
+        spikes: Judge each step's loss and global gradient norm (``step(loss=...,
+            grad_norm=...)``), each against its own steps before it: a value more than 6
+            standard deviations above the mean of the last 128 (once 32 were seen, on the
+            logarithm of the values) is a spike, said once; the next 3 steps are
             sampled in full, whatever the schedule, and the spiking step too where it is found
             in it (on the CPU), and the next sample ranks the layers that grew most (a ``spike``
             alert). ``SpikeRule(z=, window=, warmup=, capture=)`` changes them; False: off.
-            Nothing waits for the loss: on a GPU it is judged once its copy landed.
+            Nothing waits for them: on a GPU they are judged once their copies landed.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer,
@@ -262,10 +263,11 @@ class Inspector:
                              "step pre-hook, after the backward and before the weights change")
         self._engine.replay_with(closure)
 
-    def step(self, loss: Any = None) -> None:
+    def step(self, loss: Any = None, grad_norm: Any = None) -> None:
         """Close the current step (after ``optimizer.step()``); open the next one. ``loss``: this
-        step's loss (a tensor or a number), judged for a spike (the ``spikes`` option) once it
-        has reached the host, without waiting for it."""
+        step's loss, and ``grad_norm``: its global gradient norm before clipping (what
+        ``torch.nn.utils.clip_grad_norm_`` returns), each a tensor or a number, judged for a
+        spike (the ``spikes`` option) once it has reached the host, without waiting for it."""
         engine = self._engine
         if engine.state != "running":
             raise RuntimeError(
@@ -281,6 +283,8 @@ class Inspector:
         self._optimizer_hook_ran = False
         if loss is not None:
             engine.observe_loss(loss)
+        if grad_norm is not None:
+            engine.observe_loss(grad_norm, "grad_norm")
         engine.end_step()
         engine.begin_step(engine.current_step + 1)
 

@@ -171,7 +171,7 @@ def _summarize(name: str, run: _Run) -> dict[str, Any]:
     alerts += [{"kind": "spike", "name": s["layer"], "step": s["step"], "message": s["message"]}
                for s in spikes if ("spike", s["step"]) not in tabled]
     tables = {key: _series_table(run, key) for key in _SERIES}
-    steps = sorted({step for tag, series in run.scalars.items() if tag != V.LOSS for step, _ in series}  # LOSS: a lead-up
+    steps = sorted({step for tag, series in run.scalars.items() if tag not in V.LEAD_UPS for step, _ in series}  # a lead-up: not samples
                    | set(run.tab.steps()))
     nonfinite = _first_nonfinite([tables[key] for key in _NONFINITE])
     until = None if nonfinite is None else nonfinite["step"]  # norms of finite values mean little after it

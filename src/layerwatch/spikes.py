@@ -1,10 +1,11 @@
-"""Loss spikes between samples: each step's loss, where the front door has it, against the steps before it.
+"""Loss spikes between samples: each step's loss and global gradient norm, where the front door
+has them, against the steps before it.
 
-A step's loss is a spike when it stands more than ``SpikeRule.z`` standard deviations above the
-mean of the ``window`` losses before it, once ``warmup`` of them were seen (OLMo-core's and
-Levanter's rule: 6 over the last 128), on the logarithm of the losses while they are positive
+A step's value is a spike when it stands more than ``SpikeRule.z`` standard deviations above
+the mean of the ``window`` values before it, once ``warmup`` of them were seen (OLMo-core's and
+Levanter's rule: 6 over the last 128), on the logarithm of the values while they are positive
 (:class:`SpikeDetector`). The detector runs on the host over floats that landed
-there (:class:`LossTap`): one non-blocking copy a step on a GPU, a free read on the CPU, and
+there (:class:`ValueTap`): one non-blocking copy a step on a GPU, a free read on the CPU, and
 O(1) work a step (running sums, recomputed once a window so that rounding cannot drift).
 """
 
@@ -20,18 +21,19 @@ import torch
 from layerwatch import record as R
 from layerwatch.alerts import Alert, HealthCheck
 from layerwatch import stats as S
-from layerwatch.distributed import Decision, is_writer_rank
+from layerwatch.distributed import Decision, is_dtensor, is_writer_rank, local
 from layerwatch.failures import FailurePolicy
 from layerwatch.sentinel import to_host
 from layerwatch.growth import LayerGrowth
 from layerwatch.probes import ProbeResult
-from layerwatch.vocabulary import LOSS
+from layerwatch.vocabulary import GRAD_NORM_LEAD_UP, LOSS
 
 MOST_UNVOTED = 1024  # losses kept for the ranks' vote: a run whose vote stalls does not keep them all
 if TYPE_CHECKING:  # the output's module imports the options', which import this one
     from layerwatch.output import Output
 
 FLAT = 1e-10  # a window whose deviation is below this (relative to its mean) is flat: no z-score (OLMo-core's floor)
+SIGNALS = {"loss": ("loss", LOSS), "grad_norm": ("gradient norm", GRAD_NORM_LEAD_UP)}  # what is judged: its words, its lead-up's tag
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class Spike:
     the deviation of their logarithm), or ``"linear"``, the values themselves."""
 
     step: int
-    what: str  # "loss"
+    what: str  # "loss" or "grad_norm" (SIGNALS)
     value: float
     z: float
     mean: float
@@ -78,12 +80,12 @@ class Spike:
                 "std": self.std, "scale": self.scale, "over": len(self.lead_up), "text": self.describe()}
 
     def describe(self) -> str:
-        n = len(self.lead_up)
+        n, what = len(self.lead_up), SIGNALS[self.what][0]
         if self.scale == "log":
-            return (f"{self.what} spike at step {self.step}: {self.value:.4g}, {_times(self.value / self.mean)} the geometric "
+            return (f"{what} spike at step {self.step}: {self.value:.4g}, {_times(self.value / self.mean)} the geometric "
                     f"mean of the {n} steps before it ({self.mean:.4g}), {_z(self.z)} standard deviations of their "
                     f"logarithm above it")
-        return (f"{self.what} spike at step {self.step}: {self.value:.4g}, {_z(self.z)} standard deviations above the mean "
+        return (f"{what} spike at step {self.step}: {self.value:.4g}, {_z(self.z)} standard deviations above the mean "
                 f"of the {n} steps before it ({self.mean:.4g} +- {self.std:.3g})")
 
 
@@ -139,45 +141,52 @@ class SpikeDetector:
 
 
 class Unreadable(Exception):
-    """A loss on a device whose values the host cannot read without waiting for it (neither the
+    """A value on a device whose values the host cannot read without waiting for it (neither the
     CPU's nor a CUDA device's, whose copy to the host waits for nothing)."""
 
 
-class LossTap:
-    """Each step's loss brought to the host without the host waiting: read at once where reads
-    are free (the CPU); on a CUDA device a copy is started and read once it has landed (a step or
-    more later). Several losses a step (micro-batches) are averaged; a loss offered for a step
-    already given out (a second optimizer's, after the first one's step) is not taken."""
+class ValueTap:
+    """Each step's value of one quantity (its loss, its gradient norm) brought to the host without
+    the host waiting: read at once where reads are free (the CPU); on a CUDA device a copy is
+    started and read once it has landed (a step or more later). Several values a step
+    (micro-batches' losses) are averaged; a value offered for a step already given out (a second
+    optimizer's loss, after the first one's step) is not taken."""
 
-    def __init__(self) -> None:
+    def __init__(self, what: str = "loss") -> None:
+        self.what = what  # in words, for what it says
         # per step, in order: [step, its losses (floats read, or host copies), its copies' events or None: no copy]
         self._pending: deque[list] = deque()
         self._given = -1  # the last step given out by landed()
         self.offered = False  # a loss was ever offered
 
     def offer(self, step: int, loss: Any) -> None:
-        """A loss of ``step`` (a tensor, averaged if it has several values, or a number).
+        """A value of ``step`` (a tensor, averaged if it has several values, or a number).
 
         Raises:
-            TypeError: ``loss`` is neither.
+            TypeError: ``loss`` is neither (the value: a loss or a gradient norm).
             Unreadable: a tensor on a device other than the CPU or a CUDA device.
         """
         if step <= self._given:
             return
         event = None
+        if is_dtensor(loss):  # (a norm of sharded gradients, torch's clip_grad_norm_ under FSDP2: partial on each rank)
+            if not all(placement.is_replicate() for placement in loss.placements):
+                raise Unreadable(f"a {self.what} that is a DTensor placed {tuple(loss.placements)} is not judged: "
+                                 "reading it is a collective")
+            loss = local(loss)
         if isinstance(loss, torch.Tensor):  # as few ops as can be: one read on the CPU, one copy elsewhere
             one = loss.numel() == 1
             if S.host_reads_free(loss.device):
                 # the CPU's: a read of memory, no device to wait for (item(): no autograd warning)
                 value = loss.item() if one else loss.detach().float().mean().item()
             elif loss.device.type not in ("cuda", "cpu"):  # (the CPU: a test taking the accelerator's way)
-                raise Unreadable(f"a loss on {loss.device} is not judged: its host copy would wait for the device")
+                raise Unreadable(f"a {self.what} on {loss.device} is not judged: its host copy would wait for the device")
             else:
                 value, event = to_host(loss.detach().reshape(1) if one else loss.detach().float().mean().reshape(1))
         elif isinstance(loss, (int, float)) and not isinstance(loss, bool):
             value = loss
         else:
-            raise TypeError(f"loss must be a tensor or a number, got {type(loss).__name__}")
+            raise TypeError(f"a {self.what} must be a tensor or a number, got {type(loss).__name__}")
         pending = self._pending
         self.offered = True
         if not pending or pending[-1][0] != step:
@@ -188,7 +197,7 @@ class LossTap:
             entry[2] = (entry[2] or []) + [event]
 
     def landed(self, closed: float, wait: bool = False) -> list[tuple[int, float, int]]:
-        """The mean loss of each step up to ``closed`` whose losses have all landed, and which of
+        """The mean value of each step up to ``closed`` whose values have all landed, and which of
         them was the largest (its index), oldest first (a step waits for the one before it); each
         step once. ``wait``: the host waits for them to land (at the end of a run)."""
         out = []
@@ -212,28 +221,43 @@ class LossTap:
         return out
 
 
+class _Signal:
+    """One quantity judged step by step: its tap, its detector, the last step of its lead-up written
+    (a tag's steps only grow)."""
+
+    def __init__(self, rule: SpikeRule, what: str) -> None:
+        self.what, self.tap, self.detector, self.written_to = what, ValueTap(SIGNALS[what][0]), SpikeDetector(rule, what), -1
+        self.recent: deque[tuple[int, float]] = deque(maxlen=2 * rule.window)  # judged last: the lead-up of another's spike
+
+    def lead_up(self, spike: Spike) -> tuple[tuple[int, float], ...]:
+        """This quantity's values of the ``window`` steps up to ``spike``'s, as judged (the spike's own as it was)."""
+        if spike.what == self.what:
+            return (*spike.lead_up, (spike.step, spike.value))
+        since = spike.step - self.detector.rule.window
+        return tuple((at, value) for at, value in self.recent if since <= at <= spike.step)
+
+
 class Spikes:
-    """Each step's loss judged once it lands (:class:`LossTap`, :class:`SpikeDetector`).
+    """Each step's loss and global gradient norm judged once they land (:class:`ValueTap`,
+    :class:`SpikeDetector`), each against its own steps before it.
 
     A spike is said once and asks for the next ``capture`` steps to be sampled in full
     (``ask()``: the next step that may be sampled is). Where it is found in its own step (its
-    loss read at once, on the CPU: before the optimizer step when the door hands the loss over
-    before the backward, else at the step's end), that step is sampled too (:meth:`judge`
-    says so). A spike within ``window`` steps of the last capture's start is said, not
-    captured again: a run of many spikes does not sample forever. At the next sample written,
-    :meth:`explain` ranks the layers that grew most. With no ``rule``, nothing is judged. A
-    failure is warned once and skipped."""
+    value read at once, on the CPU: before the optimizer step when the door hands it over
+    before then, else at the step's end), that step is sampled too (:meth:`judge` says so). A
+    spike within ``window`` steps of the last capture's start is said, not captured again: a run
+    of many spikes does not sample forever. At the next sample written, :meth:`explain` ranks
+    the layers that grew most. With no ``rule``, nothing is judged. A failure is warned once and
+    skipped."""
 
     def __init__(self, rule: Optional[SpikeRule], failures: FailurePolicy, ask: Callable[[], None],
                  output: Optional[Output] = None) -> None:
         self.rule, self._failures, self._ask, self._output = rule, failures, ask, output
-        self._tap = LossTap()
-        self._detector = None if rule is None else SpikeDetector(rule)
+        self._signals = {} if rule is None else {what: _Signal(rule, what) for what in SIGNALS}  # none: off
         self._capture_left = 0
         self._captured_at: Optional[int] = None
         self._growth = LayerGrowth()
         self._unwritten: list[Spike] = []  # found since the last sample written
-        self._written_to = -1  # the last step of the loss written as a lead-up (a tag's steps only grow)
         self.found: list[Spike] = []
         self.now = True  # a spike's own step may be sampled when it is found (not where the ranks vote on samples)
         self._voted: Optional[deque[tuple[int, float]]] = None  # the landed losses the ranks vote on, oldest first
@@ -241,43 +265,47 @@ class Spikes:
     def start(self, together: bool, writer: bool) -> None:
         """Where the run's ranks sample together (they vote on each step), each rank's losses
         ride on the vote and every rank judges the largest of them, step by step, the same
-        values (:meth:`unvoted`, :meth:`on_voted`): the same spikes and captures on every rank.
-        Where they do not, rank 0 alone samples and writes, and alone judges its own losses."""
+        values (:meth:`unvoted`, :meth:`on_voted`): the same spikes and captures on every rank;
+        the gradient norm, global and so the same on every rank, rank 0 alone judges (a capture
+        it asks for is every rank's through the vote). Where they do not, rank 0 alone samples
+        and writes, and alone judges its own values."""
         self.now = not together
         if together:
             self._voted = deque(maxlen=MOST_UNVOTED)
-        elif not writer:
-            self._detector = None
+        if not writer:
+            self._signals = {what: signal for what, signal in self._signals.items() if together and what == "loss"}
 
-    def offer(self, step: int, loss: Any) -> None:
-        if self._detector is not None:
+    def offer(self, step: int, value: Any, what: str = "loss") -> None:
+        """``step``'s loss, or (``what="grad_norm"``) its global gradient norm."""
+        signal = self._signals.get(what)
+        if signal is not None:
             try:
-                self._tap.offer(step, loss)
+                signal.tap.offer(step, value)
             except Unreadable as e:
-                self._failures.warn(f"layerwatch: {e}; loss spikes are not looked for in this run")
-                self._detector = None
+                self._failures.warn(f"layerwatch: {e}; {SIGNALS[what][0]} spikes are not looked for in this run")
+                del self._signals[what]
             except Exception as e:  # an inspector must never break the training run
-                self._failures.failed("take the loss", e, step)
+                self._failures.failed(f"take the {SIGNALS[what][0]}", e, step)
 
     @property
     def has_losses(self) -> bool:
         """Whether this rank was given a loss: a pipeline stage but the last never is, and stands aside in the vote."""
-        return self._tap.offered
+        return "loss" in self._signals and self._signals["loss"].tap.offered
 
     def judge(self, step: int, closing: bool) -> Optional[int]:
-        """Judge the losses that have landed, before ``step``'s optimizer step or (``closing``)
+        """Judge the values that have landed, before ``step``'s optimizer step or (``closing``)
         at its end; a capture under way asks for the next step at the end. Returns, when
         ``step`` itself spiked and is captured now (``now``: not where the ranks sample
-        together), which of its micro-batches had the largest loss; else None."""
-        if self._detector is None:
-            return None
+        together), which of its micro-batches had the largest value; else None."""
         now = None
         try:
-            landed = self._tap.landed(step)
-            if self._voted is not None:  # judged when the ranks have voted on them
-                self._voted.extend((at, value) for at, value, _ in landed)
-            else:
-                now = self._observe(landed, step)
+            for what, signal in self._signals.items():
+                landed = signal.tap.landed(step)
+                if what == "loss" and self._voted is not None:  # judged when the ranks have voted on them
+                    self._voted.extend((at, value) for at, value, _ in landed)
+                else:
+                    found = self._observe(signal, landed, step)
+                    now = found if now is None else now
             if closing and self._capture_left and self._voted is None:  # the ranks' votes ask in on_voted
                 self._capture_left -= 1
                 self._ask()
@@ -286,14 +314,14 @@ class Spikes:
         return now
 
     def close(self, step: int, health: Optional[HealthCheck] = None) -> None:
-        """The run ends at ``step``: the losses not judged yet are (waiting for those still on
+        """The run ends at ``step``: the values not judged yet are (waiting for those still on
         their way: training is over), and rank 0 writes the spikes no sample explained, at
-        ``step``, unranked, their alerts raised with ``health``'s. Not where the ranks vote:
-        they no longer do."""
-        if self._detector is None or self._voted is not None:
-            return
+        ``step``, unranked, their alerts raised with ``health``'s. The losses the ranks vote on
+        are not: they no longer vote."""
         try:
-            self._observe(self._tap.landed(math.inf, wait=True), step, ended=True)
+            for what, signal in self._signals.items():
+                if what != "loss" or self._voted is None:
+                    self._observe(signal, signal.tap.landed(math.inf, wait=True), step, ended=True)
             if not self._unwritten or self._output is None:
                 return
             findings = self.explain(step, {})
@@ -315,15 +343,15 @@ class Spikes:
         """The vote of ``step``'s decision: the ranks' largest loss of a step, judged on every rank
         alike; or the step the ranks' losses go on from (a rank lacked those before it). A capture
         under way asks for the next step (in the ballot that goes out next)."""
-        voted = self._voted
-        if voted is None or self._detector is None:
+        voted, signal = self._voted, self._signals.get("loss")
+        if voted is None:
             return
         try:
-            if decision.loss is not None:
+            if signal is not None and decision.loss is not None:
                 at, value = decision.loss
                 while voted and voted[0][0] <= at:
                     voted.popleft()
-                self._observe([(at, value, 0)], step)
+                self._observe(signal, [(at, value, 0)], step)
             elif decision.losses_from is not None:
                 while voted and voted[0][0] < decision.losses_from:
                     voted.popleft()
@@ -333,12 +361,14 @@ class Spikes:
         except Exception as e:  # an inspector must never break the training run
             self._failures.failed("judge the loss", e, step)
 
-    def _observe(self, landed: list[tuple[int, float, int]], step: int, ended: bool = False) -> Optional[int]:
-        """Judge ``landed`` losses (step, value, largest micro-batch) at ``step``: each spike said and
-        captured (:meth:`_on_spike`); the largest micro-batch of ``step`` itself when it spiked and is captured now."""
+    def _observe(self, signal: _Signal, landed: list[tuple[int, float, int]], step: int,
+                 ended: bool = False) -> Optional[int]:
+        """Judge ``signal``'s ``landed`` values (step, value, largest micro-batch) at ``step``: each spike
+        said and captured (:meth:`_on_spike`); the largest micro-batch of ``step`` itself when it spiked and is captured now."""
         now = None
         for at, value, largest in landed:
-            spike = self._detector.observe(at, value)
+            spike = signal.detector.observe(at, value)
+            signal.recent.append((at, value))
             if spike is not None and self._on_spike(spike, step, ended) and at == step:
                 now = largest
         return now
@@ -354,6 +384,9 @@ class Spikes:
         if ended:
             say(f"layerwatch: {spike.describe()}; found as the run ended: not captured")
             return False
+        if self._captured_at == step and self.found[-2:-1] and self.found[-2].step == spike.step:
+            say(f"layerwatch: {spike.describe()}; captured with the {SIGNALS[self.found[-2].what][0]} spike of its step")
+            return self.now and spike.step == step
         if self._captured_at is not None and step - self._captured_at < rule.window:
             say(f"layerwatch: {spike.describe()}; not captured: the last capture began at step {self._captured_at}, "
                 f"less than {rule.window} steps ago")
@@ -373,8 +406,8 @@ class Spikes:
         ``spike`` alerts and events, each with the layers ranked by growth since they were last
         sampled (:class:`~layerwatch.growth.LayerGrowth`: ``origin``, the modules whose output grew most beyond
         their input's, where ``probes`` saw the forward; ``layers``, whose gradient or update
-        grew most), and the lead-up to write (each one's window of losses and its own, the steps
-        not written before). ``replayed``: ``probes`` come from the step's batch run again. The
+        grew most), and the lead-ups to write (the window of values before each spike and its
+        own, of the loss and of the gradient norm; the steps not written before). ``replayed``: ``probes`` come from the step's batch run again. The
         alert names the first of ``origin``, else of ``layers``."""
         spikes, self._unwritten = self._unwritten, []
         try:
@@ -382,12 +415,13 @@ class Spikes:
         except Exception as e:  # an inspector must never break the training run: the spikes are said unranked
             self._failures.failed("rank the layers that grew at a loss spike", e, step)
             ranked, origin = [], []
-        lead_up = []
-        for spike in spikes:
-            for at, value in (*spike.lead_up, (spike.step, spike.value)):
-                if at > self._written_to:
-                    lead_up.append((at, value))
-                    self._written_to = at
+        lead_ups: dict[str, list[tuple[int, float]]] = {}
+        for spike in spikes:  # each quantity's steps up to the spike, the one that spiked as it was judged
+            for what, signal in self._signals.items():
+                for at, value in signal.lead_up(spike):
+                    if at > signal.written_to:
+                        lead_ups.setdefault(SIGNALS[what][1], []).append((at, value))
+                        signal.written_to = at
         began = f"; began at {origin[0].layer} (its output grew {_times(origin[0].factor)} more than its input)" if origin else ""
         grew = ", ".join(f"{g.layer} ({g.what} {_times(g.factor)})" for g in ranked)
         said = began + (f"; grew most: {grew}" if grew else "")
@@ -397,7 +431,7 @@ class Spikes:
                    "message": spike.describe() + said + (f" (measured at step {step})" if said and step != spike.step else "")}
                   for spike in spikes]
         return R.Findings(alerts=[Alert("spike", e["layer"], e["step"], e["message"]) for e in events], spikes=events,
-                          history={LOSS: lead_up} if lead_up else {})
+                          history=lead_ups)
 
 
 def _z(z: float) -> str:

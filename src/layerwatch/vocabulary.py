@@ -37,6 +37,8 @@ NONFINITE_MODULES = "layerwatch/nonfinite_modules"
 FIRST_OFFENDER = "layerwatch/first_offender"  # text
 FIRST_NONFINITE_STEP = "layerwatch/first_nonfinite_step"
 LOSS = "layerwatch/loss"  # the loss as the spike check saw it: each spike's lead-up, every step of it
+GRAD_NORM_LEAD_UP = "layerwatch/grad_norm_lead_up"  # the global gradient norm as the spike check saw it, likewise
+LEAD_UPS = (LOSS, GRAD_NORM_LEAD_UP)  # written a step each at a spike, not at samples
 
 # Per-module scalars of the runtime probes, tagged <field>/<module> after the ModuleTrace field.
 FWD_MS, BWD_MS = "fwd_ms", "bwd_ms"

@@ -958,17 +958,18 @@ function renderEvents(container, events, onSelect) {
       ...(alerts.length ? alerts.map((alert) => alertItem(alert, onSelect)) : [el('li', {class: 'lw-muted'}, 'No alerts.')])));
 }
 
-/** Each loss spike: its step, how far it stood out, and the layers that grew most by the sample that explains it. */
+/** Each spike of the loss or the gradient norm: its step, how far it stood out, and the layers that grew most by the sample that explains it. */
 function spikeEvents(spikes, layerLink) {
-  if (!spikes.length) return [el('div', {class: 'lw-event lw-muted'}, 'No loss spikes seen.')];
-  return [el('div', {class: 'lw-subhead'}, `Loss spikes (${spikes.length})`),
+  if (!spikes.length) return [el('div', {class: 'lw-event lw-muted'}, 'No loss or gradient norm spikes seen.')];
+  const what = (spike) => (spike.what === 'grad_norm' ? 'gradient norm' : spike.what);
+  return [el('div', {class: 'lw-subhead'}, `Spikes (${spikes.length})`),
     el('ul', {id: 'lw-spikes', class: 'lw-alerts'}, ...spikes.map((spike) => el('li', {
       class: 'lw-spike', 'data-step': String(spike.step), title: spike.message ?? ''},
     el('div', {class: 'lw-alert-head'},
       el('span', {class: 'lw-kind lw-kind-spike'}, 'spike'),
       el('span', {class: 'lw-alert-layer', title: spike.text ?? ''}, spike.scale === 'log'
-        ? `${spike.what} ${formatNumber(spike.value)}, ×${formatNumber(spike.value / spike.mean)} (z ${formatNumber(spike.z)})`
-        : `${spike.what} ${formatNumber(spike.value)}, z ${formatNumber(spike.z)}`),
+        ? `${what(spike)} ${formatNumber(spike.value)}, ×${formatNumber(spike.value / spike.mean)} (z ${formatNumber(spike.z)})`
+        : `${what(spike)} ${formatNumber(spike.value)}, z ${formatNumber(spike.z)}`),
       el('span', {class: 'lw-alert-step'}, `@ ${spike.step}`)),
     (spike.origin ?? []).length ? el('div', {class: 'lw-alert-message'}, 'began at ', layerLink(spike.origin[0].layer),
       ` (output ×${formatNumber(spike.origin[0].factor)} its input's)`,
