@@ -65,7 +65,7 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) ->
 
 
 def measure(tensors: int, sentinel: bool, rounds: int, steps: int, device: str = "cpu",
-            loss: bool = False) -> dict[str, float]:
+            loss: bool = False, grad_norm: bool = False) -> dict[str, float]:
     model, opt, x = chain(tensors, device)
     plain, plain_opt, _ = chain(tensors, device)  # the same, with no hook of layerwatch's on it or its optimizer
     with tempfile.TemporaryDirectory() as log_dir, warnings.catch_warnings():
@@ -87,7 +87,7 @@ def measure(tensors: int, sentinel: bool, rounds: int, steps: int, device: str =
                     out.backward()
                     opt.step()  # layerwatch's optimizer hooks: the sentinel's check
                     stepped = time.perf_counter()
-                    inspector.step(loss=out if loss else None)
+                    inspector.step(loss=out if loss else None, grad_norm=out if grad_norm else None)
                     ended = time.perf_counter()
                     done(device)
                     finished = time.perf_counter()

@@ -6,7 +6,9 @@ Two parts, each timed in one process:
 
 - **The CPU proxy of the host-work bar** (``between_samples.py``'s chain of ``Linear(4, 4)``
   layers, N gradient tensors, where the host's work is all there is): the unsampled step with
-  the detector on (``inspector.step(loss=...)``) and off (no loss given), at the defaults
+  the detector on (``inspector.step(loss=...)``), on with a gradient norm as well
+  (``grad_norm=``: a second scalar tensor handed over, what judging a norm the loop computed
+  costs layerwatch; the step's loss stands in for it) and off (none given), at the defaults
   otherwise (the sentinel on). ``layerwatch us``: the host time layerwatch adds to the step
   (``inspector.step()`` and its optimizer hooks); ``unsampled / base``: the whole step over a
   copy of the model without layerwatch.
@@ -87,12 +89,14 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread; medians of {args.rounds} rounds")
     print("\nThe CPU proxy (chain of Linear(4, 4), SGD, 200 steps a round), sentinel on:")
-    print("| gradient tensors | layerwatch us, detector on | off | unsampled / base, on | off |")
-    print("|---|---|---|---|---|")
+    print("| gradient tensors | layerwatch us, loss | loss and norm | off | unsampled / base, loss | loss and norm | off |")
+    print("|---|---|---|---|---|---|---|")
     for tensors in [int(n) for n in args.tensors.split(",") if n]:
         on = measure(tensors, True, args.rounds, 200, loss=True)
+        both = measure(tensors, True, args.rounds, 200, loss=True, grad_norm=True)
         off = measure(tensors, True, args.rounds, 200, loss=False)
-        print(f"| {tensors:,} | {on['own_us']:.0f} | {off['own_us']:.0f} | {on['ratio']:.3f} | {off['ratio']:.3f} |")
+        print(f"| {tensors:,} | {on['own_us']:.0f} | {both['own_us']:.0f} | {off['own_us']:.0f} | {on['ratio']:.3f} | "
+              f"{both['ratio']:.3f} | {off['ratio']:.3f} |")
     print(f"\nThe workloads ({args.steps} steps a round), at the defaults but a fixed schedule:")
     print("| workload | base step ms | unsampled / base, detector on | off | capture ms | capture / base step |")
     print("|---|---|---|---|---|---|")

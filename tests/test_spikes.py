@@ -567,6 +567,34 @@ def test_the_trainer_judges_its_own_gradient_norm_and_names_the_layer_whose_grad
     assert lead_up == set(range(1, SPIKE_STEP + 1))  # every step before it: the Trainer's steps count from 1
 
 
+def test_the_trainers_gradient_norm_is_taken_for_the_runs_life_only():
+    """The accelerator's clip_grad_norm_ is wrapped while the engine runs and put back after:
+    its own method again, or a wrapper that was there before; the norm is returned as it was."""
+    pytest.importorskip("transformers")
+    from layerwatch.huggingface import _GradNormTaken
+
+    class Accelerator:
+        def clip_grad_norm_(self, parameters, max_norm):
+            return torch.tensor(3.0)
+
+    class Engine:
+        state, seen = "running", []
+
+        def observe_loss(self, value, what="loss"):
+            self.seen.append((float(value), what))
+
+    engine, accelerator = Engine(), Accelerator()
+    taken = _GradNormTaken(engine, accelerator)
+    assert float(accelerator.clip_grad_norm_([], 1.0)) == 3.0 and engine.seen == [(3.0, "grad_norm")]
+    taken.remove()
+    taken.remove()  # safe twice
+    assert "clip_grad_norm_" not in vars(accelerator) and float(accelerator.clip_grad_norm_([], 1.0)) == 3.0
+    assert engine.seen == [(3.0, "grad_norm")]
+    before = accelerator.clip_grad_norm_ = lambda parameters, max_norm: None  # someone's wrapper: put back as it was
+    _GradNormTaken(engine, accelerator).remove()
+    assert vars(accelerator)["clip_grad_norm_"] is before
+
+
 def test_a_healthy_trainer_run_says_no_spike_at_the_defaults(tmp_path):
     _, alerts = _trainer_amplified(tmp_path, amplify=1.0)
     assert _spike_alerts(alerts) == []
