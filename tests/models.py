@@ -857,14 +857,19 @@ class LitSpike(LitMLP):
 class LitAmplified(LitSpike):
     """A deeper MLP whose layer ``net.2`` has its output scaled ``amplify`` times at global step
     ``spike_at`` (a forward hook times a buffer: one graph compiled); ``compiled``: its net runs
-    under torch.compile (aot_eager)."""
+    under torch.compile (aot_eager). ``gradient``: the forward is left alone, and ``net.4``'s
+    weight gradient is scaled instead."""
 
-    def __init__(self, spike_at: Optional[int] = None, amplify: float = 1e3, compiled: bool = False) -> None:
+    def __init__(self, spike_at: Optional[int] = None, amplify: float = 1e3, compiled: bool = False,
+                 gradient: bool = False) -> None:
         super().__init__(spike_at=spike_at, lr=1e-3)
         torch.manual_seed(0)
         layer = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 1)
         layer[1].register_buffer("amplify", torch.ones(()))
-        layer[1].register_forward_hook(lambda module, args, output: output * module.amplify)
+        if gradient:
+            layer[2].weight.register_hook(lambda grad: grad * layer[1].amplify)
+        else:
+            layer[1].register_forward_hook(lambda module, args, output: output * module.amplify)
         self.net = nn.Sequential(layer[0], nn.ReLU(), layer[1], nn.ReLU(), layer[2], nn.ReLU(), layer[3])
         self.amplify, self.compiled = amplify, compiled
         object.__setattr__(self, "call", torch.compile(self.net, backend="aot_eager") if compiled else self.net)  # no submodule

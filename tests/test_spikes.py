@@ -455,17 +455,17 @@ def test_a_healthy_plain_loop_says_no_spike_at_the_defaults(tmp_path):
     assert _spike_alerts(alerts) == []
 
 
-def _lightning_amplified(root, compiled=False, amplify=1e3, spikes=True):
+def _lightning_amplified(root, compiled=False, amplify=1e3, spikes=True, gradient=False, **trainer):
     import warnings
 
     from layerwatch import InspectCallback
     from models import LitAmplified, make_trainer
 
-    module = LitAmplified(spike_at=SPIKE_STEP, amplify=amplify, compiled=compiled)
+    module = LitAmplified(spike_at=SPIKE_STEP, amplify=amplify, compiled=compiled, gradient=gradient)
     callback = InspectCallback(every_n_steps=25, spikes=spikes)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        make_trainer(root, [callback], max_steps=80).fit(module)
+        make_trainer(root, [callback], max_steps=80, **trainer).fit(module)
     return module.losses, callback.alerts
 
 
@@ -484,6 +484,22 @@ def test_lightning_replays_the_spiking_step_and_names_the_layer_whose_output_was
     assert SPIKE_STEP in [s.step for s in run.Scalars("activations_norm/net.2")]  # the replay's probes, at the step
     plain, _ = _lightning_amplified(tmp_path / "off", compiled, spikes=False)
     assert losses == plain  # bitwise: the replay restored what it changed
+
+
+def test_lightning_judges_the_norm_it_clips_at_and_names_the_layer_whose_gradient_grew(tmp_path, events):
+    """With ``gradient_clip_val``, Lightning computes the gradient norm each step to clip it:
+    the door takes it (before clipping; after the callbacks' on_before_optimizer_step, so the
+    spike is found at the step's end). net.4's weight gradient scaled 1000 times: a gradient
+    norm spike the loss does not show, the layer named; the losses bitwise those without."""
+    losses, alerts = _lightning_amplified(tmp_path / "spiked", gradient=True, gradient_clip_val=1e9)
+    spike, = _spike_alerts(alerts)
+    assert spike.step == SPIKE_STEP and spike.message.startswith(f"gradient norm spike at step {SPIKE_STEP}: ")
+    assert spike.name == "net.4" and "began at" not in spike.message, spike.message
+    run = events(tmp_path / "spiked" / "tb" / "version_0")
+    assert [s.step for s in run.Scalars("layerwatch/grad_norm_lead_up")] == list(range(SPIKE_STEP + 1))
+    assert {SPIKE_STEP, 61, 62, 63} <= {s.step for s in run.Scalars("layerwatch/overhead_ms")}
+    plain, _ = _lightning_amplified(tmp_path / "off", gradient=True, spikes=False, gradient_clip_val=1e9)
+    assert losses == plain
 
 
 def test_a_healthy_lightning_run_says_no_spike_at_the_defaults(tmp_path):
@@ -567,11 +583,12 @@ def test_the_trainer_judges_its_own_gradient_norm_and_names_the_layer_whose_grad
     assert lead_up == set(range(1, SPIKE_STEP + 1))  # every step before it: the Trainer's steps count from 1
 
 
-def test_the_trainers_gradient_norm_is_taken_for_the_runs_life_only():
-    """The accelerator's clip_grad_norm_ is wrapped while the engine runs and put back after:
-    its own method again, or a wrapper that was there before; the norm is returned as it was."""
-    pytest.importorskip("transformers")
-    from layerwatch.huggingface import _GradNormTaken
+def test_a_gradient_norm_is_taken_from_its_method_for_the_runs_life_only():
+    """The method that computes the norm (an accelerator's clip_grad_norm_; Lightning's
+    clip_grad_by_norm, which keeps it: ``compute``) is wrapped while the engine runs and put
+    back after: its own method again, or a wrapper that was there before; what it returns is
+    what it returned."""
+    from layerwatch.hooks import GradNormTaken
 
     class Accelerator:
         def clip_grad_norm_(self, parameters, max_norm):
@@ -584,15 +601,22 @@ def test_the_trainers_gradient_norm_is_taken_for_the_runs_life_only():
             self.seen.append((float(value), what))
 
     engine, accelerator = Engine(), Accelerator()
-    taken = _GradNormTaken(engine, accelerator)
+    taken = GradNormTaken(engine, accelerator, "clip_grad_norm_")
     assert float(accelerator.clip_grad_norm_([], 1.0)) == 3.0 and engine.seen == [(3.0, "grad_norm")]
     taken.remove()
     taken.remove()  # safe twice
     assert "clip_grad_norm_" not in vars(accelerator) and float(accelerator.clip_grad_norm_([], 1.0)) == 3.0
     assert engine.seen == [(3.0, "grad_norm")]
     before = accelerator.clip_grad_norm_ = lambda parameters, max_norm: None  # someone's wrapper: put back as it was
-    _GradNormTaken(engine, accelerator).remove()
+    GradNormTaken(engine, accelerator, "clip_grad_norm_").remove()
     assert vars(accelerator)["clip_grad_norm_"] is before
+    kept = GradNormTaken(engine, accelerator, "clip_grad_norm_", compute=lambda parameters, max_norm: 5.0)
+    assert accelerator.clip_grad_norm_([], 1.0) is None and engine.seen[-1] == (5.0, "grad_norm")
+    kept.remove()
+    engine.state = "finished"
+    GradNormTaken(engine, accelerator, "clip_grad_norm_", compute=lambda parameters, max_norm: 7.0)
+    accelerator.clip_grad_norm_([], 1.0)
+    assert engine.seen[-1] == (5.0, "grad_norm")  # a finished engine is handed nothing
 
 
 def test_a_healthy_trainer_run_says_no_spike_at_the_defaults(tmp_path):

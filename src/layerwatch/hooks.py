@@ -208,6 +208,40 @@ class FailedForwardGuard:
         # replaced since by someone else's forward: theirs stays
 
 
+class GradNormTaken:
+    """The global gradient norm a training loop computes anyway (to clip it), handed to the
+    engine's spike check (:meth:`Engine.observe_loss`) each time it is: ``owner.name``, the
+    method that computes it, is wrapped on the instance for the run's life. ``compute``
+    (optional): what the wrapper calls instead of the method, returning the norm, for a method
+    that computes it and keeps it (the wrapper then returns what the method would: None).
+    ``remove()`` puts back what was there (safe twice; a wrapper put on after this one stays,
+    and this one then only passes the call on). It holds the engine weakly."""
+
+    _NONE = object()
+
+    def __init__(self, engine: Any, owner: Any, name: str, compute: Optional[Callable[..., Any]] = None) -> None:
+        engine_ref, method = weakref.ref(engine), getattr(owner, name)
+        self._owner, self._name, self._before = owner, name, vars(owner).get(name, self._NONE)
+
+        def taken(*args: Any, **kwargs: Any) -> Any:
+            norm = (compute or method)(*args, **kwargs)
+            engine = engine_ref()
+            if norm is not None and engine is not None and engine.state == "running":
+                engine.observe_loss(norm, "grad_norm")
+            return norm if compute is None else None
+
+        self._wrapper = taken
+        setattr(owner, name, taken)
+
+    def remove(self) -> None:
+        owner, self._owner = self._owner, None
+        if owner is not None and vars(owner).get(self._name) is self._wrapper:
+            if self._before is self._NONE:
+                delattr(owner, self._name)
+            else:
+                setattr(owner, self._name, self._before)
+
+
 def detached(error: Exception) -> Exception:
     """``error``, kept by a probe to report later, without its traceback or the exception it
     was raised during: those hold the training loop's frames (the trainer, the batch), which

@@ -46,7 +46,7 @@ from typing_extensions import override
 from layerwatch import vocabulary as V
 from layerwatch.alerts import Alert, AlertRules
 from layerwatch.engine import Engine
-from layerwatch.hooks import FailedForwardGuard, engine_step_hooks, is_compiling
+from layerwatch.hooks import FailedForwardGuard, GradNormTaken, engine_step_hooks, is_compiling
 from layerwatch.options import DEFAULT_STATS, options_from
 from layerwatch.probes import ModuleFilter
 from layerwatch.schedule import ScheduleLike
@@ -180,8 +180,8 @@ class InspectTrainerCallback(TrainerCallback):
             self._inputs = _InputsKept(self._engine, outer, model, replay=unreplayable is None, losses=losses)
             self._inputs.attach()
             self._engine.attach([self._inputs])
-        if losses and getattr(trainer, "accelerator", None) is not None:
-            self._engine.attach([_GradNormTaken(self._engine, trainer.accelerator)])
+        if losses and getattr(trainer, "accelerator", None) is not None:  # the Trainer asks it for the norm, each step
+            self._engine.attach([GradNormTaken(self._engine, trainer.accelerator, "clip_grad_norm_")])
 
     @override
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -274,40 +274,6 @@ class _InputsKept:
         finally:
             self._replaying = False
         return _model_loss(outputs, "labels" in kwargs)
-
-
-class _GradNormTaken:
-    """The Trainer's own global gradient norm, before clipping, handed to the engine's spike check
-    (:meth:`Engine.observe_loss`): the Trainer asks its accelerator's ``clip_grad_norm_`` for
-    it once an optimizer step (to clip at ``max_grad_norm``, or with no limit to log it), so
-    nothing is computed twice. The method is wrapped on that accelerator for the run's life;
-    ``remove()`` puts back what was there (safe twice; a wrapper put on after this one stays,
-    and this one then only passes the call on)."""
-
-    _NONE = object()
-
-    def __init__(self, engine: Engine, accelerator: Any) -> None:
-        self._engine, self._accelerator = weakref.ref(engine), accelerator
-        self._before = vars(accelerator).get("clip_grad_norm_", self._NONE)
-        clip = accelerator.clip_grad_norm_
-
-        def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
-            norm = clip(*args, **kwargs)
-            engine = self._engine()
-            if norm is not None and engine is not None and engine.state == "running":
-                engine.observe_loss(norm, "grad_norm")
-            return norm
-
-        self._wrapper = accelerator.clip_grad_norm_ = clip_grad_norm_
-
-    def remove(self) -> None:
-        accelerator = self._accelerator
-        if vars(accelerator).get("clip_grad_norm_") is self._wrapper:
-            if self._before is self._NONE:
-                del accelerator.clip_grad_norm_
-            else:
-                accelerator.clip_grad_norm_ = self._before
-        self._engine = lambda: None
 
 
 def _model_loss(outputs: Any, labels_given: bool) -> torch.Tensor:

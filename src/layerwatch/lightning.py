@@ -22,6 +22,7 @@ from layerwatch import record as R
 from layerwatch import vocabulary as V
 from layerwatch.alerts import Alert, AlertRules
 from layerwatch.engine import Engine
+from layerwatch.hooks import GradNormTaken
 from layerwatch.options import DEFAULT_STATS, options_from
 from layerwatch.probes import ModuleFilter
 from layerwatch.schedule import ScheduleLike
@@ -100,7 +101,8 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
             (``update_ratio_estimate/<param>``, said once). Default: no limit but the GPU's.
         spikes: As :class:`~layerwatch.Inspector`'s, on ``training_step``'s loss: taken before
             the backward (so that on the CPU a spike is found, and its step sampled and
-            replayed, before its optimizer step), or after the step under a GradScaler.
+            replayed, before its optimizer step), or after the step under a GradScaler; and on
+            the gradient norm Lightning clips at (``gradient_clip_val``), before clipping.
         replay: On the sentinel's first hit, and at a loss spike found before its step's
             optimizer step (on the CPU), run that step's batch again (``training_step``,
             then backward) with every probe armed, before the optimizer step, so the first
@@ -202,6 +204,10 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         # The loss before the backward, where a spike can still be sampled in its step; a GradScaler's is scaled then.
         self._loss_in_backward = _scaler(trainer) is None
         self._accumulated = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+        plugin = getattr(trainer, "precision_plugin", None)
+        if self._options.spikes is not None and _clips_as_torch_does(plugin):  # the norm it clips at, when it clips
+            self._engine.attach([GradNormTaken(self._engine, plugin, "clip_grad_by_norm", lambda optimizer, clip_val: (
+                torch.nn.utils.clip_grad_norm_(plugin.main_params(optimizer), clip_val)))])
         if self._replay is False:
             self._engine.describe_replay(unreplayable="InspectCallback(replay=False) turned the replay of the bad step off")
         elif not self._replaying and not pl_module.automatic_optimization:
@@ -281,6 +287,14 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
             self._engine_state = self._engine.state_dict()  # a checkpoint saved after fit still holds it
             self._engine.finish()
             self._engine = None
+
+
+def _clips_as_torch_does(plugin: Any) -> bool:
+    """Whether ``plugin`` clips by norm as Lightning's base ``Precision`` does: one
+    ``torch.nn.utils.clip_grad_norm_`` call, whose norm it drops (a strategy's own, FSDP's or
+    DeepSpeed's, clips its own way: its norm is not taken)."""
+    method = getattr(type(plugin), "clip_grad_by_norm", None)
+    return getattr(method, "__qualname__", "") == "Precision.clip_grad_by_norm" and hasattr(plugin, "main_params")
 
 
 def _scaler(trainer: Any) -> Any:

@@ -296,16 +296,17 @@ class Spikes:
         """Judge the values that have landed, before ``step``'s optimizer step or (``closing``)
         at its end; a capture under way asks for the next step at the end. Returns, when
         ``step`` itself spiked and is captured now (``now``: not where the ranks sample
-        together), which of its micro-batches had the largest value; else None."""
-        now = None
+        together), which of its micro-batches had the largest loss; else None."""
+        now, largest = None, 0  # the micro-batch of this step with the largest loss: a gradient norm has none of its own
         try:
             for what, signal in self._signals.items():
                 landed = signal.tap.landed(step)
+                if what == "loss":
+                    largest = next((micro for at, _, micro in landed if at == step), 0)
                 if what == "loss" and self._voted is not None:  # judged when the ranks have voted on them
                     self._voted.extend((at, value) for at, value, _ in landed)
-                else:
-                    found = self._observe(signal, landed, step)
-                    now = found if now is None else now
+                elif self._observe(signal, landed, step) and now is None:
+                    now = largest
             if closing and self._capture_left and self._voted is None:  # the ranks' votes ask in on_voted
                 self._capture_left -= 1
                 self._ask()
@@ -361,16 +362,14 @@ class Spikes:
         except Exception as e:  # an inspector must never break the training run
             self._failures.failed("judge the loss", e, step)
 
-    def _observe(self, signal: _Signal, landed: list[tuple[int, float, int]], step: int,
-                 ended: bool = False) -> Optional[int]:
+    def _observe(self, signal: _Signal, landed: list[tuple[int, float, int]], step: int, ended: bool = False) -> bool:
         """Judge ``signal``'s ``landed`` values (step, value, largest micro-batch) at ``step``: each spike
-        said and captured (:meth:`_on_spike`); the largest micro-batch of ``step`` itself when it spiked and is captured now."""
-        now = None
-        for at, value, largest in landed:
+        said and captured (:meth:`_on_spike`). Whether ``step`` itself spiked and is captured now."""
+        now = False
+        for at, value, _ in landed:
             spike = signal.detector.observe(at, value)
             signal.recent.append((at, value))
-            if spike is not None and self._on_spike(spike, step, ended) and at == step:
-                now = largest
+            now = spike is not None and self._on_spike(spike, step, ended) and at == step or now
         return now
 
     def _on_spike(self, spike: Spike, step: int, ended: bool = False) -> bool:
