@@ -42,9 +42,10 @@ def inlined_only(function: Callable[..., Any]) -> Callable[..., Any]:
     frame of its own, nor anything it calls: run from a frame Dynamo skipped (a ``torch.nn``
     forward under ``module.compile()``), it runs eagerly instead of becoming graphs of its own.
     As is on a torch without frame strategies (before 2.6)."""
-    try:
+    try:  # (from torch._C: torch._dynamo.types is the same, but importing it imports all of Dynamo, 1 s)
+        from torch._C._dynamo.eval_frame import _FrameAction as FrameAction
+        from torch._C._dynamo.eval_frame import _FrameExecStrategy as FrameExecStrategy
         from torch._C._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
     except ImportError:
         return function
     set_code_exec_strategy(function.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
