@@ -180,8 +180,43 @@ def test_the_gradient_norm_is_judged_apart_from_the_loss_and_each_spike_writes_b
     assert [at for at, _ in first.history["layerwatch/grad_norm_lead_up"]] == list(range(4, 21))  # its window, then itself
     assert [at for at, _ in first.history["layerwatch/loss"]] == list(range(4, 21))  # the loss's window up to the step
     second = spikes.explain(55, {})
+    alert, = second.alerts  # one step, one alert, saying both
+    assert alert.step == 50 and "loss spike at step 50" in alert.message and "gradient norm spike at step 50" in alert.message
+    assert [e["what"] for e in second.spikes] == ["loss", "grad_norm"]
     assert [at for at, _ in second.history["layerwatch/loss"]] == list(range(34, 51))  # the steps not written before
     assert [at for at, _ in second.history["layerwatch/grad_norm_lead_up"]] == list(range(34, 51))
+
+
+def test_a_steps_gradient_norms_combine_as_one_norm_and_a_late_explanation_keeps_the_other_lead_up():
+    """Two optimizers' norms of one step are the norm of both (3 and 4: 5), where a step's
+    losses are averaged; a spike explained long after it (a sample far off) still writes the
+    other quantity's steps before it, as they were when it was found; a NaN or Inf is in no lead-up."""
+    from layerwatch.failures import FailurePolicy
+    from layerwatch.spikes import Spikes
+
+    norms, losses = ValueTap("gradient norm", norms=True), ValueTap()
+    for tap in (norms, losses):
+        tap.offer(0, torch.tensor(3.0))
+        tap.offer(0, 4.0)
+    assert norms.landed(0) == [(0, 5.0, 1)] and losses.landed(0) == [(0, 3.5, 1)]
+
+    spikes = Spikes(SpikeRule(warmup=8, window=16, capture=0), FailurePolicy(), lambda: None)
+    rng = random.Random(4)
+    for step in range(200):
+        spikes.offer(step, 1.0 + 0.01 * rng.gauss(0, 1) if step != 13 else math.inf)
+        spikes.offer(step, torch.tensor(300.0 if step == 40 else 2.0 + 0.02 * rng.gauss(0, 1)), "grad_norm")
+        spikes.judge(step, closing=True)
+    late = spikes.explain(199, {})  # 159 steps on: the loss's recent values have moved past the spike's window
+    assert [at for at, _ in late.history["layerwatch/loss"]] == list(range(24, 41))
+    assert [at for at, _ in late.history["layerwatch/grad_norm_lead_up"]] == list(range(24, 41))
+    spikes.explain(200, {})
+    early = Spikes(SpikeRule(warmup=8, window=16), FailurePolicy(), lambda: None)
+    for step in range(30):
+        early.offer(step, math.nan if step == 20 else 1.0 + 0.01 * rng.gauss(0, 1))
+        early.offer(step, torch.tensor(300.0 if step == 25 else 2.0 + 0.02 * rng.gauss(0, 1)), "grad_norm")
+        early.judge(step, closing=True)
+    loss_lead_up = [at for at, _ in early.explain(30, {}).history["layerwatch/loss"]]
+    assert 20 not in loss_lead_up and loss_lead_up == [at for at in range(9, 26) if at != 20]
 
 
 def test_a_gradient_norm_of_sharded_gradients_is_not_judged_said_once():
@@ -686,18 +721,17 @@ def _sharded(tmp_path, how, spiking_rank):
 def test_fsdp2_the_ranks_judge_their_largest_loss_alike_and_capture_the_same_steps(tmp_path, events):
     """Rank 1's batch alone spikes: the ranks vote on each step with their losses, so both judge
     the largest, see the same spike, and sample the same steps (a step or two later than a
-    single process: the losses ride on the next votes); rank 0 writes it."""
+    single process: the losses ride on the next votes); rank 0 writes it. Each judges the
+    global gradient norm (``full_tensor()`` of clip_grad_norm_'s, as torchtitan does)."""
     zero, one = _sharded(tmp_path, "fsdp2", spiking_rank=1)
-    losses = [found for found in zero["found"] if found[1] == "loss"]
-    assert losses == one["found"] and [step for step, _, _ in losses][:1] == [40], zero["found"]
-    assert max(one["losses"][40], zero["losses"][40]) == losses[0][2]  # the largest of the ranks' losses
-    assert [(step, what) for step, what, _ in zero["found"]][:1] == [(40, "grad_norm")]  # rank 0's alone: at once
+    assert zero["found"] == one["found"], (zero["found"], one["found"])
+    assert [(step, what) for step, what, _ in zero["found"]][:2] == [(40, "grad_norm"), (40, "loss")], zero["found"]
+    assert max(one["losses"][40], zero["losses"][40]) == zero["found"][1][2]  # the largest of the ranks' losses
     assert zero["sampled"] == one["sampled"] and {0, 25, 50} < set(zero["sampled"])
     captured = sorted(set(zero["sampled"]) - {0, 25, 50})
-    # rank 0 asked for 42-44 (the gradient norm, judged at step 40's end: its ask goes out in the next ballot); rank 1
-    # for 43-45 (the loss went out in step 42's vote, judged there on both; rank 0 had captured it): through the vote
-    # each rank's asks are every rank's
-    assert captured == [42, 43, 44, 45]
+    # the gradient norm (global: every rank judges its own) spiked at step 40, judged at its end: the capture's asks
+    # go out in the next ballots; the loss went out in step 42's vote, judged there, with the same step captured already
+    assert captured == [42, 43, 44]
     run = events(tmp_path / "run")
     assert [s.step for s in run.Scalars("layerwatch/overhead_ms")] == [0, 25, *captured, 50]
     assert [s.step for s in run.Scalars("layerwatch/loss")] == list(range(41))  # the lead-up: the 40 steps before, the spike

@@ -289,12 +289,22 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
             self._engine = None
 
 
+_PRECISION_CLIP = ["parameters = self.main_params(optimizer)", "torch.nn.utils.clip_grad_norm_(parameters, clip_val)"]
+
+
 def _clips_as_torch_does(plugin: Any) -> bool:
-    """Whether ``plugin`` clips by norm as Lightning's base ``Precision`` does: one
-    ``torch.nn.utils.clip_grad_norm_`` call, whose norm it drops (a strategy's own, FSDP's or
-    DeepSpeed's, clips its own way: its norm is not taken)."""
+    """Whether ``plugin`` clips by norm as Lightning's base ``Precision`` does, to the line: one
+    ``torch.nn.utils.clip_grad_norm_`` call, whose norm it drops, which the door then makes
+    instead (a strategy's own clipping, FSDP's or DeepSpeed's, or a Lightning whose body
+    differs, is left alone: its norm is not taken)."""
     method = getattr(type(plugin), "clip_grad_by_norm", None)
-    return getattr(method, "__qualname__", "") == "Precision.clip_grad_by_norm" and hasattr(plugin, "main_params")
+    if getattr(method, "__qualname__", "") != "Precision.clip_grad_by_norm" or not hasattr(plugin, "main_params"):
+        return False
+    try:
+        lines = [line.strip() for line in inspect.getsource(method).splitlines()[1:]]
+    except (OSError, TypeError):
+        return False
+    return [line for line in lines if line and not line.startswith(('"""', "#"))] == _PRECISION_CLIP
 
 
 def _scaler(trainer: Any) -> Any:

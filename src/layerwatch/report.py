@@ -168,8 +168,10 @@ def _summarize(name: str, run: _Run) -> dict[str, Any]:
     alerts = [] if run.alerts_text is None else [a.as_dict() for a in parse_alerts_markdown(run.alerts_text[1])]
     spikes = sorted((spike for _, events in run.tab.events for spike in events.get("spikes", [])), key=lambda s: s["step"])
     tabled = {(a["kind"], a["step"]) for a in alerts}  # a run without the health rules has no table: its spikes are alerts still
-    alerts += [{"kind": "spike", "name": s["layer"], "step": s["step"], "message": s["message"]}
-               for s in spikes if ("spike", s["step"]) not in tabled]
+    for s in spikes:  # a step's spikes (the loss's, the gradient norm's): one alert, as the health rules raise it
+        if ("spike", s["step"]) not in tabled:
+            tabled.add(("spike", s["step"]))
+            alerts.append({"kind": "spike", "name": s["layer"], "step": s["step"], "message": s["message"]})
     tables = {key: _series_table(run, key) for key in _SERIES}
     steps = sorted({step for tag, series in run.scalars.items() if tag not in V.LEAD_UPS for step, _ in series}  # a lead-up: not samples
                    | set(run.tab.steps()))

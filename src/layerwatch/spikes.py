@@ -148,27 +148,27 @@ class Unreadable(Exception):
 class ValueTap:
     """Each step's value of one quantity (its loss, its gradient norm) brought to the host without
     the host waiting: read at once where reads are free (the CPU); on a CUDA device a copy is
-    started and read once it has landed (a step or more later). Several values a step
-    (micro-batches' losses) are averaged; a value offered for a step already given out (a second
-    optimizer's loss, after the first one's step) is not taken."""
+    started and read once it has landed (a step or more later). Several values a step are
+    combined (:meth:`landed`); a value offered for a step already given out (a second
+    optimizer's, after the first one's step was judged) is not taken."""
 
-    def __init__(self, what: str = "loss") -> None:
-        self.what = what  # in words, for what it says
-        # per step, in order: [step, its losses (floats read, or host copies), its copies' events or None: no copy]
+    def __init__(self, what: str = "loss", norms: bool = False) -> None:
+        self.what, self.norms = what, norms  # what: in words, for what it says; norms: see landed()
+        # per step, in order: [step, its values (floats read, or host copies), its copies' events or None: no copy]
         self._pending: deque[list] = deque()
         self._given = -1  # the last step given out by landed()
-        self.offered = False  # a loss was ever offered
+        self.offered = False  # a value was ever offered
 
-    def offer(self, step: int, loss: Any) -> None:
+    def offer(self, step: int, value: Any) -> None:
         """A value of ``step`` (a tensor, averaged if it has several values, or a number).
 
         Raises:
-            TypeError: ``loss`` is neither (the value: a loss or a gradient norm).
+            TypeError: ``value`` is neither.
             Unreadable: a tensor on a device other than the CPU or a CUDA device.
         """
         if step <= self._given:
             return
-        event = None
+        loss, event = value, None  # (the value, whatever it measures)
         if is_dtensor(loss):  # (a norm of sharded gradients, torch's clip_grad_norm_ under FSDP2: partial on each rank)
             if not all(placement.is_replicate() for placement in loss.placements):
                 raise Unreadable(f"a {self.what} that is a DTensor placed {tuple(loss.placements)} is not judged: "
@@ -178,13 +178,13 @@ class ValueTap:
             one = loss.numel() == 1
             if S.host_reads_free(loss.device):
                 # the CPU's: a read of memory, no device to wait for (item(): no autograd warning)
-                value = loss.item() if one else loss.detach().float().mean().item()
+                read = loss.item() if one else loss.detach().float().mean().item()
             elif loss.device.type not in ("cuda", "cpu"):  # (the CPU: a test taking the accelerator's way)
                 raise Unreadable(f"a {self.what} on {loss.device} is not judged: its host copy would wait for the device")
             else:
-                value, event = to_host(loss.detach().reshape(1) if one else loss.detach().float().mean().reshape(1))
+                read, event = to_host(loss.detach().reshape(1) if one else loss.detach().float().mean().reshape(1))
         elif isinstance(loss, (int, float)) and not isinstance(loss, bool):
-            value = loss
+            read = loss
         else:
             raise TypeError(f"a {self.what} must be a tensor or a number, got {type(loss).__name__}")
         pending = self._pending
@@ -192,14 +192,15 @@ class ValueTap:
         if not pending or pending[-1][0] != step:
             pending.append([step, [], None])
         entry = pending[-1]
-        entry[1].append(value)
-        if not isinstance(value, (int, float)):  # a host copy: read once landed (its event None: landed already)
+        entry[1].append(read)
+        if not isinstance(read, (int, float)):  # a host copy: read once landed (its event None: landed already)
             entry[2] = (entry[2] or []) + [event]
 
     def landed(self, closed: float, wait: bool = False) -> list[tuple[int, float, int]]:
-        """The mean value of each step up to ``closed`` whose values have all landed, and which of
-        them was the largest (its index), oldest first (a step waits for the one before it); each
-        step once. ``wait``: the host waits for them to land (at the end of a run)."""
+        """Each step up to ``closed`` whose values have all landed, oldest first (a step waits for
+        the one before it), each once: its value (several: their mean, or with ``norms`` the
+        norm of them all, as of several optimizers' disjoint parameters) and which of them was
+        the largest (its index). ``wait``: the host waits for them to land (at the end of a run)."""
         out = []
         pending = self._pending
         while pending and pending[0][0] <= closed:
@@ -217,24 +218,31 @@ class ValueTap:
             if len(values) == 1:
                 out.append((step, float(values[0]), 0))
             else:
-                out.append((step, math.fsum(values) / len(values), max(range(len(values)), key=values.__getitem__)))
+                value = math.sqrt(math.fsum(v * v for v in values)) if self.norms else math.fsum(values) / len(values)
+                out.append((step, value, max(range(len(values)), key=values.__getitem__)))
         return out
 
 
 class _Signal:
-    """One quantity judged step by step: its tap, its detector, the last step of its lead-up written
-    (a tag's steps only grow)."""
+    """One quantity judged step by step: its tap, its detector, the values it judged last (the
+    lead-up of the other quantity's spikes), the last step of its lead-up written (a tag's
+    steps only grow)."""
 
     def __init__(self, rule: SpikeRule, what: str) -> None:
-        self.what, self.tap, self.detector, self.written_to = what, ValueTap(SIGNALS[what][0]), SpikeDetector(rule, what), -1
-        self.recent: deque[tuple[int, float]] = deque(maxlen=2 * rule.window)  # judged last: the lead-up of another's spike
+        self.what, self.written_to = what, -1
+        self.tap = ValueTap(SIGNALS[what][0], norms=what == "grad_norm")
+        self.detector = SpikeDetector(rule, what)
+        self.recent: deque[tuple[int, float]] = deque(maxlen=2 * rule.window)
 
-    def lead_up(self, spike: Spike) -> tuple[tuple[int, float], ...]:
-        """This quantity's values of the ``window`` steps up to ``spike``'s, as judged (the spike's own as it was)."""
+    def lead_up(self, spike: Spike, kept: tuple[tuple[int, float], ...] = ()) -> list[tuple[int, float]]:
+        """This quantity's values of the ``window`` steps up to ``spike``'s, as judged: the
+        spike's own as it was; another's from ``kept`` (what this one had judged when the spike
+        was found) and what it judged since (its values land later, or through the vote)."""
         if spike.what == self.what:
-            return (*spike.lead_up, (spike.step, spike.value))
-        since = spike.step - self.detector.rule.window
-        return tuple((at, value) for at, value in self.recent if since <= at <= spike.step)
+            return [*spike.lead_up, (spike.step, spike.value)]
+        since, values = spike.step - self.detector.rule.window, dict(kept)
+        values.update(self.recent)
+        return sorted((at, value) for at, value in values.items() if since <= at <= spike.step)
 
 
 class Spikes:
@@ -256,8 +264,9 @@ class Spikes:
         self._signals = {} if rule is None else {what: _Signal(rule, what) for what in SIGNALS}  # none: off
         self._capture_left = 0
         self._captured_at: Optional[int] = None
+        self._captured_for: Optional[int] = None  # the spiking step of the last capture
         self._growth = LayerGrowth()
-        self._unwritten: list[Spike] = []  # found since the last sample written
+        self._unwritten: list[tuple[Spike, dict]] = []  # found since the last sample written, the others' recent values then
         self.found: list[Spike] = []
         self.now = True  # a spike's own step may be sampled when it is found (not where the ranks vote on samples)
         self._voted: Optional[deque[tuple[int, float]]] = None  # the landed losses the ranks vote on, oldest first
@@ -266,17 +275,23 @@ class Spikes:
         """Where the run's ranks sample together (they vote on each step), each rank's losses
         ride on the vote and every rank judges the largest of them, step by step, the same
         values (:meth:`unvoted`, :meth:`on_voted`): the same spikes and captures on every rank;
-        the gradient norm, global and so the same on every rank, rank 0 alone judges (a capture
-        it asks for is every rank's through the vote). Where they do not, rank 0 alone samples
-        and writes, and alone judges its own values."""
+        each judges its own gradient norm, the global one and so the same on every rank (a
+        capture any rank asks for is every rank's through the vote). Where they do not, rank 0
+        alone samples and writes, and alone judges its own values."""
         self.now = not together
         if together:
             self._voted = deque(maxlen=MOST_UNVOTED)
-        if not writer:
-            self._signals = {what: signal for what, signal in self._signals.items() if together and what == "loss"}
+        elif not writer:
+            self._signals = {}
 
     def offer(self, step: int, value: Any, what: str = "loss") -> None:
-        """``step``'s loss, or (``what="grad_norm"``) its global gradient norm."""
+        """``step``'s loss, or (``what="grad_norm"``) its global gradient norm.
+
+        Raises:
+            ValueError: ``what`` is neither (a front door's mistake, not the training run's).
+        """
+        if what not in SIGNALS:
+            raise ValueError(f"what must be one of {sorted(SIGNALS)}, got {what!r}")
         signal = self._signals.get(what)
         if signal is not None:
             try:
@@ -311,7 +326,7 @@ class Spikes:
                 self._capture_left -= 1
                 self._ask()
         except Exception as e:  # an inspector must never break the training run
-            self._failures.failed("judge the loss", e, step)
+            self._failures.failed("judge the loss and the gradient norm", e, step)
         return now
 
     def close(self, step: int, health: Optional[HealthCheck] = None) -> None:
@@ -368,7 +383,8 @@ class Spikes:
         now = False
         for at, value, _ in landed:
             spike = signal.detector.observe(at, value)
-            signal.recent.append((at, value))
+            if math.isfinite(value) and (value != 0 or not signal.detector.log):  # as the detector kept it
+                signal.recent.append((at, value))
             now = spike is not None and self._on_spike(spike, step, ended) and at == step or now
         return now
 
@@ -377,21 +393,23 @@ class Spikes:
         True: ``step`` itself is captured now."""
         self.found.append(spike)
         if is_writer_rank():  # rank 0 writes it
-            self._unwritten.append(spike)
+            self._unwritten.append((spike, {what: tuple(other.recent) for what, other in self._signals.items()
+                                            if what != spike.what}))
         rule = self.rule
         say = self._failures.warn if is_writer_rank() else (lambda message: None)  # every rank asks; rank 0 says
         if ended:
             say(f"layerwatch: {spike.describe()}; found as the run ended: not captured")
             return False
-        if self._captured_at == step and self.found[-2:-1] and self.found[-2].step == spike.step:
-            say(f"layerwatch: {spike.describe()}; captured with the {SIGNALS[self.found[-2].what][0]} spike of its step")
-            return self.now and spike.step == step
+        now = self.now and spike.step == step
+        if self._captured_for == spike.step:  # the other quantity spiked at the same step
+            other = next(SIGNALS[what][0] for what in SIGNALS if what != spike.what)
+            say(f"layerwatch: {spike.describe()}; captured with the {other} spike of its step")
+            return now and self._captured_at == step
         if self._captured_at is not None and step - self._captured_at < rule.window:
             say(f"layerwatch: {spike.describe()}; not captured: the last capture began at step {self._captured_at}, "
                 f"less than {rule.window} steps ago")
             return False
-        self._captured_at, self._capture_left = step, rule.capture
-        now = self.now and spike.step == step
+        self._captured_at, self._captured_for, self._capture_left = step, spike.step, rule.capture
         steps = [f"step {step}"] if now else []
         if rule.capture:
             steps.append(f"steps {step + 1} to {step + rule.capture}" if rule.capture > 1 else f"step {step + 1}")
@@ -406,31 +424,40 @@ class Spikes:
         sampled (:class:`~layerwatch.growth.LayerGrowth`: ``origin``, the modules whose output grew most beyond
         their input's, where ``probes`` saw the forward; ``layers``, whose gradient or update
         grew most), and the lead-ups to write (the window of values before each spike and its
-        own, of the loss and of the gradient norm; the steps not written before). ``replayed``: ``probes`` come from the step's batch run again. The
-        alert names the first of ``origin``, else of ``layers``."""
+        own, of the loss and of the gradient norm; the steps not written before). ``replayed``:
+        ``probes`` come from the step's batch run again. An alert is a step's: it says each
+        spike of that step, and names the first of ``origin``, else of ``layers``."""
         spikes, self._unwritten = self._unwritten, []
         try:
             ranked, origin = self._growth.observe(rows, probes, rank=bool(spikes))
         except Exception as e:  # an inspector must never break the training run: the spikes are said unranked
-            self._failures.failed("rank the layers that grew at a loss spike", e, step)
+            self._failures.failed("rank the layers that grew at a spike", e, step)
             ranked, origin = [], []
         lead_ups: dict[str, list[tuple[int, float]]] = {}
-        for spike in spikes:  # each quantity's steps up to the spike, the one that spiked as it was judged
+        for spike, kept in spikes:  # each quantity's steps up to the spike, the one that spiked as it was judged
             for what, signal in self._signals.items():
-                for at, value in signal.lead_up(spike):
+                for at, value in signal.lead_up(spike, kept.get(what, ())):
                     if at > signal.written_to:
                         lead_ups.setdefault(SIGNALS[what][1], []).append((at, value))
                         signal.written_to = at
         began = f"; began at {origin[0].layer} (its output grew {_times(origin[0].factor)} more than its input)" if origin else ""
         grew = ", ".join(f"{g.layer} ({g.what} {_times(g.factor)})" for g in ranked)
         said = began + (f"; grew most: {grew}" if grew else "")
-        events = [{**spike.event(), "layer": (origin or ranked)[0].layer if origin or ranked else spike.what,
-                   "sampled_at": step, "replayed": replayed and spike.step == step,
-                   "origin": [g.as_dict() for g in origin], "layers": [g.as_dict() for g in ranked],
-                   "message": spike.describe() + said + (f" (measured at step {step})" if said and step != spike.step else "")}
-                  for spike in spikes]
-        return R.Findings(alerts=[Alert("spike", e["layer"], e["step"], e["message"]) for e in events], spikes=events,
-                          history=lead_ups)
+        layer = (origin or ranked)[0].layer if origin or ranked else None
+
+        def message(described: str, at: int) -> str:
+            return described + said + (f" (measured at step {step})" if said and step != at else "")
+
+        events = [{**spike.event(), "layer": layer or spike.what, "sampled_at": step,
+                   "replayed": replayed and spike.step == step, "origin": [g.as_dict() for g in origin],
+                   "layers": [g.as_dict() for g in ranked], "message": message(spike.describe(), spike.step)}
+                  for spike, _ in spikes]
+        same_step: dict[int, list[Spike]] = {}  # the loss's and the gradient norm's spikes of one step: one alert
+        for spike, _ in spikes:
+            same_step.setdefault(spike.step, []).append(spike)
+        alerts = [Alert("spike", layer or found[0].what, at, message("; ".join(s.describe() for s in found), at))
+                  for at, found in same_step.items()]
+        return R.Findings(alerts=alerts, spikes=events, history=lead_ups)
 
 
 def _z(z: float) -> str:
