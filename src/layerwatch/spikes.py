@@ -154,8 +154,9 @@ class ValueTap:
 
     def __init__(self, what: str = "loss", norms: bool = False) -> None:
         self.what, self.norms = what, norms  # what: in words, for what it says; norms: see landed()
-        # per step, in order: [step, its values (floats read, or host copies), its copies' events or None: no copy]
-        self._pending: deque[list] = deque()
+        # offered, not given out by landed(), per step in order: [step, its values (floats read, or host copies),
+        # its copies' events or None: no copy]
+        self.pending: deque[list] = deque()
         self._given = -1  # the last step given out by landed()
         self.offered = False  # a value was ever offered
 
@@ -169,7 +170,7 @@ class ValueTap:
         if step <= self._given:
             return
         loss, event = value, None  # (the value, whatever it measures)
-        if is_dtensor(loss):  # (a norm of sharded gradients, torch's clip_grad_norm_ under FSDP2: partial on each rank)
+        if type(loss) is not torch.Tensor and is_dtensor(loss):  # (a norm of sharded gradients, torch's clip_grad_norm_ under FSDP2: partial on each rank)
             if not all(placement.is_replicate() for placement in loss.placements):
                 raise Unreadable(f"a {self.what} that is a DTensor placed {tuple(loss.placements)} is not judged: "
                                  "reading it is a collective")
@@ -187,7 +188,7 @@ class ValueTap:
             read = loss
         else:
             raise TypeError(f"a {self.what} must be a tensor or a number, got {type(loss).__name__}")
-        pending = self._pending
+        pending = self.pending
         self.offered = True
         if not pending or pending[-1][0] != step:
             pending.append([step, [], None])
@@ -202,7 +203,7 @@ class ValueTap:
         norm of them all, as of several optimizers' disjoint parameters) and which of them was
         the largest (its index). ``wait``: the host waits for them to land (at the end of a run)."""
         out = []
-        pending = self._pending
+        pending = self.pending
         while pending and pending[0][0] <= closed:
             step, values, events = pending[0]
             if events is not None:
@@ -312,16 +313,19 @@ class Spikes:
         at its end; a capture under way asks for the next step at the end. Returns, when
         ``step`` itself spiked and is captured now (``now``: not where the ranks sample
         together), which of its micro-batches had the largest loss; else None."""
-        now, largest = None, 0  # the micro-batch of this step with the largest loss: a gradient norm has none of its own
+        now, losses = None, ()
         try:
             for what, signal in self._signals.items():
-                landed = signal.tap.landed(step)
+                landed = signal.tap.landed(step) if signal.tap.pending else ()
+                if not landed:
+                    continue
                 if what == "loss":
-                    largest = next((micro for at, _, micro in landed if at == step), 0)
-                if what == "loss" and self._voted is not None:  # judged when the ranks have voted on them
-                    self._voted.extend((at, value) for at, value, _ in landed)
-                elif self._observe(signal, landed, step) and now is None:
-                    now = largest
+                    losses = landed
+                    if self._voted is not None:  # judged when the ranks have voted on them
+                        self._voted.extend((at, value) for at, value, _ in landed)
+                        continue
+                if self._observe(signal, landed, step) and now is None:  # the micro-batch with the largest loss
+                    now = next((micro for at, _, micro in losses if at == step), 0)
             if closing and self._capture_left and self._voted is None:  # the ranks' votes ask in on_voted
                 self._capture_left -= 1
                 self._ask()
