@@ -343,3 +343,34 @@ def test_a_compiled_gpt2_with_dropout_on_cuda_trains_bitwise_as_without_layerwat
         torch.use_deterministic_algorithms(was)
     same_training(watched, plain)
     measured_inside(events(tmp_path))
+
+
+def test_a_spike_on_cuda_is_found_once_its_copies_land_and_no_unsampled_step_waits(tmp_path, events):
+    """The loss and the gradient norm on the GPU: each step's copies go to the host without a
+    wait (sync debug "error" around every unsampled step's ``step()``); the batch scaled up 30
+    times at step 40 is a spike found a step or so later, and the steps after it are sampled."""
+    torch.manual_seed(0)
+    model = MLP().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Inspector(model, log_dir=tmp_path, every_n_steps=1000, optimizer=opt) as inspector:
+            for step in range(60):
+                x = torch.randn(32, 8, device="cuda", generator=g) * (30 if step == 40 else 1)
+                loss = model(x).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+                opt.step()
+                quiet = 0 < step < 40 and not inspector.sampled
+                torch.cuda.set_sync_debug_mode("error" if quiet else "default")
+                try:
+                    inspector.step(loss=loss, grad_norm=norm)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            found = [(s.step, s.what) for s in inspector._engine._spikes.found]
+    assert (40, "loss") in found and (40, "grad_norm") in found, found
+    written = [s.step for s in events(tmp_path).Scalars("layerwatch/overhead_ms")]
+    assert len([step for step in written if 40 < step <= 45]) == 3, written  # the capture, once its copies landed
+    assert [s.step for s in events(tmp_path).Scalars("layerwatch/loss")][-1] == 40
