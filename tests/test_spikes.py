@@ -632,7 +632,7 @@ def test_a_gradient_norm_is_taken_from_its_method_for_the_runs_life_only():
     class Engine:
         state, seen = "running", []
 
-        def observe_loss(self, value, what="loss"):
+        def observe(self, value, what="loss"):
             self.seen.append((float(value), what))
 
     engine, accelerator = Engine(), Accelerator()

@@ -285,9 +285,9 @@ class Engine:
             raise TypeError(f"closure must be callable, got {type(closure).__name__}")
         self._faults.offer(closure, self._placement.together, keep=self._spikes.rule is not None)
 
-    def observe_loss(self, loss: Any, what: str = "loss") -> None:
-        """The open step's loss (per micro-batch: averaged), or its global gradient norm, judged once it lands."""
-        self._spikes.offer(self._step, loss, what)
+    def observe(self, value: Any, what: str = "loss") -> None:
+        """The open step's loss (micro-batches: averaged) or (``what="grad_norm"``) gradient norm, judged once landed."""
+        self._spikes.offer(self._step, value, what)
 
     def before_optimizer_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """The gradients of ``optimizer``'s parameters (of every parameter when None) are

@@ -211,7 +211,7 @@ class FailedForwardGuard:
 
 class GradNormTaken:
     """The global gradient norm a training loop computes anyway (to clip it), handed to the
-    engine's spike check (:meth:`Engine.observe_loss`) each time it is: ``owner.name``, the
+    engine's spike check (:meth:`Engine.observe`) each time it is: ``owner.name``, the
     method that computes it, is wrapped on the instance for the run's life. ``compute``
     (optional): what the wrapper calls instead of the method, returning the norm, for a method
     that computes it and keeps it (the wrapper then returns what the method would: None).
@@ -228,7 +228,7 @@ class GradNormTaken:
             norm = (compute or method)(*args, **kwargs)
             engine = engine_ref()
             if norm is not None and engine is not None and engine.state == "running":
-                engine.observe_loss(norm, "grad_norm")
+                engine.observe(norm, "grad_norm")
             return norm if compute is None else None
 
         self._wrapper = taken

@@ -219,7 +219,7 @@ class _InputsKept:
     """The hooks on the module the Trainer calls, at each training forward of the open step:
     with ``replay``, a pre-hook offers the engine a closure that calls the model again with the
     same inputs (:meth:`Engine.replay_with`); with ``losses``, a hook hands the engine the loss
-    the model's outputs hold (:meth:`Engine.observe_loss`: the Trainer's default
+    the model's outputs hold (:meth:`Engine.observe`: the Trainer's default
     ``compute_loss`` takes it there). Evaluation (no autograd, or ``eval()``), traced calls and
     the replay's own forwards are passed over. A forward that raises takes the hooks off at once
     (the exception may end training, and no event of the Trainer's says so); the next step
@@ -253,7 +253,7 @@ class _InputsKept:
         engine = self._engine()
         loss = outputs.get("loss") if isinstance(outputs, dict) else None
         if engine is not None and engine.state == "running" and isinstance(loss, torch.Tensor):
-            engine.observe_loss(loss)
+            engine.observe(loss)
 
     def remove(self) -> None:
         handles, self._handles = self._handles, []

@@ -282,9 +282,9 @@ class Inspector:
             )
         self._optimizer_hook_ran = False
         if loss is not None:
-            engine.observe_loss(loss)
+            engine.observe(loss)
         if grad_norm is not None:
-            engine.observe_loss(grad_norm, "grad_norm")
+            engine.observe(grad_norm, "grad_norm")
         engine.end_step()
         engine.begin_step(engine.current_step + 1)
 

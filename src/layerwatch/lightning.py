@@ -232,7 +232,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         if self._engine is not None and self._loss_in_backward:  # a spike there is sampled in its step, where it is read
             n = self._accumulated  # Lightning divided each micro-batch's loss by their number
-            self._engine.observe_loss(loss if n == 1 else loss.detach() * n)  # averaged over the step
+            self._engine.observe(loss if n == 1 else loss.detach() * n)  # averaged over the step
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -242,7 +242,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         if not self._loss_in_backward:  # training_step's (None: skipped), unscaled, divided as before the backward
             loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
             if isinstance(loss, torch.Tensor):
-                engine.observe_loss(loss if self._accumulated == 1 else loss.detach() * self._accumulated)
+                engine.observe(loss if self._accumulated == 1 else loss.detach() * self._accumulated)
         if trainer.global_step == engine.current_step:
             return  # no optimizer step finished in this batch (gradient accumulation)
         engine.after_optimizer_step()

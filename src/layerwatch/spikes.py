@@ -169,25 +169,26 @@ class ValueTap:
         """
         if step <= self._given:
             return
-        loss, event = value, None  # (the value, whatever it measures)
-        if type(loss) is not torch.Tensor and is_dtensor(loss):  # (a norm of sharded gradients, torch's clip_grad_norm_ under FSDP2: partial on each rank)
-            if not all(placement.is_replicate() for placement in loss.placements):
-                raise Unreadable(f"a {self.what} that is a DTensor placed {tuple(loss.placements)} is not judged: "
+        event = None
+        # a DTensor: a norm of sharded gradients (torch's clip_grad_norm_ under FSDP2: partial on each rank)
+        if type(value) is not torch.Tensor and is_dtensor(value):
+            if not all(placement.is_replicate() for placement in value.placements):
+                raise Unreadable(f"a {self.what} that is a DTensor placed {tuple(value.placements)} is not judged: "
                                  "reading it is a collective")
-            loss = local(loss)
-        if isinstance(loss, torch.Tensor):  # as few ops as can be: one read on the CPU, one copy elsewhere
-            one = loss.numel() == 1
-            if S.host_reads_free(loss.device):
+            value = local(value)
+        if isinstance(value, torch.Tensor):  # as few ops as can be: one read on the CPU, one copy elsewhere
+            one = value.numel() == 1
+            if S.host_reads_free(value.device):
                 # the CPU's: a read of memory, no device to wait for (item(): no autograd warning)
-                read = loss.item() if one else loss.detach().float().mean().item()
-            elif loss.device.type not in ("cuda", "cpu"):  # (the CPU: a test taking the accelerator's way)
-                raise Unreadable(f"a {self.what} on {loss.device} is not judged: its host copy would wait for the device")
+                read = value.item() if one else value.detach().float().mean().item()
+            elif value.device.type not in ("cuda", "cpu"):  # (the CPU: a test taking the accelerator's way)
+                raise Unreadable(f"a {self.what} on {value.device} is not judged: its host copy would wait for the device")
             else:
-                read, event = to_host(loss.detach().reshape(1) if one else loss.detach().float().mean().reshape(1))
-        elif isinstance(loss, (int, float)) and not isinstance(loss, bool):
-            read = loss
+                read, event = to_host(value.detach().reshape(1) if one else value.detach().float().mean().reshape(1))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            read = value
         else:
-            raise TypeError(f"a {self.what} must be a tensor or a number, got {type(loss).__name__}")
+            raise TypeError(f"a {self.what} must be a tensor or a number, got {type(value).__name__}")
         pending = self.pending
         self.offered = True
         if not pending or pending[-1][0] != step:
