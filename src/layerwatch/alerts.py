@@ -16,6 +16,11 @@ thresholds in :class:`AlertRules`:
   share of the largest layer's fell more than ``grad_factor`` times below the highest share
   it had in an earlier window. Either: a tensor's norm outside its absolute bounds.
 - ``nonfinite``: NaN or Inf in a parameter's weights or gradients.
+- ``sign_like`` / ``eps_bound``: Adam's own state, per layer (its tensors' coordinates pooled;
+  :class:`UpdateShape`). ``sign_like``: the normalized update RMS's median over the last
+  ``window`` samples at least ``sign_like_rms`` and ``sign_like_factor`` times the lowest
+  median of a window before it; ``eps_bound``: more than ``eps_bound_frac`` of the coordinates
+  with a gradient have ``√v̂ < 10ε``, at ``window`` samples in a row.
 
 Alerts are named by layer (the module that owns the parameter), so a layer's weight and
 bias raise one alert between them.
@@ -32,11 +37,12 @@ import numpy as np
 from layerwatch import record as R
 from layerwatch import stats as S
 from layerwatch.failures import FailurePolicy
+from layerwatch.optimizer_state import EPS_BOUND, SEEN, UPDATE_SUMSQ, VALUES
 from layerwatch.vocabulary import ROOT, parent
 
 logger = logging.getLogger("layerwatch")
 
-KINDS = ("dead", "stuck", "exploding", "vanishing", "nonfinite", "spike")
+KINDS = ("dead", "stuck", "exploding", "vanishing", "nonfinite", "spike", "sign_like", "eps_bound")
 EVENT_KINDS = ("spike",)  # raised at each step they happen; the others once per layer
 
 Bounds = tuple[Optional[float], Optional[float]]
@@ -74,6 +80,14 @@ class AlertRules:
         grad_norm_bounds: The same for gradient norms.
         dead_samples: Samples in a row with all-zero gradients (or weights) before ``dead``.
         stuck_samples: Samples in a row without change (or without a gradient) before ``stuck``.
+        sign_like_rms: Adam's normalized update RMS, a layer's median over a window, at or
+            above which its updates are sign-like (1: every coordinate moves by the learning
+            rate; about 0.2-0.3 where gradients are mostly noise).
+        sign_like_factor: ...and at least this many times the lowest median of an earlier
+            window: judged against the layer's own past, since a layer whose gradient keeps
+            one direction for long (a head's LayerNorm early on) sits high from the start.
+        eps_bound_frac: The share of a layer's coordinates (with a gradient) whose ``√v̂`` is
+            below ``10ε``, above which, at ``window`` samples in a row, it is ``eps_bound``.
     """
 
     window: int = 5
@@ -83,13 +97,20 @@ class AlertRules:
     grad_norm_bounds: Bounds = (None, None)
     dead_samples: int = 3
     stuck_samples: int = 3
+    sign_like_rms: float = 0.6
+    sign_like_factor: float = 2.0
+    eps_bound_frac: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("window", "dead_samples", "stuck_samples"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"AlertRules.{name} must be an int >= 1, got {value!r}")
-        for name in ("weight_factor", "grad_factor"):
+        for name in ("sign_like_rms", "eps_bound_frac"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f"AlertRules.{name} must be a number in (0, 1], got {value!r}")
+        for name in ("weight_factor", "grad_factor", "sign_like_factor"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1:
                 raise ValueError(f"AlertRules.{name} must be a number > 1, got {value!r}")
@@ -127,6 +148,7 @@ class HealthMonitor:
         self._last_weights = np.full((size, S.FINGERPRINT_WIDTH), np.nan)
         self._moved = np.zeros(size, dtype=bool)  # the weights changed between two samples, ever
         self._windows = {"weights": LayerWindows(rules, "weights"), "grads": LayerWindows(rules, "grads")}
+        self._update_shape = UpdateShape(rules)
 
     def observe(
         self,
@@ -135,6 +157,7 @@ class HealthMonitor:
         weights: dict[str, np.ndarray],
         grads: Optional[dict[str, np.ndarray]],
         trainable: Sequence[str],
+        adam: Sequence[tuple[list[str], np.ndarray]] = (),
     ) -> list[Alert]:
         """The alerts first seen at ``step``.
 
@@ -143,6 +166,8 @@ class HealthMonitor:
             grads: Parameter name -> its gradient's stats row, for parameters that have one;
                 None when gradients are not read.
             trainable: Names of the parameters with ``requires_grad``.
+            adam: Adam's state after the step, as pieces of names and rows
+                (:mod:`~layerwatch.optimizer_state`).
         """
         new: list[Alert] = []
         w_idx, w_rows = self._stack(weights)
@@ -153,6 +178,10 @@ class HealthMonitor:
         self._norms(step, "grads", g_idx, g_rows, new)
         self._dead(step, w_idx, w_rows, g_idx if grads is not None else None, g_rows, t_idx, new)
         self._stuck(step, w_idx, w_rows, None if grads is None else (g_idx, g_rows), t_idx, new)
+        if adam:
+            names = [name for names, _ in adam for name in names]
+            for kind, layer, message in self._update_shape.observe(names, np.concatenate([rows for _, rows in adam])):
+                self._raise_for(new, kind, layer, step, message)
         return new
 
     # ------------------------------------------------------------------ rules
@@ -449,6 +478,80 @@ class LayerWindows:
         return index
 
 
+class UpdateShape:
+    """The rules on Adam's own state, per layer: the module that owns the parameters, its
+    tensors' coordinates pooled (a key projection's bias, whose gradient is rounding noise by
+    construction, is ε-bound and sign-like alone, and says nothing of its layer).
+
+    - ``sign_like``: the layer's normalized update RMS (:mod:`~layerwatch.optimizer_state`),
+      its median over the last ``window`` samples, is at least ``sign_like_rms`` and at least
+      ``sign_like_factor`` times the lowest median of a window before: updates that grew from
+      noise-like (0.2-0.3) to sign-like (1), the state Molybog et al. (2023) find before Adam
+      diverges. Its first ``window`` samples are a baseline, never judged: every update is
+      sign-like at Adam's first step.
+    - ``eps_bound``: more than ``eps_bound_frac`` of the layer's coordinates with a gradient
+      have ``√v̂ < 10ε``, at ``window`` samples in a row: ε, not the gradient, sets their steps
+      (Wortsman et al. 2023).
+    """
+
+    def __init__(self, rules: AlertRules) -> None:
+        self.rules = rules
+        self._layer_of: dict[str, int] = {}  # parameter -> layer index
+        self._index: dict[str, int] = {}  # layer -> its index
+        self._layers: list[str] = []
+        self._rms: list[list[float]] = []  # per layer, its last 2 * window values
+        self._lowest: list[float] = []  # per layer, the lowest window median before the last window
+        self._eps_run: list[int] = []  # per layer, samples in a row above eps_bound_frac
+
+    def observe(self, names: list[str], rows: np.ndarray) -> list[tuple[str, str, str]]:
+        """``(kind, layer, message)`` of each rule broken, given the rows read after a step."""
+        idx = np.array([self._slot(name) for name in names], dtype=int)
+        size = len(self._layers)
+        sums = {col: np.bincount(idx, rows[:, col], minlength=size) for col in (UPDATE_SUMSQ, VALUES, EPS_BOUND, SEEN)}
+        present = np.unique(idx)
+        w, found = self.rules.window, []
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rms = np.sqrt(sums[UPDATE_SUMSQ] / sums[VALUES])
+            share = sums[EPS_BOUND] / sums[SEEN]
+        for i in present.tolist():
+            layer = self._layers[i] or ROOT
+            history = self._rms[i]
+            if np.isfinite(rms[i]):
+                history.append(float(rms[i]))
+                del history[:-2 * w]
+            if len(history) == 2 * w:
+                before, now = float(np.median(history[:w])), float(np.median(history[w:]))
+                lowest = self._lowest[i] = min(self._lowest[i], before)
+                if now >= self.rules.sign_like_rms and now >= self.rules.sign_like_factor * lowest:
+                    found.append(("sign_like", self._layers[i], (
+                        f"Adam's updates of layer {layer} turned sign-like: normalized update RMS {now:.2f} over the last "
+                        f"{w} samples (median), {now / lowest:.3g}x its lowest window's {lowest:.2f} (AlertRules."
+                        f"sign_like_rms is {self.rules.sign_like_rms:g}, sign_like_factor {self.rules.sign_like_factor:g}): "
+                        "each coordinate moves by about the learning rate whatever its gradient, as before Adam diverges "
+                        "(Molybog et al. 2023). Is the learning rate too high, or β2 too low for this batch size?")))
+            bound = bool(sums[SEEN][i] > 0 and share[i] > self.rules.eps_bound_frac)
+            self._eps_run[i] = self._eps_run[i] + 1 if bound else 0
+            if self._eps_run[i] >= w:
+                found.append(("eps_bound", self._layers[i], (
+                    f"{share[i]:.0%} of layer {layer}'s coordinates with a gradient have √v̂ below 10x Adam's eps, at {w} "
+                    f"samples in a row (AlertRules.eps_bound_frac is {self.rules.eps_bound_frac:g}): eps, not the gradient, "
+                    "sets their steps and they barely move. Lower eps (OLMo 2 went from 1e-5 to 1e-8), or scale the loss up?")))
+        return found
+
+    def _slot(self, name: str) -> int:
+        index = self._layer_of.get(name)
+        if index is None:
+            layer = parent(name)
+            index = self._index.setdefault(layer, len(self._layers))
+            if index == len(self._layers):
+                self._layers.append(layer)
+                self._rms.append([])
+                self._lowest.append(float("inf"))
+                self._eps_run.append(0)
+            self._layer_of[name] = index
+        return index
+
+
 class HealthCheck:
     """The rules applied to each sampled step's rows: what they find, as
     :class:`~layerwatch.record.Findings` for the record (never written into it)."""
@@ -493,7 +596,8 @@ class HealthCheck:
                 "a GradScaler overflow skip, not reported as a model fault (layerwatch/optimizer_skipped)",
             )
             grads = None
-        new += self.monitor.observe(step, weights=by_name("weights"), grads=grads, trainable=trainable)
+        new += self.monitor.observe(step, weights=by_name("weights"), grads=grads, trainable=trainable,
+                                    adam=rows.get("adam", ()))
         return R.Findings(alerts=new, alert_count=len(self.monitor.alerts),
                           alert_table=alerts_markdown(self.monitor.alerts) if new else None, optimizer_skipped=skipped)
 

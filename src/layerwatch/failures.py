@@ -67,6 +67,12 @@ class FailurePolicy:
             self._warned.add(key)
             self.warn(message)
 
+    def say_once(self, key: str, message: str) -> None:
+        """:meth:`say` ``message`` the first time ``key`` comes up."""
+        if key not in self._warned:
+            self._warned.add(key)
+            self.say(message)
+
     def run(self, what: str, action: Callable[[], object], step: int) -> bool:
         """Run ``action``; on an exception warn once (``could not <what>``) and return False."""
         try:

@@ -120,7 +120,7 @@ class ParameterFamilies:
         every rank still reduces: they read as failed)."""
         with torch.no_grad():
             trainable = self._values([(n, p) for n, p in params if p.requires_grad])
-            found = self._groups(trainable, "snapshot")
+            found = self.groups(trainable, "snapshot")
             estimated = not self._fits([t for _, _, tensors in found for t in tensors])
             if self.sync is not None and [group for group, _, _ in found if group is not None]:
                 agreed = self.sync.same([int(estimated)])  # on every rank, whatever it found
@@ -229,7 +229,7 @@ class ParameterFamilies:
         """Rows of ``what`` ("weights" or "gradients") of the named tensors this rank reduces."""
         options, pieces = self.options, []
         measurable = [(name, t) for name, t in pairs if (what, name) not in self._unmeasurable]
-        for group, names, tensors in self._groups(measurable, what):
+        for group, names, tensors in self.groups(measurable, what):
             if group is not None:  # collective: every rank must take part in step with the others
                 pieces.append((names, S.reduce_sharded(tensors, group, options.bins, zeros=options.zeros,
                                                        centered=options.centered, histogram_values=HISTOGRAM_VALUES)))
@@ -244,7 +244,7 @@ class ParameterFamilies:
                 pieces.append(self._reduce_one_by_one(what, names, tensors))
         return [(names, rows) for names, rows in pieces if names]
 
-    def _groups(self, pairs: NamedTensors, what: str) -> list[tuple[Any, list[str], list[torch.Tensor]]]:
+    def groups(self, pairs: NamedTensors, what: str) -> list[tuple[Any, list[str], list[torch.Tensor]]]:
         """:func:`~layerwatch.distributed.this_ranks_groups`, less the sharded groups whose
         tensors are not the same on every rank (said once; every rank leaves them out alike)."""
         if self.sync is None:

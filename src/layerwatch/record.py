@@ -13,11 +13,12 @@ from typing import Optional, Sequence
 import numpy as np
 
 from layerwatch import stats as S
+from layerwatch.optimizer_state import spike_fractions, update_stats
 from layerwatch.probes import Offender, ProbeResult
 from layerwatch.stats import Histogram
 from layerwatch.table import Summary
 from layerwatch.vocabulary import (
-    ALERTS, BYTE_SERIES, FIRST_NONFINITE_STEP, FIRST_OFFENDER, GRAD_NORM, MACS_PER_STEP, MODULE_SCALARS,
+    ADAM_SPIKE_FRAC, ALERTS, TAB_ONLY_SERIES, FIRST_NONFINITE_STEP, FIRST_OFFENDER, GRAD_NORM, MACS_PER_STEP, MODULE_SCALARS,
     NONFINITE_MODULES, NONFINITE_SERIES, OPTIMIZER_SKIPPED, OVERHEAD_MS, PARAMS_FROZEN, PARAMS_LEARNABLE, PARAMS_TOTAL,
     ROOT, RUN_WIDE, SAMPLE_INTERVAL, STRUCTURE, TENSOR_FAMILIES, histogram_tag, module_prefix, nonfinite_total_tag,
     stat_prefix, update_ratio_tag,
@@ -71,7 +72,7 @@ def build(
     """The record of one step, the only place one is made: the tensor families' statistics and
     histograms from their host ``rows`` (families ``weights``, ``grads``, ``update``,
     ``update_estimate``), the global gradient norm, the update ratios, the layer table, the
-    probes' per-module values, the ``findings``, and the engine's own figures. A record of the
+    probes' per-module values, Adam's state (``adam``, ``adam_spikes``), the ``findings``, and the engine's own figures. A record of the
     sentinel's first hit alone holds ``first_nonfinite_step``. ``all_grads`` False: the rows
     lack some gradients of the model (a pipeline stage's could not be sent), so its gradient
     norm is not written."""
@@ -90,6 +91,7 @@ def build(
             ratios = update_ratios(names, deltas, after_norms, {} if estimated else weight_norms)
             prefix = update_ratio_tag("", estimated)
             rec.scalars.update(zip([prefix + name for name in names], ratios.tolist()))
+    _add_optimizer_state(rec, rows)
     if structure is not None:
         _add_structure(rec, structure)
     if probes is not None:
@@ -124,6 +126,17 @@ def update_ratios(names: Sequence[str], deltas: np.ndarray, after_norms: np.ndar
     norms = np.array([weight_norms.get(name, np.nan) for name in names]) if weight_norms else after_norms
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(deltas == 0, 0.0, np.where(norms == 0, 1.0, deltas / norms))
+
+
+def _add_optimizer_state(rec: StepRecord, rows: HostRows) -> None:
+    """Adam's state per parameter (:mod:`~layerwatch.optimizer_state`): its series, less the NaN
+    of a tensor where nothing could be judged."""
+    for names, family_rows in rows.get("adam", ()):
+        for key, values in update_stats(family_rows).items():
+            rec.scalars.update([(f"{key}/{name}", value) for name, value in zip(names, values.tolist()) if value == value])
+    for names, family_rows in rows.get("adam_spikes", ()):
+        values = spike_fractions(family_rows).tolist()
+        rec.scalars.update([(f"{ADAM_SPIKE_FRAC}/{name}", value) for name, value in zip(names, values) if value == value])
 
 
 def _add_structure(rec: StepRecord, summary: Summary) -> None:
@@ -186,7 +199,7 @@ class ScalarTags:
             if head in NONFINITE_SERIES:
                 quiet.append(i)
                 quiet_layers.append(name)
-            elif head not in BYTE_SERIES:
+            elif head not in TAB_ONLY_SERIES:
                 cards.append(i)
         self.series = {key: (names, np.asarray(indices, dtype=np.intp)) for key, (names, indices) in series.items()}
         self.cards = np.asarray(cards, dtype=np.intp)
@@ -212,7 +225,8 @@ class CardFilter:
     nothing: the per-layer NaN/Inf counts, zero in a healthy run, and the byte series,
     constant for fixed shapes. So a layer's NaN/Inf scalars become cards from the first
     sample where any of them is non-zero (and stay), beside the run-wide counts written at
-    every sample; the byte series stay in the tab (and the layer table's output bytes).
+    every sample; the byte series stay in the tab (and the layer table's output bytes), and so
+    do Adam's three series a tensor (the tab and ``layerwatch.load`` read them).
     """
 
     def __init__(self) -> None:

@@ -18,7 +18,9 @@ from torch import nn
 from layerwatch import record as R
 from layerwatch import stats as S
 from layerwatch.distributed import FAILED_NORM, local_tensors
+from layerwatch.distributed import is_writer_rank
 from layerwatch.failures import FailurePolicy
+from layerwatch.optimizer_state import AdamState, WIDTH, failed as adam_failed
 from layerwatch.options import Options
 from layerwatch.params import ParameterFamilies, Piece, Snapshot
 from layerwatch.probes import ProbeResult, StepProbes
@@ -41,6 +43,10 @@ class Sample:
     weights: list[Piece] = field(default_factory=list)
     update: list[Piece] = field(default_factory=list)
     update_estimate: list[Piece] = field(default_factory=list)  # from strided samples: the snapshot did not fit
+    adam: list[Piece] = field(default_factory=list)  # Adam's state after the step (optimizer_state.py)
+    adam_spikes: list[Piece] = field(default_factory=list)  # its gradient spikes, read before the step
+    optimizers: list[Any] = field(default_factory=list)  # those whose gradients were read before their step
+    adam_read: set[int] = field(default_factory=set)
     grads_read: set[int] = field(default_factory=set)  # id() of the parameters read so far
     weights_read: set[int] = field(default_factory=set)
     snapshots: list[tuple[Optional[int], Snapshot]] = field(default_factory=list)  # (id of the optimizer, ...)
@@ -80,6 +86,7 @@ class SampleReads:
         self.families = options.families
         self.failures = failures
         self.params = params
+        self.adam = AdamState(params.groups, failures.say_once)
 
     def before_optimizer_step(self, sample: Sample, optimizer: Any, zero: Optional[Zero]) -> None:
         """``optimizer``'s gradients (every parameter's when None) are final: read those not read
@@ -91,6 +98,10 @@ class SampleReads:
             return
         sample.before_calls += 1
         self._gradients(sample, params)
+        if "optimizer" in self.families and zero is None and optimizer is not None:
+            sample.optimizers.append(optimizer)
+            self.failures.run("read the optimizer's state", lambda: sample.adam_spikes.extend(
+                self.adam.before_step(optimizer, params)), sample.step)
         if "updates" in self.families:
             key = None if optimizer is None else id(optimizer)
             self.failures.run("snapshot weights for update ratios", lambda: self._snapshot(sample, params, key), sample.step)
@@ -108,6 +119,7 @@ class SampleReads:
         for snapshot in snapshots:
             self.failures.run("measure updates", lambda: self._updates(sample, snapshot), sample.step)
         self._weights(sample, params)
+        self._optimizer_state(sample, [optimizer] if optimizer is not None else sample.optimizers)
 
     def rest(self, sample: Sample) -> None:
         """The step ends: what it has not read yet (a door that leaves the optimizer's points out)."""
@@ -115,6 +127,26 @@ class SampleReads:
         for _, snapshot in sample.snapshots:
             self.failures.run("measure updates", lambda: self._updates(sample, snapshot), sample.step)
         self._weights(sample, sample.unread(sample.weights_read, None))
+        self._optimizer_state(sample, sample.optimizers)
+        if "optimizer" in self.families and not sample.optimizers and self.params.zero is None and is_writer_rank():
+            self.failures.say_once("no-optimizer", (
+                "layerwatch: Adam's state (adam_update_rms, adam_eps_frac, adam_spike_frac) is read where the "
+                "optimizer is known: pass optimizer= to the Inspector"))
+
+    def _optimizer_state(self, sample: Sample, optimizers: list[Any]) -> None:
+        """Adam's state after the step, of the parameters of ``optimizers`` not read yet."""
+        if "optimizer" not in self.families:
+            return
+        if self.params.zero is not None:
+            if is_writer_rank():
+                self.failures.say_once("zero-optimizer", "layerwatch: a DeepSpeed ZeRO optimizer keeps its state in "
+                                       "flat partitions; the optimizer-state signals (adam_*) are not read")
+            return
+        for optimizer in optimizers:
+            params = sample.unread(sample.adam_read, optimizer)
+            if params:
+                self.failures.run("read the optimizer's state", lambda: sample.adam.extend(
+                    self.adam.after_step(optimizer, params)), sample.step)
 
     def _gradients(self, sample: Sample, params: list[tuple[str, nn.Parameter]]) -> None:
         if params and "grads" in self.families:
@@ -138,19 +170,19 @@ class SampleReads:
         """The families' rows, on the host in one transfer per device, less the rows a rank
         could not help measure."""
         families = {"grads": sample.grads, "weights": sample.weights, "update": sample.update,
-                    "update_estimate": sample.update_estimate}
+                    "update_estimate": sample.update_estimate, "adam": sample.adam, "adam_spikes": sample.adam_spikes}
         arrays = iter(S.to_host([rows for pieces in families.values() for _, rows in pieces]))
         return {
             family: [self._measured(family, names, next(arrays).reshape(2 if family.startswith("update") else len(names), -1),
                                     sample.step) for names, _ in pieces]
-            for family, pieces in families.items()
+            for family, pieces in families.items() if pieces or family not in WIDTH
         }
 
     def _measured(self, family: str, names: list[str], rows: np.ndarray, step: int) -> tuple[list[str], np.ndarray]:
         """``names`` and their rows (update pieces: their two rows of columns) less the sharded
         tensors a rank could not help measure, or snapshot (said once)."""
         update = family.startswith("update")  # update and update_estimate: two rows of columns
-        failed = rows[0] == FAILED_NORM if update else S.Rows(rows).failed
+        failed = rows[0] == FAILED_NORM if update else adam_failed(rows) if family in WIDTH else S.Rows(rows).failed
         if not failed.any():
             return names, rows
         left_out = [name for name, bad in zip(names, failed) if bad]

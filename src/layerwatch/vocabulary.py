@@ -15,7 +15,7 @@ ROOT = "(root)"  # the name layerwatch gives the model itself (named_modules() n
 # The families (the ``families=`` option).
 TENSOR_FAMILIES = ("weights", "grads")
 PROBE_FAMILIES = ("latency", "memory", "activations", "nonfinite")
-FAMILIES = TENSOR_FAMILIES + ("updates", "structure") + PROBE_FAMILIES
+FAMILIES = TENSOR_FAMILIES + ("updates", "optimizer", "structure") + PROBE_FAMILIES
 
 # The per-tensor statistics (the ``stats=`` option): tagged <family>_<stat>/<name>.
 STATS = ("mean", "std", "min", "max", "norm", "zero_frac", "nonfinite")
@@ -50,8 +50,15 @@ MEMORY_SERIES = (ACTIVATION_BYTES, SAVED_BYTES, CUDA_ALLOC_BYTES)
 UPDATE_RATIO = "update_ratio"
 UPDATE_RATIO_ESTIMATE = "update_ratio_estimate"  # from a strided sample of each weight
 
+# Per-tensor series of Adam's own state (the "optimizer" family), tagged <series>/<param>.
+ADAM_UPDATE_RMS = "adam_update_rms"  # RMS(m̂ / (√v̂ + ε)) after the step
+ADAM_EPS_FRAC = "adam_eps_frac"  # share of the coordinates with v > 0 whose √v̂ < 10ε
+ADAM_SPIKE_FRAC = "adam_spike_frac"  # share of the coordinates with v > 0 whose g² > θ·v̂ before the step
+ADAM_SERIES = (ADAM_UPDATE_RMS, ADAM_EPS_FRAC, ADAM_SPIKE_FRAC)
+
 # Per-layer series kept out of TensorBoard's cards (see record.CardFilter); the LAYERWATCH tab has them.
 BYTE_SERIES = (ACTIVATION_BYTES, SAVED_BYTES)
+TAB_ONLY_SERIES = BYTE_SERIES + ADAM_SERIES  # three more a tensor would crowd TensorBoard's cards
 NONFINITE_SERIES = ("weights_nonfinite", "grads_nonfinite", "activations_nonfinite", NONFINITE)
 
 # The LAYERWATCH tab's data (written by sinks/plugin_data.py, read by tensorboard_plugin/metadata.py):
