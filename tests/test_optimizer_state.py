@@ -269,3 +269,60 @@ def test_lightning_writes_them_through_its_optimizer_wrapper(tmp_path, events):
     for key in ("adam_update_rms", "adam_eps_frac", "adam_spike_frac"):
         assert [t for t in tab if t.startswith(key + "/")], key
     assert all(math.isfinite(v) for t, by_step in tab.items() if t.startswith("adam_update_rms/") for v in by_step.values())
+
+
+# ---------------------------------------------------------------------- sharded
+
+
+def fsdp2_worker(rank: int, world: int, out: str) -> None:
+    """An MLP under FSDP2 per layer (10 rows over 2 ranks: uneven shards), AdamW, every step
+    sampled; rank 0 keeps the whole tensors the statistics must be of."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = MLP(d_in=8, hidden=10, d_out=3)
+    for layer in (model.fc1, model.fc2):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    whole = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Inspector(model, log_dir=f"{out}/run", every_n_steps=1, optimizer=opt) as inspector:
+            for step in range(3):
+                torch.manual_seed(100 + 10 * step + rank)  # each rank its own data
+                loss = model(torch.randn(4, 8)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                v_before = {n: opt.state[p]["exp_avg_sq"].full_tensor().clone() for n, p in model.named_parameters()
+                            if p in opt.state}  # every rank: full_tensor is a collective
+                grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+                opt.step()
+                inspector.step()
+                state = {n: {k: v.full_tensor() if k != "step" else v.clone() for k, v in opt.state[p].items()}
+                         for n, p in model.named_parameters()}
+                whole[step] = (state, v_before, grads)
+    if rank == 0:
+        torch.save(whole, f"{out}/whole.pt")
+
+
+def test_fsdp2_per_layer_reads_the_whole_tensors_state(tmp_path, events):
+    from ranks import run_ranks
+
+    run_ranks(fsdp2_worker, str(tmp_path), tmp=tmp_path)
+    whole = torch.load(tmp_path / "whole.pt", weights_only=False)
+    tab = tab_values(events(tmp_path / "run"))
+    names = [name for name, _ in MLP(d_in=8, hidden=10, d_out=3).named_parameters()]
+    for step, (state, v_before, grads) in whole.items():
+        for name in names:
+            m, v, t = state[name]["exp_avg"].double(), state[name]["exp_avg_sq"].double(), float(state[name]["step"])
+            rms = ((m / (1 - 0.9**t)) / ((v / (1 - 0.999**t)).sqrt() + 1e-8)).pow(2).mean().sqrt().item()
+            assert tab[f"adam_update_rms/{name}"][step] == pytest.approx(rms, rel=1e-5), (step, name)
+            assert tab[f"adam_eps_frac/{name}"][step] == 0.0
+            if name in v_before:
+                judged = (grads[name] != 0) & (v_before[name] > 0)
+                spikes = (grads[name].double() ** 2 > 5000 * v_before[name].double() / (1 - 0.999 ** (t - 1))) & judged
+                assert tab[f"adam_spike_frac/{name}"][step] == pytest.approx(spikes.sum().item() / judged.sum().item())
+    assert sorted(tab["adam_spike_frac/fc1.weight"]) == [1, 2]
