@@ -170,10 +170,11 @@ def test_off_steps_register_nothing_and_touch_no_tensor(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ins = Inspector(model, log_dir=tmp_path, schedule=at_steps([2]), optimizer=opt, sentinel=False).start()
     module_hooks = 2 * len(list(model.modules()))  # pre and post: the layer table (first sample) and the probes
+    attention_hooks = 2 * (1 + len(list(model.children())))  # pre and post on the model and its children
     for step in range(4):
         # the optimizer's step hooks for the whole run (they return at once off samples);
         # module hooks only on the sampled step
-        assert hook_count(model, opt) == 2 + (2 * module_hooks if step == 2 else 0)
+        assert hook_count(model, opt) == 2 + (2 * module_hooks + attention_hooks if step == 2 else 0)
         loss = model(torch.randn(4, 8)).sum()
         opt.zero_grad()
         loss.backward()
@@ -214,8 +215,9 @@ def test_finish_leaves_no_hook_is_idempotent_and_releases_the_model(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ins = Inspector(model, log_dir=tmp_path, every_n_steps=1, optimizer=opt).start()
     train(model, 2, ins, optimizer=opt)
-    # step 2 is armed: the optimizer's pre and post hooks, the probes' module hooks, the sentinel's step counter
-    assert hook_count(model, opt) == 2 + 2 * len(list(model.modules())) + 1
+    # step 2 is armed: the optimizer's pre and post hooks, the probes' module hooks, the sentinel's step counter, and
+    # the attention probe's pre and post hooks on the model and its children
+    assert hook_count(model, opt) == 2 + 2 * len(list(model.modules())) + 1 + 2 * (1 + len(list(model.children())))
     ins.finish()
     ins.finish()
     assert hook_count(model, opt) == 0

@@ -21,6 +21,11 @@ thresholds in :class:`AlertRules`:
   ``window`` samples at least ``sign_like_rms`` and ``sign_like_factor`` times the lowest
   median of a window before it; ``eps_bound``: more than ``eps_bound_frac`` of the coordinates
   with a gradient have ``√v̂ < 10ε``, at ``window`` samples in a row.
+- ``attention_logits`` / ``entropy_collapse``: per attention module, its heads folded
+  (:class:`AttentionTrend`). The largest logit at ``attention_logit_level`` or above; or, from a
+  tenth of that level, its window median ``attention_logit_growth`` times the lowest of a window
+  before. The lowest head entropy's window median below ``entropy_collapse`` times the highest of
+  a window before.
 
 Alerts are named by layer (the module that owns the parameter), so a layer's weight and
 bias raise one alert between them.
@@ -42,7 +47,8 @@ from layerwatch.vocabulary import ROOT, parent
 
 logger = logging.getLogger("layerwatch")
 
-KINDS = ("dead", "stuck", "exploding", "vanishing", "nonfinite", "spike", "sign_like", "eps_bound")
+KINDS = ("dead", "stuck", "exploding", "vanishing", "nonfinite", "spike", "sign_like", "eps_bound", "attention_logits",
+         "entropy_collapse")
 EVENT_KINDS = ("spike",)  # raised at each step they happen; the others once per layer
 
 Bounds = tuple[Optional[float], Optional[float]]
@@ -88,6 +94,13 @@ class AlertRules:
             one direction for long (a head's LayerNorm early on) sits high from the start.
         eps_bound_frac: The share of a layer's coordinates (with a gradient) whose ``√v̂`` is
             below ``10ε``, above which, at ``window`` samples in a row, it is ``eps_bound``.
+        attention_logit_level: The largest attention logit (``q·k/√d``) at or above which a
+            layer alerts (Kimi K2's QK-Clip and Megatron's ``qk_clip_threshold``: 100).
+        attention_logit_growth: From a tenth of that level, a layer's window median of its
+            largest logit this many times the lowest median of a window before alerts too: a
+            small model can diverge before any logit reaches 100.
+        entropy_collapse: A layer's lowest head entropy (window median) below this share of the
+            highest median of a window before is a collapse.
     """
 
     window: int = 5
@@ -100,20 +113,26 @@ class AlertRules:
     sign_like_rms: float = 0.6
     sign_like_factor: float = 2.0
     eps_bound_frac: float = 0.5
+    attention_logit_level: float = 100.0
+    attention_logit_growth: float = 3.0
+    entropy_collapse: float = 0.25
 
     def __post_init__(self) -> None:
         for name in ("window", "dead_samples", "stuck_samples"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"AlertRules.{name} must be an int >= 1, got {value!r}")
-        for name in ("sign_like_rms", "eps_bound_frac"):
+        for name in ("sign_like_rms", "eps_bound_frac", "entropy_collapse"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f"AlertRules.{name} must be a number in (0, 1], got {value!r}")
-        for name in ("weight_factor", "grad_factor", "sign_like_factor"):
+        for name in ("weight_factor", "grad_factor", "sign_like_factor", "attention_logit_growth"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1:
                 raise ValueError(f"AlertRules.{name} must be a number > 1, got {value!r}")
+        level = self.attention_logit_level
+        if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level < float("inf"):
+            raise ValueError(f"AlertRules.attention_logit_level must be a finite number > 0, got {level!r}")
         for name in ("weight_norm_bounds", "grad_norm_bounds"):
             value = getattr(self, name)
             if not (isinstance(value, tuple) and len(value) == 2) or any(
@@ -149,6 +168,7 @@ class HealthMonitor:
         self._moved = np.zeros(size, dtype=bool)  # the weights changed between two samples, ever
         self._windows = {"weights": LayerWindows(rules, "weights"), "grads": LayerWindows(rules, "grads")}
         self._update_shape = UpdateShape(rules)
+        self._attention = AttentionTrend(rules)
 
     def observe(
         self,
@@ -158,6 +178,7 @@ class HealthMonitor:
         grads: Optional[dict[str, np.ndarray]],
         trainable: Sequence[str],
         adam: Sequence[tuple[list[str], np.ndarray]] = (),
+        attention: Optional[dict[str, np.ndarray]] = None,
     ) -> list[Alert]:
         """The alerts first seen at ``step``.
 
@@ -168,6 +189,8 @@ class HealthMonitor:
             trainable: Names of the parameters with ``requires_grad``.
             adam: Adam's state after the step, as pieces of names and rows
                 (:mod:`~layerwatch.optimizer_state`).
+            attention: Attention module -> its heads' ``[largest logit, entropy]``
+                (:mod:`~layerwatch.probes.attention`).
         """
         new: list[Alert] = []
         w_idx, w_rows = self._stack(weights)
@@ -182,6 +205,8 @@ class HealthMonitor:
             names = [name for names, _ in adam for name in names]
             for kind, layer, message in self._update_shape.observe(names, np.concatenate([rows for _, rows in adam])):
                 self._raise_for(new, kind, layer, step, message)
+        for kind, layer, message in self._attention.observe(attention or {}):
+            self._raise_for(new, kind, layer, step, message)
         return new
 
     # ------------------------------------------------------------------ rules
@@ -499,8 +524,7 @@ class UpdateShape:
         self._layer_of: dict[str, int] = {}  # parameter -> layer index
         self._index: dict[str, int] = {}  # layer -> its index
         self._layers: list[str] = []
-        self._rms: list[list[float]] = []  # per layer, its last 2 * window values
-        self._lowest: list[float] = []  # per layer, the lowest window median before the last window
+        self._rms = Windows(rules.window)
         self._eps_run: list[int] = []  # per layer, samples in a row above eps_bound_frac
 
     def observe(self, names: list[str], rows: np.ndarray) -> list[tuple[str, str, str]]:
@@ -508,20 +532,15 @@ class UpdateShape:
         idx = np.array([self._slot(name) for name in names], dtype=int)
         size = len(self._layers)
         sums = {col: np.bincount(idx, rows[:, col], minlength=size) for col in (UPDATE_SUMSQ, VALUES, EPS_BOUND, SEEN)}
-        present = np.unique(idx)
         w, found = self.rules.window, []
         with np.errstate(divide="ignore", invalid="ignore"):
             rms = np.sqrt(sums[UPDATE_SUMSQ] / sums[VALUES])
             share = sums[EPS_BOUND] / sums[SEEN]
-        for i in present.tolist():
+        for i in np.unique(idx).tolist():
             layer = self._layers[i] or ROOT
-            history = self._rms[i]
-            if np.isfinite(rms[i]):
-                history.append(float(rms[i]))
-                del history[:-2 * w]
-            if len(history) == 2 * w:
-                before, now = float(np.median(history[:w])), float(np.median(history[w:]))
-                lowest = self._lowest[i] = min(self._lowest[i], before)
+            trend = self._rms.add(self._layers[i], float(rms[i]))
+            if trend is not None:
+                _, now, lowest, _ = trend
                 if now >= self.rules.sign_like_rms and now >= self.rules.sign_like_factor * lowest:
                     found.append(("sign_like", self._layers[i], (
                         f"Adam's updates of layer {layer} turned sign-like: normalized update RMS {now:.2f} over the last "
@@ -545,11 +564,84 @@ class UpdateShape:
             index = self._index.setdefault(layer, len(self._layers))
             if index == len(self._layers):
                 self._layers.append(layer)
-                self._rms.append([])
-                self._lowest.append(float("inf"))
                 self._eps_run.append(0)
             self._layer_of[name] = index
         return index
+
+
+class Windows:
+    """Each layer's last ``2 * window`` values of one signal: the medians of the window before
+    and of the last one, and the lowest and highest median a window before ever had."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._values: dict[str, list[float]] = {}
+        self._extremes: dict[str, tuple[float, float]] = {}
+
+    def add(self, layer: str, value: float) -> Optional[tuple[float, float, float, float]]:
+        """``value`` at this sample; once two windows are full, ``(before, now, lowest, highest)``."""
+        if not np.isfinite(value):
+            return None
+        values = self._values.setdefault(layer, [])
+        values.append(value)
+        del values[:-2 * self.window]
+        if len(values) < 2 * self.window:
+            return None
+        before, now = float(np.median(values[:self.window])), float(np.median(values[self.window:]))
+        lowest, highest = self._extremes.get(layer, (before, before))
+        self._extremes[layer] = lowest, highest = min(lowest, before), max(highest, before)
+        return before, now, lowest, highest
+
+
+class AttentionTrend:
+    """The attention rules, per attention module with its heads folded (the largest logit of
+    any head, the lowest entropy of any head):
+
+    - ``attention_logits``: the largest logit at or above ``attention_logit_level`` (100, the
+      level Kimi K2's QK-Clip and Megatron clip at); or, from a tenth of it, the window median
+      at least ``attention_logit_growth`` times the lowest median of a window before. Judged
+      against the layer's own past below the level: healthy logits grow several times from
+      their initial ~0.1 (the zoo's BERT: 0.1 to 0.5 in 36 steps), and a small model can fail
+      before any logit reaches 100 (Wortsman et al. 2023).
+    - ``entropy_collapse``: the lowest head entropy's window median below ``entropy_collapse``
+      times the highest median of a window before: attention turning one-hot (Zhai et al. 2023).
+      Against the layer's own past: attention sinks keep some heads low in healthy models.
+    """
+
+    def __init__(self, rules: AlertRules) -> None:
+        self.rules = rules
+        self._logits, self._entropy = Windows(rules.window), Windows(rules.window)
+
+    def observe(self, attention: dict[str, np.ndarray]) -> list[tuple[str, str, str]]:
+        found, rules = [], self.rules
+        for layer, heads in attention.items():
+            logit = float(np.nanmax(heads[:, 0])) if np.isfinite(heads[:, 0]).any() else float("nan")
+            if logit >= rules.attention_logit_level:
+                found.append(("attention_logits", layer, (
+                    f"largest attention logit of layer {layer} is {logit:.4g}, at or above {rules.attention_logit_level:g} "
+                    f"(AlertRules.attention_logit_level; Kimi K2's QK-Clip and Megatron clip there): attention turns one-hot, "
+                    "then training diverges (Dehghani et al. 2023). QK-norm, or a lower learning rate?")))
+            trend = self._logits.add(layer, logit)
+            if trend is not None:
+                before, now, lowest, _ = trend
+                if now >= rules.attention_logit_level / 10 and now >= rules.attention_logit_growth * lowest > 0:
+                    found.append(("attention_logits", layer, (
+                        f"largest attention logit of layer {layer} grew {now / lowest:.3g}x over its lowest window: "
+                        f"{lowest:.3g} -> {now:.3g} (median of {rules.window} samples; AlertRules.attention_logit_growth is "
+                        f"{rules.attention_logit_growth:g}): logit growth comes before one-hot attention and divergence "
+                        "(Wortsman et al. 2023). QK-norm, or a lower learning rate?")))
+            entropies = heads[:, 1]
+            entropy = float(np.nanmin(entropies)) if np.isfinite(entropies).any() else float("nan")
+            trend = self._entropy.add(layer, entropy)
+            if trend is not None:
+                before, now, _, highest = trend
+                if now < rules.entropy_collapse * highest:
+                    found.append(("entropy_collapse", layer, (
+                        f"attention entropy of layer {layer} collapsed to {now:.3g} nats (its lowest head, median of "
+                        f"{rules.window} samples), {now / highest if highest else 0:.2g} of the {highest:.3g} it had (AlertRules."
+                        f"entropy_collapse is {rules.entropy_collapse:g}): a head attends to one key, which comes with "
+                        "oscillating loss and divergence (Zhai et al. 2023)")))
+        return found
 
 
 class HealthCheck:
@@ -568,6 +660,7 @@ class HealthCheck:
         trainable: Sequence[str],
         stepped: Optional[bool],
         found: Sequence[Alert] = (),
+        attention: Optional[dict[str, np.ndarray]] = None,
     ) -> R.Findings:
         """The findings of ``step``: ``found`` (alerts found outside the rules: the first
         offender) raised first, then the rules' on the weights' and gradients' rows.
@@ -597,7 +690,7 @@ class HealthCheck:
             )
             grads = None
         new += self.monitor.observe(step, weights=by_name("weights"), grads=grads, trainable=trainable,
-                                    adam=rows.get("adam", ()))
+                                    adam=rows.get("adam", ()), attention=attention)
         return R.Findings(alerts=new, alert_count=len(self.monitor.alerts),
                           alert_table=alerts_markdown(self.monitor.alerts) if new else None, optimizer_skipped=skipped)
 

@@ -392,7 +392,7 @@ class Engine:
         spiked = self._spikes.explain(sample.step, rows, probes, replayed=sample.replay is not None)
         findings = R.Findings(alerts=found + spiked.alerts) if self._health is None else self._health.judge(
             sample.step, rows, "grads" in self.options.families, sample.trainable() if stages is None else stages.trainable,
-            stepped, found + spiked.alerts)
+            stepped, found + spiked.alerts, attention=probes.attention if probes is not None else None)
         findings.offender, findings.spikes, findings.history = offender, spiked.spikes, spiked.history
         cost_s, interval = self._sampling.cost(sample.step, sample.overhead_s, started, self._collector.seconds)
         self._samples_written += 1

@@ -18,9 +18,9 @@ from layerwatch.probes import Offender, ProbeResult
 from layerwatch.stats import Histogram
 from layerwatch.table import Summary
 from layerwatch.vocabulary import (
-    ADAM_SPIKE_FRAC, ALERTS, TAB_ONLY_SERIES, FIRST_NONFINITE_STEP, FIRST_OFFENDER, GRAD_NORM, MACS_PER_STEP, MODULE_SCALARS,
+    ADAM_SPIKE_FRAC, ALERTS, ATTENTION_ENTROPY, ATTENTION_HEAD_ENTROPY, ATTENTION_HEAD_LOGIT_MAX, ATTENTION_LOGIT_MAX, TAB_ONLY_SERIES, FIRST_NONFINITE_STEP, FIRST_OFFENDER, GRAD_NORM, MACS_PER_STEP, MODULE_SCALARS,
     NONFINITE_MODULES, NONFINITE_SERIES, OPTIMIZER_SKIPPED, OVERHEAD_MS, PARAMS_FROZEN, PARAMS_LEARNABLE, PARAMS_TOTAL,
-    ROOT, RUN_WIDE, SAMPLE_INTERVAL, STRUCTURE, TENSOR_FAMILIES, histogram_tag, module_prefix, nonfinite_total_tag,
+    ROOT, RUN_WIDE, SAMPLE_INTERVAL, STRUCTURE, TENSOR_FAMILIES, head_name, histogram_tag, module_prefix, nonfinite_total_tag,
     stat_prefix, update_ratio_tag,
 )
 
@@ -162,9 +162,23 @@ def _add_probes(rec: StepRecord, result: ProbeResult, stats: Sequence[str], bins
     if measured:
         rows = np.stack([t.activation_row for t in measured])
         _add_tensor_family(rec, "activations", [t.name for t in measured], rows, stats, bins)
+    for name, heads in result.attention.items():
+        _add_attention(rec, name, heads)
     flags = [t.nonfinite for t in result.modules if t.nonfinite is not None]
     if flags:
         rec.scalars[NONFINITE_MODULES] = sum(flags)
+
+
+def _add_attention(rec: StepRecord, name: str, heads: np.ndarray) -> None:
+    """An attention module's ``[heads, 2]`` (largest logit, mean entropy): folded (the largest
+    logit of any head, the lowest entropy of any head) and each head's."""
+    logits, entropies = heads[:, 0], heads[:, 1]
+    rec.scalars[f"{ATTENTION_LOGIT_MAX}/{name}"] = float(logits.max())
+    if np.isfinite(entropies).any():
+        rec.scalars[f"{ATTENTION_ENTROPY}/{name}"] = float(np.nanmin(entropies))
+    for h, (logit, entropy) in enumerate(heads.tolist()):
+        rec.scalars[f"{ATTENTION_HEAD_LOGIT_MAX}/{head_name(name, h)}"] = logit
+        rec.scalars[f"{ATTENTION_HEAD_ENTROPY}/{head_name(name, h)}"] = entropy
 
 
 def _add_tensor_family(rec: StepRecord, family: str, names: Sequence[str], rows: np.ndarray, stats: Sequence[str], bins: int) -> None:

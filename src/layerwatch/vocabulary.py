@@ -14,7 +14,7 @@ ROOT = "(root)"  # the name layerwatch gives the model itself (named_modules() n
 
 # The families (the ``families=`` option).
 TENSOR_FAMILIES = ("weights", "grads")
-PROBE_FAMILIES = ("latency", "memory", "activations", "nonfinite")
+PROBE_FAMILIES = ("latency", "memory", "activations", "nonfinite", "attention")
 FAMILIES = TENSOR_FAMILIES + ("updates", "optimizer", "structure") + PROBE_FAMILIES
 
 # The per-tensor statistics (the ``stats=`` option): tagged <family>_<stat>/<name>.
@@ -56,9 +56,17 @@ ADAM_EPS_FRAC = "adam_eps_frac"  # share of the coordinates with v > 0 whose √
 ADAM_SPIKE_FRAC = "adam_spike_frac"  # share of the coordinates with v > 0 whose g² > θ·v̂ before the step
 ADAM_SERIES = (ADAM_UPDATE_RMS, ADAM_EPS_FRAC, ADAM_SPIKE_FRAC)
 
+# Per attention module (the "attention" family; probes/attention.py), its heads folded: the
+# largest logit of any head, the lowest mean entropy of any head; and each head's, as a row
+# <module>#<head> of its own in the tab.
+ATTENTION_LOGIT_MAX = "attention_logit_max"
+ATTENTION_ENTROPY = "attention_entropy"
+ATTENTION_HEAD_LOGIT_MAX = "attention_head_logit_max"
+ATTENTION_HEAD_ENTROPY = "attention_head_entropy"
+
 # Per-layer series kept out of TensorBoard's cards (see record.CardFilter); the LAYERWATCH tab has them.
 BYTE_SERIES = (ACTIVATION_BYTES, SAVED_BYTES)
-TAB_ONLY_SERIES = BYTE_SERIES + ADAM_SERIES  # three more a tensor would crowd TensorBoard's cards
+TAB_ONLY_SERIES = BYTE_SERIES + ADAM_SERIES + (ATTENTION_HEAD_LOGIT_MAX, ATTENTION_HEAD_ENTROPY)  # too many for cards
 NONFINITE_SERIES = ("weights_nonfinite", "grads_nonfinite", "activations_nonfinite", NONFINITE)
 
 # The LAYERWATCH tab's data (written by sinks/plugin_data.py, read by tensorboard_plugin/metadata.py):
@@ -96,6 +104,11 @@ def update_ratio_tag(name: str, estimated: bool = False) -> str:
 def nonfinite_total_tag(family: str) -> str:
     """The run-wide count of NaN/Inf values of a tensor family: ``layerwatch/grads_nonfinite``."""
     return RUN_WIDE + series_key(family, "nonfinite")
+
+
+def head_name(module: str, head: int) -> str:
+    """The tab's row of one attention head: ``transformer.h.0.attn#3``."""
+    return f"{module}#{head}"
 
 
 def parent(name: str) -> str:

@@ -69,6 +69,7 @@ class ProbeResult:
     # non-finite already (it used the fault, it did not make it), and those weights' names.
     weight_user: Optional[Offender] = None
     nonfinite_weights: list[str] = field(default_factory=list)
+    attention: dict = field(default_factory=dict)  # module -> [heads, 2]: largest logit, entropy (probes/attention.py)
 
 
 class RuntimeProbe:

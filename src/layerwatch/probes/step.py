@@ -12,6 +12,7 @@ from layerwatch import stats as S
 from layerwatch.distributed import RankSync
 from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import FailedForwardGuard
+from layerwatch.probes.attention import AttentionProbe
 from layerwatch.probes.runtime import ProbeResult, RuntimeProbe
 from layerwatch.vocabulary import PROBE_FAMILIES
 from layerwatch.probes.selection import (ModuleFilter, is_compiled, probe_names, select_modules,
@@ -58,6 +59,7 @@ class StepProbes:
         self._compiled_table = CompiledTable(failures)  # the table from the noted input shapes
         self._structure: Optional[StructureProbe] = None
         self._runtime: Optional[RuntimeProbe] = None
+        self._attention: Optional[AttentionProbe] = None
         self._weights: Optional[WeightCheck] = None  # the weights' NaN/Inf check of this step
         self._forward_guard: Optional[FailedForwardGuard] = None
         self._inert: list[Any] = []
@@ -92,6 +94,8 @@ class StepProbes:
             self.failures.run("record the layer table", lambda: self._arm_structure(model), step)
         if runtime:
             self.failures.run("arm the runtime probes", lambda: self._arm_runtime(model, parameters, eager), step)
+        if runtime and "attention" in self.families:
+            self.failures.run("arm the attention probe", lambda: self._arm_attention(model), step)
         if self._structure is not None or self._runtime is not None:
             self.failures.run("guard the forward", lambda: self._guard(model), step)
 
@@ -226,6 +230,9 @@ class StepProbes:
             workspace=self.workspace, cuda_events=self._cuda_events, traced=traced,
         )
 
+    def _arm_attention(self, model: nn.Module) -> None:
+        self._attention = AttentionProbe(model, {id(module): name for name, module in self._selected(model)})
+
     @property
     def sees_nonfinite(self) -> bool:
         """Whether this step's runtime probes are armed and flag NaN/Inf."""
@@ -238,11 +245,11 @@ class StepProbes:
 
     def disarm(self) -> None:
         """Remove this step's hooks (not the inert or traced ones, which only stop recording)."""
-        for probe in (self._structure, self._runtime, self._forward_guard):
+        for probe in (self._structure, self._runtime, self._forward_guard, self._attention):
             if probe is not None:
                 probe.remove()
         self._compiled_table.unhook()
-        self._structure = self._runtime = self._forward_guard = self._weights = None
+        self._structure = self._runtime = self._forward_guard = self._weights = self._attention = None
         if self._traced is not None:
             self._traced.disarm()
         self._traced_alone = False
@@ -294,6 +301,7 @@ class StepProbes:
                     runtime.error = RuntimeError("the runtime probes failed on another rank")
         if compiled:
             return self._caller_found(structure, runtime, step, weights)
+        attention = self._attention_result(sync is not None)
         self.disarm()
         summary = result = None
         if structure is not None:
@@ -312,6 +320,8 @@ class StepProbes:
             if runtime.error is not None:
                 self.runtime_on = False
                 self.failures.warn_once("fail:probes", f"layerwatch: a runtime probe failed: {runtime.error!r}; the per-module families are off")
+        if result is not None:
+            result.attention = attention
         if result is not None and self._outside is not None:
             self._traced_ran(result, step)
         elif result is not None and not result.modules and self.runtime_on and trained:
@@ -322,6 +332,21 @@ class StepProbes:
                 "compiled call, or call torch._dynamo.reset() before the next one so that it compiles again with them.",
             )
         return summary, result
+
+    def _attention_result(self, together: bool) -> dict:
+        """The attention probe's measurements; none where the ranks work together (tensor
+        parallel, FSDP: each rank's heads or batch would need combining, not done yet), said once."""
+        probe = self._attention
+        if probe is None:
+            return {}
+        if together:
+            if probe.calls:
+                self.failures.say_once("attention-ranks", "layerwatch: attention logits and entropy are not measured in "
+                                       "a run whose ranks combine their measurements (FSDP, tensor parallel) yet")
+            return {}
+        if probe.error is not None:
+            self.failures.warn_once("fail:attention", f"layerwatch: could not measure attention: {probe.error!r}; skipped")
+        return probe.result()
 
     def _caller_found(self, structure: Optional[StructureProbe], runtime: Optional[RuntimeProbe], step: int,
                       weights: Optional[WeightCheck]) -> tuple[None, Optional[ProbeResult]]:

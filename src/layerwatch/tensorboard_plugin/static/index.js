@@ -327,6 +327,7 @@ const COMBINE = {
   rss: {start: 0, add: (acc, v) => acc + v * v, finish: Math.sqrt},
   sum: {start: 0, add: (acc, v) => acc + v, finish: (acc) => acc},
   max: {start: -Infinity, add: Math.max, finish: (acc) => acc},
+  min: {start: Infinity, add: Math.min, finish: (acc) => acc},
 };
 
 /** Per step: NaN when any part is non-finite, not measured when no part is measured. */

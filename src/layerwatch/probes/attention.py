@@ -1,0 +1,154 @@
+"""Attention, per layer and per head, on a sampled step's forward: the largest attention logit
+and the attention entropy, exact on a fixed sample of query rows.
+
+Every call of ``torch.nn.functional.scaled_dot_product_attention`` during the forward (Hugging
+Face's SDPA models, timm, ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` when they
+need no weights: each looks the function up in ``torch.nn.functional`` when it calls it) is seen
+by a wrapper put there only while the sampled step's forward runs, and put back when it ends or
+raises. Every other op runs untouched (a :class:`~torch.overrides.TorchFunctionMode` would put a
+Python call before each, and the step's ``fwd_ms`` would measure it). The call itself runs as
+it would without it (its output is the same tensor, bitwise); beside it, the logits ``q·k/√d`` of ``ROWS`` query rows evenly spread over
+the sequence are computed against every key, under the call's own mask (``attn_mask``,
+``is_causal``, grouped-query heads), in float32:
+
+- **the largest logit** of each head: the maximum over those rows, their keys and the batch;
+- **the entropy** of each head: ``−Σ p log p`` of those rows' softmax, averaged over the rows and
+  the batch (in nats; ``log(keys)`` is uniform attention, 0 is one-hot).
+
+A call belongs to the innermost module of the model whose ``forward`` is on the Python stack
+(``transformer.h.0.attn``). Its cost is ``ROWS / queries`` of the attention scores' work, and
+nothing is read on the host until the step's end.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from layerwatch.hooks import is_compiling
+
+ROWS = 64  # query rows sampled per call
+
+
+def attention_stats(q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                    scale: Optional[float] = None, enable_gqa: bool = False, rows: int = ROWS) -> torch.Tensor:
+    """``[heads, 2]``: each head's largest logit and mean entropy over ``rows`` query rows
+    evenly spread over the sequence, as ``scaled_dot_product_attention(q, k, ...)`` computes
+    them (``q``: ``(..., heads, queries, d)``, ``k``: ``(..., kv_heads, keys, d)``)."""
+    with torch.no_grad():
+        queries, keys, d = q.shape[-2], k.shape[-2], q.shape[-1]
+        index = torch.linspace(0, queries - 1, min(rows, queries), device=q.device).round().long().unique()
+        q_rows = q.index_select(-2, index).float()
+        k = k.float()
+        if enable_gqa and k.shape[-3] != q.shape[-3]:
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        logits = (q_rows @ k.transpose(-2, -1)) * (scale if scale is not None else d ** -0.5)
+        keep = None
+        if is_causal:  # top-left aligned, as the kernel's: query i sees keys 0..i
+            keep = torch.arange(keys, device=q.device) <= index[:, None]
+        if attn_mask is not None:
+            mask = attn_mask if attn_mask.shape[-2] == 1 else attn_mask.index_select(-2, index)
+            if mask.dtype == torch.bool:
+                keep = mask if keep is None else keep & mask
+            else:
+                logits = logits + mask.float()
+        if keep is not None:
+            logits = logits.masked_fill(~keep, float("-inf"))
+        heads = logits.shape[-3]
+        by_head = logits.transpose(-3, 0).reshape(heads, -1, keys) if logits.dim() > 3 else logits
+        largest = by_head.amax(dim=(1, 2))
+        p = torch.softmax(by_head, dim=-1)
+        entropy = torch.special.entr(p).sum(-1)  # a row with no key left: NaN, left out below
+        seen = entropy.isfinite()
+        mean_entropy = torch.where(seen, entropy, 0).sum(-1) / seen.sum(-1)
+        return torch.stack([largest, mean_entropy], dim=1)
+
+
+class AttentionProbe:
+    """The attention statistics of one sampled step, seen while the model runs: a pre-hook and
+    an always-called hook on the model and on each of its children (a LightningModule's
+    ``training_step`` may call a child alone), counted so that the wrapper is in place from the
+    first forward entered to the last left. ``remove()`` is safe twice."""
+
+    def __init__(self, model: nn.Module, names: dict[int, str]) -> None:
+        self.names = names  # id(module) -> its name, for the modules whose calls are kept
+        self.calls: dict[str, list[torch.Tensor]] = {}  # module -> each call's [heads, 2]
+        self.error: Optional[BaseException] = None
+        self._original: Any = None  # torch's function, while the wrapper stands in for it
+        self._depth = 0
+        self._handles = [handle for module in (model, *model.children())
+                         for handle in (module.register_forward_pre_hook(self._on),
+                                        module.register_forward_hook(self._off, always_call=True))]
+
+    def _on(self, module: nn.Module, args: tuple) -> None:
+        if is_compiling():  # traced by Dynamo (a compiled caller): nothing here, no graph break
+            return
+        self._depth += 1
+        if self._original is None:
+            original = self._original = F.scaled_dot_product_attention
+
+            @functools.wraps(original)
+            def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
+                out = original(*args, **kwargs)
+                self.seen(args, kwargs)
+                return out
+
+            F.scaled_dot_product_attention = scaled_dot_product_attention
+
+    def _off(self, module: Optional[nn.Module], args: tuple, output: Any) -> None:
+        if is_compiling():
+            return
+        self._depth -= 1
+        if self._depth <= 0 and self._original is not None:
+            F.scaled_dot_product_attention, self._original, self._depth = self._original, None, 0
+
+    def seen(self, args: tuple, kwargs: dict) -> None:
+        """One call, by the innermost module of the model on the stack; a failure is kept, not raised."""
+        if self.error is not None:
+            return
+        try:
+            name = self._caller()
+            if name is None:
+                return
+            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+            given = dict(zip(names, args)) | kwargs
+            row = attention_stats(given["query"], given["key"], given.get("attn_mask"), bool(given.get("is_causal", False)),
+                                  given.get("scale"), bool(given.get("enable_gqa", False)))
+            self.calls.setdefault(name, []).append(row)
+        except Exception as e:  # the user's forward goes on; the step's attention is not written
+            self.error = e
+
+    def _caller(self) -> Optional[str]:
+        frame = sys._getframe(2)
+        while frame is not None:
+            owner = frame.f_locals.get("self") if frame.f_code.co_name in ("forward", "_call_impl") else None
+            name = self.names.get(id(owner)) if owner is not None else None
+            if name is not None:
+                return name
+            frame = frame.f_back
+        return None
+
+    def remove(self) -> None:
+        self._depth = 0
+        self._off(None, (), None)
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def result(self) -> dict[str, np.ndarray]:
+        """Per module, ``[heads, 2]``: each head's largest logit (over every call) and mean
+        entropy (the calls' mean), on the host; {} after a failure."""
+        if self.error is not None or not self.calls:
+            return {}
+        names = list(self.calls)
+        folded = [torch.stack([torch.stack(rows)[:, :, 0].amax(0), torch.stack(rows)[:, :, 1].mean(0)], dim=1)
+                  for rows in self.calls.values()]
+        sizes = [len(rows) for rows in folded]
+        flat = torch.cat(folded).double().cpu().numpy()  # the step's one transfer of them
+        return dict(zip(names, np.split(flat, np.cumsum(sizes)[:-1])))

@@ -1,0 +1,235 @@
+"""Attention per layer and per head (the "attention" family): the largest logit and the entropy
+of every scaled_dot_product_attention call of a sampled forward, exact on its sampled query
+rows, with the run unchanged; the attention_logits and entropy_collapse alerts provoked by
+scaling a layer's query and key weights."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from layerwatch import Inspector
+from layerwatch.probes.attention import ROWS, attention_stats
+from models import tab_values
+
+ORIGINAL = F.scaled_dot_product_attention
+
+
+def brute_force(q, k, mask=None, causal=False, scale=None, gqa=False):
+    """Every row's logits, as the kernel computes them, in float64: ``[heads, 2]``."""
+    if gqa:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    logits = q.double() @ k.double().transpose(-2, -1) * (scale or q.shape[-1] ** -0.5)
+    if causal:
+        logits = logits.masked_fill(~torch.ones(logits.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
+    heads = logits.transpose(-3, 0).reshape(logits.shape[-3], -1, logits.shape[-1])
+    entropy = torch.special.entr(heads.softmax(-1)).sum(-1)
+    seen = entropy.isfinite()
+    return torch.stack([heads.amax((1, 2)), torch.where(seen, entropy, 0).sum(-1) / seen.sum(-1)], 1)
+
+
+@pytest.mark.parametrize("case", ["plain", "causal", "bool mask", "float mask and scale", "grouped query heads", "a masked row"])
+def test_the_statistics_are_those_of_every_row_when_they_are_all_sampled(case):
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 10, 8), torch.randn(2, 4, 10, 8)
+    kwargs, reference = {}, {}
+    if case == "causal":
+        kwargs = reference = {"is_causal": True}
+        reference = {"causal": True}
+    elif case in ("bool mask", "a masked row"):
+        mask = torch.rand(2, 1, 10, 10) > 0.4
+        mask[..., 0] = case == "bool mask"  # a row with no key left is left out of the entropy
+        kwargs, reference = {"attn_mask": mask}, {"mask": mask}
+    elif case == "float mask and scale":
+        mask = torch.randn(10, 10)
+        kwargs, reference = {"attn_mask": mask, "scale": 0.3}, {"mask": mask, "scale": 0.3}
+    elif case == "grouped query heads":
+        k = torch.randn(2, 2, 10, 8)
+        kwargs, reference = {"enable_gqa": True}, {"gqa": True}
+    got = attention_stats(q, k, **kwargs)
+    torch.testing.assert_close(got.double(), brute_force(q, k, **reference), rtol=1e-5, atol=1e-5)
+
+
+def test_a_long_sequence_is_measured_on_a_sample_of_its_query_rows():
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 2, 500, 8), torch.randn(1, 2, 500, 8)
+    got, every = attention_stats(q, k, is_causal=True), brute_force(q, k, causal=True)
+    assert (got[:, 0] <= every[:, 0] + 1e-5).all()  # the largest of a sample: never above the whole's
+    index = torch.linspace(0, 499, ROWS).round().long()
+    rows = brute_force(q[:, :, index], k[:, :, : index.max() + 1], mask=torch.arange(index.max() + 1) <= index[:, None])
+    torch.testing.assert_close(got.double(), rows, rtol=1e-5, atol=1e-5)
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        split = lambda t: t.view(b, n, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
+        out = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)), is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, n, d))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.norm, self.attn, self.mlp = nn.LayerNorm(d), Attention(d), nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm(x))
+        return x + self.mlp(x)
+
+
+class LM(nn.Module):
+    def __init__(self, vocab: int = 32, d: int = 16) -> None:
+        super().__init__()
+        self.embed, self.blocks, self.head = nn.Embedding(vocab, d), nn.ModuleList([Block(d), Block(d)]), nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def run(log_dir, steps=6, every=2, before_step=None, model=None, **options):
+    torch.manual_seed(0)
+    model = LM() if model is None else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(1)
+    losses, stacks = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        inspector = Inspector(model, log_dir=log_dir, every_n_steps=every, optimizer=opt, **options).start() if log_dir else None
+        for k in range(steps):
+            if before_step is not None:
+                before_step(model, k)
+            ids = torch.randint(0, 32, (4, 12), generator=generator)
+            loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            if inspector is not None:
+                inspector.step()
+            stacks.append(F.scaled_dot_product_attention is ORIGINAL)
+        if inspector is not None:
+            inspector.finish()
+    return inspector, losses, stacks, model
+
+
+def test_each_attention_module_gets_its_calls_statistics_and_the_run_is_unchanged(tmp_path, events):
+    seen = {}
+
+    def keep(name):
+        def hook(module, args, output):
+            seen.setdefault(name, []).append(output.detach().clone())
+        return hook
+
+    torch.manual_seed(0)
+    model = LM()
+    for b, block in enumerate(model.blocks):
+        block.attn.q.register_forward_hook(keep(f"{b}.q"))
+        block.attn.k.register_forward_hook(keep(f"{b}.k"))
+    _, losses, stacks, _ = run(tmp_path, model=model)
+    _, plain_losses, _, _ = run(None)
+    assert losses == plain_losses
+    assert stacks == [True] * 6  # the wrapper stands in during a sampled forward only
+    tab = tab_values(events(tmp_path))
+    for b in range(2):
+        split = lambda t: t.view(4, 11, 2, 8).transpose(1, 2)  # noqa: E731
+        for step in (0, 2, 4):
+            expected = brute_force(split(seen[f"{b}.q"][step]), split(seen[f"{b}.k"][step]), causal=True)
+            name = f"blocks.{b}.attn"
+            assert tab[f"attention_logit_max/{name}"][step] == pytest.approx(expected[:, 0].max().item(), rel=1e-5)
+            assert tab[f"attention_entropy/{name}"][step] == pytest.approx(expected[:, 1].min().item(), rel=1e-5)
+            for h in range(2):
+                assert tab[f"attention_head_logit_max/{name}#{h}"][step] == pytest.approx(expected[h, 0].item(), rel=1e-5)
+                assert tab[f"attention_head_entropy/{name}#{h}"][step] == pytest.approx(expected[h, 1].item(), rel=1e-5)
+    scalars = events(tmp_path).Tags()["scalars"]
+    assert "attention_logit_max/blocks.0.attn" in scalars and not [t for t in scalars if t.startswith("attention_head")]
+
+
+def test_torch_transformer_layers_are_seen_through_multihead_attention(tmp_path, events):
+    torch.manual_seed(0)
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2,
+                                  enable_nested_tensor=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, optimizer=opt) as inspector:
+        for _ in range(2):
+            model(torch.randn(3, 7, 16)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            inspector.step()
+    tab = tab_values(events(tmp_path))
+    assert sorted(t for t in tab if t.startswith("attention_logit_max/")) == [
+        "attention_logit_max/layers.0.self_attn", "attention_logit_max/layers.1.self_attn"]
+    assert F.scaled_dot_product_attention is ORIGINAL
+
+
+def test_a_forward_that_raises_puts_torchs_function_back(tmp_path):
+    class Raises(LM):
+        def forward(self, ids):
+            super().forward(ids)
+            raise RuntimeError("boom")
+
+    model = Raises()
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1) as inspector:
+        inspector.step()
+        with pytest.raises(RuntimeError, match="boom"):
+            model(torch.randint(0, 32, (2, 5)))
+        assert F.scaled_dot_product_attention is ORIGINAL
+
+
+def test_the_family_can_be_turned_off_and_no_mode_is_left(tmp_path, events):
+    _, _, stacks, _ = run(tmp_path, families=("weights", "grads", "latency"))
+    assert not [t for t in tab_values(events(tmp_path)) if t.startswith("attention")]
+    assert stacks == [True] * 6
+
+
+def scale_queries_and_keys(layer: int, at: int, factor: float):
+    def before_step(model, k):
+        if k == at:
+            with torch.no_grad():
+                for linear in (model.blocks[layer].attn.q, model.blocks[layer].attn.k):
+                    linear.weight.mul_(factor)
+                    linear.bias.mul_(factor)
+    return before_step
+
+
+def alerts_of(inspector, kind):
+    return [(a.name, a.step) for a in inspector.alerts if a.kind == kind]
+
+
+def test_queries_and_keys_scaled_up_raise_attention_logits_and_entropy_collapse_on_their_layer(tmp_path):
+    inspector, _, _, _ = run(tmp_path / "scaled", steps=40, every=2, before_step=scale_queries_and_keys(1, 20, 12.0))
+    logits, collapse = alerts_of(inspector, "attention_logits"), alerts_of(inspector, "entropy_collapse")
+    assert [name for name, _ in logits] == ["blocks.1.attn"] and 20 <= logits[0][1] <= 30
+    assert [name for name, _ in collapse] == ["blocks.1.attn"] and 20 <= collapse[0][1] <= 30
+    healthy, _, _, _ = run(tmp_path / "healthy", steps=40, every=2)
+    assert not alerts_of(healthy, "attention_logits") + alerts_of(healthy, "entropy_collapse")
+
+
+def test_a_logit_above_the_level_alerts_at_once(tmp_path):
+    inspector, _, _, _ = run(tmp_path, steps=8, every=2, before_step=scale_queries_and_keys(0, 4, 60.0))
+    (alert,) = [a for a in inspector.alerts if a.kind == "attention_logits"]
+    assert (alert.name, alert.step) == ("blocks.0.attn", 4)
+    assert "AlertRules.attention_logit_level" in alert.message
+
+
+def test_a_compiled_model_is_not_measured_and_nothing_breaks(tmp_path, events):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.compile(LM(), backend="eager")
+    _, losses, stacks, _ = run(tmp_path, steps=4, model=model)
+    assert all(np.isfinite(losses)) and stacks == [True] * 4
