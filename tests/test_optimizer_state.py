@@ -326,3 +326,22 @@ def test_fsdp2_per_layer_reads_the_whole_tensors_state(tmp_path, events):
                 spikes = (grads[name].double() ** 2 > 5000 * v_before[name].double() / (1 - 0.999 ** (t - 1))) & judged
                 assert tab[f"adam_spike_frac/{name}"][step] == pytest.approx(spikes.sum().item() / judged.sum().item())
     assert sorted(tab["adam_spike_frac/fc1.weight"]) == [1, 2]
+
+
+def test_a_sample_a_spike_asks_for_after_the_step_reads_the_tracked_optimizers_state(tmp_path, events, capsys):
+    """A plain loop hands its loss over after the optimizer's step: a spike there samples the
+    step at its end, after the optimizer's hooks ran; Adam's state is read all the same."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1000, optimizer=opt) as inspector:
+        for k in range(45):
+            loss = model(torch.randn(8, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            inspector.step(loss=torch.tensor(1000.0 if k == 40 else 1.0 + 0.01 * math.sin(k)))
+    assert "pass optimizer=" not in capsys.readouterr().err
+    assert [a.step for a in inspector.alerts if a.kind == "spike"] == [40]
+    tab = tab_values(events(tmp_path))
+    assert 40 in tab["grads_norm/fc1.weight"] and 40 in tab["adam_update_rms/fc1.weight"]

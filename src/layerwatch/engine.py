@@ -337,7 +337,7 @@ class Engine:
         if structure is None and self._probes.table_waits and world_size() == 1:
             structure = table_eagerly(self._model(), self._probes, self.failures, self._step,
                                       micro_batches[0] if micro_batches else None)
-        self._reads.rest(sample)
+        self._reads.rest(sample, [ref() for ref in self._faults.optimizers])
         parts: list[Optional[StagePart]] = []  # every stage's measurements, on the writer
         if stages is not None:  # every rank, whatever it measured: collective
             self.failures.run("gather the pipeline stages' measurements", lambda: parts.append(stages.gather(

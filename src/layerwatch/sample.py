@@ -10,7 +10,7 @@ rows to the host in one transfer per device (:meth:`~SampleReads.host_rows`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 from torch import nn
@@ -121,14 +121,16 @@ class SampleReads:
         self._weights(sample, params)
         self._optimizer_state(sample, [optimizer] if optimizer is not None else sample.optimizers)
 
-    def rest(self, sample: Sample) -> None:
-        """The step ends: what it has not read yet (a door that leaves the optimizer's points out)."""
+    def rest(self, sample: Sample, tracked: Sequence[Any] = ()) -> None:
+        """The step ends: what it has not read yet (a door that leaves the optimizer's points out).
+        ``tracked``: the optimizers the door named, for a sample made after their step (a fault's)."""
         self._gradients(sample, sample.unread(sample.grads_read, None))
         for _, snapshot in sample.snapshots:
             self.failures.run("measure updates", lambda: self._updates(sample, snapshot), sample.step)
         self._weights(sample, sample.unread(sample.weights_read, None))
-        self._optimizer_state(sample, sample.optimizers)
-        if "optimizer" in self.families and not sample.optimizers and self.params.zero is None and is_writer_rank():
+        optimizers = sample.optimizers or [optimizer for optimizer in tracked if optimizer is not None]
+        self._optimizer_state(sample, optimizers)
+        if "optimizer" in self.families and not optimizers and self.params.zero is None and is_writer_rank():
             self.failures.say_once("no-optimizer", (
                 "layerwatch: Adam's state (adam_update_rms, adam_eps_frac, adam_spike_frac) is read where the "
                 "optimizer is known: pass optimizer= to the Inspector"))

@@ -89,6 +89,9 @@ class StepProbes:
                 self._compiled_table.note(model, step)
             if runtime:
                 self.failures.run("arm the traced probes", lambda: self._arm_traced(model, parameters), step)
+            if runtime and "attention" in self.families and writer:
+                self.failures.say_once("attention-compiled", "layerwatch: attention logits and entropy are not measured "
+                                       "inside compiled code yet (the attention kernel runs inside the graph)")
             return
         if self.structure_pending and writer:
             self.failures.run("record the layer table", lambda: self._arm_structure(model), step)
