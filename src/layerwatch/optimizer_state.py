@@ -102,23 +102,23 @@ class AdamState:
         self.groups = groups
         self.say_once = say_once
 
-    def _stepped(self, optimizer: Any, params: Sequence[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
-        """The ``params`` that ``optimizer`` (an Adam) holds moments of; said once of another optimizer."""
+    def _adam(self, optimizer: Any) -> Optional[torch.optim.Optimizer]:
+        """The Adam in ``optimizer``; None, said once, for another optimizer. The same optimizer
+        on every rank: where it is not an Adam, none of them takes the groups' collective."""
         adam = adam_optimizer(optimizer)
-        if adam is None:
-            if optimizer is not None and is_writer_rank():
-                self.say_once(f"not-adam:{type(optimizer).__name__}", (
-                    f"layerwatch: the optimizer-state signals (adam_update_rms, adam_eps_frac, adam_spike_frac) cover "
-                    f"torch's Adam and AdamW; {type(optimizer).__name__}'s state is not read"))
-            return []
-        state = adam.state
-        return [(name, p) for name, p in params if "exp_avg_sq" in state.get(p, ())]
+        if adam is None and optimizer is not None and is_writer_rank():
+            self.say_once(f"not-adam:{type(optimizer).__name__}", (
+                f"layerwatch: the optimizer-state signals (adam_update_rms, adam_eps_frac, adam_spike_frac) cover "
+                f"torch's Adam and AdamW; {type(optimizer).__name__}'s state is not read"))
+        return adam
 
     def before_step(self, optimizer: Any, params: Sequence[tuple[str, nn.Parameter]]) -> list[tuple[list[str], torch.Tensor]]:
         """Rows ``[SPIKES, JUDGED, FAILED]`` of the parameters ``optimizer`` is about to step, their
         gradients final and their ``v`` still the last step's."""
-        adam = adam_optimizer(optimizer)
-        found = dict([(name, p) for name, p in self._stepped(optimizer, params) if p.grad is not None])
+        adam = self._adam(optimizer)
+        if adam is None:
+            return []
+        found = {name: p for name, p in params if "exp_avg_sq" in adam.state.get(p, ()) and p.grad is not None}
         pieces = []
         if found:
             settings = {id(p): g for g in adam.param_groups for p in g["params"]}
@@ -131,8 +131,10 @@ class AdamState:
 
     def after_step(self, optimizer: Any, params: Sequence[tuple[str, nn.Parameter]]) -> list[tuple[list[str], torch.Tensor]]:
         """Rows ``[UPDATE_SUMSQ, VALUES, EPS_BOUND, SEEN, FAILED]`` of the parameters ``optimizer`` has stepped."""
-        adam = adam_optimizer(optimizer)
-        found = dict(self._stepped(optimizer, params))
+        adam = self._adam(optimizer)
+        if adam is None:
+            return []
+        found = {name: p for name, p in params if "exp_avg_sq" in adam.state.get(p, ())}
         pieces = []
         if found:
             settings = {id(p): g for g in adam.param_groups for p in g["params"]}
