@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 import torch
 from torch import nn
+import torch.nn.functional as F
 from torch.optim import optimizer as optimizer_module
 from torch.utils.data import TensorDataset
 
@@ -813,3 +814,41 @@ def __getattr__(name: str):
         return getattr(lit_models, name)
     except AttributeError:
         raise AttributeError(f"module 'models' has no attribute {name!r}") from None
+
+
+class SdpaAttention(nn.Module):
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        split = lambda t: t.view(b, n, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
+        out = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)), is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, n, d))
+
+
+class SdpaBlock(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.norm, self.attn, self.mlp = nn.LayerNorm(d), SdpaAttention(d), nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm(x))
+        return x + self.mlp(x)
+
+
+class SdpaLM(nn.Module):
+    """A two-block causal LM whose attention calls ``F.scaled_dot_product_attention`` (16 wide,
+    2 heads, vocabulary 32), its output head ``head``."""
+
+    def __init__(self, vocab: int = 32, d: int = 16) -> None:
+        super().__init__()
+        self.embed, self.blocks, self.head = nn.Embedding(vocab, d), nn.ModuleList([SdpaBlock(d), SdpaBlock(d)]), nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)

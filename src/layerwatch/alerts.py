@@ -26,6 +26,8 @@ thresholds in :class:`AlertRules`:
   tenth of that level, its window median ``attention_logit_growth`` times the lowest of a window
   before. The lowest head entropy's window median below ``entropy_collapse`` times the highest of
   a window before.
+- ``logit_drift``: the output head's mean ``log Z`` (logsumexp of a token's logits), its window
+  median more than ``logit_drift`` nats from its first window's (:class:`AttentionTrend`).
 
 Alerts are named by layer (the module that owns the parameter), so a layer's weight and
 bias raise one alert between them.
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -48,7 +50,7 @@ from layerwatch.vocabulary import ROOT, parent
 logger = logging.getLogger("layerwatch")
 
 KINDS = ("dead", "stuck", "exploding", "vanishing", "nonfinite", "spike", "sign_like", "eps_bound", "attention_logits",
-         "entropy_collapse")
+         "entropy_collapse", "logit_drift")
 EVENT_KINDS = ("spike",)  # raised at each step they happen; the others once per layer
 
 Bounds = tuple[Optional[float], Optional[float]]
@@ -101,6 +103,9 @@ class AlertRules:
             small model can diverge before any logit reaches 100.
         entropy_collapse: A layer's lowest head entropy (window median) below this share of the
             highest median of a window before is a collapse.
+        logit_drift: Nats the output head's mean log Z (window median) may move from its first
+            window's before it alerts: a softmax is blind to a shift of every logit, the loss
+            does not see it, and PaLM's z-loss exists to stop it.
     """
 
     window: int = 5
@@ -116,6 +121,7 @@ class AlertRules:
     attention_logit_level: float = 100.0
     attention_logit_growth: float = 3.0
     entropy_collapse: float = 0.25
+    logit_drift: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("window", "dead_samples", "stuck_samples"):
@@ -130,9 +136,10 @@ class AlertRules:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1:
                 raise ValueError(f"AlertRules.{name} must be a number > 1, got {value!r}")
-        level = self.attention_logit_level
-        if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level < float("inf"):
-            raise ValueError(f"AlertRules.attention_logit_level must be a finite number > 0, got {level!r}")
+        for name in ("attention_logit_level", "logit_drift"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"AlertRules.{name} must be a finite number > 0, got {value!r}")
         for name in ("weight_norm_bounds", "grad_norm_bounds"):
             value = getattr(self, name)
             if not (isinstance(value, tuple) and len(value) == 2) or any(
@@ -179,6 +186,7 @@ class HealthMonitor:
         trainable: Sequence[str],
         adam: Sequence[tuple[list[str], np.ndarray]] = (),
         attention: Optional[dict[str, np.ndarray]] = None,
+        logits: Optional[tuple[str, np.ndarray]] = None,
     ) -> list[Alert]:
         """The alerts first seen at ``step``.
 
@@ -191,6 +199,7 @@ class HealthMonitor:
                 (:mod:`~layerwatch.optimizer_state`).
             attention: Attention module -> its heads' ``[largest logit, entropy]``
                 (:mod:`~layerwatch.probes.attention`).
+            logits: The output head and its ``[mean, max]`` of log Z (:mod:`~layerwatch.probes.logits`).
         """
         new: list[Alert] = []
         w_idx, w_rows = self._stack(weights)
@@ -205,7 +214,7 @@ class HealthMonitor:
             names = [name for names, _ in adam for name in names]
             for kind, layer, message in self._update_shape.observe(names, np.concatenate([rows for _, rows in adam])):
                 self._raise_for(new, kind, layer, step, message)
-        for kind, layer, message in self._attention.observe(attention or {}):
+        for kind, layer, message in self._attention.observe(attention or {}, logits):
             self._raise_for(new, kind, layer, step, message)
         return new
 
@@ -594,7 +603,9 @@ class Windows:
 
 
 class AttentionTrend:
-    """The attention rules, per attention module with its heads folded (the largest logit of
+    """The rules on the probes' transformer signals. The output head's ``logit_drift``: its
+    mean log Z's window median more than ``logit_drift`` nats from its first window's. The
+    attention rules, per attention module with its heads folded (the largest logit of
     any head, the lowest entropy of any head):
 
     - ``attention_logits``: the largest logit at or above ``attention_logit_level`` (100, the
@@ -610,10 +621,24 @@ class AttentionTrend:
 
     def __init__(self, rules: AlertRules) -> None:
         self.rules = rules
-        self._logits, self._entropy = Windows(rules.window), Windows(rules.window)
+        self._logits, self._entropy, self._log_z = Windows(rules.window), Windows(rules.window), Windows(rules.window)
+        self._first: dict[str, float] = {}  # the output head's first window median of log Z
 
-    def observe(self, attention: dict[str, np.ndarray]) -> list[tuple[str, str, str]]:
+    def observe(self, attention: dict[str, np.ndarray], logits: Optional[tuple[str, np.ndarray]] = None
+                ) -> list[tuple[str, str, str]]:
         found, rules = [], self.rules
+        if logits is not None:
+            head, (mean, _) = logits
+            trend = self._log_z.add(head, float(mean))
+            if trend is not None:
+                first = self._first.setdefault(head, trend[0])
+                now = trend[1]
+                if abs(now - first) > rules.logit_drift:
+                    found.append(("logit_drift", head, (
+                        f"the output head {head}'s log Z (logsumexp of a token's logits, mean) drifted from {first:.3g} to "
+                        f"{now:.3g} nats (medians of {rules.window} samples; AlertRules.logit_drift is {rules.logit_drift:g}): "
+                        "the softmax and the loss do not see it, and it comes before divergence late in training. "
+                        "A z-loss (PaLM: 1e-4 (log Z)^2)?")))
         for layer, heads in attention.items():
             logit = float(np.nanmax(heads[:, 0])) if np.isfinite(heads[:, 0]).any() else float("nan")
             if logit >= rules.attention_logit_level:
@@ -660,10 +685,11 @@ class HealthCheck:
         trainable: Sequence[str],
         stepped: Optional[bool],
         found: Sequence[Alert] = (),
-        attention: Optional[dict[str, np.ndarray]] = None,
+        probes: Any = None,
     ) -> R.Findings:
         """The findings of ``step``: ``found`` (alerts found outside the rules: the first
-        offender) raised first, then the rules' on the weights' and gradients' rows.
+        offender) raised first, then the rules' on the weights' and gradients' rows, Adam's state and
+        the ``probes``' result (:class:`~layerwatch.probes.ProbeResult`: attention, output logits).
         ``stepped`` is False when the optimizer skipped the step (None: not known)."""
         def by_name(family: str) -> dict[str, np.ndarray]:
             return {name: row for names, family_rows in rows.get(family, ()) for name, row in zip(names, family_rows)}
@@ -690,7 +716,8 @@ class HealthCheck:
             )
             grads = None
         new += self.monitor.observe(step, weights=by_name("weights"), grads=grads, trainable=trainable,
-                                    adam=rows.get("adam", ()), attention=attention)
+                                    adam=rows.get("adam", ()), attention=None if probes is None else probes.attention,
+                                    logits=None if probes is None else probes.logits)
         return R.Findings(alerts=new, alert_count=len(self.monitor.alerts),
                           alert_table=alerts_markdown(self.monitor.alerts) if new else None, optimizer_skipped=skipped)
 

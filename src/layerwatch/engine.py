@@ -93,8 +93,7 @@ class Engine:
             raise TypeError(f"options must be an Options from validate_options(), got {type(options).__name__}")
         if writer is not None and log_dir is not None:
             raise ValueError(f"pass writer or log_dir, not both (got writer={writer!r}, log_dir={str(log_dir)!r})")
-        self.options = options
-        self.owner = owner
+        self.options, self.owner = options, owner
         self.log_dir = None if log_dir is None else writable_dir(log_dir)
         self._model = weakref.ref(model)
         self._state, self._step, self._samples_written, self._armed = "new", 0, 0, False
@@ -102,7 +101,8 @@ class Engine:
         self.failures = FailurePolicy()
         self._params = ParameterFamilies(options, self.failures)
         self._reads = SampleReads(options, self.failures, self._params)
-        self._probes = StepProbes(options.families, options.modules, options.stats, options.bins, self.failures)
+        self._probes = StepProbes(options.families, options.modules, options.stats, options.bins, self.failures,
+                                  output_head=options.output_head)
         self._health = None if options.rules is None else HealthCheck(options.rules, self.failures)
         self._counter = StepCounter()
         # What is attached to the user's objects lives apart from the engine and goes with it.
@@ -392,7 +392,7 @@ class Engine:
         spiked = self._spikes.explain(sample.step, rows, probes, replayed=sample.replay is not None)
         findings = R.Findings(alerts=found + spiked.alerts) if self._health is None else self._health.judge(
             sample.step, rows, "grads" in self.options.families, sample.trainable() if stages is None else stages.trainable,
-            stepped, found + spiked.alerts, attention=probes.attention if probes is not None else None)
+            stepped, found + spiked.alerts, probes)
         findings.offender, findings.spikes, findings.history = offender, spiked.spikes, spiked.history
         cost_s, interval = self._sampling.cost(sample.step, sample.overhead_s, started, self._collector.seconds)
         self._samples_written += 1

@@ -88,7 +88,7 @@ class InspectTrainerCallback(TrainerCallback):
 
     Args: the options of :class:`~layerwatch.Inspector` (``every_n_steps``, ``schedule``,
         ``overhead_budget``, ``families``, ``stats``, ``histograms``, ``histogram_bins``,
-        ``alerts``, ``modules``, ``sentinel``, ``memory_budget``, ``spikes``: the loss the model's outputs
+        ``alerts``, ``modules``, ``sentinel``, ``memory_budget``, ``output_head``, ``spikes``: the loss the model's outputs
         hold and the gradient norm the Trainer computes each step, before clipping), with the
         same meaning and checks, and:
 
@@ -125,6 +125,7 @@ class InspectTrainerCallback(TrainerCallback):
         sentinel: bool = True,
         memory_budget: Optional[int | float] = None,
         spikes: SpikeRule | bool = True,
+        output_head: Optional[str] = None,
         replay: bool = True,
     ) -> None:
         if not isinstance(replay, bool):

@@ -107,6 +107,9 @@ class Inspector:
             in it (on the CPU), and the next sample ranks the layers that grew most (a ``spike``
             alert). ``SpikeRule(z=, window=, warmup=, capture=)`` changes them; False: off.
             Nothing waits for them: on a GPU they are judged once their copies landed.
+        output_head: The module whose output is the model's logits (as ``named_modules()`` names
+            it: ``"lm_head"``), for ``logsumexp_mean/<head>`` and ``logsumexp_max/<head>``.
+            Default: the module Hugging Face's ``get_output_embeddings()`` returns.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer,
@@ -135,6 +138,7 @@ class Inspector:
         sentinel: bool = True,
         memory_budget: Optional[int | float] = None,
         spikes: SpikeRule | bool = True,
+        output_head: Optional[str] = None,
     ) -> None:
         self._deepspeed = None  # a DeepSpeed ZeRO optimizer given as optimizer=: the engine reads its partitions
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):

@@ -36,6 +36,7 @@ class Options:
     sentinel: bool
     memory_budget: Optional[int | float]  # bytes (int) or a share of the parameters' bytes (float); None: no limit
     spikes: Optional[SpikeRule] = None  # None: no loss spike detection
+    output_head: Optional[str] = None  # the module whose output is the logits; None: Hugging Face's get_output_embeddings()
 
     @property
     def zeros(self) -> bool:
@@ -60,6 +61,7 @@ def validate_options(
     sentinel: bool = True,
     memory_budget: Optional[int | float] = None,
     spikes: SpikeRule | bool = True,
+    output_head: Optional[str] = None,
 ) -> Options:
     """Check every option; raises with a message that names the bad value.
 
@@ -88,6 +90,8 @@ def validate_options(
         raise TypeError(f"sentinel must be a bool, got {sentinel!r}")
     if not isinstance(spikes, (bool, SpikeRule)):
         raise TypeError(f"spikes must be True, False or a SpikeRule, got {spikes!r}")
+    if output_head is not None and (not isinstance(output_head, str) or not output_head):
+        raise ValueError(f"output_head must name a module (as model.named_modules() names it), got {output_head!r}")
     if memory_budget is not None and not _memory_budget_ok(memory_budget):
         raise ValueError("memory_budget must be an int of bytes >= 0 or a finite float > 0 (a share of the parameters' "
                          f"bytes), got {memory_budget!r}")
@@ -102,6 +106,7 @@ def validate_options(
         sentinel=sentinel,
         memory_budget=memory_budget,
         spikes=SpikeRule() if spikes is True else spikes or None,
+        output_head=output_head,
     )
 
 

@@ -18,7 +18,8 @@ from layerwatch.probes import Offender, ProbeResult
 from layerwatch.stats import Histogram
 from layerwatch.table import Summary
 from layerwatch.vocabulary import (
-    ADAM_SPIKE_FRAC, ALERTS, ATTENTION_ENTROPY, ATTENTION_HEAD_ENTROPY, ATTENTION_HEAD_LOGIT_MAX, ATTENTION_LOGIT_MAX, TAB_ONLY_SERIES, FIRST_NONFINITE_STEP, FIRST_OFFENDER, GRAD_NORM, MACS_PER_STEP, MODULE_SCALARS,
+    ADAM_SPIKE_FRAC, ALERTS, ATTENTION_ENTROPY, ATTENTION_HEAD_ENTROPY, ATTENTION_HEAD_LOGIT_MAX, ATTENTION_LOGIT_MAX, LOGSUMEXP_MAX, LOGSUMEXP_MEAN,
+    TAB_ONLY_SERIES, FIRST_NONFINITE_STEP, FIRST_OFFENDER, GRAD_NORM, MACS_PER_STEP, MODULE_SCALARS,
     NONFINITE_MODULES, NONFINITE_SERIES, OPTIMIZER_SKIPPED, OVERHEAD_MS, PARAMS_FROZEN, PARAMS_LEARNABLE, PARAMS_TOTAL,
     ROOT, RUN_WIDE, SAMPLE_INTERVAL, STRUCTURE, TENSOR_FAMILIES, head_name, histogram_tag, module_prefix, nonfinite_total_tag,
     stat_prefix, update_ratio_tag,
@@ -164,6 +165,9 @@ def _add_probes(rec: StepRecord, result: ProbeResult, stats: Sequence[str], bins
         _add_tensor_family(rec, "activations", [t.name for t in measured], rows, stats, bins)
     for name, heads in result.attention.items():
         _add_attention(rec, name, heads)
+    if result.logits is not None:
+        head, (mean, largest) = result.logits
+        rec.scalars[f"{LOGSUMEXP_MEAN}/{head}"], rec.scalars[f"{LOGSUMEXP_MAX}/{head}"] = float(mean), float(largest)
     flags = [t.nonfinite for t in result.modules if t.nonfinite is not None]
     if flags:
         rec.scalars[NONFINITE_MODULES] = sum(flags)

@@ -246,6 +246,7 @@ class Stages:
                 offender=first_offender(results), weight_user=first_offender(results, "weight_user"),
                 nonfinite_weights=[name for result in present for name in result.nonfinite_weights],
                 attention={name: heads for result in present for name, heads in result.attention.items()},
+                logits=next((result.logits for result in reversed(present) if result.logits is not None), None),
             )
         # A stage whose rows are missing has no gradients to judge: its parameters are not "trainable, no gradient".
         trainable = [name for part in stages if part is not None and part.rows is not None for name in part.trainable]

@@ -14,7 +14,7 @@ ROOT = "(root)"  # the name layerwatch gives the model itself (named_modules() n
 
 # The families (the ``families=`` option).
 TENSOR_FAMILIES = ("weights", "grads")
-PROBE_FAMILIES = ("latency", "memory", "activations", "nonfinite", "attention")
+PROBE_FAMILIES = ("latency", "memory", "activations", "nonfinite", "attention", "logits")
 FAMILIES = TENSOR_FAMILIES + ("updates", "optimizer", "structure") + PROBE_FAMILIES
 
 # The per-tensor statistics (the ``stats=`` option): tagged <family>_<stat>/<name>.
@@ -63,6 +63,11 @@ ATTENTION_LOGIT_MAX = "attention_logit_max"
 ATTENTION_ENTROPY = "attention_entropy"
 ATTENTION_HEAD_LOGIT_MAX = "attention_head_logit_max"
 ATTENTION_HEAD_ENTROPY = "attention_head_entropy"
+
+# The output head's logits (the "logits" family; probes/logits.py): log Z, the logsumexp of a
+# token's logits over the vocabulary, its mean and its largest over the step's tokens.
+LOGSUMEXP_MEAN = "logsumexp_mean"
+LOGSUMEXP_MAX = "logsumexp_max"
 
 # Per-layer series kept out of TensorBoard's cards (see record.CardFilter); the LAYERWATCH tab has them.
 BYTE_SERIES = (ACTIVATION_BYTES, SAVED_BYTES)

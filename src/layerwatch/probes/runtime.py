@@ -70,6 +70,7 @@ class ProbeResult:
     weight_user: Optional[Offender] = None
     nonfinite_weights: list[str] = field(default_factory=list)
     attention: dict = field(default_factory=dict)  # module -> [heads, 2]: largest logit, entropy (probes/attention.py)
+    logits: Optional[tuple] = None  # (the output head, [mean, max] of log Z) (probes/logits.py)
 
 
 class RuntimeProbe:

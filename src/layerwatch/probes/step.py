@@ -12,7 +12,7 @@ from layerwatch import stats as S
 from layerwatch.distributed import RankSync
 from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import FailedForwardGuard
-from layerwatch.probes.attention import AttentionProbe
+from layerwatch.probes.transformer import TransformerProbes
 from layerwatch.probes.runtime import ProbeResult, RuntimeProbe
 from layerwatch.vocabulary import PROBE_FAMILIES
 from layerwatch.probes.selection import (ModuleFilter, is_compiled, probe_names, select_modules,
@@ -22,6 +22,13 @@ from layerwatch.probes.traced import TracedProbe
 from layerwatch.probes.structure import StructureProbe
 from layerwatch.probes.weights import WeightCheck
 from layerwatch.table import Summary
+
+
+COMPILED_CALLER = (
+    "layerwatch: the model runs {how}; its hooks are compiled into the graph and measure activations, NaN/Inf and "
+    "bytes on sampled steps. Per-module latency has no meaning inside fused kernels and is not recorded; the layer table "
+    "waits for an eager forward."
+)
 
 
 class StepProbes:
@@ -50,7 +57,7 @@ class StepProbes:
     """
 
     def __init__(self, families: Sequence[str], modules: Optional[ModuleFilter], stats: Sequence[str], bins: int,
-                 failures: FailurePolicy) -> None:
+                 failures: FailurePolicy, output_head: Optional[str] = None) -> None:
         self.families, self.modules, self.bins, self.failures = families, modules, bins, failures
         self.zeros, self.centered = "zero_frac" in stats, "std" in stats
         self.structure_pending = "structure" in families
@@ -59,7 +66,7 @@ class StepProbes:
         self._compiled_table = CompiledTable(failures)  # the table from the noted input shapes
         self._structure: Optional[StructureProbe] = None
         self._runtime: Optional[RuntimeProbe] = None
-        self._attention: Optional[AttentionProbe] = None
+        self._transformer = TransformerProbes(families, output_head, failures)  # attention and output logits
         self._weights: Optional[WeightCheck] = None  # the weights' NaN/Inf check of this step
         self._forward_guard: Optional[FailedForwardGuard] = None
         self._inert: list[Any] = []
@@ -89,16 +96,11 @@ class StepProbes:
                 self._compiled_table.note(model, step)
             if runtime:
                 self.failures.run("arm the traced probes", lambda: self._arm_traced(model, parameters), step)
-            if runtime and "attention" in self.families and writer:
-                self.failures.say_once("attention-compiled", "layerwatch: attention logits and entropy are not measured "
-                                       "inside compiled code yet (the attention kernel runs inside the graph)")
             return
         if self.structure_pending and writer:
             self.failures.run("record the layer table", lambda: self._arm_structure(model), step)
         if runtime:
             self.failures.run("arm the runtime probes", lambda: self._arm_runtime(model, parameters, eager), step)
-        if runtime and "attention" in self.families:
-            self.failures.run("arm the attention probe", lambda: self._arm_attention(model), step)
         if self._structure is not None or self._runtime is not None:
             self.failures.run("guard the forward", lambda: self._guard(model), step)
 
@@ -106,6 +108,7 @@ class StepProbes:
         self._weights = WeightCheck(model, parameters)
 
     def _arm_traced(self, model: nn.Module, parameters: Sequence[nn.Parameter]) -> None:
+        self._transformer.say_compiled()
         if self._caller_compiled:
             self._traced.arm()
             self._traced_alone = True
@@ -158,12 +161,7 @@ class StepProbes:
         if compiled_by_caller:
             self._traced.attach([module for _, module in modules])
             self._outside = ([], [])
-            self.failures.warn_once(
-                "compiled-caller",
-                "layerwatch: the model runs compiled (torch.compile); its hooks are compiled into the graph and measure "
-                "activations, NaN/Inf and bytes on sampled steps. Per-module latency has no meaning inside fused kernels "
-                "and is not recorded; the layer table waits for an eager forward.",
-            )
+            self.failures.warn_once("compiled-caller", COMPILED_CALLER.format(how="compiled (torch.compile)"))
 
     def _selected(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         modules = select_modules(model, self.modules)
@@ -232,9 +230,7 @@ class StepProbes:
             modules, families=families, bins=self.bins, zeros=self.zeros, centered=self.centered, parameters=parameters,
             workspace=self.workspace, cuda_events=self._cuda_events, traced=traced,
         )
-
-    def _arm_attention(self, model: nn.Module) -> None:
-        self._attention = AttentionProbe(model, {id(module): name for name, module in self._selected(model)})
+        self._transformer.arm(model, modules)
 
     @property
     def sees_nonfinite(self) -> bool:
@@ -248,11 +244,11 @@ class StepProbes:
 
     def disarm(self) -> None:
         """Remove this step's hooks (not the inert or traced ones, which only stop recording)."""
-        for probe in (self._structure, self._runtime, self._forward_guard, self._attention):
+        for probe in (self._structure, self._runtime, self._forward_guard, self._transformer):
             if probe is not None:
                 probe.remove()
         self._compiled_table.unhook()
-        self._structure = self._runtime = self._forward_guard = self._weights = self._attention = None
+        self._structure = self._runtime = self._forward_guard = self._weights = None
         if self._traced is not None:
             self._traced.disarm()
         self._traced_alone = False
@@ -304,7 +300,7 @@ class StepProbes:
                     runtime.error = RuntimeError("the runtime probes failed on another rank")
         if compiled:
             return self._caller_found(structure, runtime, step, weights)
-        attention = self._attention_result(sync is not None)
+        attention, logits = self._transformer.take(sync is not None)
         self.disarm()
         summary = result = None
         if structure is not None:
@@ -318,13 +314,12 @@ class StepProbes:
             if runtime.error is None:
                 try:
                     result = runtime.result(together, weights=weights)
+                    result.attention, result.logits = attention, logits
                 except Exception as e:
                     runtime.error = e
             if runtime.error is not None:
                 self.runtime_on = False
                 self.failures.warn_once("fail:probes", f"layerwatch: a runtime probe failed: {runtime.error!r}; the per-module families are off")
-        if result is not None:
-            result.attention = attention
         if result is not None and self._outside is not None:
             self._traced_ran(result, step)
         elif result is not None and not result.modules and self.runtime_on and trained:
@@ -335,21 +330,6 @@ class StepProbes:
                 "compiled call, or call torch._dynamo.reset() before the next one so that it compiles again with them.",
             )
         return summary, result
-
-    def _attention_result(self, together: bool) -> dict:
-        """The attention probe's measurements; none where the ranks work together (tensor
-        parallel, FSDP: each rank's heads or batch would need combining, not done yet), said once."""
-        probe = self._attention
-        if probe is None:
-            return {}
-        if together:
-            if probe.calls:
-                self.failures.say_once("attention-ranks", "layerwatch: attention logits and entropy are not measured in "
-                                       "a run whose ranks combine their measurements (FSDP, tensor parallel) yet")
-            return {}
-        if probe.error is not None:
-            self.failures.warn_once("fail:attention", f"layerwatch: could not measure attention: {probe.error!r}; skipped")
-        return probe.result()
 
     def _caller_found(self, structure: Optional[StructureProbe], runtime: Optional[RuntimeProbe], step: int,
                       weights: Optional[WeightCheck]) -> tuple[None, Optional[ProbeResult]]:
@@ -376,12 +356,8 @@ class StepProbes:
         self.structure_pending = False
         self._caller_compiled = True
         self._traced_alone = False
-        self.failures.warn_once(
-            "compiled-caller",
-            "layerwatch: the model runs inside compiled code (torch.compile of a function that calls it); its hooks are "
-            "compiled into the graph and measure activations, NaN/Inf and bytes on sampled steps. Per-module latency has "
-            "no meaning inside fused kernels and is not recorded; the layer table waits for an eager forward.",
-        )
+        self.failures.warn_once("compiled-caller", COMPILED_CALLER.format(
+            how="inside compiled code (torch.compile of a function that calls it)"))
         if self._traced is not None:  # not disarmed by a result (none, or a failed one)
             self._traced.disarm()
         if result is not None:

@@ -1,0 +1,75 @@
+"""The output head's logits on a sampled step: the mean and the largest of ``log Z``, the
+logsumexp of each token's logits over the vocabulary (PaLM's z-loss penalizes ``(log Z)²``:
+logits that drift far from a normalized softmax come before divergence late in training).
+
+The head is the module the ``output_head`` option names, else the one Hugging Face's
+``get_output_embeddings()`` returns (the outermost module that has it). A forward hook on it,
+on sampled steps only, reduces its output on the device: ``[mean, max]`` of ``log Z`` over the
+batch's tokens, in float32, averaged (mean) and maxed (max) over the step's calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def find_output_head(model: nn.Module, name: Optional[str]) -> Optional[tuple[str, nn.Module]]:
+    """``(name, module)`` of the output head: the module ``name`` names, else Hugging Face's
+    ``get_output_embeddings()`` of the outermost module that has one; None when there is none."""
+    modules = dict(model.named_modules())
+    if name is not None:
+        return (name, modules[name]) if name in modules else None
+    for owner_name, owner in modules.items():
+        get = getattr(owner, "get_output_embeddings", None)
+        if callable(get):
+            try:
+                head = get()
+            except Exception:  # a model that declares it and cannot say
+                continue
+            for head_name, module in modules.items():
+                if module is head:
+                    return head_name, module
+    return None
+
+
+def logsumexp_stats(logits: torch.Tensor) -> torch.Tensor:
+    """``[mean, max]`` of the logsumexp of ``logits`` over its last dimension."""
+    with torch.no_grad():
+        lse = torch.logsumexp(logits.detach().float(), dim=-1)
+        return torch.stack([lse.mean(), lse.max()])
+
+
+class OutputLogits:
+    """A forward hook on the output head for one sampled step; ``remove()`` is safe twice."""
+
+    def __init__(self, name: str, head: nn.Module) -> None:
+        self.name = name
+        self.calls: list[torch.Tensor] = []
+        self.error: Optional[BaseException] = None
+        self._handle: Any = head.register_forward_hook(self._hook)
+
+    def _hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.error is not None:
+            return
+        try:
+            logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+            if isinstance(logits, torch.Tensor) and logits.is_floating_point() and logits.dim() >= 1:
+                self.calls.append(logsumexp_stats(logits))
+        except Exception as e:  # the user's forward goes on; the step's logits are not written
+            self.error = e
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def result(self) -> Optional[np.ndarray]:
+        """``[mean, max]`` over the step's calls, on the host; None when none was seen or one failed."""
+        if self.error is not None or not self.calls:
+            return None
+        calls = torch.stack(self.calls)
+        return torch.stack([calls[:, 0].mean(), calls[:, 1].max()]).double().cpu().numpy()

@@ -1,0 +1,79 @@
+"""The transformer signals of one sampled step's eager forward: each attention call's heads
+(:mod:`~layerwatch.probes.attention`) and the output head's log Z (:mod:`~layerwatch.probes.logits`),
+armed and taken together beside the runtime probe."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from torch import nn
+
+from layerwatch.distributed import is_writer_rank
+from layerwatch.failures import FailurePolicy
+from layerwatch.probes.attention import AttentionProbe
+from layerwatch.probes.logits import OutputLogits, find_output_head
+
+
+class TransformerProbes:
+    """The ``attention`` and ``logits`` families' probes; ``remove()`` is safe twice."""
+
+    def __init__(self, families: Sequence[str], output_head: Optional[str], failures: FailurePolicy) -> None:
+        self.attention_on, self.logits_on = "attention" in families, "logits" in families
+        self.output_head, self.failures = output_head, failures
+        self.eager = False  # a sampled forward ran eagerly: hooks added now are not traced into a compiled caller's graph
+        self._attention: Optional[AttentionProbe] = None
+        self._logits: Optional[OutputLogits] = None
+
+    def arm(self, model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> None:
+        """This step's probes, on an eager forward of ``model`` whose probed ``modules`` are these;
+        from the second sampled step on. The first shows whether the model runs inside a compiled
+        caller (Dynamo traces the runtime probe's hooks): there, hooks that come and go with the
+        samples would make Dynamo compile again, so these are never armed."""
+        if not self.eager:
+            return
+        if self.attention_on:
+            self._attention = AttentionProbe(model, {id(module): name for name, module in modules})
+        if self.logits_on:
+            self._arm_logits(model)
+
+    def say_compiled(self) -> None:
+        if (self.attention_on or self.logits_on) and is_writer_rank():
+            self.failures.say_once("attention-compiled", "layerwatch: attention logits and entropy, and the output head's "
+                                   "logsumexp, are not measured inside compiled code yet")
+
+    def _arm_logits(self, model: nn.Module) -> None:
+        head = find_output_head(model, self.output_head)
+        if head is None:
+            if self.output_head is not None:
+                self.failures.warn_once("no-output-head", f"layerwatch: output_head={self.output_head!r} names no module "
+                                        "of the model; the output logits are not measured")
+            return
+        self._logits = OutputLogits(*head)
+
+    def remove(self) -> None:
+        for probe in (self._attention, self._logits):
+            if probe is not None:
+                probe.remove()
+        self._attention = self._logits = None
+
+    def take(self, together: bool) -> tuple[dict[str, Any], Optional[tuple[str, Any]]]:
+        """The step's attention (module -> ``[heads, 2]``) and output logits (the head, ``[mean, max]``
+        of log Z). No attention where the ranks work together (tensor parallel, FSDP: each rank's
+        heads or batch would need combining, not done yet), said once."""
+        attention, logits = self._attention, self._logits
+        self.remove()
+        self.eager = True
+        heads: dict[str, Any] = {}
+        if attention is not None and together and attention.calls:
+            self.failures.say_once("attention-ranks", "layerwatch: attention logits and entropy are not measured in a run "
+                                   "whose ranks combine their measurements (FSDP, tensor parallel) yet")
+        elif attention is not None:
+            if attention.error is not None:
+                self.failures.warn_once("fail:attention", f"layerwatch: could not measure attention: {attention.error!r}; skipped")
+            heads = attention.result()
+        values = None
+        if logits is not None:
+            if logits.error is not None:
+                self.failures.warn_once("fail:logits", f"layerwatch: could not measure the output logits: {logits.error!r}; skipped")
+            values = logits.result()
+        return heads, None if values is None else (logits.name, values)
