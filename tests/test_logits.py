@@ -70,7 +70,7 @@ def test_a_shift_every_logit_shares_raises_logit_drift_and_leaves_the_loss(tmp_p
     def shift(model, k):
         if k == 20:
             with torch.no_grad():
-                model.head.bias += 12.0  # the softmax, and so the loss, cannot see it
+                model.head.bias += 20.0  # the softmax, and so the loss, cannot see it
 
     drifted, losses, _ = run(tmp_path / "drift", steps=40, before_step=shift)
     alerts = [(a.name, a.step) for a in drifted.alerts if a.kind == "logit_drift"]

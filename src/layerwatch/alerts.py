@@ -121,7 +121,7 @@ class AlertRules:
     attention_logit_level: float = 100.0
     attention_logit_growth: float = 3.0
     entropy_collapse: float = 0.25
-    logit_drift: float = 5.0
+    logit_drift: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("window", "dead_samples", "stuck_samples"):
