@@ -85,10 +85,9 @@ def _bias_corrections(states: list[dict], settings: list[dict], device: torch.de
     return 1 - betas[:, 0] ** steps, 1 - betas[:, 1] ** steps
 
 
-def _count(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """How many values of each tensor are > 0 (the tensors hold values >= 0; reused in place)."""
-    torch._foreach_sign_(tensors)
-    return torch.stack(torch._foreach_norm(tensors, 1)).to(torch.float64)
+def _nonzero(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """How many values of each tensor are not zero (one pass each, nothing allocated)."""
+    return torch.stack(torch._foreach_norm(tensors, 0)).to(torch.float64)
 
 
 class AdamState:
@@ -163,23 +162,23 @@ class AdamState:
 
     @staticmethod
     def _spikes(grads: list[torch.Tensor], states: list[dict], settings: list[dict]) -> torch.Tensor:
-        """``[SPIKES, JUDGED, FAILED]``: of the coordinates with a gradient and ``v > 0``, how many have ``g² > θ·v̂``."""
+        """``[SPIKES, JUDGED, FAILED]``: of the coordinates with a gradient and ``v > 0``, how many have ``g² > θ·v̂``.
+        Counted as nonzero values (``_foreach_norm`` of order 0): a product is nonzero where each factor is
+        (short of an underflow below float32's smallest subnormal, 1.4e-45)."""
         with torch.no_grad():
             grads = [local(g).detach() for g in grads]
             v = [local(s["exp_avg_sq"]) for s in states]
             _, bc2 = _bias_corrections(states, settings, v[0].device)
-            excess = torch._foreach_mul(grads, grads)  # g²·(1 − β2^t)/θ − v, then > 0 where v > 0
+            excess = torch._foreach_mul(grads, grads)  # (g²·(1 − β2^t)/θ − v)₊ · v: nonzero where a spike is judged
             torch._foreach_mul_(excess, list((bc2 / SPIKE_FACTOR).to(excess[0].dtype).unbind()))
             torch._foreach_sub_(excess, v)
             torch._foreach_clamp_min_(excess, 0.0)
-            torch._foreach_sign_(excess)
-            seen = torch._foreach_abs(grads)  # a gradient, and v > 0: judged
-            torch._foreach_sign_(seen)
-            torch._foreach_mul_(seen, torch._foreach_sign(v))
-            torch._foreach_mul_(excess, seen)
-            spikes = torch.stack(torch._foreach_norm(excess, 1)).to(torch.float64)
-            del excess
-            return torch.stack([spikes, _count(seen), torch.zeros_like(spikes)], dim=1)
+            torch._foreach_mul_(excess, v)
+            spikes = _nonzero(excess)
+            torch._foreach_mul_(excess, 0.0)
+            torch._foreach_addcmul_(excess, grads, v)  # g · v: nonzero where judged
+            judged = _nonzero(excess)
+            return torch.stack([spikes, judged, torch.zeros_like(spikes)], dim=1)
 
     @staticmethod
     def _update(states: list[dict], settings: list[dict], grads: list[Optional[torch.Tensor]]) -> torch.Tensor:
@@ -189,25 +188,21 @@ class AdamState:
             m = [local(s["exp_avg"]) for s in states]
             v = [local(s["max_exp_avg_sq"] if g["amsgrad"] else s["exp_avg_sq"]) for s, g in zip(states, settings)]
             present = [vi if g is None else local(g).detach() for g, vi in zip(grads, v)]
-            device = m[0].device
+            device, dtype = m[0].device, v[0].dtype
             bc1, bc2 = _bias_corrections(states, settings, device)
-            bc2_sqrt = bc2.sqrt()
             eps = torch.tensor([g["eps"] for g in settings], dtype=torch.float64, device=device)
-            root = torch._foreach_sqrt(v)  # √v; √v̂ = √v / √(1 − β2^t)
-            below = torch._foreach_neg(root)  # 10ε·√(1 − β2^t) − √v > 0: ε-bound (counted where there is a gradient)
-            torch._foreach_add_(below, list((EPS_FACTOR * eps * bc2_sqrt).to(root[0].dtype).unbind()))
+            below = torch._foreach_neg(v)  # ((10ε)²·(1 − β2^t) − v)₊ · g: nonzero where ε-bound, with a gradient
+            torch._foreach_add_(below, list(((EPS_FACTOR * eps) ** 2 * bc2).to(dtype).unbind()))
             torch._foreach_clamp_min_(below, 0.0)
-            torch._foreach_sign_(below)
-            seen = torch._foreach_abs(present)
-            torch._foreach_sign_(seen)
-            torch._foreach_mul_(below, seen)
-            eps_bound, seen_count = _count(below), _count(seen)
-            del below, seen
-            torch._foreach_div_(root, list(bc2_sqrt.to(root[0].dtype).unbind()))
-            torch._foreach_add_(root, list(eps.to(root[0].dtype).unbind()))
+            torch._foreach_mul_(below, present)
+            eps_bound, seen = _nonzero(below), _nonzero(present)
+            del below
+            root = torch._foreach_sqrt(v)  # √v̂ + ε = √v / √(1 − β2^t) + ε
+            torch._foreach_div_(root, list(bc2.sqrt().to(dtype).unbind()))
+            torch._foreach_add_(root, list(eps.to(dtype).unbind()))
             torch._foreach_div_(root, m)  # (√v̂ + ε) / m: its reciprocal's norm is the update's
             torch._foreach_reciprocal_(root)
             norms = torch.stack(torch._foreach_norm(root)).to(torch.float64)
             values = torch.tensor([t.numel() for t in m], dtype=torch.float64, device=device)
             sumsq = (norms / bc1) ** 2
-            return torch.stack([sumsq, values, eps_bound, seen_count, torch.zeros_like(values)], dim=1)
+            return torch.stack([sumsq, values, eps_bound, seen, torch.zeros_like(values)], dim=1)
