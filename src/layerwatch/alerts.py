@@ -22,12 +22,14 @@ thresholds in :class:`AlertRules`:
   median of a window before it; ``eps_bound``: more than ``eps_bound_frac`` of the coordinates
   with a gradient have ``√v̂ < 10ε``, at ``window`` samples in a row.
 - ``attention_logits`` / ``entropy_collapse``: per attention module, its heads folded
-  (:class:`AttentionTrend`). The largest logit at ``attention_logit_level`` or above; or, from a
+  (:class:`ProbeTrends`). The largest logit at ``attention_logit_level`` or above; or, from a
   tenth of that level, its window median ``attention_logit_growth`` times the lowest of a window
   before. The lowest head entropy's window median below ``entropy_collapse`` times the highest of
   a window before.
 - ``logit_drift``: the output head's mean ``log Z`` (logsumexp of a token's logits), its window
-  median more than ``logit_drift`` nats from its first window's (:class:`AttentionTrend`).
+  median more than ``logit_drift`` nats from its first window's (:class:`ProbeTrends`).
+- ``outlier_growth``: a module output's ``max|h| / RMS(h)``, its window median ``outlier_growth``
+  times the lowest of a window before (:class:`ProbeTrends`).
 
 Alerts are named by layer (the module that owns the parameter), so a layer's weight and
 bias raise one alert between them.
@@ -50,7 +52,7 @@ from layerwatch.vocabulary import ROOT, parent
 logger = logging.getLogger("layerwatch")
 
 KINDS = ("dead", "stuck", "exploding", "vanishing", "nonfinite", "spike", "sign_like", "eps_bound", "attention_logits",
-         "entropy_collapse", "logit_drift")
+         "entropy_collapse", "logit_drift", "outlier_growth")
 EVENT_KINDS = ("spike",)  # raised at each step they happen; the others once per layer
 
 Bounds = tuple[Optional[float], Optional[float]]
@@ -106,6 +108,9 @@ class AlertRules:
         logit_drift: Nats the output head's mean log Z (window median) may move from its first
             window's before it alerts: a softmax is blind to a shift of every logit, the loss
             does not see it, and PaLM's z-loss exists to stop it.
+        outlier_growth: A module output's ``max|h| / RMS(h)`` (window median) this many times the
+            lowest of a window before: outlier features growing. Against the layer's own past:
+            massive activations are normal in healthy LLMs (healthy runs of the zoo: at most 2x).
     """
 
     window: int = 5
@@ -122,6 +127,7 @@ class AlertRules:
     attention_logit_growth: float = 3.0
     entropy_collapse: float = 0.25
     logit_drift: float = 10.0
+    outlier_growth: float = 4.0
 
     def __post_init__(self) -> None:
         for name in ("window", "dead_samples", "stuck_samples"):
@@ -132,7 +138,7 @@ class AlertRules:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f"AlertRules.{name} must be a number in (0, 1], got {value!r}")
-        for name in ("weight_factor", "grad_factor", "sign_like_factor", "attention_logit_growth"):
+        for name in ("weight_factor", "grad_factor", "sign_like_factor", "attention_logit_growth", "outlier_growth"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1:
                 raise ValueError(f"AlertRules.{name} must be a number > 1, got {value!r}")
@@ -175,7 +181,7 @@ class HealthMonitor:
         self._moved = np.zeros(size, dtype=bool)  # the weights changed between two samples, ever
         self._windows = {"weights": LayerWindows(rules, "weights"), "grads": LayerWindows(rules, "grads")}
         self._update_shape = UpdateShape(rules)
-        self._attention = AttentionTrend(rules)
+        self._attention = ProbeTrends(rules)
 
     def observe(
         self,
@@ -187,6 +193,7 @@ class HealthMonitor:
         adam: Sequence[tuple[list[str], np.ndarray]] = (),
         attention: Optional[dict[str, np.ndarray]] = None,
         logits: Optional[tuple[str, np.ndarray]] = None,
+        outliers: Optional[dict[str, float]] = None,
     ) -> list[Alert]:
         """The alerts first seen at ``step``.
 
@@ -200,6 +207,8 @@ class HealthMonitor:
             attention: Attention module -> its heads' ``[largest logit, entropy]``
                 (:mod:`~layerwatch.probes.attention`).
             logits: The output head and its ``[mean, max]`` of log Z (:mod:`~layerwatch.probes.logits`).
+            outliers: Module -> its output's ``max|h| / RMS(h)`` (:attr:`Rows.peak_to_rms
+                <layerwatch.stats.Rows.peak_to_rms>`).
         """
         new: list[Alert] = []
         w_idx, w_rows = self._stack(weights)
@@ -214,7 +223,7 @@ class HealthMonitor:
             names = [name for names, _ in adam for name in names]
             for kind, layer, message in self._update_shape.observe(names, np.concatenate([rows for _, rows in adam])):
                 self._raise_for(new, kind, layer, step, message)
-        for kind, layer, message in self._attention.observe(attention or {}, logits):
+        for kind, layer, message in self._attention.observe(attention or {}, logits, outliers or {}):
             self._raise_for(new, kind, layer, step, message)
         return new
 
@@ -602,10 +611,11 @@ class Windows:
         return before, now, lowest, highest
 
 
-class AttentionTrend:
-    """The rules on the probes' transformer signals. The output head's ``logit_drift``: its
-    mean log Z's window median more than ``logit_drift`` nats from its first window's. The
-    attention rules, per attention module with its heads folded (the largest logit of
+class ProbeTrends:
+    """The rules on the probes' transformer signals. ``outlier_growth``: a module output's
+    ``max|h| / RMS(h)`` window median ``outlier_growth`` times the lowest of a window before. The
+    output head's ``logit_drift``: its mean log Z's window median more than ``logit_drift`` nats
+    from its first window's. The attention rules, per attention module with its heads folded (the largest logit of
     any head, the lowest entropy of any head):
 
     - ``attention_logits``: the largest logit at or above ``attention_logit_level`` (100, the
@@ -622,11 +632,21 @@ class AttentionTrend:
     def __init__(self, rules: AlertRules) -> None:
         self.rules = rules
         self._logits, self._entropy, self._log_z = Windows(rules.window), Windows(rules.window), Windows(rules.window)
+        self._outliers = Windows(rules.window)
         self._first: dict[str, float] = {}  # the output head's first window median of log Z
 
-    def observe(self, attention: dict[str, np.ndarray], logits: Optional[tuple[str, np.ndarray]] = None
-                ) -> list[tuple[str, str, str]]:
+    def observe(self, attention: dict[str, np.ndarray], logits: Optional[tuple[str, np.ndarray]] = None,
+                outliers: Optional[dict[str, float]] = None) -> list[tuple[str, str, str]]:
         found, rules = [], self.rules
+        for layer, ratio in (outliers or {}).items():
+            trend = self._outliers.add(layer, ratio)
+            if trend is not None and trend[1] >= rules.outlier_growth * trend[2] > 0:
+                _, now, lowest, _ = trend
+                found.append(("outlier_growth", layer, (
+                    f"the output of {layer} grew outliers: max|h| / RMS(h) {lowest:.3g} -> {now:.3g} (medians of "
+                    f"{rules.window} samples, {now / lowest:.3g}x its lowest window; AlertRules.outlier_growth is "
+                    f"{rules.outlier_growth:g}): a few features dwarf the rest, as outlier features and massive "
+                    "activations do (Sun et al. 2024) before they break low-precision training or the loss")))
         if logits is not None:
             head, (mean, _) = logits
             trend = self._log_z.add(head, float(mean))
@@ -717,7 +737,7 @@ class HealthCheck:
             grads = None
         new += self.monitor.observe(step, weights=by_name("weights"), grads=grads, trainable=trainable,
                                     adam=rows.get("adam", ()), attention=None if probes is None else probes.attention,
-                                    logits=None if probes is None else probes.logits)
+                                    logits=None if probes is None else probes.logits, outliers=outliers_of(probes))
         return R.Findings(alerts=new, alert_count=len(self.monitor.alerts),
                           alert_table=alerts_markdown(self.monitor.alerts) if new else None, optimizer_skipped=skipped)
 
@@ -732,6 +752,15 @@ class HealthCheck:
                 "and could not fire (AlertRules' absolute norm bounds still apply). For a short run, sample more "
                 "often (every_n_steps) or pass alerts=AlertRules(window=...).",
             )
+
+
+def outliers_of(probes: Any) -> dict[str, float]:
+    """Each measured module output's ``max|h| / RMS(h)`` (finite ones) in a probes' result."""
+    measured = [t for t in getattr(probes, "modules", ()) if t.activation_row is not None]
+    if not measured:
+        return {}
+    ratios = S.Rows(np.stack([t.activation_row for t in measured])).peak_to_rms
+    return {t.name: float(r) for t, r in zip(measured, ratios) if np.isfinite(r)}
 
 
 def alerts_markdown(alerts: Iterable[Alert]) -> str:

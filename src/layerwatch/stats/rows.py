@@ -120,6 +120,16 @@ class Rows:
         """Each tensor's L2 norm (of its finite values)."""
         return np.sqrt(self.array[:, SUMSQ])
 
+    @property
+    def peak_to_rms(self) -> np.ndarray:
+        """``max|x| / RMS(x)`` of each tensor's finite values: 1 for a constant magnitude, about
+        4 for 10,000 Gaussian values, hundreds where a few values dwarf the rest (outlier features,
+        massive activations); NaN without a finite nonzero value."""
+        a = self.array
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rms = np.sqrt(a[:, SUMSQ] / a[:, COUNT])
+            return np.where(rms > 0, np.maximum(np.abs(a[:, MIN]), np.abs(a[:, MAX])) / rms, np.nan)
+
     def total_norm(self) -> float:
         """The L2 norm of every tensor together, as one vector; NaN when any holds a NaN or Inf."""
         return float("nan") if self.nonfinite.sum() > 0 else float(np.sqrt(self.sumsq.sum()))
