@@ -73,3 +73,36 @@ def test_a_value_that_grows_every_step_raises_outlier_growth_on_its_module(tmp_p
         from layerwatch import AlertRules
 
         AlertRules(outlier_growth=1)
+
+
+def test_the_per_channel_kurtosis_is_written_from_the_second_sample_and_a_channel_taking_over_alerts(tmp_path, events):
+    from layerwatch.probes.kurtosis import channel_kurtosis
+
+    h = torch.randn(6, 5, 8)
+    s2 = h.double().pow(2).reshape(-1, 8).mean(0)
+    assert channel_kurtosis(h).item() == pytest.approx(((s2**2).mean() / s2.mean() ** 2).item(), rel=1e-6)
+
+    class Channel(Grower):  # its input, its first channel times 1.5 per step from ``start``
+        def forward(self, x):
+            gain = torch.ones_like(x)
+            gain[:, 0] = 1.5 ** max(0, self.step - self.start)
+            return x * gain
+
+    torch.manual_seed(0)
+    grower = Channel(16)
+    model = nn.Sequential(nn.Linear(8, 32), grower, nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Inspector(model, log_dir=tmp_path, every_n_steps=2, optimizer=opt) as inspector:
+            for k in range(32):
+                grower.step = k
+                loss = model(torch.randn(16, 8)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                inspector.step()
+    kurtosis = tab_values(events(tmp_path))["activations_kurtosis/1"]
+    assert min(kurtosis) == 2 and kurtosis[30] > 20 * kurtosis[10]  # from the second sampled step on
+    messages = [a.message for a in inspector.alerts if a.kind == "outlier_growth" and a.name == "1"]
+    assert any("AlertRules.kurtosis_growth" in m for m in messages)

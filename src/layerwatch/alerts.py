@@ -29,7 +29,8 @@ thresholds in :class:`AlertRules`:
 - ``logit_drift``: the output head's mean ``log Z`` (logsumexp of a token's logits), its window
   median more than ``logit_drift`` nats from its first window's (:class:`ProbeTrends`).
 - ``outlier_growth``: a module output's ``max|h| / RMS(h)``, its window median ``outlier_growth``
-  times the lowest of a window before (:class:`ProbeTrends`).
+  times the lowest of a window before; or its per-channel kurtosis ``kurtosis_growth`` times
+  (:class:`ProbeTrends`).
 
 Alerts are named by layer (the module that owns the parameter), so a layer's weight and
 bias raise one alert between them.
@@ -111,6 +112,9 @@ class AlertRules:
         outlier_growth: A module output's ``max|h| / RMS(h)`` (window median) this many times the
             lowest of a window before: outlier features growing. Against the layer's own past:
             massive activations are normal in healthy LLMs (healthy runs of the zoo: at most 2x).
+        kurtosis_growth: The same for the kurtosis of an output's per-channel RMS: a few channels
+            taking over (healthy runs of the zoo: at most 4.2x, GPT-2's output head learning its
+            vocabulary's frequencies).
     """
 
     window: int = 5
@@ -128,6 +132,7 @@ class AlertRules:
     entropy_collapse: float = 0.25
     logit_drift: float = 10.0
     outlier_growth: float = 4.0
+    kurtosis_growth: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("window", "dead_samples", "stuck_samples"):
@@ -138,7 +143,8 @@ class AlertRules:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f"AlertRules.{name} must be a number in (0, 1], got {value!r}")
-        for name in ("weight_factor", "grad_factor", "sign_like_factor", "attention_logit_growth", "outlier_growth"):
+        for name in ("weight_factor", "grad_factor", "sign_like_factor", "attention_logit_growth", "outlier_growth",
+                     "kurtosis_growth"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1:
                 raise ValueError(f"AlertRules.{name} must be a number > 1, got {value!r}")
@@ -194,6 +200,7 @@ class HealthMonitor:
         attention: Optional[dict[str, np.ndarray]] = None,
         logits: Optional[tuple[str, np.ndarray]] = None,
         outliers: Optional[dict[str, float]] = None,
+        kurtosis: Optional[dict[str, float]] = None,
     ) -> list[Alert]:
         """The alerts first seen at ``step``.
 
@@ -209,6 +216,7 @@ class HealthMonitor:
             logits: The output head and its ``[mean, max]`` of log Z (:mod:`~layerwatch.probes.logits`).
             outliers: Module -> its output's ``max|h| / RMS(h)`` (:attr:`Rows.peak_to_rms
                 <layerwatch.stats.Rows.peak_to_rms>`).
+            kurtosis: Module -> its output's per-channel kurtosis (:mod:`~layerwatch.probes.kurtosis`).
         """
         new: list[Alert] = []
         w_idx, w_rows = self._stack(weights)
@@ -223,7 +231,7 @@ class HealthMonitor:
             names = [name for names, _ in adam for name in names]
             for kind, layer, message in self._update_shape.observe(names, np.concatenate([rows for _, rows in adam])):
                 self._raise_for(new, kind, layer, step, message)
-        for kind, layer, message in self._attention.observe(attention or {}, logits, outliers or {}):
+        for kind, layer, message in self._attention.observe(attention or {}, logits, outliers or {}, kurtosis or {}):
             self._raise_for(new, kind, layer, step, message)
         return new
 
@@ -632,21 +640,26 @@ class ProbeTrends:
     def __init__(self, rules: AlertRules) -> None:
         self.rules = rules
         self._logits, self._entropy, self._log_z = Windows(rules.window), Windows(rules.window), Windows(rules.window)
-        self._outliers = Windows(rules.window)
+        self._outliers, self._kurtosis = Windows(rules.window), Windows(rules.window)
         self._first: dict[str, float] = {}  # the output head's first window median of log Z
 
     def observe(self, attention: dict[str, np.ndarray], logits: Optional[tuple[str, np.ndarray]] = None,
-                outliers: Optional[dict[str, float]] = None) -> list[tuple[str, str, str]]:
+                outliers: Optional[dict[str, float]] = None, kurtosis: Optional[dict[str, float]] = None
+                ) -> list[tuple[str, str, str]]:
         found, rules = [], self.rules
-        for layer, ratio in (outliers or {}).items():
-            trend = self._outliers.add(layer, ratio)
-            if trend is not None and trend[1] >= rules.outlier_growth * trend[2] > 0:
-                _, now, lowest, _ = trend
-                found.append(("outlier_growth", layer, (
-                    f"the output of {layer} grew outliers: max|h| / RMS(h) {lowest:.3g} -> {now:.3g} (medians of "
-                    f"{rules.window} samples, {now / lowest:.3g}x its lowest window; AlertRules.outlier_growth is "
-                    f"{rules.outlier_growth:g}): a few features dwarf the rest, as outlier features and massive "
-                    "activations do (Sun et al. 2024) before they break low-precision training or the loss")))
+        for values, windows, factor, what, option in (
+                (outliers or {}, self._outliers, rules.outlier_growth, "max|h| / RMS(h)", "outlier_growth"),
+                (kurtosis or {}, self._kurtosis, rules.kurtosis_growth, "the kurtosis of its per-channel RMS",
+                 "kurtosis_growth")):
+            for layer, value in values.items():
+                trend = windows.add(layer, value)
+                if trend is not None and trend[1] >= factor * trend[2] > 0:
+                    _, now, lowest, _ = trend
+                    found.append(("outlier_growth", layer, (
+                        f"the output of {layer} grew outliers: {what} {lowest:.3g} -> {now:.3g} (medians of {rules.window} "
+                        f"samples, {now / lowest:.3g}x its lowest window; AlertRules.{option} is {factor:g}): a few "
+                        "values or channels dwarf the rest, as outlier features and massive activations do (Sun et al. "
+                        "2024) before they break low-precision training or the loss")))
         if logits is not None:
             head, (mean, _) = logits
             trend = self._log_z.add(head, float(mean))
@@ -737,7 +750,8 @@ class HealthCheck:
             grads = None
         new += self.monitor.observe(step, weights=by_name("weights"), grads=grads, trainable=trainable,
                                     adam=rows.get("adam", ()), attention=None if probes is None else probes.attention,
-                                    logits=None if probes is None else probes.logits, outliers=outliers_of(probes))
+                                    logits=None if probes is None else probes.logits, outliers=outliers_of(probes),
+                                    kurtosis=None if probes is None else probes.kurtosis)
         return R.Findings(alerts=new, alert_count=len(self.monitor.alerts),
                           alert_table=alerts_markdown(self.monitor.alerts) if new else None, optimizer_skipped=skipped)
 

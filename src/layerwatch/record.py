@@ -18,7 +18,7 @@ from layerwatch.probes import Offender, ProbeResult
 from layerwatch.stats import Histogram
 from layerwatch.table import Summary
 from layerwatch.vocabulary import (
-    ACTIVATION_OUTLIER, ADAM_SPIKE_FRAC, ALERTS, ATTENTION_ENTROPY, ATTENTION_HEAD_ENTROPY, ATTENTION_HEAD_LOGIT_MAX, ATTENTION_LOGIT_MAX, LOGSUMEXP_MAX, LOGSUMEXP_MEAN,
+    ACTIVATION_KURTOSIS, ACTIVATION_OUTLIER, ADAM_SPIKE_FRAC, ALERTS, ATTENTION_ENTROPY, ATTENTION_HEAD_ENTROPY, ATTENTION_HEAD_LOGIT_MAX, ATTENTION_LOGIT_MAX, LOGSUMEXP_MAX, LOGSUMEXP_MEAN,
     TAB_ONLY_SERIES, FIRST_NONFINITE_STEP, FIRST_OFFENDER, GRAD_NORM, MACS_PER_STEP, MODULE_SCALARS,
     NONFINITE_MODULES, NONFINITE_SERIES, OPTIMIZER_SKIPPED, OVERHEAD_MS, PARAMS_FROZEN, PARAMS_LEARNABLE, PARAMS_TOTAL,
     ROOT, RUN_WIDE, SAMPLE_INTERVAL, STRUCTURE, TENSOR_FAMILIES, head_name, histogram_tag, module_prefix, nonfinite_total_tag,
@@ -167,6 +167,7 @@ def _add_probes(rec: StepRecord, result: ProbeResult, stats: Sequence[str], bins
         rec.scalars.update([(f"{ACTIVATION_OUTLIER}/{t.name}", r) for t, r in zip(measured, ratios) if r == r])
     for name, heads in result.attention.items():
         _add_attention(rec, name, heads)
+    rec.scalars.update([(f"{ACTIVATION_KURTOSIS}/{name}", value) for name, value in result.kurtosis.items()])
     if result.logits is not None:
         head, (mean, largest) = result.logits
         rec.scalars[f"{LOGSUMEXP_MEAN}/{head}"], rec.scalars[f"{LOGSUMEXP_MAX}/{head}"] = float(mean), float(largest)

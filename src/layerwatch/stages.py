@@ -247,6 +247,7 @@ class Stages:
                 nonfinite_weights=[name for result in present for name in result.nonfinite_weights],
                 attention={name: heads for result in present for name, heads in result.attention.items()},
                 logits=next((result.logits for result in reversed(present) if result.logits is not None), None),
+                kurtosis={name: value for result in present for name, value in result.kurtosis.items()},
             )
         # A stage whose rows are missing has no gradients to judge: its parameters are not "trainable, no gradient".
         trainable = [name for part in stages if part is not None and part.rows is not None for name in part.trainable]

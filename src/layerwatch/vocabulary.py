@@ -71,10 +71,12 @@ LOGSUMEXP_MAX = "logsumexp_max"
 
 # Per module output (the "activations" family): max|h| / RMS(h), outlier features' mark.
 ACTIVATION_OUTLIER = "activations_outlier"
+ACTIVATION_KURTOSIS = "activations_kurtosis"  # mean(s⁴) / mean(s²)² of its per-channel RMS s (eager forwards)
 
 # Per-layer series kept out of TensorBoard's cards (see record.CardFilter); the LAYERWATCH tab has them.
 BYTE_SERIES = (ACTIVATION_BYTES, SAVED_BYTES)
-TAB_ONLY_SERIES = BYTE_SERIES + ADAM_SERIES + (ATTENTION_HEAD_LOGIT_MAX, ATTENTION_HEAD_ENTROPY, ACTIVATION_OUTLIER)  # too many for cards
+TAB_ONLY_SERIES = BYTE_SERIES + ADAM_SERIES + (ATTENTION_HEAD_LOGIT_MAX, ATTENTION_HEAD_ENTROPY, ACTIVATION_OUTLIER,
+                                                   ACTIVATION_KURTOSIS)  # too many for cards
 NONFINITE_SERIES = ("weights_nonfinite", "grads_nonfinite", "activations_nonfinite", NONFINITE)
 
 # The LAYERWATCH tab's data (written by sinks/plugin_data.py, read by tensorboard_plugin/metadata.py):

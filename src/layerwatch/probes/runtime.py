@@ -71,6 +71,7 @@ class ProbeResult:
     nonfinite_weights: list[str] = field(default_factory=list)
     attention: dict = field(default_factory=dict)  # module -> [heads, 2]: largest logit, entropy (probes/attention.py)
     logits: Optional[tuple] = None  # (the output head, [mean, max] of log Z) (probes/logits.py)
+    kurtosis: dict = field(default_factory=dict)  # module -> its output's per-channel kurtosis (probes/kurtosis.py)
 
 
 class RuntimeProbe:

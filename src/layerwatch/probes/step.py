@@ -300,7 +300,7 @@ class StepProbes:
                     runtime.error = RuntimeError("the runtime probes failed on another rank")
         if compiled:
             return self._caller_found(structure, runtime, step, weights)
-        attention, logits = self._transformer.take(sync is not None)
+        attention, logits, kurtosis = self._transformer.take(sync is not None)
         self.disarm()
         summary = result = None
         if structure is not None:
@@ -314,7 +314,7 @@ class StepProbes:
             if runtime.error is None:
                 try:
                     result = runtime.result(together, weights=weights)
-                    result.attention, result.logits = attention, logits
+                    result.attention, result.logits, result.kurtosis = attention, logits, kurtosis
                 except Exception as e:
                     runtime.error = e
             if runtime.error is not None:

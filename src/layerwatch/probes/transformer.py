@@ -1,6 +1,7 @@
 """The transformer signals of one sampled step's eager forward: each attention call's heads
-(:mod:`~layerwatch.probes.attention`) and the output head's log Z (:mod:`~layerwatch.probes.logits`),
-armed and taken together beside the runtime probe."""
+(:mod:`~layerwatch.probes.attention`), the output head's log Z (:mod:`~layerwatch.probes.logits`)
+and each module output's per-channel kurtosis (:mod:`~layerwatch.probes.kurtosis`), armed and
+taken together beside the runtime probe."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import nn
 from layerwatch.distributed import is_writer_rank
 from layerwatch.failures import FailurePolicy
 from layerwatch.probes.attention import AttentionProbe
+from layerwatch.probes.kurtosis import ChannelKurtosis
 from layerwatch.probes.logits import OutputLogits, find_output_head
 
 
@@ -19,10 +21,12 @@ class TransformerProbes:
 
     def __init__(self, families: Sequence[str], output_head: Optional[str], failures: FailurePolicy) -> None:
         self.attention_on, self.logits_on = "attention" in families, "logits" in families
+        self.kurtosis_on = "activations" in families
         self.output_head, self.failures = output_head, failures
         self.eager = False  # a sampled forward ran eagerly: hooks added now are not traced into a compiled caller's graph
         self._attention: Optional[AttentionProbe] = None
         self._logits: Optional[OutputLogits] = None
+        self._kurtosis: Optional[ChannelKurtosis] = None
 
     def arm(self, model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> None:
         """This step's probes, on an eager forward of ``model`` whose probed ``modules`` are these;
@@ -35,6 +39,8 @@ class TransformerProbes:
             self._attention = AttentionProbe(model, {id(module): name for name, module in modules})
         if self.logits_on:
             self._arm_logits(model)
+        if self.kurtosis_on:
+            self._kurtosis = ChannelKurtosis(modules)
 
     def say_compiled(self) -> None:
         if (self.attention_on or self.logits_on) and is_writer_rank():
@@ -51,18 +57,20 @@ class TransformerProbes:
         self._logits = OutputLogits(*head)
 
     def remove(self) -> None:
-        for probe in (self._attention, self._logits):
+        for probe in (self._attention, self._logits, self._kurtosis):
             if probe is not None:
                 probe.remove()
-        self._attention = self._logits = None
+        self._attention = self._logits = self._kurtosis = None
 
-    def take(self, together: bool) -> tuple[dict[str, Any], Optional[tuple[str, Any]]]:
-        """The step's attention (module -> ``[heads, 2]``) and output logits (the head, ``[mean, max]``
-        of log Z). No attention where the ranks work together (tensor parallel, FSDP: each rank's
-        heads or batch would need combining, not done yet), said once."""
-        attention, logits = self._attention, self._logits
+    def take(self, together: bool) -> tuple[dict[str, Any], Optional[tuple[str, Any]], dict[str, float]]:
+        """The step's attention (module -> ``[heads, 2]``), output logits (the head, ``[mean, max]``
+        of log Z) and kurtosis (module -> its output's). No attention nor kurtosis where the ranks
+        work together (tensor parallel, FSDP: each rank's heads or part of an output would need
+        combining, not done yet), said once."""
+        attention, logits, kurtosis = self._attention, self._logits, self._kurtosis
         self.remove()
         self.eager = True
+        channels = {} if kurtosis is None or together else kurtosis.result()
         heads: dict[str, Any] = {}
         if attention is not None and together and attention.calls:
             self.failures.say_once("attention-ranks", "layerwatch: attention logits and entropy are not measured in a run "
@@ -76,4 +84,4 @@ class TransformerProbes:
             if logits.error is not None:
                 self.failures.warn_once("fail:logits", f"layerwatch: could not measure the output logits: {logits.error!r}; skipped")
             values = logits.result()
-        return heads, None if values is None else (logits.name, values)
+        return heads, None if values is None else (logits.name, values), channels

@@ -44,6 +44,7 @@ _STATS: dict[str, tuple[str, str, str, str]] = {
     V.ATTENTION_HEAD_LOGIT_MAX: ("largest attention logit, per head", "q·k/√d", "log", "max"),
     V.ATTENTION_HEAD_ENTROPY: ("attention entropy, per head", "nats", "linear", "min"),
     V.ACTIVATION_OUTLIER: ("activation outliers", "max|h| / RMS(h)", "log", "max"),
+    V.ACTIVATION_KURTOSIS: ("per-channel kurtosis of activations", "mean(s⁴) / mean(s²)², s a channel's RMS", "log", "max"),
     V.ADAM_UPDATE_RMS: ("Adam's normalized update RMS", "RMS(m̂ / (√v̂ + ε)): 1 = sign-like", "linear", "max"),
     V.ADAM_EPS_FRAC: ("Adam's ε-bound share", "share of coordinates with √v̂ < 10ε", "linear", "max"),
     V.ADAM_SPIKE_FRAC: ("Adam's gradient-spike share", "share of coordinates with g² > 5000 v̂", "linear", "max"),

@@ -1,0 +1,57 @@
+"""The kurtosis of a module output's per-channel RMS, on a sampled step's eager forward: with
+``s_j`` the RMS of channel ``j`` (the last dimension) over every other dimension,
+``mean(s⁴) / mean(s²)²``. 1 when every channel has the same size; up to the channel count when
+one channel holds all of it: the outlier features of He et al. (2024), which Composer's
+ActivationMonitor logs per batch and Megatron dropped at "up to 30% of the step time". Here a
+forward hook on each probed module, on sampled steps only, makes it on the device in three ops;
+the step's values reach the host together at its end.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def channel_kurtosis(h: torch.Tensor) -> torch.Tensor:
+    """``mean(s⁴) / mean(s²)²`` of ``h``'s per-channel RMS ``s`` (its last dimension the channels)."""
+    with torch.no_grad():
+        s2 = h.detach().float().pow(2).reshape(-1, h.shape[-1]).mean(0)
+        return (s2 * s2).mean() / s2.mean() ** 2
+
+
+class ChannelKurtosis:
+    """Forward hooks on the probed modules for one sampled step: each module's first output of
+    two or more dimensions and at least 2 channels. ``remove()`` is safe twice."""
+
+    def __init__(self, modules: Sequence[tuple[str, nn.Module]]) -> None:
+        self.values: dict[str, torch.Tensor] = {}
+        self.error: Optional[BaseException] = None
+        self._handles = [module.register_forward_hook(self._hook(name)) for name, module in modules]
+
+    def _hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if name in self.values or self.error is not None or not isinstance(output, torch.Tensor):
+                return
+            if output.dim() < 2 or output.shape[-1] < 2 or not output.is_floating_point() or not output.numel():
+                return
+            try:
+                self.values[name] = channel_kurtosis(output)
+            except Exception as e:  # the user's forward goes on; the step's kurtosis is not written
+                self.error = e
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def result(self) -> dict[str, float]:
+        """Module -> its output's kurtosis (finite ones), on the host; {} after a failure."""
+        if self.error is not None or not self.values:
+            return {}
+        values = torch.stack(list(self.values.values())).double().cpu().numpy()
+        return {name: float(v) for name, v in zip(self.values, values) if np.isfinite(v)}
