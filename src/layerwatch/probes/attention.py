@@ -7,7 +7,9 @@ need no weights: each looks the function up in ``torch.nn.functional`` when it c
 by a wrapper put there only while the sampled step's forward runs, and put back when it ends or
 raises. Every other op runs untouched (a :class:`~torch.overrides.TorchFunctionMode` would put a
 Python call before each, and the step's ``fwd_ms`` would measure it). The call itself runs as
-it would without it (its output is the same tensor, bitwise); beside it, the logits ``q·k/√d`` of ``ROWS`` query rows evenly spread over
+it would without it (its output is the same tensor, bitwise); its inputs are kept (the kernel
+keeps them for the backward anyway) and, once the forward is over and every module's time
+taken, for each call the logits ``q·k/√d`` of ``ROWS`` query rows evenly spread over
 the sequence are computed against every key, under the call's own mask (``attn_mask``,
 ``is_causal``, grouped-query heads), in float32:
 
@@ -31,7 +33,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layerwatch.hooks import is_compiling
 
 ROWS = 64  # query rows sampled per call
 
@@ -71,57 +72,55 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.
 
 
 class AttentionProbe:
-    """The attention statistics of one sampled step, seen while the model runs: a pre-hook and
-    an always-called hook on the model and on each of its children (a LightningModule's
-    ``training_step`` may call a child alone), counted so that the wrapper is in place from the
-    first forward entered to the last left. ``remove()`` is safe twice."""
+    """The attention calls of one sampled step: torch's function stands in for a wrapper from
+    :meth:`start` to :meth:`stop` (:class:`~layerwatch.probes.transformer.TransformerProbes`
+    calls them as the model's forward begins and ends); each call's inputs are kept, and
+    measured by :meth:`flush` once the forward is over, outside every module's time."""
 
-    def __init__(self, model: nn.Module, names: dict[int, str]) -> None:
+    def __init__(self, names: dict[int, str]) -> None:
         self.names = names  # id(module) -> its name, for the modules whose calls are kept
         self.calls: dict[str, list[torch.Tensor]] = {}  # module -> each call's [heads, 2]
         self.error: Optional[BaseException] = None
+        self._pending: list[tuple[str, dict]] = []  # (module, the call's arguments) not measured yet
         self._original: Any = None  # torch's function, while the wrapper stands in for it
-        self._depth = 0
-        self._handles = [handle for module in (model, *model.children())
-                         for handle in (module.register_forward_pre_hook(self._on),
-                                        module.register_forward_hook(self._off, always_call=True))]
 
-    def _on(self, module: nn.Module, args: tuple) -> None:
-        if is_compiling():  # traced by Dynamo (a compiled caller): nothing here, no graph break
+    def start(self) -> None:
+        if self._original is not None:
             return
-        self._depth += 1
-        if self._original is None:
-            original = self._original = F.scaled_dot_product_attention
+        original = self._original = F.scaled_dot_product_attention
 
-            @functools.wraps(original)
-            def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
-                out = original(*args, **kwargs)
-                self.seen(args, kwargs)
-                return out
+        @functools.wraps(original)
+        def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            self.seen(args, kwargs)
+            return out
 
-            F.scaled_dot_product_attention = scaled_dot_product_attention
+        F.scaled_dot_product_attention = scaled_dot_product_attention
 
-    def _off(self, module: Optional[nn.Module], args: tuple, output: Any) -> None:
-        if is_compiling():
-            return
-        self._depth -= 1
-        if self._depth <= 0 and self._original is not None:
-            F.scaled_dot_product_attention, self._original, self._depth = self._original, None, 0
+    def stop(self) -> None:
+        if self._original is not None:
+            F.scaled_dot_product_attention, self._original = self._original, None
 
     def seen(self, args: tuple, kwargs: dict) -> None:
-        """One call, by the innermost module of the model on the stack; a failure is kept, not raised."""
+        """One call, by the innermost module of the model on the stack: kept for :meth:`flush`."""
+        if self.error is not None:
+            return
+        name = self._caller()
+        if name is not None:
+            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+            self._pending.append((name, dict(zip(names, args)) | kwargs))
+
+    def flush(self) -> None:
+        """Measure the calls kept; a failure is kept, not raised (the user's training goes on)."""
+        pending, self._pending = self._pending, []
         if self.error is not None:
             return
         try:
-            name = self._caller()
-            if name is None:
-                return
-            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-            given = dict(zip(names, args)) | kwargs
-            row = attention_stats(given["query"], given["key"], given.get("attn_mask"), bool(given.get("is_causal", False)),
-                                  given.get("scale"), bool(given.get("enable_gqa", False)))
-            self.calls.setdefault(name, []).append(row)
-        except Exception as e:  # the user's forward goes on; the step's attention is not written
+            for name, given in pending:
+                row = attention_stats(given["query"], given["key"], given.get("attn_mask"), bool(given.get("is_causal", False)),
+                                      given.get("scale"), bool(given.get("enable_gqa", False)))
+                self.calls.setdefault(name, []).append(row)
+        except Exception as e:
             self.error = e
 
     def _caller(self) -> Optional[str]:
@@ -135,15 +134,12 @@ class AttentionProbe:
         return None
 
     def remove(self) -> None:
-        self._depth = 0
-        self._off(None, (), None)
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self.stop()
 
     def result(self) -> dict[str, np.ndarray]:
         """Per module, ``[heads, 2]``: each head's largest logit (over every call) and mean
         entropy (the calls' mean), on the host; {} after a failure."""
+        self.flush()
         if self.error is not None or not self.calls:
             return {}
         names = list(self.calls)

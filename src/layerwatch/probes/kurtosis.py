@@ -3,8 +3,9 @@
 ``mean(s⁴) / mean(s²)²``. 1 when every channel has the same size; up to the channel count when
 one channel holds all of it: the outlier features of He et al. (2024), which Composer's
 ActivationMonitor logs per batch and Megatron dropped at "up to 30% of the step time". Here a
-forward hook on each probed module, on sampled steps only, makes it on the device in three ops;
-the step's values reach the host together at its end.
+forward hook on each probed module, on sampled steps only, keeps the output; once the forward
+is over (outside every module's time) three ops on the device make it, and the step's values
+reach the host together at its end.
 """
 
 from __future__ import annotations
@@ -25,24 +26,32 @@ def channel_kurtosis(h: torch.Tensor) -> torch.Tensor:
 
 class ChannelKurtosis:
     """Forward hooks on the probed modules for one sampled step: each module's first output of
-    two or more dimensions and at least 2 channels. ``remove()`` is safe twice."""
+    two or more dimensions and at least 2 channels, kept until :meth:`flush`. ``remove()`` is
+    safe twice."""
 
     def __init__(self, modules: Sequence[tuple[str, nn.Module]]) -> None:
         self.values: dict[str, torch.Tensor] = {}
         self.error: Optional[BaseException] = None
+        self._pending: dict[str, torch.Tensor] = {}
         self._handles = [module.register_forward_hook(self._hook(name)) for name, module in modules]
 
     def _hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if name in self.values or self.error is not None or not isinstance(output, torch.Tensor):
+            if name in self.values or name in self._pending or not isinstance(output, torch.Tensor):
                 return
-            if output.dim() < 2 or output.shape[-1] < 2 or not output.is_floating_point() or not output.numel():
-                return
-            try:
-                self.values[name] = channel_kurtosis(output)
-            except Exception as e:  # the user's forward goes on; the step's kurtosis is not written
-                self.error = e
+            if output.dim() >= 2 and output.shape[-1] >= 2 and output.is_floating_point() and output.numel():
+                self._pending[name] = output
         return hook
+
+    def flush(self) -> None:
+        """Measure the outputs kept; a failure is kept, not raised."""
+        pending, self._pending = self._pending, {}
+        if self.error is not None:
+            return
+        try:
+            self.values.update([(name, channel_kurtosis(output)) for name, output in pending.items()])
+        except Exception as e:
+            self.error = e
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -51,6 +60,7 @@ class ChannelKurtosis:
 
     def result(self) -> dict[str, float]:
         """Module -> its output's kurtosis (finite ones), on the host; {} after a failure."""
+        self.flush()
         if self.error is not None or not self.values:
             return {}
         values = torch.stack(list(self.values.values())).double().cpu().numpy()

@@ -4,8 +4,9 @@ logits that drift far from a normalized softmax come before divergence late in t
 
 The head is the module the ``output_head`` option names, else the one Hugging Face's
 ``get_output_embeddings()`` returns (the outermost module that has it). A forward hook on it,
-on sampled steps only, reduces its output on the device: ``[mean, max]`` of ``log Z`` over the
-batch's tokens, in float32, averaged (mean) and maxed (max) over the step's calls.
+on sampled steps only, keeps its output; once the forward is over (outside every module's
+time) it is reduced on the device: ``[mean, max]`` of ``log Z`` over the batch's tokens, in
+float32, averaged (mean) and maxed (max) over the step's calls.
 """
 
 from __future__ import annotations
@@ -44,22 +45,29 @@ def logsumexp_stats(logits: torch.Tensor) -> torch.Tensor:
 
 
 class OutputLogits:
-    """A forward hook on the output head for one sampled step; ``remove()`` is safe twice."""
+    """A forward hook on the output head for one sampled step, keeping its logits until
+    :meth:`flush` (once the forward is over); ``remove()`` is safe twice."""
 
     def __init__(self, name: str, head: nn.Module) -> None:
         self.name = name
         self.calls: list[torch.Tensor] = []
         self.error: Optional[BaseException] = None
+        self._pending: list[torch.Tensor] = []
         self._handle: Any = head.register_forward_hook(self._hook)
 
     def _hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+        if isinstance(logits, torch.Tensor) and logits.is_floating_point() and logits.dim() >= 1 and logits.numel():
+            self._pending.append(logits)
+
+    def flush(self) -> None:
+        """Measure the logits kept; a failure is kept, not raised."""
+        pending, self._pending = self._pending, []
         if self.error is not None:
             return
         try:
-            logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
-            if isinstance(logits, torch.Tensor) and logits.is_floating_point() and logits.dim() >= 1:
-                self.calls.append(logsumexp_stats(logits))
-        except Exception as e:  # the user's forward goes on; the step's logits are not written
+            self.calls += [logsumexp_stats(logits) for logits in pending]
+        except Exception as e:
             self.error = e
 
     def remove(self) -> None:
@@ -69,6 +77,7 @@ class OutputLogits:
 
     def result(self) -> Optional[np.ndarray]:
         """``[mean, max]`` over the step's calls, on the host; None when none was seen or one failed."""
+        self.flush()
         if self.error is not None or not self.calls:
             return None
         calls = torch.stack(self.calls)

@@ -11,13 +11,22 @@ from torch import nn
 
 from layerwatch.distributed import is_writer_rank
 from layerwatch.failures import FailurePolicy
+from layerwatch.hooks import is_compiling
 from layerwatch.probes.attention import AttentionProbe
 from layerwatch.probes.kurtosis import ChannelKurtosis
 from layerwatch.probes.logits import OutputLogits, find_output_head
 
 
 class TransformerProbes:
-    """The ``attention`` and ``logits`` families' probes; ``remove()`` is safe twice."""
+    """The ``attention`` and ``logits`` families' probes, and the kurtosis of the
+    ``activations``; ``remove()`` is safe twice.
+
+    A pre-hook and an always-called hook on the model and on each of its children (a
+    LightningModule's ``training_step`` may call a child alone), counted, tell when the forward
+    begins (the attention wrapper stands in) and when it is over (torch's function is back, and
+    what the probes kept is measured: after the runtime probe closed every module's span, whose
+    hooks came first, so no module's ``fwd_ms`` holds this work, on the host or the device).
+    """
 
     def __init__(self, families: Sequence[str], output_head: Optional[str], failures: FailurePolicy) -> None:
         self.attention_on, self.logits_on = "attention" in families, "logits" in families
@@ -27,6 +36,8 @@ class TransformerProbes:
         self._attention: Optional[AttentionProbe] = None
         self._logits: Optional[OutputLogits] = None
         self._kurtosis: Optional[ChannelKurtosis] = None
+        self._handles: list[Any] = []
+        self._depth = 0
 
     def arm(self, model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> None:
         """This step's probes, on an eager forward of ``model`` whose probed ``modules`` are these;
@@ -36,11 +47,35 @@ class TransformerProbes:
         if not self.eager:
             return
         if self.attention_on:
-            self._attention = AttentionProbe(model, {id(module): name for name, module in modules})
+            self._attention = AttentionProbe({id(module): name for name, module in modules})
         if self.logits_on:
             self._arm_logits(model)
         if self.kurtosis_on:
             self._kurtosis = ChannelKurtosis(modules)
+        self._depth = 0
+        self._handles = [handle for module in (model, *model.children())
+                         for handle in (module.register_forward_pre_hook(self._begins),
+                                        module.register_forward_hook(self._ends, always_call=True))]
+
+    def _begins(self, module: nn.Module, args: tuple) -> None:
+        if is_compiling():  # traced by Dynamo (a compiled caller): nothing here, no graph break
+            return
+        self._depth += 1
+        if self._attention is not None:
+            self._attention.start()
+
+    def _ends(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if is_compiling():
+            return
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        self._depth = 0
+        if self._attention is not None:
+            self._attention.stop()
+        for probe in (self._attention, self._logits, self._kurtosis):
+            if probe is not None:
+                probe.flush()
 
     def say_compiled(self) -> None:
         if (self.attention_on or self.logits_on) and is_writer_rank():
@@ -57,6 +92,9 @@ class TransformerProbes:
         self._logits = OutputLogits(*head)
 
     def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
         for probe in (self._attention, self._logits, self._kurtosis):
             if probe is not None:
                 probe.remove()
@@ -68,7 +106,7 @@ class TransformerProbes:
         work together (tensor parallel, FSDP: each rank's heads or part of an output would need
         combining, not done yet), said once."""
         attention, logits, kurtosis = self._attention, self._logits, self._kurtosis
-        self.remove()
+        self.remove()  # keeps what each measured; their result() measures what is left
         self.eager = True
         channels = {} if kurtosis is None or together else kurtosis.result()
         heads: dict[str, Any] = {}
