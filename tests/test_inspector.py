@@ -214,10 +214,9 @@ def test_finish_leaves_no_hook_is_idempotent_and_releases_the_model(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ins = Inspector(model, log_dir=tmp_path, every_n_steps=1, optimizer=opt).start()
     train(model, 2, ins, optimizer=opt)
-    # step 2 is armed: the optimizer's pre and post hooks, the probes' module hooks, the sentinel's step counter, the
-    # attention probe's pre and post hooks on the model and its children, the kurtosis probe's hook on each module
-    modules = len(list(model.modules()))
-    assert hook_count(model, opt) == 2 + 2 * modules + 1 + 2 * (1 + len(list(model.children()))) + modules
+    # step 2 is armed: the optimizer's pre and post hooks, the probes' module hooks, the sentinel's step counter, and
+    # on the model (its children are leaves) the transformer probes' begin and end hooks and the kurtosis probe's hook
+    assert hook_count(model, opt) == 2 + 2 * len(list(model.modules())) + 1 + 2 + 1
     ins.finish()
     ins.finish()
     assert hook_count(model, opt) == 0

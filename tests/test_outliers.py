@@ -90,7 +90,7 @@ def test_the_per_channel_kurtosis_is_written_from_the_second_sample_and_a_channe
 
     torch.manual_seed(0)
     grower = Channel(16)
-    model = nn.Sequential(nn.Linear(8, 32), grower, nn.Linear(32, 4))
+    model = nn.Sequential(nn.Linear(8, 32), nn.Sequential(grower), nn.Linear(32, 4))  # a block: its kurtosis
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -104,5 +104,6 @@ def test_the_per_channel_kurtosis_is_written_from_the_second_sample_and_a_channe
                 inspector.step()
     kurtosis = tab_values(events(tmp_path))["activations_kurtosis/1"]
     assert min(kurtosis) == 2 and kurtosis[30] > 20 * kurtosis[10]  # from the second sampled step on
+    assert not [t for t in tab_values(events(tmp_path)) if t.startswith("activations_kurtosis/0")]  # a leaf: none
     messages = [a.message for a in inspector.alerts if a.kind == "outlier_growth" and a.name == "1"]
     assert any("AlertRules.kurtosis_growth" in m for m in messages)
