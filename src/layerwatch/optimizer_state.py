@@ -31,6 +31,7 @@ from torch import nn
 
 from layerwatch import vocabulary as V
 from layerwatch.distributed import is_writer_rank, local
+from layerwatch.stats.batched import to_device
 
 SPIKE_FACTOR = 5000.0  # SPAM (Huang et al. 2025): a coordinate's g² above this many times its v
 EPS_FACTOR = 10.0  # ε-bound: √v̂ below this many times ε
@@ -79,9 +80,14 @@ def spike_fractions(rows: np.ndarray) -> np.ndarray:
 
 
 def _bias_corrections(states: list[dict], settings: list[dict], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``1 − β1^t`` and ``1 − β2^t`` of each tensor, ``t`` its step count now (float64, on ``device``)."""
-    steps = torch.stack([torch.as_tensor(s["step"]) for s in states]).to(device, torch.float64)
-    betas = torch.tensor([g["betas"] for g in settings], dtype=torch.float64, device=device)
+    """``1 − β1^t`` and ``1 − β2^t`` of each tensor, ``t`` its step count now (float64, on ``device``).
+    Steps on the host (Adam's default) are worked out there and copied without a wait; steps on
+    the device (``capturable``, ``fused``) stay there: nothing waits for the device either way."""
+    steps = torch.stack([torch.as_tensor(s["step"]) for s in states]).to(torch.float64)
+    betas = torch.tensor([g["betas"] for g in settings], dtype=torch.float64)
+    if steps.device.type == "cpu":
+        return tuple(to_device(1 - betas ** steps[:, None], torch.float64, device).unbind(1))  # type: ignore[return-value]
+    betas = to_device(betas, torch.float64, steps.device)
     return 1 - betas[:, 0] ** steps, 1 - betas[:, 1] ** steps
 
 
@@ -190,7 +196,7 @@ class AdamState:
             present = [vi if g is None else local(g).detach() for g, vi in zip(grads, v)]
             device, dtype = m[0].device, v[0].dtype
             bc1, bc2 = _bias_corrections(states, settings, device)
-            eps = torch.tensor([g["eps"] for g in settings], dtype=torch.float64, device=device)
+            eps = to_device([g["eps"] for g in settings], torch.float64, device)
             below = torch._foreach_neg(v)  # ((10ε)²·(1 − β2^t) − v)₊ · g: nonzero where ε-bound, with a gradient
             torch._foreach_add_(below, list(((EPS_FACTOR * eps) ** 2 * bc2).to(dtype).unbind()))
             torch._foreach_clamp_min_(below, 0.0)
@@ -203,6 +209,6 @@ class AdamState:
             torch._foreach_div_(root, m)  # (√v̂ + ε) / m: its reciprocal's norm is the update's
             torch._foreach_reciprocal_(root)
             norms = torch.stack(torch._foreach_norm(root)).to(torch.float64)
-            values = torch.tensor([t.numel() for t in m], dtype=torch.float64, device=device)
+            values = to_device([t.numel() for t in m], torch.float64, device)
             sumsq = (norms / bc1) ** 2
             return torch.stack([sumsq, values, eps_bound, seen, torch.zeros_like(values)], dim=1)

@@ -44,7 +44,8 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.
     them (``q``: ``(..., heads, queries, d)``, ``k``: ``(..., kv_heads, keys, d)``)."""
     with torch.no_grad():
         queries, keys, d = q.shape[-2], k.shape[-2], q.shape[-1]
-        index = torch.linspace(0, queries - 1, min(rows, queries), device=q.device).round().long().unique()
+        count = min(rows, queries)  # evenly spread, at least 1 apart: distinct once rounded (no unique(): a sync)
+        index = (torch.arange(count, device=q.device, dtype=torch.float64) * ((queries - 1) / max(count - 1, 1))).round().long()
         q_rows = q.index_select(-2, index).float()
         k = k.float()
         if enable_gqa and k.shape[-3] != q.shape[-3]:

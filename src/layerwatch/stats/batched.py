@@ -97,7 +97,7 @@ def reduce(
         rows[:, MIN], rows[:, MAX] = math.inf, -math.inf  # an empty tensor: no value, no histogram
         if present:
             batch = _Batch([tensors[i] for i in present], bins, zeros, centered, histogram_values, workspace or Workspace())
-            rows.index_copy_(0, _to_device(present, torch.int64, rows.device), batch.rows())
+            rows.index_copy_(0, to_device(present, torch.int64, rows.device), batch.rows())
         return rows
 
 
@@ -294,11 +294,11 @@ class _Plan:
         for position, i in enumerate(self.order):
             inverse[i] = position
         # where each caller's tensor sits in the plan's order; None: the same order
-        self.inverse = None if inverse == list(range(len(shapes))) else _to_device(inverse, torch.int64, device)
+        self.inverse = None if inverse == list(range(len(shapes))) else to_device(inverse, torch.int64, device)
         self._lay_out(bins)
-        self.sizes_f64 = _to_device(self.sizes, torch.float64, device)
+        self.sizes_f64 = to_device(self.sizes, torch.float64, device)
         strided = [s > 1 for s in self.strides]
-        self.strided = _to_device(strided, torch.bool, device) if any(strided) else None  # sampled histograms
+        self.strided = to_device(strided, torch.bool, device) if any(strided) else None  # sampled histograms
         self._views: dict[int, tuple[int, list[torch.Tensor]]] = {}  # chunk -> (buffer address, views)
 
     def _bounds(self):
@@ -356,20 +356,20 @@ class _Plan:
             padding = None
             if any(pads):
                 real = torch.tensor([width - pad for pad in pads])
-                padding = (_to_device(torch.arange(width) < real[:, None], torch.bool, device),
-                           _to_device((real - 1)[:, None], torch.int64, device))
+                padding = (to_device(torch.arange(width) < real[:, None], torch.bool, device),
+                           to_device((real - 1)[:, None], torch.int64, device))
             tail_pads += pads
             chunks.append(_Chunk(first, last, width, False, chunk_rows * width, pieces, slice(row, len(row_owner)),
-                                 slice(tail, len(tail_rows)), unplaced, _to_device(last_rows, torch.int64, device), padding))
+                                 slice(tail, len(tail_rows)), unplaced, to_device(last_rows, torch.int64, device), padding))
             sample_rows.append(row_owner[row:] if bins else [])
             sample_sizes.append(chunk_rows * ROW if bins else 0)
         self.rows = len(row_owner)
-        self.row_owner = _to_device(row_owner, torch.int64, device)
-        self.row_counts = _to_device(row_counts, torch.float64, device)
-        self.tail_rows = _to_device(tail_rows, torch.int64, device)
-        self.tail_pads = _to_device(tail_pads, torch.float64, device)
+        self.row_owner = to_device(row_owner, torch.int64, device)
+        self.row_counts = to_device(row_counts, torch.float64, device)
+        self.tail_rows = to_device(tail_rows, torch.int64, device)
+        self.tail_pads = to_device(tail_pads, torch.float64, device)
         self.tail_tensors = self.row_owner[self.tail_rows]
-        self.sampled_pads = _to_device(sampled_pads, torch.float64, device)
+        self.sampled_pads = to_device(sampled_pads, torch.float64, device)
         self.chunks, self.waves = self._waves(chunks, sample_sizes, sample_rows, bins)
 
     def _waves(self, chunks: list[_Chunk], sample_sizes: list[int], sample_rows: list[list[int]],
@@ -385,7 +385,7 @@ class _Plan:
                 used += sample_sizes[end]
                 end += 1
             owner = [i for rows in sample_rows[start:end] for i in rows]
-            owner_device = _to_device(owner, torch.int64, self.device)
+            owner_device = to_device(owner, torch.int64, self.device)
             # bincount reads int32 twice as fast on the CPU; scatter_add_ (an accelerator's) takes int64 only
             index_dtype = torch.int32 if self.device.type == "cpu" else torch.int64
             direct = end == start + 1 and not chunks[start].single and self.strides[chunks[start].first] == 1
@@ -673,7 +673,7 @@ def _bucket_of(v: torch.Tensor, scale: torch.Tensor, anchor: torch.Tensor, zero_
     return torch.where(torch.isfinite(v), q, torch.full_like(q, bins + 2)).long()
 
 
-def _to_device(values: list | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values: list | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Small host values on ``device``; to an accelerator through pinned memory, without
     blocking (a pageable copy would wait for the device)."""
     host = torch.as_tensor(values, dtype=dtype)
