@@ -31,7 +31,6 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 
 ROWS = 64  # query rows sampled per call
