@@ -23,3 +23,4 @@ shot structure.png "http://127.0.0.1:6124/#text&tagFilter=layerwatch%2Fstructure
 shot alerts.png "http://127.0.0.1:6125/#text&tagFilter=layerwatch%2Falerts" 1500,560
 python docs/tab_screenshots.py http://127.0.0.1:6123 docs/img
 python docs/hf_screenshot.py docs/img
+python docs/divergence_screenshots.py --out docs/img  # the divergence benchmark's pictures (reading-charts.md): its own runs and TensorBoard
