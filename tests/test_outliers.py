@@ -40,15 +40,13 @@ class Grower(nn.Module):
         return x * gain
 
 
-def run(log_dir, start):
-    torch.manual_seed(0)
-    grower = Grower(start)
-    model = nn.Sequential(nn.Linear(8, 32), grower, nn.ReLU(), nn.Linear(32, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+def watched(log_dir, model: nn.Module, grower: Grower, steps: int = 40, lr: float = 1e-3):
+    """``steps`` SGD steps of ``model`` on fresh batches, ``grower`` told each step, sampled every 2."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with Inspector(model, log_dir=log_dir, every_n_steps=2, optimizer=opt) as inspector:
-            for k in range(40):
+            for k in range(steps):
                 grower.step = k
                 loss = model(torch.randn(16, 8)).pow(2).mean()
                 opt.zero_grad()
@@ -56,6 +54,12 @@ def run(log_dir, start):
                 opt.step()
                 inspector.step()
     return inspector
+
+
+def run(log_dir, start):
+    torch.manual_seed(0)
+    grower = Grower(start)
+    return watched(log_dir, nn.Sequential(nn.Linear(8, 32), grower, nn.ReLU(), nn.Linear(32, 4)), grower)
 
 
 def test_a_value_that_grows_every_step_raises_outlier_growth_on_its_module(tmp_path, events):
@@ -91,17 +95,7 @@ def test_the_per_channel_kurtosis_is_written_from_the_second_sample_and_a_channe
     torch.manual_seed(0)
     grower = Channel(16)
     model = nn.Sequential(nn.Linear(8, 32), nn.Sequential(grower), nn.Linear(32, 4))  # a block: its kurtosis
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with Inspector(model, log_dir=tmp_path, every_n_steps=2, optimizer=opt) as inspector:
-            for k in range(32):
-                grower.step = k
-                loss = model(torch.randn(16, 8)).pow(2).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                inspector.step()
+    inspector = watched(tmp_path, model, grower, steps=32, lr=1e-4)
     kurtosis = tab_values(events(tmp_path))["activations_kurtosis/1"]
     assert min(kurtosis) == 2 and kurtosis[30] > 20 * kurtosis[10]  # from the second sampled step on
     assert not [t for t in tab_values(events(tmp_path)) if t.startswith("activations_kurtosis/0")]  # a leaf: none

@@ -187,7 +187,7 @@ class HealthMonitor:
         self._moved = np.zeros(size, dtype=bool)  # the weights changed between two samples, ever
         self._windows = {"weights": LayerWindows(rules, "weights"), "grads": LayerWindows(rules, "grads")}
         self._update_shape = UpdateShape(rules)
-        self._attention = ProbeTrends(rules)
+        self._probe_trends = ProbeTrends(rules)
 
     def observe(
         self,
@@ -197,10 +197,7 @@ class HealthMonitor:
         grads: Optional[dict[str, np.ndarray]],
         trainable: Sequence[str],
         adam: Sequence[tuple[list[str], np.ndarray]] = (),
-        attention: Optional[dict[str, np.ndarray]] = None,
-        logits: Optional[tuple[str, np.ndarray]] = None,
-        outliers: Optional[dict[str, float]] = None,
-        kurtosis: Optional[dict[str, float]] = None,
+        probes: Any = None,
     ) -> list[Alert]:
         """The alerts first seen at ``step``.
 
@@ -211,12 +208,8 @@ class HealthMonitor:
             trainable: Names of the parameters with ``requires_grad``.
             adam: Adam's state after the step, as pieces of names and rows
                 (:mod:`~layerwatch.optimizer_state`).
-            attention: Attention module -> its heads' ``[largest logit, entropy]``
-                (:mod:`~layerwatch.probes.attention`).
-            logits: The output head and its ``[mean, max]`` of log Z (:mod:`~layerwatch.probes.logits`).
-            outliers: Module -> its output's ``max|h| / RMS(h)`` (:attr:`Rows.peak_to_rms
-                <layerwatch.stats.Rows.peak_to_rms>`).
-            kurtosis: Module -> its output's per-channel kurtosis (:mod:`~layerwatch.probes.kurtosis`).
+            probes: The step's :class:`~layerwatch.probes.ProbeResult` (its attention, output
+                logits, activation rows and kurtosis), or None.
         """
         new: list[Alert] = []
         w_idx, w_rows = self._stack(weights)
@@ -231,7 +224,7 @@ class HealthMonitor:
             names = [name for names, _ in adam for name in names]
             for kind, layer, message in self._update_shape.observe(names, np.concatenate([rows for _, rows in adam])):
                 self._raise_for(new, kind, layer, step, message)
-        for kind, layer, message in self._attention.observe(attention or {}, logits, outliers or {}, kurtosis or {}):
+        for kind, layer, message in self._probe_trends.observe(probes) if probes is not None else ():
             self._raise_for(new, kind, layer, step, message)
         return new
 
@@ -620,11 +613,15 @@ class Windows:
 
 
 class ProbeTrends:
-    """The rules on the probes' transformer signals. ``outlier_growth``: a module output's
-    ``max|h| / RMS(h)`` window median ``outlier_growth`` times the lowest of a window before. The
-    output head's ``logit_drift``: its mean log Z's window median more than ``logit_drift`` nats
-    from its first window's. The attention rules, per attention module with its heads folded (the largest logit of
-    any head, the lowest entropy of any head):
+    """The rules on the probes' transformer signals, each judged against the layer's own past:
+
+    - ``outlier_growth``: a module output's ``max|h| / RMS(h)`` window median ``outlier_growth``
+      times the lowest of a window before, or its per-channel kurtosis ``kurtosis_growth`` times.
+    - ``logit_drift``: the output head's mean log Z, its window median more than ``logit_drift``
+      nats from its first window's.
+
+    The attention rules, per attention module with its heads folded (the largest logit of any
+    head, the lowest entropy of any head):
 
     - ``attention_logits``: the largest logit at or above ``attention_logit_level`` (100, the
       level Kimi K2's QK-Clip and Megatron clip at); or, from a tenth of it, the window median
@@ -643,13 +640,12 @@ class ProbeTrends:
         self._outliers, self._kurtosis = Windows(rules.window), Windows(rules.window)
         self._first: dict[str, float] = {}  # the output head's first window median of log Z
 
-    def observe(self, attention: dict[str, np.ndarray], logits: Optional[tuple[str, np.ndarray]] = None,
-                outliers: Optional[dict[str, float]] = None, kurtosis: Optional[dict[str, float]] = None
-                ) -> list[tuple[str, str, str]]:
+    def observe(self, probes: Any) -> list[tuple[str, str, str]]:
+        """``(kind, layer, message)`` of each rule broken by a :class:`~layerwatch.probes.ProbeResult`."""
         found, rules = [], self.rules
         for values, windows, factor, what, option in (
-                (outliers or {}, self._outliers, rules.outlier_growth, "max|h| / RMS(h)", "outlier_growth"),
-                (kurtosis or {}, self._kurtosis, rules.kurtosis_growth, "the kurtosis of its per-channel RMS",
+                (outliers_of(probes), self._outliers, rules.outlier_growth, "max|h| / RMS(h)", "outlier_growth"),
+                (probes.kurtosis, self._kurtosis, rules.kurtosis_growth, "the kurtosis of its per-channel RMS",
                  "kurtosis_growth")):
             for layer, value in values.items():
                 trend = windows.add(layer, value)
@@ -660,8 +656,8 @@ class ProbeTrends:
                         f"samples, {now / lowest:.3g}x its lowest window; AlertRules.{option} is {factor:g}): a few "
                         "values or channels dwarf the rest, as outlier features and massive activations do (Sun et al. "
                         "2024) before they break low-precision training or the loss")))
-        if logits is not None:
-            head, (mean, _) = logits
+        if probes.logits is not None:
+            head, (mean, _) = probes.logits
             trend = self._log_z.add(head, float(mean))
             if trend is not None:
                 first = self._first.setdefault(head, trend[0])
@@ -672,7 +668,7 @@ class ProbeTrends:
                         f"{now:.3g} nats (medians of {rules.window} samples; AlertRules.logit_drift is {rules.logit_drift:g}): "
                         "the softmax and the loss do not see it, and it comes before divergence late in training. "
                         "A z-loss (PaLM: 1e-4 (log Z)^2)?")))
-        for layer, heads in attention.items():
+        for layer, heads in probes.attention.items():
             logit = float(np.nanmax(heads[:, 0])) if np.isfinite(heads[:, 0]).any() else float("nan")
             if logit >= rules.attention_logit_level:
                 found.append(("attention_logits", layer, (
@@ -681,7 +677,7 @@ class ProbeTrends:
                     "then training diverges (Dehghani et al. 2023). QK-norm, or a lower learning rate?")))
             trend = self._logits.add(layer, logit)
             if trend is not None:
-                before, now, lowest, _ = trend
+                _, now, lowest, _ = trend
                 if now >= rules.attention_logit_level / 10 and now >= rules.attention_logit_growth * lowest > 0:
                     found.append(("attention_logits", layer, (
                         f"largest attention logit of layer {layer} grew {now / lowest:.3g}x over its lowest window: "
@@ -692,7 +688,7 @@ class ProbeTrends:
             entropy = float(np.nanmin(entropies)) if np.isfinite(entropies).any() else float("nan")
             trend = self._entropy.add(layer, entropy)
             if trend is not None:
-                before, now, _, highest = trend
+                _, now, _, highest = trend
                 if now < rules.entropy_collapse * highest:
                     found.append(("entropy_collapse", layer, (
                         f"attention entropy of layer {layer} collapsed to {now:.3g} nats (its lowest head, median of "
@@ -749,9 +745,7 @@ class HealthCheck:
             )
             grads = None
         new += self.monitor.observe(step, weights=by_name("weights"), grads=grads, trainable=trainable,
-                                    adam=rows.get("adam", ()), attention=None if probes is None else probes.attention,
-                                    logits=None if probes is None else probes.logits, outliers=outliers_of(probes),
-                                    kurtosis=None if probes is None else probes.kurtosis)
+                                    adam=rows.get("adam", ()), probes=probes)
         return R.Findings(alerts=new, alert_count=len(self.monitor.alerts),
                           alert_table=alerts_markdown(self.monitor.alerts) if new else None, optimizer_skipped=skipped)
 
@@ -770,7 +764,7 @@ class HealthCheck:
 
 def outliers_of(probes: Any) -> dict[str, float]:
     """Each measured module output's ``max|h| / RMS(h)`` (finite ones) in a probes' result."""
-    measured = [t for t in getattr(probes, "modules", ()) if t.activation_row is not None]
+    measured = [t for t in probes.modules if t.activation_row is not None]
     if not measured:
         return {}
     ratios = S.Rows(np.stack([t.activation_row for t in measured])).peak_to_rms

@@ -120,34 +120,29 @@ class AdamState:
     def before_step(self, optimizer: Any, params: Sequence[tuple[str, nn.Parameter]]) -> list[tuple[list[str], torch.Tensor]]:
         """Rows ``[SPIKES, JUDGED, FAILED]`` of the parameters ``optimizer`` is about to step, their
         gradients final and their ``v`` still the last step's."""
-        adam = self._adam(optimizer)
-        if adam is None:
-            return []
-        found = {name: p for name, p in params if "exp_avg_sq" in adam.state.get(p, ()) and p.grad is not None}
-        pieces = []
-        if found:
-            settings = {id(p): g for g in adam.param_groups for p in g["params"]}
-        for group, names, tensors in self.groups(list(found.items()), "optimizer state"):
-            owned = [found[name] for name in names]
-            rows_of = lambda: self._spikes([p.grad for p in owned], [adam.state[p] for p in owned],  # noqa: E731
-                                           [settings[id(p)] for p in owned])
-            pieces.append((names, self._all(group, rows_of, len(names), WIDTH["adam_spikes"], tensors)))
-        return pieces
+        return self._read(optimizer, params, "adam_spikes", self._spikes)
 
     def after_step(self, optimizer: Any, params: Sequence[tuple[str, nn.Parameter]]) -> list[tuple[list[str], torch.Tensor]]:
         """Rows ``[UPDATE_SUMSQ, VALUES, EPS_BOUND, SEEN, FAILED]`` of the parameters ``optimizer`` has stepped."""
+        return self._read(optimizer, params, "adam", self._update)
+
+    def _read(self, optimizer: Any, params: Sequence[tuple[str, nn.Parameter]], family: str,
+              measure: Callable[[list[dict], list[dict], list[Optional[torch.Tensor]]], torch.Tensor]
+              ) -> list[tuple[list[str], torch.Tensor]]:
+        """``measure(states, settings, grads)`` of the parameters ``optimizer`` holds moments of (and,
+        before the step, a gradient of), per group, as rows of ``family``."""
         adam = self._adam(optimizer)
         if adam is None:
             return []
-        found = {name: p for name, p in params if "exp_avg_sq" in adam.state.get(p, ())}
+        graded = family == "adam_spikes"
+        found = {name: p for name, p in params if "exp_avg_sq" in adam.state.get(p, ()) and (p.grad is not None or not graded)}
+        settings = {id(p): g for g in adam.param_groups for p in g["params"]} if found else {}
         pieces = []
-        if found:
-            settings = {id(p): g for g in adam.param_groups for p in g["params"]}
         for group, names, tensors in self.groups(list(found.items()), "optimizer state"):
             owned = [found[name] for name in names]
-            rows_of = lambda: self._update([adam.state[p] for p in owned], [settings[id(p)] for p in owned],  # noqa: E731
-                                           [p.grad for p in owned])
-            pieces.append((names, self._all(group, rows_of, len(names), WIDTH["adam"], tensors)))
+            rows_of = lambda: measure([adam.state[p] for p in owned], [settings[id(p)] for p in owned],  # noqa: E731
+                                      [p.grad for p in owned])
+            pieces.append((names, self._all(group, rows_of, len(names), WIDTH[family], tensors)))
         return pieces
 
     @staticmethod
@@ -167,7 +162,7 @@ class AdamState:
         return rows
 
     @staticmethod
-    def _spikes(grads: list[torch.Tensor], states: list[dict], settings: list[dict]) -> torch.Tensor:
+    def _spikes(states: list[dict], settings: list[dict], grads: list[Optional[torch.Tensor]]) -> torch.Tensor:
         """``[SPIKES, JUDGED, FAILED]``: of the coordinates with a gradient and ``v > 0``, how many have ``g² > θ·v̂``.
         Counted as nonzero values (``_foreach_norm`` of order 0): a product is nonzero where each factor is
         (short of an underflow below float32's smallest subnormal, 1.4e-45)."""

@@ -17,8 +17,7 @@ from torch import nn
 
 from layerwatch import record as R
 from layerwatch import stats as S
-from layerwatch.distributed import FAILED_NORM, local_tensors
-from layerwatch.distributed import is_writer_rank
+from layerwatch.distributed import FAILED_NORM, is_writer_rank, local_tensors
 from layerwatch.failures import FailurePolicy
 from layerwatch.optimizer_state import AdamState, WIDTH, failed as adam_failed
 from layerwatch.options import Options
@@ -46,7 +45,7 @@ class Sample:
     adam: list[Piece] = field(default_factory=list)  # Adam's state after the step (optimizer_state.py)
     adam_spikes: list[Piece] = field(default_factory=list)  # its gradient spikes, read before the step
     optimizers: list[Any] = field(default_factory=list)  # those whose gradients were read before their step
-    adam_read: set[int] = field(default_factory=set)
+    adam_read: set[int] = field(default_factory=set)  # id() of the parameters whose Adam state was read
     grads_read: set[int] = field(default_factory=set)  # id() of the parameters read so far
     weights_read: set[int] = field(default_factory=set)
     snapshots: list[tuple[Optional[int], Snapshot]] = field(default_factory=list)  # (id of the optimizer, ...)

@@ -66,7 +66,7 @@ class StepProbes:
         self._compiled_table = CompiledTable(failures)  # the table from the noted input shapes
         self._structure: Optional[StructureProbe] = None
         self._runtime: Optional[RuntimeProbe] = None
-        self._transformer = TransformerProbes(families, output_head, failures)  # attention and output logits
+        self._transformer = TransformerProbes(families, output_head, failures)  # attention, log Z, kurtosis
         self._weights: Optional[WeightCheck] = None  # the weights' NaN/Inf check of this step
         self._forward_guard: Optional[FailedForwardGuard] = None
         self._inert: list[Any] = []
