@@ -81,7 +81,7 @@ class AttentionProbe:
         self.names = names  # id(module) -> its name, for the modules whose calls are kept
         self.calls: dict[str, list[torch.Tensor]] = {}  # module -> each call's [heads, 2]
         self.error: Optional[BaseException] = None
-        self._pending: list[tuple[str, dict]] = []  # (module, the call's arguments) not measured yet
+        self.pending: list[tuple[str, dict]] = []  # (module, the call's arguments) not measured yet
         self._original: Any = None  # torch's function, while the wrapper stands in for it
 
     def start(self) -> None:
@@ -108,11 +108,11 @@ class AttentionProbe:
         name = self._caller()
         if name is not None:
             names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-            self._pending.append((name, dict(zip(names, args)) | kwargs))
+            self.pending.append((name, dict(zip(names, args)) | kwargs))
 
     def flush(self) -> None:
         """Measure the calls kept; a failure is kept, not raised (the user's training goes on)."""
-        pending, self._pending = self._pending, []
+        pending, self.pending = self.pending, []
         if self.error is not None:
             return
         try:
@@ -136,15 +136,16 @@ class AttentionProbe:
     def remove(self) -> None:
         self.stop()
 
-    def result(self) -> dict[str, np.ndarray]:
-        """Per module, ``[heads, 2]``: each head's largest logit (over every call) and mean
-        entropy (the calls' mean), on the host; {} after a failure."""
+    def on_device(self) -> Optional[torch.Tensor]:
+        """Per module, ``[heads, 2]`` (each head's largest logit over every call, its mean entropy
+        over the calls), stacked in :attr:`calls`' order; None when none was seen or one failed."""
         self.flush()
         if self.error is not None or not self.calls:
-            return {}
-        names = list(self.calls)
-        folded = [torch.stack([torch.stack(rows)[:, :, 0].amax(0), torch.stack(rows)[:, :, 1].mean(0)], dim=1)
-                  for rows in self.calls.values()]
-        sizes = [len(rows) for rows in folded]
-        flat = torch.cat(folded).double().cpu().numpy()  # the step's one transfer of them
-        return dict(zip(names, np.split(flat, np.cumsum(sizes)[:-1])))
+            return None
+        return torch.cat([torch.stack([torch.stack(rows)[:, :, 0].amax(0), torch.stack(rows)[:, :, 1].mean(0)], dim=1)
+                          for rows in self.calls.values()])
+
+    def from_host(self, values: np.ndarray) -> dict[str, np.ndarray]:
+        """:meth:`on_device`'s values, brought to the host, per module."""
+        sizes = [len(rows[0]) for rows in self.calls.values()]  # heads: shapes, known without a read
+        return dict(zip(self.calls, np.split(values.reshape(-1, 2), np.cumsum(sizes)[:-1])))

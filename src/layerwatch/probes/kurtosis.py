@@ -58,10 +58,13 @@ class ChannelKurtosis:
             handle.remove()
         self._handles = []
 
-    def result(self) -> dict[str, float]:
-        """Module -> its output's kurtosis (finite ones), on the host; {} after a failure."""
+    def on_device(self) -> Optional[torch.Tensor]:
+        """Each module's kurtosis, in :attr:`values`' order; None when none was made or one failed."""
         self.flush()
         if self.error is not None or not self.values:
-            return {}
-        values = torch.stack(list(self.values.values())).double().cpu().numpy()
+            return None
+        return torch.stack(list(self.values.values()))
+
+    def from_host(self, values: np.ndarray) -> dict[str, float]:
+        """Module -> :meth:`on_device`'s value brought to the host (finite ones)."""
         return {name: float(v) for name, v in zip(self.values, values) if np.isfinite(v)}

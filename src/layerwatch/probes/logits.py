@@ -75,10 +75,14 @@ class OutputLogits:
             self._handle.remove()
             self._handle = None
 
-    def result(self) -> Optional[np.ndarray]:
-        """``[mean, max]`` over the step's calls, on the host; None when none was seen or one failed."""
+    def on_device(self) -> Optional[torch.Tensor]:
+        """``[mean, max]`` over the step's calls; None when none was seen or one failed."""
         self.flush()
         if self.error is not None or not self.calls:
             return None
         calls = torch.stack(self.calls)
-        return torch.stack([calls[:, 0].mean(), calls[:, 1].max()]).double().cpu().numpy()
+        return torch.stack([calls[:, 0].mean(), calls[:, 1].max()])
+
+    def from_host(self, values: np.ndarray) -> tuple[str, np.ndarray]:
+        """The head and :meth:`on_device`'s values, brought to the host."""
+        return self.name, values

@@ -15,6 +15,7 @@ from layerwatch.hooks import is_compiling
 from layerwatch.probes.attention import AttentionProbe
 from layerwatch.probes.kurtosis import ChannelKurtosis
 from layerwatch.probes.logits import OutputLogits, find_output_head
+from layerwatch.stats import to_host
 
 
 class TransformerProbes:
@@ -108,24 +109,22 @@ class TransformerProbes:
 
     def take(self, together: bool) -> tuple[dict[str, Any], Optional[tuple[str, Any]], dict[str, float]]:
         """The step's attention (module -> ``[heads, 2]``), output logits (the head, ``[mean, max]``
-        of log Z) and kurtosis (module -> its output's). No attention nor kurtosis where the ranks
-        work together (tensor parallel, FSDP: each rank's heads or part of an output would need
-        combining, not done yet), said once."""
+        of log Z) and kurtosis (module -> its output's), brought to the host together (one
+        transfer per device). No attention nor kurtosis where the ranks work together (tensor
+        parallel, FSDP: each rank's heads or part of an output would need combining, not done
+        yet), said once."""
         attention, logits, kurtosis = self._attention, self._logits, self._kurtosis
-        self.remove()  # keeps what each measured; their result() measures what is left
+        self.remove()  # keeps what each measured; on_device() measures what is left
         self.eager = True
-        channels = {} if kurtosis is None or together else kurtosis.result()
-        heads: dict[str, Any] = {}
-        if attention is not None and together and attention.calls:
-            self.failures.say_once("attention-ranks", "layerwatch: attention logits and entropy are not measured in a run "
-                                   "whose ranks combine their measurements (FSDP, tensor parallel) yet")
-        elif attention is not None:
-            if attention.error is not None:
-                self.failures.warn_once("fail:attention", f"layerwatch: could not measure attention: {attention.error!r}; skipped")
-            heads = attention.result()
-        values = None
-        if logits is not None:
-            if logits.error is not None:
-                self.failures.warn_once("fail:logits", f"layerwatch: could not measure the output logits: {logits.error!r}; skipped")
-            values = logits.result()
-        return heads, None if values is None else (logits.name, values), channels
+        if together:
+            if attention is not None and (attention.calls or attention.pending):
+                self.failures.say_once("attention-ranks", "layerwatch: attention logits and entropy are not measured in "
+                                       "a run whose ranks combine their measurements (FSDP, tensor parallel) yet")
+            attention = kurtosis = None
+        taken = [(probe, probe.on_device()) for probe in (attention, logits, kurtosis) if probe is not None]
+        for probe, what in ((attention, "attention"), (logits, "the output logits")):
+            if probe is not None and probe.error is not None:
+                self.failures.warn_once(f"fail:{what}", f"layerwatch: could not measure {what}: {probe.error!r}; skipped")
+        taken = [(probe, values) for probe, values in taken if values is not None]
+        found = {id(probe): probe.from_host(values) for (probe, _), values in zip(taken, to_host([v for _, v in taken]))}
+        return (found.get(id(attention), {}), found.get(id(logits)), found.get(id(kurtosis), {}))
