@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from layerwatch import Inspector
 from layerwatch.probes.logits import find_output_head
-from models import MLP, SdpaLM, layerwatch_messages
+from models import MLP, SdpaLM, layerwatch_messages, tab_values
 
 
 def run(log_dir, steps=6, every=2, before_step=None, **options):
@@ -79,3 +79,67 @@ def test_a_shift_every_logit_shares_raises_logit_drift_and_leaves_the_loss(tmp_p
     healthy, healthy_losses, _ = run(tmp_path / "healthy", steps=40)
     assert not [a for a in healthy.alerts if a.kind == "logit_drift"]
     assert losses[20] == pytest.approx(healthy_losses[20], rel=1e-4)
+
+
+@pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()", "torch.compile(loss_fn)"])
+def test_log_z_and_the_blocks_kurtosis_are_measured_inside_compiled_code_as_in_eager(tmp_path, events, how):
+    """The traced probe's operator measures the head's log Z and each block's kurtosis inside
+    the graph (from the first sampled step: its hooks are there for good); at the steps both
+    measure, the values are eager's. Nothing compiles again for them, and the losses are bitwise
+    those of the run without layerwatch."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    from models import compile_as
+
+    def train(log_dir, how, watch=True):
+        torch._dynamo.reset()
+        counters.clear()
+        counter = CompileCounterWithBackend("aot_eager")
+        torch.manual_seed(0)
+        model = SdpaLM()
+        call = compile_as(model, how, counter)
+        forward = torch.compile(lambda x: call(x), backend=counter) if how == "torch.compile(loss_fn)" else call
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        generator = torch.Generator().manual_seed(1)
+        losses = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            inspector = Inspector(call, log_dir=log_dir, every_n_steps=2, optimizer=opt, output_head="head").start() if watch else None
+            for _ in range(7):
+                ids = torch.randint(0, 32, (4, 12), generator=generator)
+                loss = F.cross_entropy(forward(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(repr(loss.item()))
+                if inspector is not None:
+                    inspector.step()
+            if inspector is not None:
+                inspector.finish()
+        return losses, counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+    eager_losses, _, _ = train(tmp_path / "eager", "eager")
+    plain_losses, plain_graphs, _ = train(None, how, watch=False)
+    losses, graphs, breaks = train(tmp_path / "compiled", how)
+    assert losses == plain_losses == eager_losses and breaks == 0
+    assert graphs <= plain_graphs + 1  # the armed variant, as without these probes
+    eager, compiled = events(tmp_path / "eager"), events(tmp_path / "compiled")
+    for tag in ("logsumexp_mean/head", "logsumexp_max/head"):
+        # compiled parts: hooked inside the graph from the start; a compiled caller is found on the first sample
+        first = 2 if how == "torch.compile(loss_fn)" else 0
+        assert [e.step for e in compiled.Scalars(tag)] == list(range(first, 7, 2))
+        expected = {e.step: e.value for e in eager.Scalars(tag)}
+        assert set(expected) == {2, 4, 6}
+        for e in compiled.Scalars(tag)[1 - first // 2:]:
+            assert e.value == pytest.approx(expected[e.step], rel=1e-5), (tag, e.step)
+    eager_tab, compiled_tab = tab_values(eager), tab_values(compiled)
+    blocks = sorted(t for t in eager_tab if t.startswith("activations_kurtosis/"))
+    assert blocks == [f"activations_kurtosis/{name}" for name in
+                      ("(root)", "blocks.0", "blocks.0.attn", "blocks.0.mlp", "blocks.1", "blocks.1.attn", "blocks.1.mlp")]
+    if how != "torch.compile(loss_fn)":  # the root is the compiled part, measured from outside as a whole
+        blocks.remove("activations_kurtosis/(root)")
+    assert sorted(t for t in compiled_tab if t.startswith("activations_kurtosis/")) == blocks
+    for tag in blocks:
+        for step in (2, 4, 6):
+            assert compiled_tab[tag][step] == pytest.approx(eager_tab[tag][step], rel=1e-4), (tag, step)

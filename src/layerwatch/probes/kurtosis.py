@@ -5,7 +5,8 @@ one channel holds all of it: the outlier features of He et al. (2024), which Com
 ActivationMonitor logs per batch and Megatron dropped at "up to 30% of the step time". Here a
 forward hook on each probed module, on sampled steps only, keeps the output; once the forward
 is over (outside every module's time) three ops on the device make it, and the step's values
-reach the host together at its end.
+reach the host together at its end. Inside compiled code the traced probe's operator hands each
+block's output over as its call runs (:meth:`ChannelKurtosis.keep`), measured on the spot.
 """
 
 from __future__ import annotations
@@ -25,23 +26,34 @@ def channel_kurtosis(h: torch.Tensor) -> torch.Tensor:
 
 
 class ChannelKurtosis:
-    """Forward hooks on the probed modules for one sampled step: each module's first output of
-    two or more dimensions and at least 2 channels, kept until :meth:`flush`. ``remove()`` is
-    safe twice."""
+    """One sampled step's kurtosis per module: each module's first output of two or more
+    dimensions and at least 2 channels, kept (:meth:`keep`; by forward hooks, :meth:`hook`)
+    until :meth:`flush`. ``remove()`` is safe twice."""
 
-    def __init__(self, modules: Sequence[tuple[str, nn.Module]]) -> None:
+    def __init__(self) -> None:
         self.values: dict[str, torch.Tensor] = {}
         self.error: Optional[BaseException] = None
         self._pending: dict[str, torch.Tensor] = {}
-        self._handles = [module.register_forward_hook(self._hook(name)) for name, module in modules]
+        self._handles: list[Any] = []
+
+    def hook(self, modules: Sequence[tuple[str, nn.Module]]) -> None:
+        """Forward hooks keeping the output of each of ``modules``, under its name."""
+        self._handles += [module.register_forward_hook(self._hook(name)) for name, module in modules]
 
     def _hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if name in self.values or name in self._pending or not isinstance(output, torch.Tensor):
-                return
-            if output.dim() >= 2 and output.shape[-1] >= 2 and output.is_floating_point() and output.numel():
-                self._pending[name] = output
+            self.keep(name, output)
         return hook
+
+    def keep(self, name: str, output: Any) -> None:
+        """Module ``name``'s output (a tuple's first: a block's hidden states), kept when it is
+        its first that has channels."""
+        if isinstance(output, (tuple, list)) and output:
+            output = output[0]
+        if name in self.values or name in self._pending or not isinstance(output, torch.Tensor):
+            return
+        if output.dim() >= 2 and output.shape[-1] >= 2 and output.is_floating_point() and output.numel():
+            self._pending[name] = output
 
     def flush(self) -> None:
         """Measure the outputs kept; a failure is kept, not raised."""

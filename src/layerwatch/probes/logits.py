@@ -6,7 +6,9 @@ The head is the module the ``output_head`` option names, else the one Hugging Fa
 ``get_output_embeddings()`` returns (the outermost module that has it). A forward hook on it,
 on sampled steps only, keeps its output; once the forward is over (outside every module's
 time) it is reduced on the device: ``[mean, max]`` of ``log Z`` over the batch's tokens, in
-float32, averaged (mean) and maxed (max) over the step's calls.
+float32, averaged (mean) and maxed (max) over the step's calls. Inside compiled code the traced
+probe's operator hands the head's output over as its call runs (:meth:`OutputLogits.keep`); the
+head must be one of the probed modules there.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from layerwatch.distributed import named_modules
+
 
 def find_output_head(model: nn.Module, name: Optional[str]) -> Optional[tuple[str, nn.Module]]:
     """``(name, module)`` of the output head: the module ``name`` names, else Hugging Face's
     ``get_output_embeddings()`` of the outermost module that has one; None when there is none."""
-    modules = dict(model.named_modules())
+    modules = dict(named_modules(model))  # wrappers' names cleaned, as the probes' are
     if name is not None:
         return (name, modules[name]) if name in modules else None
     for owner_name, owner in modules.items():
@@ -45,17 +49,25 @@ def logsumexp_stats(logits: torch.Tensor) -> torch.Tensor:
 
 
 class OutputLogits:
-    """A forward hook on the output head for one sampled step, keeping its logits until
-    :meth:`flush` (once the forward is over); ``remove()`` is safe twice."""
+    """The output head ``name``'s logits of one sampled step, kept (:meth:`keep`; by a forward
+    hook, :meth:`hook`) until :meth:`flush`; ``remove()`` is safe twice."""
 
-    def __init__(self, name: str, head: nn.Module) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
         self.calls: list[torch.Tensor] = []
         self.error: Optional[BaseException] = None
         self._pending: list[torch.Tensor] = []
-        self._handle: Any = head.register_forward_hook(self._hook)
+        self._handle: Any = None
+
+    def hook(self, head: nn.Module) -> None:
+        """A forward hook keeping ``head``'s output."""
+        self._handle = head.register_forward_hook(self._hook)
 
     def _hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.keep(output)
+
+    def keep(self, output: Any) -> None:
+        """One call's output (or its ``logits``), kept."""
         logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
         if isinstance(logits, torch.Tensor) and logits.is_floating_point() and logits.dim() >= 1 and logits.numel():
             self._pending.append(logits)

@@ -108,15 +108,16 @@ class StepProbes:
         self._weights = WeightCheck(model, parameters)
 
     def _arm_traced(self, model: nn.Module, parameters: Sequence[nn.Parameter]) -> None:
-        self._transformer.say_compiled()
         if self._caller_compiled:
             self._traced.arm()
+            self._transformer.arm_traced(model, self._traced)
             self._traced_alone = True
             return
         if self._outside is None:  # compiled since the run started
             self._attach_traced(model, parameters)
         outside, regions = self._outside
         self._traced.arm()
+        self._transformer.arm_traced(model, self._traced)
         if not outside:
             self._traced_alone = True
             return
@@ -279,10 +280,11 @@ class StepProbes:
         weights = self._weights
         if self._traced_alone:
             traced = self._traced
+            transformer = self._transformer.take(sync is not None)
             self.disarm()
             if sync is not None:
                 sync.same([int(self.runtime_on), 1] + [0] * 6)  # what a healthy runtime probe with no spread work says
-            return None, self._traced_result(traced, step, weights)
+            return None, _with_transformer(self._traced_result(traced, step, weights), transformer)
         structure, runtime = self._structure, self._runtime
         armed = [probe for probe in (structure, runtime) if probe is not None]
         compiled = any(probe.compiled for probe in armed)
@@ -298,9 +300,9 @@ class StepProbes:
                     self.failures.warn_once("fail:probes", "layerwatch: the runtime probes could not be armed; the per-module families are off")
                 elif runtime.error is None:
                     runtime.error = RuntimeError("the runtime probes failed on another rank")
+        transformer = self._transformer.take(sync is not None)
         if compiled:
             return self._caller_found(structure, runtime, step, weights)
-        attention, logits, kurtosis = self._transformer.take(sync is not None)
         self.disarm()
         summary = result = None
         if structure is not None:
@@ -313,8 +315,7 @@ class StepProbes:
         if runtime is not None:
             if runtime.error is None:
                 try:
-                    result = runtime.result(together, weights=weights)
-                    result.attention, result.logits, result.kurtosis = attention, logits, kurtosis
+                    result = _with_transformer(runtime.result(together, weights=weights), transformer)
                 except Exception as e:
                     runtime.error = e
             if runtime.error is not None:
@@ -377,3 +378,10 @@ class StepProbes:
     def _traced_ran(self, result: ProbeResult, step: int) -> None:
         if self._traced is not None:
             self._traced.warn_if_late(result, step, self.failures)
+
+
+def _with_transformer(result: Optional[ProbeResult], transformer: tuple[dict, Optional[tuple], dict]) -> Optional[ProbeResult]:
+    """``result`` with :meth:`TransformerProbes.take`'s attention, output logits and kurtosis."""
+    if result is not None:
+        result.attention, result.logits, result.kurtosis = transformer
+    return result

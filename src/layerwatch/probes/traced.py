@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import weakref
 from time import perf_counter_ns
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -52,6 +52,9 @@ class TracedProbe:
                  centered: bool, device: torch.device) -> None:
         self.armed = False
         self.names = probe_names(modules)
+        self.blocks = [index for index, (_, module) in enumerate(modules) if module._modules]  # those with children
+        # module -> what else measures its first output this step (TransformerProbes.arm_traced)
+        self.watchers: dict[int, Callable[[torch.Tensor], None]] = {}
         self._index = {id(module): index for index, (_, module) in enumerate(modules)}
         self._activations = "activations" in families
         self._nonfinite = "nonfinite" in families
@@ -74,6 +77,10 @@ class TracedProbe:
             self._handles += [module.register_forward_pre_hook(self.watch_inputs, with_kwargs=True),
                               module.register_forward_hook(self.record)]
 
+    def index_of(self, module: nn.Module) -> Optional[int]:
+        """The index of ``module`` among this probe's, or None."""
+        return self._index.get(id(module))
+
     def remove(self) -> None:
         handles, self._handles = self._handles, []
         for handle in handles:
@@ -86,6 +93,7 @@ class TracedProbe:
 
     def disarm(self) -> None:
         self.armed = False
+        self.watchers = {}
 
     @property
     def hook_seconds(self) -> float:
@@ -154,6 +162,9 @@ class TracedProbe:
             if self._activations and outputs and index not in self._row_of:
                 flat = outputs[0].reshape(-1) if len(outputs) == 1 else torch.cat([S.as_real_values(t) for t in outputs])
                 self._row_of[index] = self._outputs.add(flat)
+            watcher = self.watchers.get(index)
+            if watcher is not None and outputs:
+                watcher(outputs[0])
             self._bytes[index] += sum(t.numel() * t.element_size() for t in outputs)
             self._calls[index] += 1
             self.clock.add_(1)

@@ -1,12 +1,15 @@
-"""The transformer signals of one sampled step's eager forward: each attention call's heads
+"""The transformer signals of one sampled step's forward: each attention call's heads
 (:mod:`~layerwatch.probes.attention`), the output head's log Z (:mod:`~layerwatch.probes.logits`)
-and each module output's per-channel kurtosis (:mod:`~layerwatch.probes.kurtosis`), armed and
-taken together beside the runtime probe."""
+and each block output's per-channel kurtosis (:mod:`~layerwatch.probes.kurtosis`), armed and
+taken together beside the runtime probe; inside compiled code, the last two by the traced
+probe's operator."""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import functools
+from typing import Any, Callable, Optional, Sequence
 
+import torch
 from torch import nn
 
 from layerwatch.distributed import is_writer_rank
@@ -15,6 +18,8 @@ from layerwatch.hooks import is_compiling
 from layerwatch.probes.attention import AttentionProbe
 from layerwatch.probes.kurtosis import ChannelKurtosis
 from layerwatch.probes.logits import OutputLogits, find_output_head
+from layerwatch.probes.selection import probe_names
+from layerwatch.probes.traced import TracedProbe
 from layerwatch.stats import to_host
 
 
@@ -42,6 +47,7 @@ class TransformerProbes:
         self._kurtosis: Optional[ChannelKurtosis] = None
         self._handles: list[Any] = []
         self._depth = 0
+        self._traced = False  # armed inside compiled code this step (arm_traced)
 
     def arm(self, model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> None:
         """This step's probes, on an eager forward of ``model`` whose probed ``modules`` are these;
@@ -50,19 +56,41 @@ class TransformerProbes:
         samples would make Dynamo compile again, so these are never armed."""
         if not self.eager:
             return
+        names = probe_names(modules)
         if self.attention_on:
-            self._attention = AttentionProbe({id(module): name for name, module in modules})
-        if self.logits_on:
-            self._arm_logits(model)
-        # _modules, not children(): a generator a module would cost a 1,000-layer chain's sample 3 calls a layer
-        blocks = [(name, module) for name, module in modules if module._modules]
+            self._attention = AttentionProbe({id(module): name for name, (_, module) in zip(names, modules)})
+        head = self._find_head(model) if self.logits_on else None
+        if head is not None:
+            self._logits = OutputLogits(head[0])
+            self._logits.hook(head[1])
         if self.kurtosis_on:
-            self._kurtosis = ChannelKurtosis(blocks)
+            self._kurtosis = ChannelKurtosis()
+            # _modules, not children(): a generator a module would cost a 1,000-layer chain's sample 3 calls a layer
+            self._kurtosis.hook([(name, module) for name, (_, module) in zip(names, modules) if module._modules])
         self._depth = 0
         entries = [model] + [module for module in model._modules.values() if module is not None and module._modules]
         self._handles = [handle for module in entries
                          for handle in (module.register_forward_pre_hook(self._begins),
                                         module.register_forward_hook(self._ends, always_call=True))]
+
+    def arm_traced(self, model: nn.Module, traced: TracedProbe) -> None:
+        """This step's output logits and kurtosis inside compiled code: the armed ``traced``
+        probe's operator hands over the first output of the head and of each block (the probed
+        modules with children) as its call runs, measured on the spot. Attention calls are not
+        seen there: said once. The head must be one of the traced probe's modules."""
+        self._traced = True
+        self.say_compiled()
+        keeps: dict[int, list[tuple[Any, Callable[[torch.Tensor], None]]]] = {}  # module -> (probe, its keep)
+        if self.kurtosis_on:
+            kurtosis = self._kurtosis = ChannelKurtosis()
+            for index in traced.blocks:
+                keeps.setdefault(index, []).append((kurtosis, functools.partial(kurtosis.keep, traced.names[index])))
+        head = self._find_head(model) if self.logits_on else None
+        index = traced.index_of(head[1]) if head is not None else None
+        if index is not None:
+            logits = self._logits = OutputLogits(head[0])
+            keeps.setdefault(index, []).append((logits, logits.keep))
+        traced.watchers = {index: functools.partial(_measure_each, pairs) for index, pairs in keeps.items()}
 
     def _begins(self, module: nn.Module, args: tuple) -> None:
         if is_compiling():  # traced by Dynamo (a compiled caller): nothing here, no graph break
@@ -85,18 +113,16 @@ class TransformerProbes:
                 probe.flush()
 
     def say_compiled(self) -> None:
-        if (self.attention_on or self.logits_on) and is_writer_rank():
-            self.failures.say_once("attention-compiled", "layerwatch: attention logits and entropy, and the output head's "
-                                   "logsumexp, are not measured inside compiled code yet")
+        if self.attention_on and is_writer_rank():
+            self.failures.say_once("attention-compiled", "layerwatch: attention logits and entropy are not measured inside "
+                                   "compiled code yet")
 
-    def _arm_logits(self, model: nn.Module) -> None:
+    def _find_head(self, model: nn.Module) -> Optional[tuple[str, nn.Module]]:
         head = find_output_head(model, self.output_head)
-        if head is None:
-            if self.output_head is not None:
-                self.failures.warn_once("no-output-head", f"layerwatch: output_head={self.output_head!r} names no module "
-                                        "of the model; the output logits are not measured")
-            return
-        self._logits = OutputLogits(*head)
+        if head is None and self.output_head is not None:
+            self.failures.warn_once("no-output-head", f"layerwatch: output_head={self.output_head!r} names no module "
+                                    "of the model; the output logits are not measured")
+        return head
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -115,7 +141,7 @@ class TransformerProbes:
         yet), said once."""
         attention, logits, kurtosis = self._attention, self._logits, self._kurtosis
         self.remove()  # keeps what each measured; on_device() measures what is left
-        self.eager = True
+        self.eager, self._traced = self.eager or not self._traced, False
         if together:
             if attention is not None and (attention.calls or attention.pending):
                 self.failures.say_once("attention-ranks", "layerwatch: attention logits and entropy are not measured in "
@@ -128,3 +154,11 @@ class TransformerProbes:
         taken = [(probe, values) for probe, values in taken if values is not None]
         found = {id(probe): probe.from_host(values) for (probe, _), values in zip(taken, to_host([v for _, v in taken]))}
         return (found.get(id(attention), {}), found.get(id(logits)), found.get(id(kurtosis), {}))
+
+
+
+def _measure_each(keeps: Sequence[tuple[Any, Callable[[torch.Tensor], None]]], output: torch.Tensor) -> None:
+    """``output`` kept by each probe and measured at once (a failure is kept by the probe)."""
+    for probe, keep in keeps:
+        keep(output)
+        probe.flush()
