@@ -1,22 +1,25 @@
 """The LAYERWATCH tab's backend, through a real TensorBoard server (Python reader and Rust data
-server), over a run with a NaN incident; and the cards the standard tabs get."""
+server), over a run with a NaN incident and a run with attention heads; and the cards the
+standard tabs get."""
 
 from __future__ import annotations
 
 import argparse
 import base64
 import json
+import warnings
 from collections import OrderedDict
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
 from event_logs import read_events
 from layerwatch import Inspector
-from models import Poison
+from models import Poison, SdpaLM
 from tb_server import serve
 
 POISON_STEP = 8  # a sampled step: the probes are armed when the NaN appears
@@ -307,3 +310,63 @@ def test_the_tab_forgets_the_points_of_a_run_deleted_from_the_log_directory():
     del listing["b"]
     plugin._tags(None, "exp")
     assert list(plugin._cache) == [("exp", "a", tag)]
+
+
+@pytest.fixture(scope="module")
+def attention_server(tmp_path_factory):
+    """A run of a two-block SDPA model (2 heads each), every step sampled: attention from the second sample on."""
+    logdir = tmp_path_factory.mktemp("attention")
+    torch.manual_seed(0)
+    model = SdpaLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # too few samples for the trend rules
+        with Inspector(model, log_dir=logdir / "sdpa", every_n_steps=1, optimizer=opt) as inspector:
+            for _ in range(4):
+                ids = torch.randint(0, 32, (4, 12))
+                loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                inspector.step()
+
+    def loaded(server):
+        runs = server.get_json("/data/plugin/layerwatch/runs")["runs"]
+        return runs and runs[0]["last_step"] == 3
+
+    with serve(logdir, ready=loaded) as server:
+        yield server
+
+
+def test_an_attention_module_has_its_heads_as_heads_x_steps(attention_server):
+    module = route(attention_server, "layer", run="sdpa", name="blocks.0.attn")
+    heads = module["heads"]
+    assert list(heads) == ["attention_head_logit_max", "attention_head_entropy"]  # the tab's order of series
+    for key, folded, combine in (("attention_head_logit_max", "attention_logit_max", max),
+                                 ("attention_head_entropy", "attention_entropy", min)):
+        of = heads[key]
+        assert of["heads"] == ["blocks.0.attn#0", "blocks.0.attn#1"]
+        assert of["steps"] == [1, 2, 3]  # from the second sample on
+        assert len(of["values"]) == 2 and all(len(row) == 3 for row in of["values"])
+        heatmap = route(attention_server, "heatmap", run="sdpa", stat=key)
+        values = decode(heatmap)
+        for h, name in enumerate(of["heads"]):
+            row = values[heatmap["rows"].index(name), [heatmap["steps"].index(step) for step in of["steps"]]]
+            assert of["values"][h] == pytest.approx(row.tolist(), rel=1e-6)
+        # the module's own series is its heads folded: the largest logit, the lowest entropy
+        own = dict(zip(module["steps"], module["series"][folded]))
+        for i, step in enumerate(of["steps"]):
+            assert own[step] == pytest.approx(combine(row[i] for row in of["values"]), rel=1e-6)
+
+
+def test_a_head_has_its_own_series_and_a_layer_without_heads_has_none(attention_server):
+    module = route(attention_server, "layer", run="sdpa", name="blocks.1.attn")
+    head = route(attention_server, "layer", run="sdpa", name="blocks.1.attn#1")
+    assert set(head["series"]) == {"attention_head_logit_max", "attention_head_entropy"}
+    assert head["steps"] == [1, 2, 3] and head["heads"] == {} and head["histograms"] == {}
+    for key, series in head["series"].items():
+        assert series == module["heads"][key]["values"][1]
+    for name in ("blocks.1", "blocks.1.attn.q", "blocks.1.attn.q.weight"):
+        assert route(attention_server, "layer", run="sdpa", name=name)["heads"] == {}
+    status, body = attention_server.status("/data/plugin/layerwatch/layer", run="sdpa", name="blocks.1.attn#7")
+    assert (status, json.loads(body)) == (404, {"error": "run 'sdpa' has no layer 'blocks.1.attn#7'"})

@@ -200,18 +200,26 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
         }
 
     def layer(self, ctx: Any, experiment: str, args: Any) -> dict[str, Any]:
+        """A layer's series, its histograms, and for an attention module each per-head series as
+        heads x steps (``heads``: empty for a layer without heads)."""
         run, name = _arg(args, "run"), _arg(args, "name")
         reader = self._reader(ctx, experiment, run)
         points: dict[str, dict[int, float]] = {}
-        for key in reader.keys():
-            for step, (names, values) in reader.series(key).items():
+        heads: dict[str, dict[str, Any]] = {}
+        for key in sorted(reader.keys(), key=_order):
+            series = reader.series(key)
+            for step, (names, values) in series.items():
                 if name in names:
                     points.setdefault(key, {})[step] = float(values[names.index(name)])
-        if not points:
+            of_heads = _heads(series, name)
+            if of_heads is not None:
+                heads[key] = of_heads
+        if not points and not heads:
             raise exceptions.NotFound(f"run {run!r} has no layer {name!r}")
         steps = sorted({step for by_step in points.values() for step in by_step})
-        series = {key: [_json_value(by_step.get(step)) for step in steps] for key, by_step in sorted(points.items(), key=lambda kv: _order(kv[0]))}
-        return {"name": name, "steps": steps, "series": series, "histograms": self._histograms(ctx, experiment, run, name)}
+        series = {key: [_json_value(by_step.get(step)) for step in steps] for key, by_step in points.items()}
+        return {"name": name, "steps": steps, "series": series, "heads": heads,
+                "histograms": self._histograms(ctx, experiment, run, name)}
 
     def _histograms(self, ctx: Any, experiment: str, run: str, name: str) -> dict[str, list[dict[str, Any]]]:
         """The histograms of ``name`` itself, and, for a module, of its own parameters."""
@@ -271,6 +279,26 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
                      [{"name": r["name"], "value": r["factor"]} for r in growth],
                      "no gradient norms over two samples or more"),
         ]}
+
+
+def _heads(series: dict[int, tuple[list[str], np.ndarray]], module: str) -> Optional[dict[str, Any]]:
+    """The rows ``<module>#<h>`` of one series (an attention module's heads, ``V.head_name``) as
+    ``{"heads": [row names, by head], "steps": [...], "values": [[a head's value per step], ...]}``;
+    None when the series has no head of ``module``."""
+    prefix = f"{module}#"
+    found: dict[str, dict[int, float]] = {}
+    picked: dict[int, list[tuple[str, int]]] = {}  # the steps of one layout share its list of names
+    for step, (names, values) in series.items():
+        pick = picked.get(id(names))
+        if pick is None:
+            pick = picked[id(names)] = [(n, i) for i, n in enumerate(names) if n.startswith(prefix) and n[len(prefix) :].isdecimal()]
+        for head, i in pick:
+            found.setdefault(head, {})[step] = float(values[i])
+    if not found:
+        return None
+    names = sorted(found, key=lambda head: int(head[len(prefix) :]))
+    steps = sorted({step for by_step in found.values() for step in by_step})
+    return {"heads": names, "steps": steps, "values": [[_json_value(found[head].get(step)) for step in steps] for head in names]}
 
 
 def _series_keys(listing: dict[str, Any]) -> list[str]:

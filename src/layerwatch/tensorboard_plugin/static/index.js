@@ -3,14 +3,17 @@
  *
  * TensorBoard loads this ES module in an iframe and calls render(). Every route (runs, stats,
  * heatmap, layer, events, rankings) is fetched relative to the plugin base. The page: a heatmap
- * of layers x sampled steps for one statistic, rows grouped by the module tree; a layer's
- * series and histograms when a row is clicked; the run's events and rankings beside it.
+ * of layers x sampled steps for one statistic, rows grouped by the module tree (an attention
+ * head's row `<module>#<h>` a child of its module, folded into it until expanded); a layer's
+ * series and histograms when a row is clicked, and an attention module's heads x steps; the
+ * run's events and rankings beside it.
  *
  * Values: NaN is a non-finite statistic (a finding), -Infinity is "not measured" (the JSON
  * routes' "NaN" and null are converted to these).
  */
 
 const ROOT = '(root)';
+const HEAD = /#(\d+)$/; // an attention head's row: <module>#<h> (vocabulary.head_name)
 const ACCENT = '#f57c00';
 const NAN_CSS = '#ff00ff';
 const SPIKE_CSS = '#e53935';  // a loss spike's step: red stands out of viridis
@@ -227,9 +230,11 @@ function finiteExtent(arrays, positiveOnly) {
 
 // ------------------------------------------------------------------------------ module tree
 
-/** The parent of a dotted module or parameter name; `(root)` parents the top-level names. */
+/** The parent of a dotted module or parameter name, a head's module; `(root)` parents the top-level names. */
 function parentName(name) {
   if (name === ROOT) return null;
+  const head = HEAD.exec(name);
+  if (head) return name.slice(0, head.index);
   const dot = name.lastIndexOf('.');
   return dot < 0 ? ROOT : name.slice(0, dot);
 }
@@ -266,6 +271,15 @@ function buildTree(rowNames) {
 /** A collapsible block: a node other than the root whose subtree holds two rows or more. */
 function isGroup(node) {
   return node.rowCount >= 2 && node.name !== ROOT;
+}
+
+/** A block of an attention module's heads (folded by default: see foldNewHeads). */
+function isHeadGroup(node) {
+  return isGroup(node) && node.children.some((child) => HEAD.test(child.name));
+}
+
+function headGroupNames(tree) {
+  return [...tree.nodes.values()].filter(isHeadGroup).map((node) => node.name);
 }
 
 /** Indentation level: top-level names and `(root)` at 0. */
@@ -481,9 +495,11 @@ function fitName(prefix, last, width, font) {
   return ['', last];
 }
 
+/** A name's [prefix, last]: `a.b.` and `c`; a head's module and `#h`. */
 function splitName(name) {
-  const dot = name.lastIndexOf('.');
-  return dot < 0 ? ['', name] : [name.slice(0, dot + 1), name.slice(dot + 1)];
+  const head = HEAD.exec(name);
+  const cut = head ? head.index : name.lastIndexOf('.') + 1;
+  return [name.slice(0, cut), name.slice(cut)];
 }
 
 // ------------------------------------------------------------------------------ heatmap view
@@ -519,6 +535,29 @@ function stepToX(steps, step, cellWidth) {
   if (col === 0 || steps[col] === step) return (col + 0.5) * cellWidth;
   const previous = steps[col - 1];
   return (col - 0.5 + (step - previous) / (steps[col] - previous)) * cellWidth;
+}
+
+/** White lines between rows `first`..`last` (scrolled by `top`) and between steps, where the cells have room. */
+function drawCellGrid(ctx, {rowHeight, stepCount, first, last, top, width, height, minRowHeight = 18}) {
+  const cellWidth = width / Math.max(1, stepCount);
+  ctx.strokeStyle = 'rgba(255,255,255,0.55)';
+  ctx.lineWidth = 1;
+  ctx.beginPath();
+  if (rowHeight >= minRowHeight) {
+    for (let r = first + 1; r < last; r++) {
+      const y = Math.round(r * rowHeight - top) + 0.5;
+      ctx.moveTo(0, y);
+      ctx.lineTo(width, y);
+    }
+  }
+  if (cellWidth >= 8) {
+    for (let c = 1; c < stepCount; c++) {
+      const x = Math.round(c * cellWidth) + 0.5;
+      ctx.moveTo(x, 0);
+      ctx.lineTo(x, height);
+    }
+  }
+  ctx.stroke();
 }
 
 class HeatmapView {
@@ -676,26 +715,7 @@ class HeatmapView {
   }
 
   drawGrid(ctx, {first, last, top, width, height}) {
-    const h = this.rowHeight;
-    const cellWidth = width / Math.max(1, this.model.steps.length);
-    ctx.strokeStyle = 'rgba(255,255,255,0.55)';
-    ctx.lineWidth = 1;
-    ctx.beginPath();
-    if (h >= 18) {
-      for (let r = first + 1; r < last; r++) {
-        const y = Math.round(r * h - top) + 0.5;
-        ctx.moveTo(0, y);
-        ctx.lineTo(width, y);
-      }
-    }
-    if (cellWidth >= 8) {
-      for (let c = 1; c < this.model.steps.length; c++) {
-        const x = Math.round(c * cellWidth) + 0.5;
-        ctx.moveTo(x, 0);
-        ctx.lineTo(x, height);
-      }
-    }
-    ctx.stroke();
+    drawCellGrid(ctx, {rowHeight: this.rowHeight, stepCount: this.model.steps.length, first, last, top, width, height});
   }
 
   drawMarks(ctx, {first, last, top, width, height}) {
@@ -772,7 +792,7 @@ class HeatmapView {
       hasOffenderBadge && el('span', {class: 'lw-badge lw-badge-offender', title: 'first offender'}, 'offender'),
       alertCount > 0 && el('span', {class: 'lw-badge lw-badge-alert', title: `${alertCount} alert(s)`}, `▼${alertCount}`),
     ];
-    const block = row.collapsed ? `block of ${node.rowCount} rows` : '';
+    const block = !row.collapsed ? '' : isHeadGroup(node) ? `${node.rowCount} heads folded` : `block of ${node.rowCount} rows`;
     const badgeWidth = (hasOffenderBadge ? 58 : 0) + (alertCount > 0 ? 30 : 0) + (row.collapsed ? 30 : 0);
     const [prefix, last] = fittedName(node.name, LABEL_WIDTH - (level + 1) * INDENT - badgeWidth - 8);
     const twisties = row.groups.map((group) => {
@@ -870,6 +890,7 @@ class HeatmapView {
 }
 
 function blockDescription(node, statInfo) {
+  if (isHeadGroup(node)) return `${node.rowCount} heads folded, the ${statInfo.collapse ?? 'max'} of them`;
   const how = node.row < 0 ? `${statInfo.collapse ?? 'max'} of its children` : 'its own row';
   return `block of ${node.rowCount} rows, ${how}`;
 }
@@ -908,7 +929,8 @@ function legendTicks(scale, unit) {
   return labels;
 }
 
-function legendElement(scale, statInfo) {
+/** The colour bar of `scale`, and the swatches of the colours not on it (with the heatmap's marks unless `marks` is false). */
+function legendElement(scale, statInfo, marks = true) {
   const bar = el('canvas', {class: 'lw-legend-bar'});
   const ctx = sizeCanvas(bar, LEGEND_WIDTH, 10);
   for (let x = 0; x < LEGEND_WIDTH; x++) {
@@ -925,21 +947,26 @@ function legendElement(scale, statInfo) {
     el('div', {class: 'lw-swatches'},
       swatch('lw-sw-nan', 'NaN/Inf'),
       swatch('lw-sw-none', 'not measured'),
-      swatch('lw-sw-alert', 'alert'),
-      swatch('lw-sw-offender', 'first offender'),
-      swatch('lw-sw-nonfinite', 'first NaN/Inf'),
-      swatch('lw-sw-spike', 'loss spike')));
+      marks && swatch('lw-sw-alert', 'alert'),
+      marks && swatch('lw-sw-offender', 'first offender'),
+      marks && swatch('lw-sw-nonfinite', 'first NaN/Inf'),
+      marks && swatch('lw-sw-spike', 'loss spike')));
 }
 
 // ------------------------------------------------------------------------------ events and rankings
 
-function renderEvents(container, events, onSelect) {
-  const alerts = [...(events.alerts ?? [])].sort((a, b) => a.step - b.step);
-  const offender = events.first_offender;
-  const layerLink = (layer) => el('a', {class: 'lw-layer-link', href: '#', 'data-layer': layer, onclick: (event) => {
+/** A link that selects `layer`. */
+function layerLink(layer, onSelect) {
+  return el('a', {class: 'lw-layer-link', href: '#', 'data-layer': layer, onclick: (event) => {
     event.preventDefault();
     onSelect(layer);
   }}, layer);
+}
+
+function renderEvents(container, events, onSelect) {
+  const alerts = [...(events.alerts ?? [])].sort((a, b) => a.step - b.step);
+  const offender = events.first_offender;
+  const link = (layer) => layerLink(layer, onSelect);
   container.replaceChildren(
     el('h3', {}, 'Events'),
     events.first_nonfinite_step == null
@@ -947,13 +974,13 @@ function renderEvents(container, events, onSelect) {
       : el('div', {class: 'lw-event lw-event-nonfinite'}, el('i', {class: 'lw-sw-nan'}),
         `First NaN/Inf gradients at step ${events.first_nonfinite_step}`),
     ...(offender ? [el('div', {class: 'lw-event lw-event-offender'},
-      el('div', {}, 'First offender: ', layerLink(offender.layer), ` @ step ${offender.step}`,
+      el('div', {}, 'First offender: ', link(offender.layer), ` @ step ${offender.step}`,
         offender.phase ? ` (${offender.phase})` : '',
         offender.replayed_from != null ? el('span', {class: 'lw-badge lw-badge-replayed',
           title: 'found by running this step\'s batch again with every probe armed, before the optimizer step'},
         `replayed from step ${offender.replayed_from}`) : ''),
       offender.text && el('div', {class: 'lw-muted lw-small'}, offender.text))] : []),
-    ...spikeEvents(events.spikes ?? [], layerLink),
+    ...spikeEvents(events.spikes ?? [], link),
     el('div', {class: 'lw-subhead'}, `Alerts (${alerts.length})`),
     el('ul', {id: 'lw-alerts', class: 'lw-alerts'},
       ...(alerts.length ? alerts.map((alert) => alertItem(alert, onSelect)) : [el('li', {class: 'lw-muted'}, 'No alerts.')])));
@@ -1276,8 +1303,120 @@ function renderDetailPlaceholder(detail) {
       'Click a row of the heatmap (its label or a cell), an alert or a ranking to see that layer’s series and histograms.'));
 }
 
+// ------------------------------------------------------------------------------ heads
+
+const HEADS_HEIGHT = 120; // the rows of a module's heads share about this many pixels
+const HEAD_ROW_HEIGHT = {min: 3, max: 18};
+const HEAD_LABEL_HEIGHT = 11; // a head's label is written when its row has room, else every few rows
+const HEADS_AXIS_HEIGHT = 18;
+
+/**
+ * One per-head statistic of an attention module: a heatmap of heads x sampled steps on the
+ * statistic's own colour scale, with its legend. Hovering a cell reads out its head, step and
+ * value; clicking a head (its label or a cell) selects that head's row `<module>#<h>`.
+ * `heads`: the layer route's {heads, steps, values}. Returns the figure and its drawing.
+ */
+function headsFigure(key, heads, info, onSelect) {
+  const {heads: names, steps} = heads;
+  const rows = heads.values.map((values) => ({values: Float64Array.from(values, jsonValue)}));
+  const scale = makeScale(rows.map((row) => row.values), info.scale === 'log', info.unit);
+  const rowHeight = clamp(Math.floor(HEADS_HEIGHT / Math.max(1, names.length)), HEAD_ROW_HEIGHT.min, HEAD_ROW_HEIGHT.max);
+  const labelEvery = Math.ceil(HEAD_LABEL_HEIGHT / rowHeight);
+  const headOf = (name) => HEAD.exec(name)?.[1] ?? name;
+  const labels = names.map((name, h) => el('div', {
+    class: 'lw-head-label',
+    'data-name': name,
+    title: name,
+    style: `top:${h * rowHeight}px;height:${rowHeight}px;line-height:${rowHeight}px`,
+    onclick: () => onSelect?.(name),
+  }, h % labelEvery === 0 ? `#${headOf(name)}` : ''));
+  const canvas = el('canvas', {class: 'lw-heads-canvas'});
+  const cells = el('div', {class: 'lw-heads-cells'}, canvas);
+  const readout = el('span', {class: 'lw-readout'});
+  const figure = el('figure', {
+    class: 'lw-chart lw-heads', 'data-key': key, 'data-heads': String(names.length), 'data-steps': String(steps.length),
+  },
+  el('figcaption', {},
+    el('span', {class: 'lw-chart-title'}, info.label),
+    el('span', {class: 'lw-muted'}, `${names.length} heads × ${steps.length} steps`),
+    readout),
+  el('div', {class: 'lw-heads-map'},
+    el('div', {class: 'lw-heads-labels', style: `height:${names.length * rowHeight}px`}, ...labels), cells),
+  legendElement(scale, info, false));
+  let hovered = null;
+  const cellAt = (event) => {
+    const rect = canvas.getBoundingClientRect();
+    const h = Math.floor((event.clientY - rect.top) / rowHeight);
+    const col = Math.floor(((event.clientX - rect.left) / rect.width) * steps.length);
+    return h >= 0 && h < names.length && col >= 0 && col < steps.length ? {h, col} : null;
+  };
+  const hover = (h) => {
+    hovered?.classList.remove('lw-hover');
+    hovered = h === null ? null : labels[h];
+    hovered?.classList.add('lw-hover');
+  };
+  canvas.addEventListener('mousemove', (event) => {
+    const cell = cellAt(event);
+    hover(cell ? cell.h : null);
+    readout.textContent = cell
+      ? `head ${headOf(names[cell.h])} · step ${steps[cell.col]}: ${formatValue(rows[cell.h].values[cell.col], info.unit)}`
+      : '';
+  });
+  canvas.addEventListener('mouseleave', () => {
+    hover(null);
+    readout.textContent = '';
+  });
+  canvas.addEventListener('click', (event) => {
+    const cell = cellAt(event);
+    if (cell) onSelect?.(names[cell.h]);
+  });
+  const draw = () => drawHeads(canvas, cells.clientWidth, {rows, steps, scale, rowHeight});
+  return {figure, draw};
+}
+
+/** The heads' cells (as the heatmap paints them) and a step axis below. */
+function drawHeads(canvas, width, {rows, steps, scale, rowHeight}) {
+  const height = rows.length * rowHeight;
+  const ctx = sizeCanvas(canvas, width, height + HEADS_AXIS_HEIGHT);
+  ctx.fillStyle = NOT_MEASURED_CSS;
+  ctx.fillRect(0, 0, width, height);
+  if (!steps.length) return;
+  ctx.imageSmoothingEnabled = false;
+  ctx.drawImage(paintCells(rows, steps.length, scale, Math.round(width * (window.devicePixelRatio || 1))), 0, 0, width, height);
+  drawCellGrid(ctx, {rowHeight, stepCount: steps.length, first: 0, last: rows.length, top: 0, width, height, minRowHeight: 10});
+  const cellWidth = width / steps.length;
+  ctx.font = '10px Roboto, system-ui, sans-serif';
+  ctx.fillStyle = '#616161';
+  ctx.textBaseline = 'top';
+  const ticks = niceTicks(steps[0], steps[steps.length - 1], Math.max(2, Math.floor(width / 90)))
+    .filter((step) => step >= steps[0] && step <= steps[steps.length - 1]);
+  for (const step of ticks) {
+    const x = stepToX(steps, step, cellWidth);
+    ctx.textAlign = x < 12 ? 'left' : x > width - 12 ? 'right' : 'center';
+    ctx.fillText(String(step), x, height + 4);
+  }
+}
+
+/** An attention module's heads, one heatmap per per-head statistic (the order of `statsInfo`). */
+function headsSection(layer, statsInfo, position, onSelect, drawings) {
+  const keys = Object.keys(layer.heads ?? {}).filter((key) => layer.heads[key].heads.length)
+    .sort((a, b) => position(a) - position(b));
+  if (!keys.length) return [];
+  const figures = keys.map((key) => {
+    const info = statsInfo.get(key) ?? {label: key, unit: '', scale: 'linear'};
+    const {figure, draw} = headsFigure(key, layer.heads[key], info, onSelect);
+    drawings.push(draw);
+    return figure;
+  });
+  return [
+    el('div', {class: 'lw-subhead'}, 'Heads',
+      el('span', {class: 'lw-subhead-note'}, 'rows: heads · x: sampled step · click a head for its series')),
+    el('div', {id: 'lw-heads', class: 'lw-heads-grid'}, ...figures),
+  ];
+}
+
 /** Charts are drawn after they are in the page, at the width their grid cell got. */
-function renderDetail(detail, layer, statsInfo, nonfiniteStep, spikeSteps = []) {
+function renderDetail(detail, layer, statsInfo, nonfiniteStep, spikeSteps = [], onSelect = null) {
   const steps = layer.steps ?? [];
   const order = [...statsInfo.keys()];
   const position = (key) => (order.includes(key) ? order.indexOf(key) : order.length);
@@ -1302,10 +1441,13 @@ function renderDetail(detail, layer, statsInfo, nonfiniteStep, spikeSteps = []) 
     attachReadout(canvas, readout, span, entrySteps, (i) => histogramSummary(sorted[i].buckets));
     return figure;
   });
+  const head = HEAD.exec(layer.name);
   detail.replaceChildren(
     el('div', {class: 'lw-detail-head'},
       el('h3', {}, layer.name),
+      head && onSelect && el('span', {}, `head ${head[1]} of `, layerLink(parentName(layer.name), onSelect)),
       el('span', {class: 'lw-muted'}, `${steps.length} sampled steps`)),
+    ...headsSection(layer, statsInfo, position, onSelect, drawings),
     el('div', {class: 'lw-subhead'}, 'Series'),
     chartGrid(seriesFigures, `No series recorded for ${layer.name}.`),
     el('div', {class: 'lw-subhead'}, 'Histograms over time',
@@ -1335,6 +1477,7 @@ const app = {
   stat: null,
   log: false,
   collapsed: new Set(),
+  headsSeen: new Set(), // the head blocks folded once already (see foldNewHeads)
   selected: null,
   main: null, // {run, stat, data, tree, events, layout} of the selected run; {run, stat, error} if it failed
   compare: null, // the same for the compared run ({run, stat, missing} if it lacks the stat), or null
@@ -1553,6 +1696,7 @@ async function loadHeatmaps() {
   if (ticket !== app.tickets.heatmap) return;
   app.main = main;
   app.compare = compare;
+  foldNewHeads();
   if (main.error) showError('Could not load the heatmap', main.error);
   if (compare?.error) showError('Could not load the compared heatmap', compare.error);
   refreshHeatmaps();
@@ -1610,7 +1754,7 @@ function refreshHeatmaps() {
 }
 
 function updateDepthOptions() {
-  const trees = [app.main, app.compare].filter((loaded) => loaded?.tree).map((loaded) => loaded.tree);
+  const trees = loadedTrees();
   const deepest = Math.max(0, ...trees.map(deepestGroup));
   const current = app.ui.depth.value;
   const depths = Array.from({length: deepest}, (_, i) => i + 1);
@@ -1619,9 +1763,23 @@ function updateDepthOptions() {
   app.ui.depth.value = depths.includes(Number(current)) ? current : '';
 }
 
+function loadedTrees() {
+  return [app.main, app.compare].filter((loaded) => loaded?.tree).map((loaded) => loaded.tree);
+}
+
+/** An attention module's heads start folded into its row; once seen, they stay as the user leaves them. */
+function foldNewHeads() {
+  for (const name of loadedTrees().flatMap(headGroupNames)) {
+    if (app.headsSeen.has(name)) continue;
+    app.headsSeen.add(name);
+    app.collapsed.add(name);
+  }
+}
+
+/** Heads stay folded at every depth (they are not modules); Expand all unfolds them. */
 function collapseToDepth(depth) {
-  const trees = [app.main, app.compare].filter((loaded) => loaded?.tree).map((loaded) => loaded.tree);
-  app.collapsed = new Set(depth > 0 ? trees.flatMap((tree) => groupNamesAtDepth(tree, depth)) : []);
+  const trees = loadedTrees();
+  app.collapsed = new Set(trees.flatMap((tree) => [...(depth > 0 ? groupNamesAtDepth(tree, depth) : []), ...headGroupNames(tree)]));
   refreshHeatmaps();
 }
 
@@ -1665,7 +1823,7 @@ async function loadDetail(name) {
     if (ticket !== app.tickets.detail) return;
     const statsInfo = new Map((stats.stats ?? []).map((stat) => [stat.key, stat]));
     renderDetail(detail, {...layer, name: layer.name ?? name}, statsInfo, events.first_nonfinite_step,
-      (events.spikes ?? []).map((spike) => spike.step));
+      (events.spikes ?? []).map((spike) => spike.step), selectLayer);
   } catch (error) {
     if (ticket !== app.tickets.detail) return;
     detail.replaceChildren(el('h3', {}, name), el('div', {class: 'lw-error-text'}, `Could not load ${name}: ${error.message}`));
@@ -1804,6 +1962,14 @@ code { font-family: "Roboto Mono", ui-monospace, monospace; font-size: 12px; bac
 .lw-chart-title { font-weight: 500; overflow: hidden; text-overflow: ellipsis; }
 .lw-readout { margin-left: auto; color: #424242; font-size: 11px; }
 .lw-chart canvas { display: block; }
+.lw-heads-grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(360px, 1fr)); gap: 10px 14px; }
+.lw-heads-map { display: flex; margin: 2px 0 4px; }
+.lw-heads-labels { position: relative; flex: 0 0 40px; }
+.lw-head-label { position: absolute; left: 0; right: 4px; text-align: right; font-size: 11px; color: #616161;
+  cursor: pointer; overflow: hidden; }
+.lw-head-label:hover, .lw-head-label.lw-hover { background: #fff3e0; color: var(--lw-text); }
+.lw-heads-cells { flex: 1 1 auto; min-width: 0; }
+.lw-heads-canvas { cursor: crosshair; }
 .lw-tooltip { position: fixed; z-index: 20; pointer-events: none; max-width: 360px; padding: 6px 8px; border-radius: 3px;
   background: rgba(33,33,33,.94); color: #fff; font-size: 12px; line-height: 1.45; box-shadow: 0 2px 6px rgba(0,0,0,.25); }
 `;
