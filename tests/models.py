@@ -819,14 +819,14 @@ def __getattr__(name: str):
 class SdpaAttention(nn.Module):
     def __init__(self, d: int = 16, heads: int = 2) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.head_dim = heads, d // heads
         self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, d = x.shape
-        split = lambda t: t.view(b, n, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
+        b, n, _ = x.shape  # as many heads as q's columns hold: all, or this rank's under tensor parallel
+        split = lambda t: t.view(b, n, -1, self.head_dim).transpose(1, 2)  # noqa: E731
         out = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)), is_causal=True)
-        return self.o(out.transpose(1, 2).reshape(b, n, d))
+        return self.o(out.transpose(1, 2).reshape(b, n, -1))
 
 
 class SdpaBlock(nn.Module):

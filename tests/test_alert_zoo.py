@@ -70,6 +70,14 @@ def transformers_model(kind: str) -> nn.Module:
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
             intermediate_size=128, max_position_embeddings=32))
+    if kind == "Mistral":  # grouped-query attention: 4 heads, 2 key-value heads; a sliding window
+        return transformers.MistralForCausalLM(transformers.MistralConfig(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, max_position_embeddings=32, sliding_window=8))
+    if kind == "Qwen2":  # grouped-query attention, biases on q, k and v
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+            intermediate_size=128, max_position_embeddings=32))
     return transformers.T5ForConditionalGeneration(transformers.T5Config(
         vocab_size=VOCAB, d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2, decoder_start_token_id=0,
         pad_token_id=0))
@@ -88,7 +96,7 @@ def transformers_batch(kind: str) -> Callable[[int], dict]:
     return batch
 
 
-ARCHITECTURES = ["BERT", "RoBERTa", "DistilBERT", "ViT", "GPT-2", "Llama", "T5"]
+ARCHITECTURES = ["BERT", "RoBERTa", "DistilBERT", "ViT", "GPT-2", "Llama", "Mistral", "Qwen2", "T5"]
 
 
 @pytest.mark.parametrize("kind", ARCHITECTURES)

@@ -142,6 +142,49 @@ def test_torch_transformer_layers_are_seen_through_multihead_attention(tmp_path,
     assert F.scaled_dot_product_attention is ORIGINAL
 
 
+class AsksForWeights(nn.Module):
+    """``nn.MultiheadAttention`` called for its weights (its default), with a key padding mask
+    and a bool causal mask: torch computes them without SDPA."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.weights = nn.MultiheadAttention(16, 4, batch_first=True), None
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        causal = ~torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()  # True: not attended
+        out, self.weights = self.attn(x, x, x, key_padding_mask=padding, attn_mask=causal)
+        return out
+
+
+def test_multihead_attention_asked_for_its_weights_is_measured_and_returns_them_unchanged(tmp_path, events):
+    torch.manual_seed(0)
+    model = AsksForWeights()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, padding = torch.randn(3, 7, 16), torch.zeros(3, 7, dtype=torch.bool)
+    padding[0, 5:] = True  # the first sequence's last two keys are padding
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, optimizer=opt) as inspector:
+        for step in range(3):
+            out = model(x, padding)
+            if step == 2:
+                w_q, w_k, _ = model.attn.in_proj_weight.detach().chunk(3)
+                b_q, b_k, _ = model.attn.in_proj_bias.detach().chunk(3)
+                split = lambda t: t.view(3, 7, 4, 4).transpose(1, 2)  # noqa: E731
+                q, k = split(F.linear(x, w_q, b_q)), split(F.linear(x, w_k, b_k))
+                keep = torch.ones(7, 7, dtype=torch.bool).tril() & ~padding[:, None, None, :]
+                expected = brute_force(q, k, mask=keep)
+                weights, plain = model.weights, model.attn(x, x, x, key_padding_mask=padding,
+                                                           attn_mask=~torch.ones(7, 7, dtype=torch.bool).tril())
+            out.pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            inspector.step()
+    assert torch.equal(weights, plain[1]) and weights.shape == (3, 7, 7)  # averaged over the heads, as asked
+    tab = tab_values(events(tmp_path))
+    got = [[tab[f"attention_head_{stat}/attn#{h}"][2] for stat in ("logit_max", "entropy")] for h in range(4)]
+    np.testing.assert_allclose(got, expected.numpy(), rtol=1e-5)
+    assert F.multi_head_attention_forward.__module__ == "torch.nn.functional"
+
+
 def test_a_forward_that_raises_puts_torchs_function_back(tmp_path):
     class Raises(SdpaLM):
         def forward(self, ids):
@@ -198,3 +241,69 @@ def test_a_compiled_model_is_not_measured_and_nothing_breaks(tmp_path, events):
     model = torch.compile(SdpaLM(), backend="eager")
     _, losses, stacks, _ = run(tmp_path, steps=4, model=model)
     assert all(np.isfinite(losses)) and stacks == [True] * 4
+
+
+def tensor_parallel_worker(rank: int, world: int, out: str) -> None:
+    """SdpaLM with 4 heads per attention, its q, k and v column-wise and o row-wise over the two
+    ranks (each computes 2 heads); rank 0 saves, per sampled step, every head's statistics
+    computed from the whole weights."""
+    import json
+    from pathlib import Path
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from models import SdpaAttention
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = SdpaLM()
+    for block in model.blocks:
+        block.attn = SdpaAttention(16, heads=4)
+        parallelize_module(block.attn, mesh, {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+                                              "o": RowwiseParallel()})
+    whole, now = {}, [0]
+
+    def reference(module, args, output):
+        (x,) = args
+        split = lambda t: t.view(x.shape[0], x.shape[1], 4, 4).transpose(1, 2)  # noqa: E731
+        q, k = (split(F.linear(x, layer.weight.full_tensor(), layer.bias.full_tensor())) for layer in (module.q, module.k))
+        whole.setdefault(now[0], {})[names[id(module)]] = attention_stats(q, k, is_causal=True).tolist()
+
+    names = {id(block.attn): f"blocks.{i}.attn" for i, block in enumerate(model.blocks)}
+    for block in model.blocks:
+        block.attn.register_forward_hook(reference)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Inspector(model, log_dir=str(Path(out, "run")), every_n_steps=2, optimizer=opt) as inspector:
+            for step in range(5):
+                now[0] = step
+                torch.manual_seed(100 + step)  # the same batch on both ranks: tensor parallel
+                ids = torch.randint(0, 32, (4, 12))
+                loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                inspector.step()
+    if rank == 0:
+        Path(out, "whole.json").write_text(json.dumps(whole))
+
+
+def test_under_tensor_parallel_every_ranks_heads_are_gathered_in_order(tmp_path, events):
+    import json
+
+    from ranks import run_ranks
+
+    run_ranks(tensor_parallel_worker, str(tmp_path), tmp=tmp_path)
+    whole = json.loads((tmp_path / "whole.json").read_text())
+    tab = tab_values(events(tmp_path / "run"))
+    acc = events(tmp_path / "run")
+    for step in (2, 4):  # from the second sampled step on
+        for name in ("blocks.0.attn", "blocks.1.attn"):
+            expected = np.array(whole[str(step)][name])
+            assert len(expected) == 4
+            got = [[tab[f"attention_head_{stat}/{name}#{h}"][step] for stat in ("logit_max", "entropy")] for h in range(4)]
+            np.testing.assert_allclose(got, expected, rtol=1e-4)
+            assert {e.step: e.value for e in acc.Scalars(f"attention_logit_max/{name}")}[step] == pytest.approx(expected[:, 0].max(), rel=1e-4)
+    assert not [t for t in tab if "#4" in t]  # four heads, not two ranks' two each side by side twice

@@ -51,6 +51,12 @@ def is_writer_rank() -> bool:
     return not _initialized() or dist.get_rank() == 0
 
 
+def global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if _initialized() else 0
+
+
 def world_size() -> int:
     import torch.distributed as dist
 

@@ -25,12 +25,16 @@ nothing is read on the host until the step's end.
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+
+from layerwatch.distributed import local, spread
 
 
 ROWS = 64  # query rows sampled per call
@@ -41,6 +45,13 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.
     """``[heads, 2]``: each head's largest logit and mean entropy over ``rows`` query rows
     evenly spread over the sequence, as ``scaled_dot_product_attention(q, k, ...)`` computes
     them (``q``: ``(..., heads, queries, d)``, ``k``: ``(..., kv_heads, keys, d)``)."""
+    return _attention_rows(q, k, attn_mask, is_causal, scale, enable_gqa, rows)[:, :2]
+
+
+def _attention_rows(q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.Tensor], is_causal: bool,
+                    scale: Optional[float], enable_gqa: bool, rows: int = ROWS) -> torch.Tensor:
+    """:func:`attention_stats` and a third column: the rows its mean entropy is over (those
+    with a key left), by which calls and ranks are weighed."""
     with torch.no_grad():
         queries, keys, d = q.shape[-2], k.shape[-2], q.shape[-1]
         count = min(rows, queries)  # evenly spread, at least 1 apart: distinct once rounded (no unique(): a sync)
@@ -67,8 +78,8 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.
         p = torch.softmax(by_head, dim=-1)
         entropy = torch.special.entr(p).sum(-1)  # a row with no key left: NaN, left out below
         seen = entropy.isfinite()
-        mean_entropy = torch.where(seen, entropy, 0).sum(-1) / seen.sum(-1)
-        return torch.stack([largest, mean_entropy], dim=1)
+        count = seen.sum(-1)
+        return torch.stack([largest, torch.where(seen, entropy, 0).sum(-1) / count, count.to(largest.dtype)], dim=1)
 
 
 class AttentionProbe:
@@ -79,36 +90,47 @@ class AttentionProbe:
 
     def __init__(self, names: dict[int, str]) -> None:
         self.names = names  # id(module) -> its name, for the modules whose calls are kept
-        self.calls: dict[str, list[torch.Tensor]] = {}  # module -> each call's [heads, 2]
+        self.calls: dict[str, list[torch.Tensor]] = {}  # module -> each call's [heads, 3] (_attention_rows)
+        self.split: dict[str, Optional[tuple[int, ...]]] = {}  # module -> the global ranks its heads are split over
         self.error: Optional[BaseException] = None
         self.pending: list[tuple[str, dict]] = []  # (module, the call's arguments) not measured yet
-        self._original: Any = None  # torch's function, while the wrapper stands in for it
+        self._originals: Optional[tuple[Any, Any]] = None  # torch's functions, while the wrappers stand in for them
 
     def start(self) -> None:
-        if self._original is not None:
+        if self._originals is not None:
             return
-        original = self._original = F.scaled_dot_product_attention
+        sdpa, mha = self._originals = F.scaled_dot_product_attention, F.multi_head_attention_forward
 
-        @functools.wraps(original)
+        @functools.wraps(sdpa)
         def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
-            self.seen(args, kwargs)
+            out = sdpa(*args, **kwargs)
+            self.seen(dict(zip(SDPA_ARGUMENTS, args)) | kwargs)
             return out
 
-        F.scaled_dot_product_attention = scaled_dot_product_attention
+        @functools.wraps(mha)
+        def multi_head_attention_forward(*args: Any, **kwargs: Any) -> Any:
+            out = mha(*args, **kwargs)
+            arguments = _mha_signature(mha).bind(*args, **kwargs).arguments
+            if arguments.get("need_weights", True):  # computed without SDPA: measured again with it, in flush()
+                self.seen({MHA: (mha, arguments)})
+            return out
+
+        F.scaled_dot_product_attention, F.multi_head_attention_forward = scaled_dot_product_attention, multi_head_attention_forward
 
     def stop(self) -> None:
-        if self._original is not None:
-            F.scaled_dot_product_attention, self._original = self._original, None
+        if self._originals is not None:
+            (F.scaled_dot_product_attention, F.multi_head_attention_forward), self._originals = self._originals, None
 
-    def seen(self, args: tuple, kwargs: dict) -> None:
+    def seen(self, given: dict) -> None:
         """One call, by the innermost module of the model on the stack: kept for :meth:`flush`."""
         if self.error is not None:
             return
-        name = self._caller()
-        if name is not None:
-            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-            self.pending.append((name, dict(zip(names, args)) | kwargs))
+        caller = self._caller()
+        if caller is not None:
+            name, module = caller
+            if name not in self.split:
+                self.split[name] = heads_split(module, given.get("query"))
+            self.pending.append((name, given))
 
     def flush(self) -> None:
         """Measure the calls kept; a failure is kept, not raised (the user's training goes on)."""
@@ -116,20 +138,21 @@ class AttentionProbe:
         if self.error is not None:
             return
         try:
-            for name, given in pending:
-                row = attention_stats(given["query"], given["key"], given.get("attn_mask"), bool(given.get("is_causal", False)),
-                                      given.get("scale"), bool(given.get("enable_gqa", False)))
+            for name, given in [(name, call) for name, given in pending for call in _as_sdpa_calls(given)]:
+                q, k, mask = (local(given.get(key)) for key in ("query", "key", "attn_mask"))
+                row = _attention_rows(q, k, mask, bool(given.get("is_causal", False)), given.get("scale"),
+                                      bool(given.get("enable_gqa", False)))
                 self.calls.setdefault(name, []).append(row)
         except Exception as e:
             self.error = e
 
-    def _caller(self) -> Optional[str]:
-        frame = sys._getframe(2)
+    def _caller(self) -> Optional[tuple[str, Any]]:
+        frame = sys._getframe(3)
         while frame is not None:
             owner = frame.f_locals.get("self") if frame.f_code.co_name in ("forward", "_call_impl") else None
             name = self.names.get(id(owner)) if owner is not None else None
             if name is not None:
-                return name
+                return name, owner
             frame = frame.f_back
         return None
 
@@ -137,15 +160,88 @@ class AttentionProbe:
         self.stop()
 
     def on_device(self) -> Optional[torch.Tensor]:
-        """Per module, ``[heads, 2]`` (each head's largest logit over every call, its mean entropy
-        over the calls), stacked in :attr:`calls`' order; None when none was seen or one failed."""
+        """Per module, ``[heads, 3]`` (each head's largest logit over every call, its mean
+        entropy over the calls' rows, those rows), stacked in :attr:`calls`' order; None when
+        none was seen or one failed."""
         self.flush()
         if self.error is not None or not self.calls:
             return None
-        return torch.cat([torch.stack([torch.stack(rows)[:, :, 0].amax(0), torch.stack(rows)[:, :, 1].mean(0)], dim=1)
-                          for rows in self.calls.values()])
+        return torch.cat([_merged(torch.stack(rows)) for rows in self.calls.values()])
 
     def from_host(self, values: np.ndarray) -> dict[str, np.ndarray]:
-        """:meth:`on_device`'s values, brought to the host, per module."""
+        """:meth:`on_device`'s values, brought to the host: module -> ``[heads, 3]``."""
         sizes = [len(rows[0]) for rows in self.calls.values()]  # heads: shapes, known without a read
-        return dict(zip(self.calls, np.split(values.reshape(-1, 2), np.cumsum(sizes)[:-1])))
+        return dict(zip(self.calls, np.split(values.reshape(-1, 3), np.cumsum(sizes)[:-1])))
+
+
+SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+MHA = "multi_head_attention_forward"  # a kept call of it: (torch's function, its arguments)
+
+
+@functools.cache
+def _mha_signature(function: Any) -> inspect.Signature:
+    return inspect.signature(function)
+
+
+def _as_sdpa_calls(given: dict) -> list[dict]:
+    """A kept call's SDPA calls: itself; or, for ``nn.MultiheadAttention`` asked for its weights
+    (computed without SDPA), the SDPA call torch's function makes without them, run again
+    (without dropout, no gradient), seen through a stand-in for SDPA: the same projections
+    and merged masks as the step's, at one more attention forward per call."""
+    if MHA not in given:
+        return [given]
+    mha, arguments = given[MHA]
+    calls: list[dict] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
+        calls.append(dict(zip(SDPA_ARGUMENTS, args)) | kwargs)
+        return sdpa(*args, **kwargs)
+
+    F.scaled_dot_product_attention = scaled_dot_product_attention
+    try:
+        with torch.no_grad():
+            mha(**(arguments | {"need_weights": False, "dropout_p": 0.0}))
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    return calls
+
+
+def _merged(rows: torch.Tensor) -> torch.Tensor:
+    """``[calls, heads, 3]`` -> ``[heads, 3]``: the largest logit, the mean entropy over every row, the rows."""
+    count = rows[:, :, 2].sum(0)
+    return torch.stack([rows[:, :, 0].amax(0), (rows[:, :, 1] * rows[:, :, 2]).sum(0) / count, count], dim=1)
+
+
+def heads_split(module: Any, query: Any) -> Optional[tuple[int, ...]]:
+    """The global ranks over which the heads of ``module``'s attention call are split (tensor
+    parallel: column-wise query and key projections, each rank computing its own heads), in
+    the order of their heads; None when each rank computes every head. Seen from the query
+    when it is a DTensor, else from the module's parameters during its forward: FSDP2 holds
+    them whole then (plain tensors, or DTensors of the tensor-parallel mesh alone), FSDP1 as
+    views of its flat parameter."""
+    found = spread(query) if query is not None else None
+    if found is None:
+        found = next((how for how in map(spread, module.parameters()) if how is not None), None)
+    if found is None or found.kind != "shard":
+        return None
+    return tuple(dist.get_process_group_ranks(found.group))
+
+
+def combine_heads(parts: Sequence[Optional[dict[str, tuple[Optional[tuple[int, ...]], np.ndarray]]]], rank: int
+                  ) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Rank ``rank``'s modules with their heads gathered from the ranks they are split over
+    (``parts``, each rank's module -> (:func:`heads_split`, ``[heads, 3]``), in rank order; None
+    for a rank whose own failed): module -> ``[heads, 2]``, and the modules left out (a rank of
+    theirs has not got them alike)."""
+    out, left_out = {}, []
+    for name, (split, heads) in (parts[rank] or {}).items():
+        if split is None:
+            out[name] = heads[:, :2]
+            continue
+        pieces = [(parts[r] or {}).get(name) for r in split]
+        if any(piece is None or piece[0] != split for piece in pieces):
+            left_out.append(name)
+            continue
+        out[name] = np.concatenate([piece[1] for piece in pieces])[:, :2]
+    return out, left_out

@@ -280,7 +280,7 @@ class StepProbes:
         weights = self._weights
         if self._traced_alone:
             traced = self._traced
-            transformer = self._transformer.take(sync is not None)
+            transformer = self._transformer.take(sync)
             self.disarm()
             if sync is not None:
                 sync.same([int(self.runtime_on), 1] + [0] * 6)  # what a healthy runtime probe with no spread work says
@@ -300,7 +300,7 @@ class StepProbes:
                     self.failures.warn_once("fail:probes", "layerwatch: the runtime probes could not be armed; the per-module families are off")
                 elif runtime.error is None:
                     runtime.error = RuntimeError("the runtime probes failed on another rank")
-        transformer = self._transformer.take(sync is not None)
+        transformer = self._transformer.take(sync)
         if compiled:
             return self._caller_found(structure, runtime, step, weights)
         self.disarm()

@@ -12,10 +12,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from layerwatch.distributed import is_writer_rank
+from layerwatch.distributed import RankSync, global_rank, is_writer_rank
 from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import is_compiling
-from layerwatch.probes.attention import AttentionProbe
+from layerwatch.probes.attention import AttentionProbe, combine_heads
 from layerwatch.probes.kurtosis import ChannelKurtosis
 from layerwatch.probes.logits import OutputLogits, find_output_head
 from layerwatch.probes.selection import probe_names
@@ -133,28 +133,42 @@ class TransformerProbes:
                 probe.remove()
         self._attention = self._logits = self._kurtosis = None
 
-    def take(self, together: bool) -> tuple[dict[str, Any], Optional[tuple[str, Any]], dict[str, float]]:
+    def take(self, sync: Optional[RankSync] = None) -> tuple[dict[str, Any], Optional[tuple[str, Any]], dict[str, float]]:
         """The step's attention (module -> ``[heads, 2]``), output logits (the head, ``[mean, max]``
         of log Z) and kurtosis (module -> its output's), brought to the host together (one
-        transfer per device). No attention nor kurtosis where the ranks work together (tensor
-        parallel, FSDP: each rank's heads or part of an output would need combining, not done
-        yet), said once."""
+        transfer per device).
+
+        With ``sync`` (a sharded run: every rank calls this at every sampled step) the ranks
+        exchange their attention (one gather of host values, every rank, whatever its own
+        probe did), and a module whose heads are split over ranks (tensor parallel) gets every
+        rank's heads, in order; one whose ranks do not all have it is left out, said once. Each
+        rank's other values are its own, as its activations' are (data parallel ranks: its
+        micro-batch)."""
         attention, logits, kurtosis = self._attention, self._logits, self._kurtosis
         self.remove()  # keeps what each measured; on_device() measures what is left
         self.eager, self._traced = self.eager or not self._traced, False
-        if together:
-            if attention is not None and (attention.calls or attention.pending):
-                self.failures.say_once("attention-ranks", "layerwatch: attention logits and entropy are not measured in "
-                                       "a run whose ranks combine their measurements (FSDP, tensor parallel) yet")
-            attention = kurtosis = None
         taken = [(probe, probe.on_device()) for probe in (attention, logits, kurtosis) if probe is not None]
         for probe, what in ((attention, "attention"), (logits, "the output logits")):
             if probe is not None and probe.error is not None:
                 self.failures.warn_once(f"fail:{what}", f"layerwatch: could not measure {what}: {probe.error!r}; skipped")
         taken = [(probe, values) for probe, values in taken if values is not None]
         found = {id(probe): probe.from_host(values) for (probe, _), values in zip(taken, to_host([v for _, v in taken]))}
-        return (found.get(id(attention), {}), found.get(id(logits)), found.get(id(kurtosis), {}))
+        heads = found.get(id(attention), {})
+        if sync is not None and self.attention_on:
+            heads = self._gather_heads(sync, heads, attention)
+        else:
+            heads = {name: values[:, :2] for name, values in heads.items()}
+        return heads, found.get(id(logits)), found.get(id(kurtosis), {})
 
+    def _gather_heads(self, sync: RankSync, heads: dict[str, Any], attention: Optional[AttentionProbe]) -> dict[str, Any]:
+        mine = None if attention is None or attention.error is not None else {
+            name: (attention.split.get(name), values) for name, values in heads.items()}
+        parts = sync.all(mine)
+        combined, left_out = combine_heads(parts, global_rank())
+        if left_out and is_writer_rank():
+            self.failures.say_once("attention-ranks", "layerwatch: the attention of " + ", ".join(left_out[:3])
+                                   + " is split over ranks that did not all measure it; left out")
+        return combined
 
 
 def _measure_each(keeps: Sequence[tuple[Any, Callable[[torch.Tensor], None]]], output: torch.Tensor) -> None:
