@@ -235,12 +235,34 @@ def test_a_logit_above_the_level_alerts_at_once(tmp_path):
     assert "AlertRules.attention_logit_level" in alert.message
 
 
-def test_a_compiled_model_is_not_measured_and_nothing_breaks(tmp_path, events):
+def test_a_compiled_models_stand_in_goes_with_the_run_and_names_each_call_as_eager_does(tmp_path, events):
+    """SDPA's stand-in stays from the start to the end of a compiled model's run, and no longer
+    (tests/test_logits.py compares its values with eager's). torch's TransformerEncoder: each
+    call is named after its MultiheadAttention, though the module to end just before it is the
+    layer before's."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = torch.compile(SdpaLM(), backend="eager")
-    _, losses, stacks, _ = run(tmp_path, steps=4, model=model)
-    assert all(np.isfinite(losses)) and stacks == [True] * 4
+    _, losses, stacks, _ = run(tmp_path / "lm", steps=4, model=model)
+    assert all(np.isfinite(losses)) and stacks == [False] * 4 and F.scaled_dot_product_attention is ORIGINAL
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2,
+                                    enable_nested_tensor=False)
+    compiled = torch.compile(encoder, backend="eager")
+    opt = torch.optim.SGD(encoder.parameters(), lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Inspector(compiled, log_dir=tmp_path / "encoder", every_n_steps=1, optimizer=opt) as inspector:
+            for _ in range(3):
+                compiled(torch.randn(3, 7, 16)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                inspector.step()
+    tab = tab_values(events(tmp_path / "encoder"))
+    assert sorted(t for t in tab if t.startswith("attention_logit_max/")) == [
+        "attention_logit_max/layers.0.self_attn", "attention_logit_max/layers.1.self_attn"]
+    assert sorted(tab["attention_logit_max/layers.1.self_attn"]) == [0, 1, 2]
 
 
 def tensor_parallel_worker(rank: int, world: int, out: str) -> None:

@@ -82,11 +82,12 @@ def test_a_shift_every_logit_shares_raises_logit_drift_and_leaves_the_loss(tmp_p
 
 
 @pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()", "torch.compile(loss_fn)"])
-def test_log_z_and_the_blocks_kurtosis_are_measured_inside_compiled_code_as_in_eager(tmp_path, events, how):
+def test_log_z_kurtosis_and_attention_are_measured_inside_compiled_code_as_in_eager(tmp_path, events, how):
     """The traced probe's operator measures the head's log Z and each block's kurtosis inside
-    the graph (from the first sampled step: its hooks are there for good); at the steps both
-    measure, the values are eager's. Nothing compiles again for them, and the losses are bitwise
-    those of the run without layerwatch."""
+    the graph, and SDPA's stand-in each attention call (from the first sampled step: they are
+    there for good), under the names eager gives them; at the steps both measure, the values
+    are eager's. Nothing compiles again for them, and the losses are bitwise those of the run
+    without layerwatch. A compiled caller's attention is not measured (said once)."""
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
@@ -143,3 +144,14 @@ def test_log_z_and_the_blocks_kurtosis_are_measured_inside_compiled_code_as_in_e
     for tag in blocks:
         for step in (2, 4, 6):
             assert compiled_tab[tag][step] == pytest.approx(eager_tab[tag][step], rel=1e-4), (tag, step)
+    heads = sorted(t for t in eager_tab if t.startswith("attention_head_"))
+    assert len(heads) == 2 * 2 * 2  # two statistics, two layers, two heads
+    if how == "torch.compile(loss_fn)":
+        assert not [t for t in compiled_tab if t.startswith("attention")]
+        return
+    assert sorted(t for t in compiled_tab if t.startswith("attention_head_")) == heads
+    for tag in heads:
+        assert sorted(compiled_tab[tag]) == [0, 2, 4, 6]
+        for step in (2, 4, 6):
+            assert compiled_tab[tag][step] == pytest.approx(eager_tab[tag][step], rel=1e-5), (tag, step)
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention  # torch's again

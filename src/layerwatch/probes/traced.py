@@ -39,6 +39,7 @@ from torch import nn
 from layerwatch import stats as S
 from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import inlined_only, tensors_in, with_first_replaced
+from layerwatch.probes.compiled_attention import CompiledAttention
 from layerwatch.probes.outputs import Outputs, is_float, nonfinite_sum
 from layerwatch.probes.runtime import ModuleTrace, Offender, ProbeResult
 from layerwatch.probes.selection import probe_names
@@ -53,6 +54,9 @@ class TracedProbe:
         self.armed = False
         self.names = probe_names(modules)
         self.blocks = [index for index, (_, module) in enumerate(modules) if module._modules]  # those with children
+        self._attention_like = {index for index, (_, module) in enumerate(modules) if "attention" in type(module).__name__.lower()}
+        self._measures_attention = "attention" in families
+        self.attention: Optional[CompiledAttention] = None  # SDPA's stand-in while the hooks are on
         # module -> what else measures its first output this step (TransformerProbes.arm_traced)
         self.watchers: dict[int, Callable[[torch.Tensor], None]] = {}
         self._index = {id(module): index for index, (_, module) in enumerate(modules)}
@@ -72,7 +76,10 @@ class TracedProbe:
         self._clear()
 
     def attach(self, modules: Sequence[nn.Module]) -> None:
-        """Hook ``modules`` (of those this probe was made for) until :meth:`remove`."""
+        """Hook ``modules`` (of those this probe was made for) until :meth:`remove`; with the
+        ``attention`` family, SDPA's stand-in (:mod:`~layerwatch.probes.compiled_attention`) too."""
+        if self._measures_attention and self.attention is None and measure_call is not None:
+            self.attention = CompiledAttention(self, self._attention_like)
         for module in modules:
             self._handles += [module.register_forward_pre_hook(self.watch_inputs, with_kwargs=True),
                               module.register_forward_hook(self.record)]
@@ -85,6 +92,18 @@ class TracedProbe:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
+        if self.attention is not None:
+            self.attention.remove()
+            self.attention = None
+
+    @property
+    def calls_ended(self) -> int:
+        """How many module calls ended so far this sampled step."""
+        return len(self._call_module)
+
+    def attention_calls(self) -> dict[str, list[torch.Tensor]]:
+        """This step's SDPA calls inside compiled code, by module (each call's ``[heads, 3]``)."""
+        return {} if self.attention is None else self.attention.by_module(self._call_module, self.names)
 
     def arm(self) -> None:
         """Clear what the last sampled step recorded and turn recording on."""
@@ -110,6 +129,8 @@ class TracedProbe:
         self._outputs = Outputs(self._bins, self._zeros, self._centered, self._workspace)
         for counter in self._grad_outputs + self._grad_inputs:
             counter.grad = None
+        if self.attention is not None:
+            self.attention.clear()
 
     # ------------------------------------------------------------------ in the graph
     # No host read, no Python state changed where Dynamo traces: it would replay a mutation of

@@ -47,7 +47,7 @@ class TransformerProbes:
         self._kurtosis: Optional[ChannelKurtosis] = None
         self._handles: list[Any] = []
         self._depth = 0
-        self._traced = False  # armed inside compiled code this step (arm_traced)
+        self._traced: Optional[TracedProbe] = None  # armed inside compiled code this step (arm_traced)
 
     def arm(self, model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> None:
         """This step's probes, on an eager forward of ``model`` whose probed ``modules`` are these;
@@ -76,10 +76,12 @@ class TransformerProbes:
     def arm_traced(self, model: nn.Module, traced: TracedProbe) -> None:
         """This step's output logits and kurtosis inside compiled code: the armed ``traced``
         probe's operator hands over the first output of the head and of each block (the probed
-        modules with children) as its call runs, measured on the spot. Attention calls are not
-        seen there: said once. The head must be one of the traced probe's modules."""
-        self._traced = True
-        self.say_compiled()
+        modules with children) as its call runs, measured on the spot; its SDPA calls are SDPA's
+        stand-in's (:mod:`~layerwatch.probes.compiled_attention`), where it has one (not in a
+        compiled caller: said once). The head must be one of the traced probe's modules."""
+        self._traced = traced
+        if traced.attention is None:
+            self.say_compiled()
         keeps: dict[int, list[tuple[Any, Callable[[torch.Tensor], None]]]] = {}  # module -> (probe, its keep)
         if self.kurtosis_on:
             kurtosis = self._kurtosis = ChannelKurtosis()
@@ -114,8 +116,8 @@ class TransformerProbes:
 
     def say_compiled(self) -> None:
         if self.attention_on and is_writer_rank():
-            self.failures.say_once("attention-compiled", "layerwatch: attention logits and entropy are not measured inside "
-                                   "compiled code yet")
+            self.failures.say_once("attention-compiled", "layerwatch: attention logits and entropy are not measured in a "
+                                   "model called from compiled code (torch.compile of a function that calls it) yet")
 
     def _find_head(self, model: nn.Module) -> Optional[tuple[str, nn.Module]]:
         head = find_output_head(model, self.output_head)
@@ -146,7 +148,11 @@ class TransformerProbes:
         micro-batch)."""
         attention, logits, kurtosis = self._attention, self._logits, self._kurtosis
         self.remove()  # keeps what each measured; on_device() measures what is left
-        self.eager, self._traced = self.eager or not self._traced, False
+        traced, self._traced = self._traced, None
+        self.eager = self.eager or traced is None
+        if traced is not None and traced.attention is not None and self.attention_on:
+            attention = AttentionProbe({})
+            attention.calls, attention.error = traced.attention_calls(), traced.attention.error
         taken = [(probe, probe.on_device()) for probe in (attention, logits, kurtosis) if probe is not None]
         for probe, what in ((attention, "attention"), (logits, "the output logits")):
             if probe is not None and probe.error is not None:
