@@ -45,11 +45,11 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.
     """``[heads, 2]``: each head's largest logit and mean entropy over ``rows`` query rows
     evenly spread over the sequence, as ``scaled_dot_product_attention(q, k, ...)`` computes
     them (``q``: ``(..., heads, queries, d)``, ``k``: ``(..., kv_heads, keys, d)``)."""
-    return _attention_rows(q, k, attn_mask, is_causal, scale, enable_gqa, rows)[:, :2]
+    return attention_rows(q, k, attn_mask, is_causal, scale, enable_gqa, rows)[:, :2]
 
 
-def _attention_rows(q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.Tensor], is_causal: bool,
-                    scale: Optional[float], enable_gqa: bool, rows: int = ROWS) -> torch.Tensor:
+def attention_rows(q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.Tensor], is_causal: bool,
+                   scale: Optional[float], enable_gqa: bool, rows: int = ROWS) -> torch.Tensor:
     """:func:`attention_stats` and a third column: the rows its mean entropy is over (those
     with a key left), by which calls and ranks are weighed."""
     with torch.no_grad():
@@ -90,7 +90,7 @@ class AttentionProbe:
 
     def __init__(self, names: dict[int, str]) -> None:
         self.names = names  # id(module) -> its name, for the modules whose calls are kept
-        self.calls: dict[str, list[torch.Tensor]] = {}  # module -> each call's [heads, 3] (_attention_rows)
+        self.calls: dict[str, list[torch.Tensor]] = {}  # module -> each call's [heads, 3] (attention_rows)
         self.split: dict[str, Optional[tuple[int, ...]]] = {}  # module -> the global ranks its heads are split over
         self.error: Optional[BaseException] = None
         self.pending: list[tuple[str, dict]] = []  # (module, the call's arguments) not measured yet
@@ -140,7 +140,7 @@ class AttentionProbe:
         try:
             for name, given in [(name, call) for name, given in pending for call in _as_sdpa_calls(given)]:
                 q, k, mask = (local(given.get(key)) for key in ("query", "key", "attn_mask"))
-                row = _attention_rows(q, k, mask, bool(given.get("is_causal", False)), given.get("scale"),
+                row = attention_rows(q, k, mask, bool(given.get("is_causal", False)), given.get("scale"),
                                       bool(given.get("enable_gqa", False)))
                 self.calls.setdefault(name, []).append(row)
         except Exception as e:

@@ -34,7 +34,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from layerwatch.probes.attention import SDPA_ARGUMENTS, _attention_rows
+from layerwatch.probes.attention import SDPA_ARGUMENTS, attention_rows
 from layerwatch.vocabulary import ROOT
 
 
@@ -82,7 +82,7 @@ class CompiledAttention:
         if self.error is not None:
             return
         try:
-            self._calls.append((self._traced.calls_ended, _attention_rows(query, key, mask, is_causal, scale, enable_gqa)))
+            self._calls.append((self._traced.calls_ended, attention_rows(query, key, mask, is_causal, scale, enable_gqa)))
         except Exception as e:  # kept, said by the caller; the training goes on
             self.error = e
 
