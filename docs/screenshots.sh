@@ -23,4 +23,5 @@ shot structure.png "http://127.0.0.1:6124/#text&tagFilter=layerwatch%2Fstructure
 shot alerts.png "http://127.0.0.1:6125/#text&tagFilter=layerwatch%2Falerts" 1500,560
 python docs/tab_screenshots.py http://127.0.0.1:6123 docs/img
 python docs/hf_screenshot.py docs/img
+python docs/heads_screenshot.py docs/img  # the per-head view (layer-view.md): its own run and TensorBoard
 python docs/divergence_screenshots.py --out docs/img  # the divergence benchmark's pictures (reading-charts.md): its own runs and TensorBoard
