@@ -329,3 +329,58 @@ def test_under_tensor_parallel_every_ranks_heads_are_gathered_in_order(tmp_path,
             np.testing.assert_allclose(got, expected, rtol=1e-4)
             assert {e.step: e.value for e in acc.Scalars(f"attention_logit_max/{name}")}[step] == pytest.approx(expected[:, 0].max(), rel=1e-4)
     assert not [t for t in tab if "#4" in t]  # four heads, not two ranks' two each side by side twice
+
+
+def fsdp2_worker(rank: int, world: int, out: str) -> None:
+    """SdpaLM sharded per block and at its root (FSDP2), each rank on its own batch; rank 0 saves
+    its own attention's statistics, from the whole weights FSDP2 holds during the forward."""
+    import json
+    from pathlib import Path
+
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = SdpaLM()
+    whole, now = {}, [0]
+
+    def reference(module, args, output):
+        (x,) = args
+        split = lambda t: t.view(x.shape[0], x.shape[1], 2, 8).transpose(1, 2)  # noqa: E731
+        q, k = (split(F.linear(x, layer.weight, layer.bias)) for layer in (module.q, module.k))
+        whole.setdefault(now[0], {})[names[id(module)]] = attention_stats(q, k, is_causal=True).tolist()
+
+    names = {id(block.attn): f"blocks.{i}.attn" for i, block in enumerate(model.blocks)}
+    for block in model.blocks:
+        block.attn.register_forward_hook(reference)
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Inspector(model, log_dir=str(Path(out, "run")), every_n_steps=2, optimizer=opt) as inspector:
+            for step in range(5):
+                now[0] = step
+                torch.manual_seed(100 + 10 * rank + step)  # data parallel: each rank its own batch
+                ids = torch.randint(0, 32, (4, 12))
+                loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                inspector.step()
+    if rank == 0:
+        Path(out, "whole.json").write_text(json.dumps(whole))
+
+
+def test_under_fsdp2_per_block_rank_0_writes_its_own_micro_batchs_heads(tmp_path, events):
+    import json
+
+    from ranks import run_ranks
+
+    run_ranks(fsdp2_worker, str(tmp_path), tmp=tmp_path)
+    whole = json.loads((tmp_path / "whole.json").read_text())
+    tab = tab_values(events(tmp_path / "run"))
+    for step in (2, 4):
+        for name in ("blocks.0.attn", "blocks.1.attn"):
+            got = [[tab[f"attention_head_{stat}/{name}#{h}"][step] for stat in ("logit_max", "entropy")] for h in range(2)]
+            np.testing.assert_allclose(got, np.array(whole[str(step)][name]), rtol=1e-5)
+    assert "activations_kurtosis/blocks.0" in tab  # each rank's own output, as its activations

@@ -280,10 +280,10 @@ class StepProbes:
         weights = self._weights
         if self._traced_alone:
             traced = self._traced
+            if sync is not None:  # before the transformer probes' exchange, as on every other rank's way
+                sync.same([int(self.runtime_on), 1] + [0] * 6)  # what a healthy runtime probe with no spread work says
             transformer = self._transformer.take(sync)
             self.disarm()
-            if sync is not None:
-                sync.same([int(self.runtime_on), 1] + [0] * 6)  # what a healthy runtime probe with no spread work says
             return None, _with_transformer(self._traced_result(traced, step, weights), transformer)
         structure, runtime = self._structure, self._runtime
         armed = [probe for probe in (structure, runtime) if probe is not None]
