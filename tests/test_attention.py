@@ -235,34 +235,53 @@ def test_a_logit_above_the_level_alerts_at_once(tmp_path):
     assert "AlertRules.attention_logit_level" in alert.message
 
 
-def test_a_compiled_models_stand_in_goes_with_the_run_and_names_each_call_as_eager_does(tmp_path, events):
+def test_a_compiled_models_stand_in_goes_with_the_run_and_names_each_call_as_eager_does(tmp_path, events, monkeypatch):
     """SDPA's stand-in stays from the start to the end of a compiled model's run, and no longer
-    (tests/test_logits.py compares its values with eager's). torch's TransformerEncoder: each
-    call is named after its MultiheadAttention, though the module to end just before it is the
-    layer before's."""
+    (tests/test_logits.py compares its values with eager's). torch's TransformerEncoder, whose
+    MultiheadAttention Dynamo keeps as one node: each call measured once, with eager's values,
+    under eager's name, though the module to end just before it is the layer before's."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = torch.compile(SdpaLM(), backend="eager")
     _, losses, stacks, _ = run(tmp_path / "lm", steps=4, model=model)
     assert all(np.isfinite(losses)) and stacks == [False] * 4 and F.scaled_dot_product_attention is ORIGINAL
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2,
-                                    enable_nested_tensor=False)
-    compiled = torch.compile(encoder, backend="eager")
-    opt = torch.optim.SGD(encoder.parameters(), lr=0.01)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with Inspector(compiled, log_dir=tmp_path / "encoder", every_n_steps=1, optimizer=opt) as inspector:
-            for _ in range(3):
-                compiled(torch.randn(3, 7, 16)).pow(2).mean().backward()
-                opt.step()
-                opt.zero_grad()
-                inspector.step()
-    tab = tab_values(events(tmp_path / "encoder"))
-    assert sorted(t for t in tab if t.startswith("attention_logit_max/")) == [
-        "attention_logit_max/layers.0.self_attn", "attention_logit_max/layers.1.self_attn"]
-    assert sorted(tab["attention_logit_max/layers.1.self_attn"]) == [0, 1, 2]
+
+    def encoder_run(log_dir, backend):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2,
+                                        enable_nested_tensor=False)
+        call = encoder if backend is None else torch.compile(encoder, backend=backend)
+        opt = torch.optim.SGD(encoder.parameters(), lr=0.01)
+        generator = torch.Generator().manual_seed(1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Inspector(call, log_dir=log_dir, every_n_steps=1, optimizer=opt) as inspector:
+                for _ in range(3):
+                    call(torch.randn(3, 7, 16, generator=generator)).pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    inspector.step()
+        return tab_values(events(log_dir))
+
+    from layerwatch.probes.compiled_attention import CompiledAttention
+
+    measured = []
+    measure = CompiledAttention.measure
+    monkeypatch.setattr(CompiledAttention, "measure", lambda self, *args: measured.append(1) or measure(self, *args))
+    eager = encoder_run(tmp_path / "eager", None)
+    heads = sorted(t for t in eager if t.startswith("attention_head_"))
+    assert len(heads) == 2 * 2 * 2
+    for backend in ("eager", "aot_eager"):  # the node run as Python; decomposed by AOTAutograd
+        measured.clear()
+        compiled = encoder_run(tmp_path / backend, backend)
+        assert len(measured) == 2 * 3, backend  # each layer's call once a sampled step
+        assert sorted(t for t in compiled if t.startswith("attention_head_")) == heads
+        for tag in heads:
+            assert sorted(compiled[tag]) == [0, 1, 2], (backend, tag)
+            for step in (1, 2):
+                assert compiled[tag][step] == pytest.approx(eager[tag][step], rel=1e-5), (backend, tag, step)
+    assert F.multi_head_attention_forward.__module__ == "torch.nn.functional"
 
 
 def tensor_parallel_worker(rank: int, world: int, out: str) -> None:

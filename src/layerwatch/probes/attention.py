@@ -138,7 +138,7 @@ class AttentionProbe:
         if self.error is not None:
             return
         try:
-            for name, given in [(name, call) for name, given in pending for call in _as_sdpa_calls(given)]:
+            for name, given in [(name, call) for name, given in pending for call in as_sdpa_calls(given)]:
                 q, k, mask = (local(given.get(key)) for key in ("query", "key", "attn_mask"))
                 row = attention_rows(q, k, mask, bool(given.get("is_causal", False)), given.get("scale"),
                                       bool(given.get("enable_gqa", False)))
@@ -183,7 +183,7 @@ def _mha_signature(function: Any) -> inspect.Signature:
     return inspect.signature(function)
 
 
-def _as_sdpa_calls(given: dict) -> list[dict]:
+def as_sdpa_calls(given: dict) -> list[dict]:
     """A kept call's SDPA calls: itself; or, for ``nn.MultiheadAttention`` asked for its weights
     (computed without SDPA), the SDPA call torch's function makes without them, run again
     (without dropout, no gradient), seen through a stand-in for SDPA: the same projections
@@ -192,18 +192,18 @@ def _as_sdpa_calls(given: dict) -> list[dict]:
         return [given]
     mha, arguments = given[MHA]
     calls: list[dict] = []
-    sdpa = F.scaled_dot_product_attention
+    standing = F.scaled_dot_product_attention  # torch's, or a stand-in of layerwatch's: put back after
 
     def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
         calls.append(dict(zip(SDPA_ARGUMENTS, args)) | kwargs)
-        return sdpa(*args, **kwargs)
+        return torch._C._nn.scaled_dot_product_attention(*args, **kwargs)
 
     F.scaled_dot_product_attention = scaled_dot_product_attention
     try:
         with torch.no_grad():
             mha(**(arguments | {"need_weights": False, "dropout_p": 0.0}))
     finally:
-        F.scaled_dot_product_attention = sdpa
+        F.scaled_dot_product_attention = standing
     return calls
 
 

@@ -12,9 +12,11 @@ variant is the traced probe's own and no graph is added), it adds one node after
 :data:`measure_attention`, whose body compiled code runs eagerly with the real query, key and
 mask: ``ROWS`` query rows' logits against every key, as in eager, enqueued on the device.
 A call on tensors of another type is not measured: a DTensor, or the fake and functional
-tensors of a tracer running it (Dynamo keeps ``F.multi_head_attention_forward`` as one node and
-runs it on fake tensors; AOTAutograd then traces into it): compiled code that runs that node as
-a Python call measures it then, one that decomposed it does not.
+tensors of a tracer running it. Dynamo keeps ``F.multi_head_attention_forward`` as one node (it
+runs it on fake tensors; AOTAutograd then decomposes it), so it has a stand-in of its own, traced
+the same way, whose operator (:data:`measure_mha`) runs torch's function once more through SDPA
+with the call's real tensors (:func:`~layerwatch.probes.attention.as_sdpa_calls`). Where
+compiled code runs that node as a Python call, neither stand-in measures it again.
 
 Inside a graph no Python stack names the module that made the call. The operator notes how
 many module calls the traced probe had seen end before it. After the step, the call's holder
@@ -27,14 +29,16 @@ graph break) are measured the same.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from time import perf_counter_ns
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from layerwatch.probes.attention import SDPA_ARGUMENTS, attention_rows
+from layerwatch.probes.attention import MHA, SDPA_ARGUMENTS, as_sdpa_calls, attention_rows
 from layerwatch.vocabulary import ROOT
 
 
@@ -55,7 +59,7 @@ class CompiledAttention:
 
         def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)
-            if gate.on and gate.traced.armed and measure_attention is not None:
+            if gate.on and gate.traced.armed and measure_attention is not None and not _called_by_mha():
                 given = dict(zip(SDPA_ARGUMENTS, args)) | kwargs
                 query, key, mask = given["query"], given["key"], given.get("attn_mask")
                 # plain tensors: not a DTensor, nor the fake or functional ones of a tracer running it
@@ -65,13 +69,37 @@ class CompiledAttention:
                                       bool(given.get("enable_gqa", False)), gate.traced.clock, probe_id)
             return out
 
-        self._wrapper = scaled_dot_product_attention
-        F.scaled_dot_product_attention = scaled_dot_product_attention
+        self._original_mha = original_mha = F.multi_head_attention_forward
+
+        def multi_head_attention_forward(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in_proj_bias,
+                                         bias_k, bias_v, add_zero_attn, dropout_p, out_proj_weight, out_proj_bias,
+                                         training=True, key_padding_mask=None, need_weights=True, attn_mask=None,
+                                         use_separate_proj_weight=False, q_proj_weight=None, k_proj_weight=None,
+                                         v_proj_weight=None, static_k=None, static_v=None, average_attn_weights=True,
+                                         is_causal=False, **more):  # torch's parameters, by name: no binding traced
+            tensors = [query, key, value, in_proj_weight, in_proj_bias, bias_k, bias_v, out_proj_weight, out_proj_bias,
+                       key_padding_mask, attn_mask, q_proj_weight, k_proj_weight, v_proj_weight, static_k, static_v]
+            out = original_mha(*tensors[:3], embed_dim_to_check, num_heads, in_proj_weight, in_proj_bias, bias_k, bias_v,
+                               add_zero_attn, dropout_p, out_proj_weight, out_proj_bias, training=training,
+                               key_padding_mask=key_padding_mask, need_weights=need_weights, attn_mask=attn_mask,
+                               use_separate_proj_weight=use_separate_proj_weight, q_proj_weight=q_proj_weight,
+                               k_proj_weight=k_proj_weight, v_proj_weight=v_proj_weight, static_k=static_k,
+                               static_v=static_v, average_attn_weights=average_attn_weights, is_causal=is_causal, **more)
+            if gate.on and gate.traced.armed and measure_mha is not None and not more and not _called_by_graph():
+                if all(t is None or type(t) is torch.Tensor or type(t) is nn.Parameter for t in tensors):
+                    measure_mha([None if t is None else t.detach() for t in tensors], embed_dim_to_check, num_heads,
+                                add_zero_attn, use_separate_proj_weight, is_causal, gate.traced.clock, probe_id)
+            return out
+
+        self._wrappers = (scaled_dot_product_attention, multi_head_attention_forward)
+        F.scaled_dot_product_attention, F.multi_head_attention_forward = self._wrappers
 
     def remove(self) -> None:
         self._gate.on = False
-        if F.scaled_dot_product_attention is self._wrapper:
+        if F.scaled_dot_product_attention is self._wrappers[0]:
             F.scaled_dot_product_attention = self._original
+        if F.multi_head_attention_forward is self._wrappers[1]:
+            F.multi_head_attention_forward = self._original_mha
 
     def clear(self) -> None:
         self._calls = []
@@ -84,6 +112,23 @@ class CompiledAttention:
         try:
             self._calls.append((self._traced.calls_ended, attention_rows(query, key, mask, is_causal, scale, enable_gqa)))
         except Exception as e:  # kept, said by the caller; the training goes on
+            self.error = e
+
+    def measure_mha(self, tensors: list[Optional[torch.Tensor]], embed_dim: int, num_heads: int, add_zero_attn: bool,
+                    use_separate_proj_weight: bool, is_causal: bool) -> None:
+        """One ``F.multi_head_attention_forward`` call, eagerly (the operator's body): torch's
+        function run once more through SDPA, as the eager probe does for a call that needs weights."""
+        if self.error is not None:
+            return
+        try:
+            arguments = dict(zip(MHA_TENSORS, tensors)) | {
+                "embed_dim_to_check": embed_dim, "num_heads": num_heads, "add_zero_attn": add_zero_attn,
+                "dropout_p": 0.0, "training": False, "use_separate_proj_weight": use_separate_proj_weight,
+                "is_causal": is_causal}
+            for given in as_sdpa_calls({MHA: (self._original_mha, arguments)}):
+                self.measure(given["query"], given["key"], given.get("attn_mask"), bool(given.get("is_causal", False)),
+                             given.get("scale"), bool(given.get("enable_gqa", False)))
+        except Exception as e:
             self.error = e
 
     def by_module(self, ended: Sequence[int], names: Sequence[str]) -> dict[str, list[torch.Tensor]]:
@@ -128,5 +173,38 @@ def _measure_attention(query: torch.Tensor, key: torch.Tensor, mask: Optional[to
         attention._traced.host_ns += perf_counter_ns() - started
 
 
+def _measure_mha(tensors: list[Optional[torch.Tensor]], embed_dim: int, num_heads: int, add_zero_attn: bool,
+                 use_separate_proj_weight: bool, is_causal: bool, clock: torch.Tensor, probe: int) -> None:
+    """One ``F.multi_head_attention_forward`` call inside compiled code (:meth:`CompiledAttention.measure_mha`)."""
+    attention = _PROBES.get(probe)
+    if attention is not None:
+        started = perf_counter_ns()
+        attention.measure_mha(tensors, embed_dim, num_heads, add_zero_attn, use_separate_proj_weight, is_causal)
+        attention._traced.host_ns += perf_counter_ns() - started
+
+
+MHA_TENSORS = ("query", "key", "value", "in_proj_weight", "in_proj_bias", "bias_k", "bias_v", "out_proj_weight",
+               "out_proj_bias", "key_padding_mask", "attn_mask", "q_proj_weight", "k_proj_weight", "v_proj_weight",
+               "static_k", "static_v")
+_MHA_CODE = F.multi_head_attention_forward.__code__
+
+
+def _called_by_mha() -> bool:
+    """Whether SDPA is being called by torch's ``multi_head_attention_forward``, run as Python
+    (compiled code calling that node, which :func:`_measure_mha` measures already). Never while
+    Dynamo traces (it keeps that function as one node, and cannot trace a frame's code)."""
+    return not torch.compiler.is_compiling() and sys._getframe(2).f_code is _MHA_CODE
+
+
+def _called_by_graph() -> bool:
+    """Whether the stand-in is being called by an FX graph's code (compiled code that runs the
+    ``multi_head_attention_forward`` node as Python: FX writes it as ``torch.nn.functional.…``,
+    looked up when it runs, so it finds the stand-in, whose traced operator is in that graph
+    already). Never while Dynamo traces."""
+    return not torch.compiler.is_compiling() and sys._getframe(2).f_code.co_filename.startswith("<eval_with_key")
+
+
+measure_mha = (torch.library.custom_op("layerwatch::measure_mha", _measure_mha, mutates_args=("clock",))
+               if hasattr(torch.library, "custom_op") else None)
 measure_attention = (torch.library.custom_op("layerwatch::measure_attention", _measure_attention, mutates_args=("clock",))
                      if hasattr(torch.library, "custom_op") else None)
