@@ -284,13 +284,44 @@ def test_a_compiled_models_stand_in_goes_with_the_run_and_names_each_call_as_eag
     assert F.multi_head_attention_forward.__module__ == "torch.nn.functional"
 
 
-def tensor_parallel_worker(rank: int, world: int, out: str) -> None:
-    """SdpaLM with 4 heads per attention, its q, k and v column-wise and o row-wise over the two
-    ranks (each computes 2 heads); rank 0 saves, per sampled step, every head's statistics
-    computed from the whole weights."""
+def train_watched(model: nn.Module, rank: int, out: str, batch_seed, whole_weight) -> None:
+    """5 AdamW steps of a sharded SdpaLM under an Inspector sampling every 2 steps, step ``s``'s
+    batch drawn from seed ``batch_seed(s)``; rank 0 saves, per step, each attention's heads as
+    :func:`attention_stats` computes them from the whole weights (``whole_weight(parameter)``)."""
     import json
     from pathlib import Path
 
+    whole, now = {}, [0]
+    names = {id(block.attn): f"blocks.{i}.attn" for i, block in enumerate(model.blocks)}
+
+    def reference(module, args, output):
+        (x,) = args
+        split = lambda t: t.view(x.shape[0], x.shape[1], module.heads, module.head_dim).transpose(1, 2)  # noqa: E731
+        q, k = (split(F.linear(x, whole_weight(layer.weight), whole_weight(layer.bias))) for layer in (module.q, module.k))
+        whole.setdefault(now[0], {})[names[id(module)]] = attention_stats(q, k, is_causal=True).tolist()
+
+    for block in model.blocks:
+        block.attn.register_forward_hook(reference)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Inspector(model, log_dir=str(Path(out, "run")), every_n_steps=2, optimizer=opt) as inspector:
+            for step in range(5):
+                now[0] = step
+                torch.manual_seed(batch_seed(step))
+                ids = torch.randint(0, 32, (4, 12))
+                loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                inspector.step()
+    if rank == 0:
+        Path(out, "whole.json").write_text(json.dumps(whole))
+
+
+def tensor_parallel_worker(rank: int, world: int, out: str) -> None:
+    """SdpaLM with 4 heads per attention, its q, k and v column-wise and o row-wise over the two
+    ranks (each computes 2 heads), the same batch on both."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -303,32 +334,7 @@ def tensor_parallel_worker(rank: int, world: int, out: str) -> None:
         block.attn = SdpaAttention(16, heads=4)
         parallelize_module(block.attn, mesh, {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
                                               "o": RowwiseParallel()})
-    whole, now = {}, [0]
-
-    def reference(module, args, output):
-        (x,) = args
-        split = lambda t: t.view(x.shape[0], x.shape[1], 4, 4).transpose(1, 2)  # noqa: E731
-        q, k = (split(F.linear(x, layer.weight.full_tensor(), layer.bias.full_tensor())) for layer in (module.q, module.k))
-        whole.setdefault(now[0], {})[names[id(module)]] = attention_stats(q, k, is_causal=True).tolist()
-
-    names = {id(block.attn): f"blocks.{i}.attn" for i, block in enumerate(model.blocks)}
-    for block in model.blocks:
-        block.attn.register_forward_hook(reference)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with Inspector(model, log_dir=str(Path(out, "run")), every_n_steps=2, optimizer=opt) as inspector:
-            for step in range(5):
-                now[0] = step
-                torch.manual_seed(100 + step)  # the same batch on both ranks: tensor parallel
-                ids = torch.randint(0, 32, (4, 12))
-                loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                inspector.step()
-    if rank == 0:
-        Path(out, "whole.json").write_text(json.dumps(whole))
+    train_watched(model, rank, out, lambda step: 100 + step, lambda p: p.full_tensor())
 
 
 def test_under_tensor_parallel_every_ranks_heads_are_gathered_in_order(tmp_path, events):
@@ -351,43 +357,16 @@ def test_under_tensor_parallel_every_ranks_heads_are_gathered_in_order(tmp_path,
 
 
 def fsdp2_worker(rank: int, world: int, out: str) -> None:
-    """SdpaLM sharded per block and at its root (FSDP2), each rank on its own batch; rank 0 saves
-    its own attention's statistics, from the whole weights FSDP2 holds during the forward."""
-    import json
-    from pathlib import Path
-
+    """SdpaLM sharded per block and at its root (FSDP2), each rank on its own batch (FSDP2 holds
+    the whole weights during the forward)."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = SdpaLM()
-    whole, now = {}, [0]
-
-    def reference(module, args, output):
-        (x,) = args
-        split = lambda t: t.view(x.shape[0], x.shape[1], 2, 8).transpose(1, 2)  # noqa: E731
-        q, k = (split(F.linear(x, layer.weight, layer.bias)) for layer in (module.q, module.k))
-        whole.setdefault(now[0], {})[names[id(module)]] = attention_stats(q, k, is_causal=True).tolist()
-
-    names = {id(block.attn): f"blocks.{i}.attn" for i, block in enumerate(model.blocks)}
     for block in model.blocks:
-        block.attn.register_forward_hook(reference)
         fully_shard(block)
     fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with Inspector(model, log_dir=str(Path(out, "run")), every_n_steps=2, optimizer=opt) as inspector:
-            for step in range(5):
-                now[0] = step
-                torch.manual_seed(100 + 10 * rank + step)  # data parallel: each rank its own batch
-                ids = torch.randint(0, 32, (4, 12))
-                loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                inspector.step()
-    if rank == 0:
-        Path(out, "whole.json").write_text(json.dumps(whole))
+    train_watched(model, rank, out, lambda step: 100 + 10 * rank + step, lambda p: p)
 
 
 def test_under_fsdp2_per_block_rank_0_writes_its_own_micro_batchs_heads(tmp_path, events):
