@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 from event_logs import read_events
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.fixture
@@ -17,3 +20,16 @@ def benchmarks(monkeypatch):
 @pytest.fixture
 def events():
     return read_events
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless chromium driven by Playwright, one per test file; skipped without either
+    (``.ci/run`` installs Debian's chromium)."""
+    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    if CHROMIUM is None:
+        pytest.skip("no chromium on the PATH (apt-get install chromium)")
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield browser
+        browser.close()

@@ -43,14 +43,6 @@ def server(demo_logs):
         yield server
 
 
-@pytest.fixture(scope="module")
-def browser():
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield browser
-        browser.close()
-
-
 def test_the_tab_is_listed_and_its_heatmap_has_a_row_per_layer(browser, server, tmp_path):
     page, frame = open_tab(browser, server.url)
     tabs = page.locator("tab-bar, .mat-mdc-tab, [role=tab]").all_inner_texts()

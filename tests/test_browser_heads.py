@@ -57,14 +57,6 @@ def server(tmp_path_factory):
         yield server
 
 
-@pytest.fixture(scope="module")
-def browser():
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield browser
-        browser.close()
-
-
 def show(frame, stat):
     frame.select_option("#lw-stat", stat)
     frame.wait_for_selector(f'#lw-heatmap[data-stat="{stat}"]', timeout=30_000)
