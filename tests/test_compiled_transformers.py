@@ -80,6 +80,10 @@ def same_training(watched: dict, plain: dict) -> None:
 def measured_inside(acc, sampled=(0, 1), prefix="") -> None:
     for name in ("transformer.h.0.attn.c_attn", "transformer.h.1.mlp", "lm_head"):
         assert [e.step for e in acc.Scalars(f"activations_norm/{prefix}{name}")] == list(sampled), name
+    # the transformer signals, inside the graph too: each block's attention (SDPA's stand-in), the head's log Z
+    for tag in (f"attention_logit_max/{prefix}transformer.h.0.attn", f"attention_entropy/{prefix}transformer.h.1.attn",
+                f"logsumexp_mean/{prefix}lm_head"):
+        assert [e.step for e in acc.Scalars(tag)] == list(sampled), tag
 
 
 def plain_loop(log_dir=None, device="cpu") -> dict:

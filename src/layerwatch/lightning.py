@@ -198,7 +198,10 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self._engine is None:
             return
-        self._engine.start(within=getattr(trainer.strategy, "model", None))  # strategy="fsdp" wraps pl_module itself
+        # strategy="fsdp" wraps pl_module itself; a compiled LightningModule (Trainer.fit(torch.compile(module)))
+        # has its forward and steps compiled by Lightning, so its modules get the traced probe's hooks now
+        self._engine.start(within=getattr(trainer.strategy, "model", None),
+                           compiled_by_caller=getattr(pl_module, "_compiler_ctx", None) is not None)
         self._engine.load_state_dict(self._engine_state)
         self._engine.track_optimizers(trainer.optimizers)
         custom = callable(self._replay)
