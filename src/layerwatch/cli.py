@@ -90,10 +90,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="summarize a TensorBoard log directory: alerts, loss spikes, first NaN/Inf, extreme norms",
         description="Read a finished or running log directory (every run under it) with TensorBoard's "
         "event reader and print the alerts, the loss spikes, the first non-finite step, the largest and fastest-changing norms, "
-        "and the slowest and largest layers when they were logged.",
+        "and the slowest and largest layers when they were logged. With --html, write instead one HTML file "
+        "that shows the runs as the LAYERWATCH tab does, in any browser, offline (see docs/layer-view.md).",
     )
     report.add_argument("logdir", metavar="LOGDIR", help="a TensorBoard log directory")
     report.add_argument("--json", action="store_true", help="print one JSON object (see docs/alerts.md)")
+    report.add_argument(
+        "--html", metavar="OUT.html", default=None,
+        help="write the runs as one self-contained HTML file to share (a bug report, a pull request, a chat): the "
+        "LAYERWATCH tab's heatmaps, events, rankings and layer details, with no server and no file beside it",
+    )
+    report.add_argument("--runs", metavar="GLOB", default=None, help="with --html: only the runs whose name matches")
+    report.add_argument(
+        "--stats", type=_names, default=None, metavar="KEY[,KEY]",
+        help="with --html: only these statistics (the tab's keys: grads_norm, weights_norm, fwd_ms, ...); "
+        "the events and rankings stay whole",
+    )
+    report.add_argument(
+        "--steps", type=_step_choice, default=None, metavar="STEPS",
+        help="with --html: only the samples at these steps: N,N,... or START:STOP[:STEP] (as layerwatch export)",
+    )
+    report.add_argument(
+        "--every-nth", type=_positive, default=None, metavar="N",
+        help="with --html: every Nth sample (of those --steps keeps), and the samples of the first NaN/Inf and "
+        "of the spikes",
+    )
     report.add_argument(
         "--fail-on",
         metavar="KIND[,KIND]",
@@ -156,6 +177,12 @@ def _check_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import json
 
+    if args.html is not None:
+        return _share(parser, args)
+    for flag, value in (("--runs", args.runs), ("--stats", args.stats), ("--steps", args.steps),
+                        ("--every-nth", args.every_nth)):
+        if value is not None:
+            parser.error(f"argument {flag}: only with --html (it narrows the file written)")
     from layerwatch.alerts import KINDS
     from layerwatch.report import ReportError, build_report, format_report, has_layerwatch_data
 
@@ -180,6 +207,30 @@ def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         kinds = ", ".join(sorted({a["kind"] for a in failing}))
         print(f"layerwatch report: {len(failing)} alert(s) of kind {kinds} (--fail-on {args.fail_on})", file=sys.stderr)
         return 1
+    return 0
+
+
+def _share(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``report --html``: the runs as one HTML file; exits 2 naming what is wrong, with no file written."""
+    from layerwatch.notebook import _chosen_steps
+    from layerwatch.share import Narrowing, ShareError, write_html
+
+    for flag, value in (("--json", args.json), ("--fail-on", args.fail_on)):
+        if value:
+            parser.error(f"argument {flag}: not with --html (it writes the file only)")
+    if args.stats == []:
+        parser.error("argument --stats: expected statistic keys, e.g. grads_norm,fwd_ms")
+    try:
+        steps = _chosen_steps(args.steps)
+    except (TypeError, ValueError) as e:
+        parser.error(f"argument --steps: {e}")
+    try:
+        shared = write_html(args.logdir, args.html, runs=args.runs,
+                            narrowing=Narrowing(stats=args.stats, steps=steps, every_nth=args.every_nth))
+    except ShareError as e:
+        parser.error(str(e))
+    print(f"{shared.path}: {shared.size / 2**20:.1f} MiB, {len(shared.runs)} run(s) ({', '.join(shared.runs)}), "
+          f"{shared.stats} statistics, {shared.layers:,} layer details; open it in any browser, no server needed")
     return 0
 
 

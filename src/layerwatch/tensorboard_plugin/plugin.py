@@ -203,47 +203,50 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
         """A layer's series, its histograms, and for an attention module each per-head series as
         heads x steps (``heads``: empty for a layer without heads)."""
         run, name = _arg(args, "run"), _arg(args, "name")
+        answer = self.layers(ctx, experiment, run, [name]).get(name)
+        if answer is None:
+            raise no_layer(run, name)
+        return answer
+
+    def layers(self, ctx: Any, experiment: str, run: str, names: list[str]) -> dict[str, dict[str, Any]]:
+        """The ``layer`` route's answer for each of ``names`` that has any series or head in
+        ``run`` (a name with none is left out: the route answers it with :func:`no_layer`).
+        One pass over the run's data for all of them."""
         reader = self._reader(ctx, experiment, run)
-        points: dict[str, dict[int, float]] = {}
-        heads: dict[str, dict[str, Any]] = {}
+        wanted = set(names)
+        points: dict[str, dict[str, dict[int, float]]] = {}
+        heads: dict[str, dict[str, dict[str, Any]]] = {}
         for key in sorted(reader.keys(), key=_order):
             series = reader.series(key)
-            for step, (names, values) in series.items():
-                if name in names:
-                    points.setdefault(key, {})[step] = float(values[names.index(name)])
-            of_heads = _heads(series, name)
-            if of_heads is not None:
-                heads[key] = of_heads
-        if not points and not heads:
-            raise exceptions.NotFound(f"run {run!r} has no layer {name!r}")
-        steps = sorted({step for by_step in points.values() for step in by_step})
-        series = {key: [_json_value(by_step.get(step)) for step in steps] for key, by_step in points.items()}
-        return {"name": name, "steps": steps, "series": series, "heads": heads,
-                "histograms": self._histograms(ctx, experiment, run, name)}
+            for name, by_step in _points(series, wanted).items():
+                points.setdefault(name, {})[key] = by_step
+            for module, of_heads in _heads(series, wanted).items():
+                heads.setdefault(module, {})[key] = of_heads
+        found = [name for name in dict.fromkeys(names) if name in points or name in heads]
+        histograms = self._histograms(ctx, experiment, run, found)
+        return {name: _layer_answer(name, points.get(name, {}), heads.get(name, {}), histograms.get(name, {}))
+                for name in found}
 
-    def _histograms(self, ctx: Any, experiment: str, run: str, name: str) -> dict[str, list[dict[str, Any]]]:
-        """The histograms of ``name`` itself, and, for a module, of its own parameters."""
+    def _histograms(self, ctx: Any, experiment: str, run: str, names: list[str]) -> dict[str, dict[str, list[dict[str, Any]]]]:
+        """For each of ``names``: the histograms of the name itself, and, for a module, of its own
+        parameters (:func:`_histogram_owners`)."""
         listing = self._provider.list_tensors(ctx, experiment_id=experiment, plugin_name="histograms").get(run, {})
-        own = name + "." if name != V.ROOT else ""
-
-        def mine(tag: str) -> bool:
-            family, _, of = tag.partition("/")
-            if of == name:
-                return True
-            is_own_param = of.startswith(own) and "." not in of[len(own) :]
-            return family != "activations" and is_own_param
-
-        tags = [tag for tag in listing if mine(tag)]
-        if not tags:
+        wanted = set(names)
+        tags_of: dict[str, list[str]] = {}
+        for tag in sorted(listing):
+            for owner in _histogram_owners(tag):
+                if owner in wanted:
+                    tags_of.setdefault(owner, []).append(tag)
+        if not tags_of:
             return {}
+        tags = sorted({tag for tags in tags_of.values() for tag in tags})
         data = self._provider.read_tensors(
             ctx, experiment_id=experiment, plugin_name="histograms", downsample=_ALL,
             run_tag_filter=provider.RunTagFilter(runs=[run], tags=tags),
         ).get(run, {})
-        return {
-            tag: [{"step": d.step, "buckets": np.asarray(d.numpy, dtype=float).tolist()} for d in data.get(tag, [])]
-            for tag in sorted(tags)
-        }
+        entries = {tag: [{"step": d.step, "buckets": np.asarray(d.numpy, dtype=float).tolist()} for d in data.get(tag, [])]
+                   for tag in tags}
+        return {name: {tag: entries[tag] for tag in of} for name, of in tags_of.items()}
 
     def events(self, ctx: Any, experiment: str, args: Any) -> dict[str, Any]:
         run = _arg(args, "run")
@@ -281,24 +284,73 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
         ]}
 
 
-def _heads(series: dict[int, tuple[list[str], np.ndarray]], module: str) -> Optional[dict[str, Any]]:
-    """The rows ``<module>#<h>`` of one series (an attention module's heads, ``V.head_name``) as
-    ``{"heads": [row names, by head], "steps": [...], "values": [[a head's value per step], ...]}``;
-    None when the series has no head of ``module``."""
-    prefix = f"{module}#"
+def no_layer(run: str, name: str) -> exceptions.NotFound:
+    """The ``layer`` route's answer for a name without any series or head in ``run``."""
+    return exceptions.NotFound(f"run {run!r} has no layer {name!r}")
+
+
+def _layer_answer(name: str, points: dict[str, dict[int, float]], heads: dict[str, dict[str, Any]],
+                  histograms: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    steps = sorted({step for by_step in points.values() for step in by_step})
+    series = {key: [_json_value(by_step.get(step)) for step in steps] for key, by_step in points.items()}
+    return {"name": name, "steps": steps, "series": series, "heads": heads, "histograms": histograms}
+
+
+def _points(series: dict[int, tuple[list[str], np.ndarray]], names: set[str]) -> dict[str, dict[int, float]]:
+    """``{name: {step: value}}`` of one series, for the ``names`` it has."""
     found: dict[str, dict[int, float]] = {}
-    picked: dict[int, list[tuple[str, int]]] = {}  # the steps of one layout share its list of names
+    picked: dict[int, tuple[list[str], np.ndarray]] = {}  # the steps of one layout share its list of names
+    for step, (row_names, values) in series.items():
+        pick = picked.get(id(row_names))
+        if pick is None:
+            at: dict[str, int] = {}
+            for i, n in enumerate(row_names):
+                if n in names:
+                    at.setdefault(n, i)
+            pick = picked[id(row_names)] = (list(at), np.fromiter(at.values(), dtype=np.int64, count=len(at)))
+        for name, value in zip(pick[0], values[pick[1]].tolist()):
+            found.setdefault(name, {})[step] = value
+    return found
+
+
+def _heads(series: dict[int, tuple[list[str], np.ndarray]], modules: set[str]) -> dict[str, dict[str, Any]]:
+    """For each of ``modules`` with heads in this series (rows ``<module>#<h>``, an attention
+    module's heads: ``V.head_name``): ``{"heads": [row names, by head], "steps": [...],
+    "values": [[a head's value per step], ...]}``."""
+    found: dict[str, dict[str, dict[int, float]]] = {}
+    picked: dict[int, list[tuple[str, str, int]]] = {}  # the steps of one layout share its list of names
     for step, (names, values) in series.items():
         pick = picked.get(id(names))
         if pick is None:
-            pick = picked[id(names)] = [(n, i) for i, n in enumerate(names) if n.startswith(prefix) and n[len(prefix) :].isdecimal()]
-        for head, i in pick:
-            found.setdefault(head, {})[step] = float(values[i])
-    if not found:
-        return None
+            pick = picked[id(names)] = [(module, n, i) for i, n in enumerate(names)
+                                        for module in [_head_module(n)] if module in modules]
+        for module, head, i in pick:
+            found.setdefault(module, {}).setdefault(head, {})[step] = float(values[i])
+    return {module: _heads_answer(module, by_head) for module, by_head in found.items()}
+
+
+def _head_module(name: str) -> Optional[str]:
+    """The module of a head's row ``<module>#<h>``; None for any other row."""
+    module, hash_sign, head = name.rpartition("#")
+    return module if hash_sign and head.isdecimal() else None
+
+
+def _heads_answer(module: str, found: dict[str, dict[int, float]]) -> dict[str, Any]:
+    prefix = f"{module}#"
     names = sorted(found, key=lambda head: int(head[len(prefix) :]))
     steps = sorted({step for by_step in found.values() for step in by_step})
     return {"heads": names, "steps": steps, "values": [[_json_value(found[head].get(step)) for step in steps] for head in names]}
+
+
+def _histogram_owners(tag: str) -> list[str]:
+    """The layers whose detail shows the histogram ``tag`` (``family/name``): ``name`` itself,
+    and for a parameter's (not an activation's) the module that owns it (``(root)`` for a
+    top-level parameter)."""
+    family, _, of = tag.partition("/")
+    if family == "activations":
+        return [of]
+    module, dot, _ = of.rpartition(".")
+    return [of, module if dot else V.ROOT]
 
 
 def _series_keys(listing: dict[str, Any]) -> list[str]:

@@ -10,6 +10,9 @@
  *
  * Values: NaN is a non-finite statistic (a finding), -Infinity is "not measured" (the JSON
  * routes' "NaN" and null are converted to these).
+ *
+ * The same page runs in a file written by `layerwatch report --html` (share.py): there the
+ * routes' answers are inlined in the page (#layerwatch-data) and getJson reads them instead.
  */
 
 const ROOT = '(root)';
@@ -72,7 +75,7 @@ async function getJson(route, params = {}) {
   const url = `./${route}${query ? `?${query}` : ''}`;
   let response;
   try {
-    response = await fetch(url);
+    response = await (INLINE_DATA ? inlineResponse(route, params) : fetch(url));
   } catch (error) {
     throw new Error(`GET ${url}: ${error.message}`);
   }
@@ -99,20 +102,94 @@ function errorDetail(body) {
 }
 
 /**
- * The heatmap's base64 float32 values. Uint8Array.fromBase64 where the browser has it (about
- * 10 ms for 8 MB), else atob and a plain loop (about 50 ms); both beat a data: URL fetch
- * (about 250 ms). The floats are little-endian, as is every platform a browser runs on.
+ * Base64 to bytes: Uint8Array.fromBase64 where the browser has it (about 10 ms for 8 MB), else
+ * atob and a plain loop (about 50 ms); both beat a data: URL fetch (about 250 ms).
  */
+function decodeBase64(base64) {
+  if (Uint8Array.fromBase64) return Uint8Array.fromBase64(base64);
+  const binary = atob(base64);
+  const bytes = new Uint8Array(binary.length);
+  for (let i = 0; i < binary.length; i++) bytes[i] = binary.charCodeAt(i);
+  return bytes;
+}
+
+function encodeBase64(bytes) {
+  if (bytes.toBase64) return bytes.toBase64();
+  let binary = '';
+  for (let i = 0; i < bytes.length; i += 0x8000) binary += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+  return btoa(binary);
+}
+
+/** The heatmap's base64 float32 values, little-endian as is every platform a browser runs on. */
 function decodeFloat32(base64) {
-  let bytes;
-  if (Uint8Array.fromBase64) {
-    bytes = Uint8Array.fromBase64(base64);
-  } else {
-    const binary = atob(base64);
-    bytes = new Uint8Array(binary.length);
-    for (let i = 0; i < binary.length; i++) bytes[i] = binary.charCodeAt(i);
-  }
+  const bytes = decodeBase64(base64);
   return new Float32Array(bytes.buffer, 0, bytes.byteLength >> 2);
+}
+
+// ------------------------------------------------------------------------------ inline data
+
+/**
+ * The answers of a shared file (packing.py has the format): by route, then by the values of
+ * its query parameters in the order of their names, each `[status, reason, body]` as the
+ * route sends it. Unpacked once, on the first request; a body's arrays are revived on each.
+ */
+const INLINE_DATA = document.getElementById('layerwatch-data');
+let inlineAnswers = null;
+
+async function inlineResponse(route, params) {
+  inlineAnswers ??= unpackAnswers(INLINE_DATA.textContent.trim());
+  const {answers, bytes} = await inlineAnswers;
+  let node = answers[route];
+  for (const name of Object.keys(params).sort()) {
+    node = node && typeof node === 'object' && Object.hasOwn(node, params[name]) ? node[params[name]] : undefined;
+  }
+  const [status, reason, body] = Array.isArray(node) ? node
+    : [404, 'Not Found', {error: `this file holds no answer to ${route} ${JSON.stringify(params)}`}];
+  return new Response(JSON.stringify(revive(body, bytes)), {status, statusText: reason,
+    headers: {'Content-Type': 'application/json'}});
+}
+
+/** The answers and the bytes their arrays live in (offsets count from the pool's start). */
+async function unpackAnswers(base64) {
+  const packed = new Blob([decodeBase64(base64)]).stream().pipeThrough(new DecompressionStream('gzip'));
+  const buffer = await new Response(packed).arrayBuffer();
+  const skeletonLength = new DataView(buffer).getUint32(0, true);
+  const answers = JSON.parse(new TextDecoder().decode(new Uint8Array(buffer, 4, skeletonLength)));
+  const poolStart = Math.ceil((4 + skeletonLength) / 8) * 8;
+  return {answers, bytes: {buffer, poolStart}};
+}
+
+const POOL_ARRAYS = {f4: Float32Array, f8: Float64Array, i4: Int32Array};
+
+/** A packed body as the route sent it: arrays back to JSON lists ("NaN" and null included), rows back to base64. */
+function revive(value, bytes) {
+  if (Array.isArray(value)) return value.map((item) => revive(item, bytes));
+  if (value === null || typeof value !== 'object') return value;
+  if (value.$) return poolList(bytes, ...value.$);
+  if (value.$b64) {
+    const rows = value.$b64.map(([dtype, offset, length]) => poolView(bytes, dtype, offset, length));
+    const joined = new Uint8Array(rows.reduce((sum, row) => sum + row.byteLength, 0));
+    let at = 0;
+    for (const row of rows) {
+      joined.set(new Uint8Array(row.buffer, row.byteOffset, row.byteLength), at);
+      at += row.byteLength;
+    }
+    return encodeBase64(joined);
+  }
+  return Object.fromEntries(Object.entries(value).map(([key, item]) => [key, revive(item, bytes)]));
+}
+
+function poolView({buffer, poolStart}, dtype, offset, length) {
+  return new POOL_ARRAYS[dtype](buffer, poolStart + offset, length);
+}
+
+/** A pooled array as the JSON list it was: `length` numbers, or `length` rows of `columns`. */
+function poolList(bytes, dtype, offset, length, columns) {
+  const jsonNumber = (v) => (v === -Infinity ? null : Number.isNaN(v) ? 'NaN' : v);
+  if (columns === undefined) return Array.from(poolView(bytes, dtype, offset, length), jsonNumber);
+  const rows = length;
+  const flat = poolView(bytes, dtype, offset, rows * columns);
+  return Array.from({length: rows}, (_, r) => Array.from(flat.subarray(r * columns, (r + 1) * columns), jsonNumber));
 }
 
 async function fetchHeatmap(run, stat) {
