@@ -839,6 +839,16 @@ class SdpaBlock(nn.Module):
         return x + self.mlp(x)
 
 
+def lm_step(call, opt: torch.optim.Optimizer, ids: torch.Tensor) -> torch.Tensor:
+    """One optimizer step of a causal LM ``call`` on token ``ids``, each position predicting the
+    next: its loss."""
+    loss = F.cross_entropy(call(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
 class SdpaLM(nn.Module):
     """A two-block causal LM whose attention calls ``F.scaled_dot_product_attention`` (16 wide,
     2 heads, vocabulary 32), its output head ``head``."""

@@ -15,7 +15,7 @@ from torch import nn
 
 from layerwatch import Inspector
 from layerwatch.probes.attention import ROWS, attention_stats
-from models import SdpaLM, tab_values
+from models import SdpaLM, lm_step, tab_values
 
 ORIGINAL = F.scaled_dot_product_attention
 
@@ -80,10 +80,7 @@ def run(log_dir, steps=6, every=2, before_step=None, model=None, **options):
             if before_step is not None:
                 before_step(model, k)
             ids = torch.randint(0, 32, (4, 12), generator=generator)
-            loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            loss = lm_step(model, opt, ids)
             losses.append(loss.item())
             if inspector is not None:
                 inspector.step()
@@ -310,10 +307,7 @@ def train_watched(model: nn.Module, rank: int, out: str, batch_seed, whole_weigh
                 now[0] = step
                 torch.manual_seed(batch_seed(step))
                 ids = torch.randint(0, 32, (4, 12))
-                loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+                lm_step(model, opt, ids)
                 inspector.step()
     if rank == 0:
         Path(out, "whole.json").write_text(json.dumps(whole))

@@ -9,10 +9,9 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from layerwatch import Inspector
-from models import SdpaAttention, SdpaLM
+from models import SdpaAttention, SdpaLM, lm_step
 from tb_server import open_tab, serve
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -37,10 +36,7 @@ def train(log_dir, steps=STEPS, every=EVERY, heads=HEADS, width=32):
         with Inspector(model, log_dir=log_dir, every_n_steps=every, optimizer=opt) as inspector:
             for _ in range(steps):
                 ids = torch.randint(0, 32, (8, 16), generator=generator)
-                loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+                lm_step(model, opt, ids)
                 inspector.step()
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from layerwatch import Inspector
 from layerwatch.probes.logits import find_output_head
-from models import MLP, SdpaLM, layerwatch_messages, tab_values
+from models import MLP, SdpaLM, layerwatch_messages, lm_step, tab_values
 
 
 def run(log_dir, steps=6, every=2, before_step=None, **options):
@@ -29,10 +29,7 @@ def run(log_dir, steps=6, every=2, before_step=None, **options):
                 if before_step is not None:
                     before_step(model, k)
                 ids = torch.randint(0, 32, (4, 12), generator=generator)
-                loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+                loss = lm_step(model, opt, ids)
                 losses.append(loss.item())
                 inspector.step()
     return inspector, losses, seen
@@ -109,10 +106,7 @@ def test_log_z_kurtosis_and_attention_are_measured_inside_compiled_code_as_in_ea
             inspector = Inspector(call, log_dir=log_dir, every_n_steps=2, optimizer=opt, output_head="head").start() if watch else None
             for _ in range(7):
                 ids = torch.randint(0, 32, (4, 12), generator=generator)
-                loss = F.cross_entropy(forward(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+                loss = lm_step(forward, opt, ids)
                 losses.append(repr(loss.item()))
                 if inspector is not None:
                     inspector.step()

@@ -13,13 +13,12 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
 from event_logs import read_events
 from layerwatch import Inspector
-from models import Poison, SdpaLM
+from models import Poison, SdpaLM, lm_step
 from tb_server import serve
 
 POISON_STEP = 8  # a sampled step: the probes are armed when the NaN appears
@@ -324,10 +323,7 @@ def attention_server(tmp_path_factory):
         with Inspector(model, log_dir=logdir / "sdpa", every_n_steps=1, optimizer=opt) as inspector:
             for _ in range(4):
                 ids = torch.randint(0, 32, (4, 12))
-                loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+                lm_step(model, opt, ids)
                 inspector.step()
 
     def loaded(server):

@@ -93,7 +93,7 @@ class AttentionProbe:
         self.calls: dict[str, list[torch.Tensor]] = {}  # module -> each call's [heads, 3] (attention_rows)
         self.split: dict[str, Optional[tuple[int, ...]]] = {}  # module -> the global ranks its heads are split over
         self.error: Optional[BaseException] = None
-        self.pending: list[tuple[str, dict]] = []  # (module, the call's arguments) not measured yet
+        self._pending: list[tuple[str, dict]] = []  # (module, the call's arguments) not measured yet
         self._originals: Optional[tuple[Any, Any]] = None  # torch's functions, while the wrappers stand in for them
 
     def start(self) -> None:
@@ -130,11 +130,11 @@ class AttentionProbe:
             name, module = caller
             if name not in self.split:
                 self.split[name] = heads_split(module, given.get("query"))
-            self.pending.append((name, given))
+            self._pending.append((name, given))
 
     def flush(self) -> None:
         """Measure the calls kept; a failure is kept, not raised (the user's training goes on)."""
-        pending, self.pending = self.pending, []
+        pending, self._pending = self._pending, []
         if self.error is not None:
             return
         try:
