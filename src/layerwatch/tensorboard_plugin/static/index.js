@@ -916,20 +916,27 @@ class HeatmapView {
     this.markStrip.hidden = (nonfiniteStep === null && !spikeSteps.length) || !steps.length;
     if (this.markStrip.hidden) return;
     const cellWidth = width / steps.length;
-    const label = (className, x, text) => el('span', {
-      class: `${className}${x > width - 170 ? ' lw-left' : ''}`, style: `left:${LABEL_WIDTH + x}px`}, text);
+    const leftward = (x) => x > width - 170;
+    const extent = (x, textWidth) => (leftward(x) ? [x - textWidth, x] : [x, x + textWidth]);
+    const tiers = [[], []];  // each tier's label extents: a label goes to the first tier it overlaps nothing in
     const labels = [];
-    let freeFrom = -Infinity;  // spike labels that would overlap the one before are left to the line alone
-    for (const step of spikeSteps) {
-      const x = clamp(stepToX(steps, step, cellWidth), 1, width - 1);
-      if (x < freeFrom) continue;
-      labels.push(label('lw-spike-label', x, `spike @ ${step}`));
-      freeFrom = x + 80;
-    }
-    if (nonfiniteStep !== null) {
+    const place = (className, x, textWidth, text) => {
+      const [from, to] = extent(x, textWidth);
+      const tier = tiers.findIndex((taken) => taken.every(([a, b]) => to <= a || from >= b));
+      if (tier < 0) return;  // no room: its line stands alone
+      tiers[tier].push([from, to]);
+      labels.push(el('span', {
+        class: `${className}${leftward(x) ? ' lw-left' : ''}`,
+        style: `left:${LABEL_WIDTH + x}px;bottom:${2 + 16 * tier}px`}, text));
+    };
+    if (nonfiniteStep !== null) {  // first: it outranks the spikes
       const x = clamp(stepToX(steps, nonfiniteStep, cellWidth) - cellWidth / 2, 1, width - 1);
-      labels.push(label('lw-nonfinite-label', x, `first NaN/Inf @ step ${nonfiniteStep}`));
+      place('lw-nonfinite-label', x, 160, `first NaN/Inf @ step ${nonfiniteStep}`);
     }
+    for (const step of spikeSteps) {
+      place('lw-spike-label', clamp(stepToX(steps, step, cellWidth), 1, width - 1), 80, `spike @ ${step}`);
+    }
+    this.markStrip.style.height = `${tiers[1].length ? 34 : 18}px`;
     this.markStrip.replaceChildren(...labels);
   }
 
@@ -1195,7 +1202,7 @@ function drawAxes(ctx, plot, yTicks, yMap, span, xMap, unit) {
     ctx.moveTo(plot.left, y);
     ctx.lineTo(plot.right, y);
     ctx.stroke();
-    ctx.fillText(formatValue(tick, unit), plot.left - 4, y);
+    ctx.fillText(formatValue(tick, unit), plot.left - 4, y, plot.left - 6);  // a wider label is narrowed to fit
   }
   ctx.textAlign = 'center';
   ctx.textBaseline = 'top';
