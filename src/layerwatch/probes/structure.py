@@ -5,9 +5,11 @@ table comes from the real batch with no extra forward."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import sys
 import weakref
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -43,6 +45,8 @@ class StructureProbe:
         self._stack: list[tuple[Layer, int, Any]] = []  # (layer, FLOPs at entry, error being handled at entry)
         self._ignored_depth = 0
         self._counter: Any = None
+        self._counter_exit: Callable[..., Any] = lambda *_: None
+        self._flex_restore: Optional[Callable[[], None]] = None
         self._handles: list[Any] = []
         for layer, (_, module) in zip(self.layers, modules):
             self._handles.append(module.register_forward_pre_hook(self._enter_hook(layer), with_kwargs=True))
@@ -139,10 +143,54 @@ class StructureProbe:
     def _open_counter(self) -> None:
         from torch.utils.flop_counter import FlopCounterMode
 
-        self._counter = FlopCounterMode(display=False, custom_mapping=extra_flop_formulas())
-        self._counter.__enter__()
+        counter = FlopCounterMode(display=False, custom_mapping=extra_flop_formulas())
+        try:  # its dispatch mode alone, every FLOP counted as the model's ("Global"); not its ModTracker, whose
+            # module and gradient hooks would give per-module counts not read here, and which fail under FlexAttention
+            from torch.utils.flop_counter import _FlopCounterMode
+
+            counter.flop_counts.clear()
+            counter.mode = _FlopCounterMode(counter)
+            counter.mode.__enter__()
+            self._counter_exit = counter.mode.__exit__
+        except ImportError:  # an older torch
+            counter.__enter__()
+            self._counter_exit = counter.__exit__
+        self._counter = counter
+        self._flex_restore = flex_compiles_outside(counter.mode)
 
     def _close_counter(self) -> None:
         counter, self._counter = self._counter, None
+        restore, self._flex_restore = self._flex_restore, None
+        if restore is not None:
+            restore()
         if counter is not None:
-            counter.__exit__(None, None, None)
+            self._counter_exit(None, None, None)
+
+
+def flex_compiles_outside(mode: Any) -> Callable[[], None]:
+    """FlexAttention's calls, while ``mode`` (a window's FLOP counter) is the innermost dispatch
+    mode, compile and run with it off; returns what puts torch's function back. Dynamo compiles
+    nothing under a dispatch mode, and FlexAttention run eagerly fails in torch 2.13 (as
+    ``with FlopCounterMode(): flex_attention(q, k, v)`` alone does): ``flex_attention`` enters
+    its module's ``setup_compilation_env``, looked up at each call, around its compiled call,
+    and a stand-in for it takes the mode off there. Those calls' FLOPs are not counted."""
+    try:
+        flex = importlib.import_module("torch.nn.attention.flex_attention")
+        setup = flex.setup_compilation_env
+        from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+    except (ImportError, AttributeError):
+        return lambda: None
+
+    @contextlib.contextmanager
+    def setup_compilation_env(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        with contextlib.ExitStack() as stack:
+            if _get_current_dispatch_mode() is mode:
+                stack.enter_context(_pop_mode_temporarily())
+            yield stack.enter_context(setup(*args, **kwargs))
+
+    flex.setup_compilation_env = setup_compilation_env
+
+    def restore() -> None:
+        if flex.setup_compilation_env is setup_compilation_env:
+            flex.setup_compilation_env = setup
+    return restore
