@@ -816,23 +816,37 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'models' has no attribute {name!r}") from None
 
 
+def causal(score, batch, head, query, key):
+    """A FlexAttention score_mod: causal attention."""
+    return torch.where(query >= key, score, float("-inf"))
+
+
 class SdpaAttention(nn.Module):
-    def __init__(self, d: int = 16, heads: int = 2) -> None:
+    """Causal attention through ``F.scaled_dot_product_attention``, or with ``flex`` through
+    FlexAttention (causal by a score_mod)."""
+
+    def __init__(self, d: int = 16, heads: int = 2, flex: bool = False) -> None:
         super().__init__()
-        self.heads, self.head_dim = heads, d // heads
+        self.heads, self.head_dim, self.flex = heads, d // heads, flex
         self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape  # as many heads as q's columns hold: all, or this rank's under tensor parallel
         split = lambda t: t.view(b, n, -1, self.head_dim).transpose(1, 2)  # noqa: E731
-        out = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)), is_causal=True)
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        if self.flex:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            out = flex_attention(q, k, v, score_mod=causal)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(out.transpose(1, 2).reshape(b, n, -1))
 
 
 class SdpaBlock(nn.Module):
-    def __init__(self, d: int = 16) -> None:
+    def __init__(self, d: int = 16, flex: bool = False) -> None:
         super().__init__()
-        self.norm, self.attn, self.mlp = nn.LayerNorm(d), SdpaAttention(d), nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.norm, self.attn, self.mlp = nn.LayerNorm(d), SdpaAttention(d, flex=flex), nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm(x))
@@ -851,11 +865,12 @@ def lm_step(call, opt: torch.optim.Optimizer, ids: torch.Tensor) -> torch.Tensor
 
 class SdpaLM(nn.Module):
     """A two-block causal LM whose attention calls ``F.scaled_dot_product_attention`` (16 wide,
-    2 heads, vocabulary 32), its output head ``head``."""
+    2 heads, vocabulary 32), or with ``flex`` FlexAttention; its output head ``head``."""
 
-    def __init__(self, vocab: int = 32, d: int = 16) -> None:
+    def __init__(self, vocab: int = 32, d: int = 16, flex: bool = False) -> None:
         super().__init__()
-        self.embed, self.blocks, self.head = nn.Embedding(vocab, d), nn.ModuleList([SdpaBlock(d), SdpaBlock(d)]), nn.Linear(d, vocab)
+        self.embed, self.blocks = nn.Embedding(vocab, d), nn.ModuleList([SdpaBlock(d, flex), SdpaBlock(d, flex)])
+        self.head = nn.Linear(d, vocab)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)

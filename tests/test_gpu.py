@@ -374,3 +374,43 @@ def test_a_spike_on_cuda_is_found_once_its_copies_land_and_no_unsampled_step_wai
     written = [s.step for s in events(tmp_path).Scalars("layerwatch/overhead_ms")]
     assert len([step for step in written if 40 < step <= 45]) == 3, written  # the capture, once its copies landed
     assert [s.step for s in events(tmp_path).Scalars("layerwatch/loss")][-1] == 40
+
+
+@pytest.mark.parametrize("backend", [None, "inductor"], ids=["eager", "inductor"])
+def test_flex_attention_on_cuda_gets_the_kernels_own_statistics_and_the_run_is_unchanged(tmp_path, events, backend):
+    """The Triton kernel asked for each row's largest score and logsumexp: each head's exact
+    largest logit and mean min-entropy, the losses bitwise those without layerwatch."""
+    from test_flex_attention import min_entropy_heads
+    from models import SdpaLM, lm_step, tab_values
+
+    def train(log_dir, seen=None):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = SdpaLM(flex=True).cuda()
+        if seen is not None:
+            for side in ("q", "k"):
+                getattr(model.blocks[0].attn, side).register_forward_hook(
+                    lambda module, args, out, side=side: seen.setdefault(side, []).append(out.detach().clone()))
+        call = model if backend is None else torch.compile(model, backend=backend)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        generator = torch.Generator().manual_seed(1)
+        losses = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            inspector = Inspector(call, log_dir=log_dir, every_n_steps=2, optimizer=opt).start() if log_dir else None
+            for _ in range(5):
+                losses.append(repr(lm_step(call, opt, torch.randint(0, 32, (4, 12), generator=generator).cuda()).item()))
+                if inspector is not None:
+                    inspector.step()
+            if inspector is not None:
+                inspector.finish()
+        return losses
+
+    seen = {}
+    assert train(tmp_path, seen) == train(None)
+    tab = tab_values(events(tmp_path))
+    split = lambda t: t.view(4, 11, 2, 8).transpose(1, 2).cpu()  # noqa: E731
+    for step in (2, 4):
+        expected = min_entropy_heads(split(seen["q"][step]), split(seen["k"][step]))
+        assert tab["attention_logit_max/blocks.0.attn"][step] == pytest.approx(expected[:, 0].max().item(), rel=1e-3)
+        assert tab["attention_entropy/blocks.0.attn"][step] == pytest.approx(expected[:, 1].min().item(), rel=1e-3)

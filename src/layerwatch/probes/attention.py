@@ -17,6 +17,9 @@ the sequence are computed against every key, under the call's own mask (``attn_m
 - **the entropy** of each head: ``−Σ p log p`` of those rows' softmax, averaged over the rows and
   the batch (in nats; ``log(keys)`` is uniform attention, 0 is one-hot).
 
+FlexAttention's calls are measured from its kernel's own statistics instead, through a stand-in
+put in place for the same forward (:mod:`~layerwatch.probes.flex_attention`).
+
 A call belongs to the innermost module of the model whose ``forward`` is on the Python stack
 (``transformer.h.0.attn``). Its cost is ``ROWS / queries`` of the attention scores' work, and
 nothing is read on the host until the step's end.
@@ -35,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from layerwatch.distributed import local, spread
+from layerwatch.probes.flex_attention import EAGER, FLEX, flex_rows
 
 
 ROWS = 64  # query rows sampled per call
@@ -93,6 +97,7 @@ class AttentionProbe:
         self.calls: dict[str, list[torch.Tensor]] = {}  # module -> each call's [heads, 3] (attention_rows)
         self.split: dict[str, Optional[tuple[int, ...]]] = {}  # module -> the global ranks its heads are split over
         self.error: Optional[BaseException] = None
+        self.unmeasured = False  # a FlexAttention call whose kernel returns no statistics ran
         self._pending: list[tuple[str, dict]] = []  # (module, the call's arguments) not measured yet
         self._originals: Optional[tuple[Any, Any]] = None  # torch's functions, while the wrappers stand in for them
 
@@ -116,10 +121,19 @@ class AttentionProbe:
             return out
 
         F.scaled_dot_product_attention, F.multi_head_attention_forward = scaled_dot_product_attention, multi_head_attention_forward
+        EAGER.install(self)
 
     def stop(self) -> None:
         if self._originals is not None:
             (F.scaled_dot_product_attention, F.multi_head_attention_forward), self._originals = self._originals, None
+            EAGER.remove()
+
+    def measure_flex(self, lse: Optional[torch.Tensor], top: Optional[torch.Tensor]) -> None:
+        """One FlexAttention call (:mod:`~layerwatch.probes.flex_attention`): its kernel's rows kept."""
+        if lse is None:
+            self.unmeasured = True
+        else:
+            self.seen({FLEX: (lse, top)})
 
     def seen(self, given: dict) -> None:
         """One call, by the innermost module of the model on the stack: kept for :meth:`flush`."""
@@ -139,6 +153,9 @@ class AttentionProbe:
             return
         try:
             for name, given in [(name, call) for name, given in pending for call in as_sdpa_calls(given)]:
+                if FLEX in given:
+                    self.calls.setdefault(name, []).append(flex_rows(*given[FLEX]))
+                    continue
                 q, k, mask = (local(given.get(key)) for key in ("query", "key", "attn_mask"))
                 row = attention_rows(q, k, mask, bool(given.get("is_causal", False)), given.get("scale"),
                                       bool(given.get("enable_gqa", False)))
@@ -147,7 +164,7 @@ class AttentionProbe:
             self.error = e
 
     def _caller(self) -> Optional[tuple[str, Any]]:
-        frame = sys._getframe(3)
+        frame = sys._getframe(1)
         while frame is not None:
             owner = frame.f_locals.get("self") if frame.f_code.co_name in ("forward", "_call_impl") else None
             name = self.names.get(id(owner)) if owner is not None else None

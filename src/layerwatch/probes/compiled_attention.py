@@ -1,6 +1,8 @@
 """Attention inside compiled code: each ``scaled_dot_product_attention`` call of an armed
 compiled forward, measured as the eager attention probe measures it
-(:mod:`~layerwatch.probes.attention`), by an opaque operator of the armed graph.
+(:mod:`~layerwatch.probes.attention`), by an opaque operator of the armed graph; each
+FlexAttention call by its own stand-in, from the kernel's statistics
+(:mod:`~layerwatch.probes.flex_attention`), named the same way.
 
 A compiled graph keeps what Dynamo traced, so the eager probe's wrapper, put in place for one
 forward, is never seen there (and would make Dynamo compile again). Here a wrapper stands in
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layerwatch.probes.attention import MHA, SDPA_ARGUMENTS, as_sdpa_calls, attention_rows
+from layerwatch.probes.flex_attention import FlexStandIn, flex_rows
 from layerwatch.vocabulary import ROOT
 
 
@@ -52,6 +55,7 @@ class CompiledAttention:
         self._attention_like = attention_like  # the traced probe's modules whose class is an attention
         self._calls: list[tuple[int, torch.Tensor]] = []  # (module calls ended before it, its [heads, 3])
         self.error: Optional[BaseException] = None
+        self.unmeasured = False  # a FlexAttention call whose kernel returns no statistics ran
         self._original = original = F.scaled_dot_product_attention
         probe_id = id(self)
         _PROBES[probe_id] = self
@@ -93,9 +97,12 @@ class CompiledAttention:
 
         self._wrappers = (scaled_dot_product_attention, multi_head_attention_forward)
         F.scaled_dot_product_attention, F.multi_head_attention_forward = self._wrappers
+        self._flex = FlexStandIn(lambda: gate.on and gate.traced.armed)
+        self._flex.install(self)
 
     def remove(self) -> None:
         self._gate.on = False
+        self._flex.remove()
         if F.scaled_dot_product_attention is self._wrappers[0]:
             F.scaled_dot_product_attention = self._original
         if F.multi_head_attention_forward is self._wrappers[1]:
@@ -113,6 +120,18 @@ class CompiledAttention:
             self._calls.append((self._traced.calls_ended, attention_rows(query, key, mask, is_causal, scale, enable_gqa)))
         except Exception as e:  # kept, said by the caller; the training goes on
             self.error = e
+
+    def measure_flex(self, lse: Optional[torch.Tensor], top: Optional[torch.Tensor]) -> None:
+        """One FlexAttention call (:mod:`~layerwatch.probes.flex_attention`), as it runs."""
+        started = perf_counter_ns()
+        if lse is None:
+            self.unmeasured = True
+        elif self.error is None:
+            try:
+                self._calls.append((self._traced.calls_ended, flex_rows(lse, top)))
+            except Exception as e:
+                self.error = e
+        self._traced.host_ns += perf_counter_ns() - started
 
     def measure_mha(self, tensors: list[Optional[torch.Tensor]], embed_dim: int, num_heads: int, add_zero_attn: bool,
                     use_separate_proj_weight: bool, is_causal: bool) -> None:

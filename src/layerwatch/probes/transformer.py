@@ -153,10 +153,15 @@ class TransformerProbes:
         if traced is not None and traced.attention is not None and self.attention_on:
             attention = AttentionProbe({})
             attention.calls, attention.error = traced.attention_calls(), traced.attention.error
+            attention.unmeasured, traced.attention.unmeasured = traced.attention.unmeasured, False
         taken = [(probe, probe.on_device()) for probe in (attention, logits, kurtosis) if probe is not None]
         for probe, what in ((attention, "attention"), (logits, "the output logits")):
             if probe is not None and probe.error is not None:
                 self.failures.warn_once(f"fail:{what}", f"layerwatch: could not measure {what}: {probe.error!r}; skipped")
+        if attention is not None and attention.unmeasured and is_writer_rank():
+            self.failures.say_once("attention-flex", "layerwatch: FlexAttention's kernel here returns neither each "
+                                   "row's largest score nor its logsumexp (its FLASH backend; the CPU's and MPS's, "
+                                   "inference only in torch 2.13): its calls' attention is not measured")
         taken = [(probe, values) for probe, values in taken if values is not None]
         found = {id(probe): probe.from_host(values) for (probe, _), values in zip(taken, to_host([v for _, v in taken]))}
         heads = found.get(id(attention), {})
