@@ -281,10 +281,14 @@ def test_a_compiled_models_stand_in_goes_with_the_run_and_names_each_call_as_eag
     assert F.multi_head_attention_forward.__module__ == "torch.nn.functional"
 
 
-def train_watched(model: nn.Module, rank: int, out: str, batch_seed, whole_weight) -> None:
+def causal_stats(q, k):
+    return attention_stats(q, k, is_causal=True)
+
+
+def train_watched(model: nn.Module, rank: int, out: str, batch_seed, whole_weight, stats=causal_stats) -> None:
     """5 AdamW steps of a sharded SdpaLM under an Inspector sampling every 2 steps, step ``s``'s
     batch drawn from seed ``batch_seed(s)``; rank 0 saves, per step, each attention's heads as
-    :func:`attention_stats` computes them from the whole weights (``whole_weight(parameter)``)."""
+    ``stats(q, k)`` (``[heads, 2]``) computes them from the whole weights (``whole_weight(parameter)``)."""
     import json
     from pathlib import Path
 
@@ -295,7 +299,7 @@ def train_watched(model: nn.Module, rank: int, out: str, batch_seed, whole_weigh
         (x,) = args
         split = lambda t: t.view(x.shape[0], x.shape[1], module.heads, module.head_dim).transpose(1, 2)  # noqa: E731
         q, k = (split(F.linear(x, whole_weight(layer.weight), whole_weight(layer.bias))) for layer in (module.q, module.k))
-        whole.setdefault(now[0], {})[names[id(module)]] = attention_stats(q, k, is_causal=True).tolist()
+        whole.setdefault(now[0], {})[names[id(module)]] = stats(q, k).tolist()
 
     for block in model.blocks:
         block.attn.register_forward_hook(reference)
@@ -313,30 +317,39 @@ def train_watched(model: nn.Module, rank: int, out: str, batch_seed, whole_weigh
         Path(out, "whole.json").write_text(json.dumps(whole))
 
 
-def tensor_parallel_worker(rank: int, world: int, out: str) -> None:
+def tensor_parallel_worker(rank: int, world: int, out: str, flex: bool = False) -> None:
     """SdpaLM with 4 heads per attention, its q, k and v column-wise and o row-wise over the two
-    ranks (each computes 2 heads), the same batch on both."""
+    ranks (each computes 2 heads), the same batch on both; with ``flex``, its attention through
+    FlexAttention (torch's CPU refusal of gradients lifted, as tests/test_flex_attention.py does)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from models import SdpaAttention
 
+    stats = causal_stats
+    if flex:
+        import torch.nn.attention.flex_attention as FA
+
+        from test_flex_attention import min_entropy_heads
+
+        FA._validate_device, stats = lambda query, key, value: None, min_entropy_heads
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     model = SdpaLM()
     for block in model.blocks:
-        block.attn = SdpaAttention(16, heads=4)
+        block.attn = SdpaAttention(16, heads=4, flex=flex)
         parallelize_module(block.attn, mesh, {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
                                               "o": RowwiseParallel()})
-    train_watched(model, rank, out, lambda step: 100 + step, lambda p: p.full_tensor())
+    train_watched(model, rank, out, lambda step: 100 + step, lambda p: p.full_tensor(), stats)
 
 
-def test_under_tensor_parallel_every_ranks_heads_are_gathered_in_order(tmp_path, events):
+@pytest.mark.parametrize("flex", [False, True], ids=["sdpa", "flex"])
+def test_under_tensor_parallel_every_ranks_heads_are_gathered_in_order(tmp_path, events, flex):
     import json
 
     from ranks import run_ranks
 
-    run_ranks(tensor_parallel_worker, str(tmp_path), tmp=tmp_path)
+    run_ranks(tensor_parallel_worker, str(tmp_path), flex, tmp=tmp_path)
     whole = json.loads((tmp_path / "whole.json").read_text())
     tab = tab_values(events(tmp_path / "run"))
     acc = events(tmp_path / "run")
