@@ -193,7 +193,10 @@ def test_a_forward_that_raises_puts_torchs_function_back(tmp_path):
         inspector.step()
         with pytest.raises(RuntimeError, match="boom"):
             model(torch.randint(0, 32, (2, 5)))
-        assert F.scaled_dot_product_attention is ORIGINAL
+        # the eager probe's wrapper is gone; what may stand (no sample has shown yet that no compiled
+        # caller runs the model) is the stand-in for compiled callers, which calls torch's function alone here
+        assert "AttentionProbe" not in F.scaled_dot_product_attention.__qualname__
+    assert F.scaled_dot_product_attention is ORIGINAL
 
 
 def test_the_family_can_be_turned_off_and_no_mode_is_left(tmp_path, events):

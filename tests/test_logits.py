@@ -84,7 +84,8 @@ def test_log_z_kurtosis_and_attention_are_measured_inside_compiled_code_as_in_ea
     the graph, and SDPA's stand-in each attention call (from the first sampled step: they are
     there for good), under the names eager gives them; at the steps both measure, the values
     are eager's. Nothing compiles again for them, and the losses are bitwise those of the run
-    without layerwatch. A compiled caller's attention is not measured (said once)."""
+    without layerwatch. A compiled caller's from the second sample on, its stand-ins put in place
+    before its first compile (the first sample shows it is one)."""
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
@@ -140,12 +141,10 @@ def test_log_z_kurtosis_and_attention_are_measured_inside_compiled_code_as_in_ea
             assert compiled_tab[tag][step] == pytest.approx(eager_tab[tag][step], rel=1e-4), (tag, step)
     heads = sorted(t for t in eager_tab if t.startswith("attention_head_"))
     assert len(heads) == 2 * 2 * 2  # two statistics, two layers, two heads
-    if how == "torch.compile(loss_fn)":
-        assert not [t for t in compiled_tab if t.startswith("attention")]
-        return
     assert sorted(t for t in compiled_tab if t.startswith("attention_head_")) == heads
     for tag in heads:
-        assert sorted(compiled_tab[tag]) == [0, 2, 4, 6]
+        # a compiled caller: its stand-ins are there before its first compile; found on the first sample
+        assert sorted(compiled_tab[tag]) == ([2, 4, 6] if how == "torch.compile(loss_fn)" else [0, 2, 4, 6])
         for step in (2, 4, 6):
             assert compiled_tab[tag][step] == pytest.approx(eager_tab[tag][step], rel=1e-5), (tag, step)
     assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention  # torch's again

@@ -50,7 +50,7 @@ class CompiledAttention:
     calls it measured on the armed steps. :meth:`remove` puts torch's function back (unless
     another wrapper stands in for it by then: this one then calls torch's alone)."""
 
-    def __init__(self, traced: Any, attention_like: set[int]) -> None:
+    def __init__(self, traced: Any, attention_like: set[int], traced_only: bool = False) -> None:
         self._traced = traced
         self._attention_like = attention_like  # the traced probe's modules whose class is an attention
         self._calls: list[tuple[int, torch.Tensor]] = []  # (module calls ended before it, its [heads, 3])
@@ -59,11 +59,11 @@ class CompiledAttention:
         self._original = original = F.scaled_dot_product_attention
         probe_id = id(self)
         _PROBES[probe_id] = self
-        gate = self._gate = _Gate(traced)
+        gate = self._gate = _Gate(traced, traced_only)
 
         def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)
-            if gate.on and gate.traced.armed and measure_attention is not None and not _called_by_mha():
+            if gate.measures() and measure_attention is not None and not _called_by_mha():
                 given = dict(zip(SDPA_ARGUMENTS, args)) | kwargs
                 query, key, mask = given["query"], given["key"], given.get("attn_mask")
                 # plain tensors: not a DTensor, nor the fake or functional ones of a tracer running it
@@ -89,7 +89,7 @@ class CompiledAttention:
                                use_separate_proj_weight=use_separate_proj_weight, q_proj_weight=q_proj_weight,
                                k_proj_weight=k_proj_weight, v_proj_weight=v_proj_weight, static_k=static_k,
                                static_v=static_v, average_attn_weights=average_attn_weights, is_causal=is_causal, **more)
-            if gate.on and gate.traced.armed and measure_mha is not None and not more and not _called_by_graph():
+            if gate.measures() and measure_mha is not None and not more and not _called_by_graph():
                 if all(t is None or type(t) is torch.Tensor or type(t) is nn.Parameter for t in tensors):
                     measure_mha([None if t is None else t.detach() for t in tensors], embed_dim_to_check, num_heads,
                                 add_zero_attn, use_separate_proj_weight, is_causal, gate.traced.clock, probe_id)
@@ -97,7 +97,7 @@ class CompiledAttention:
 
         self._wrappers = (scaled_dot_product_attention, multi_head_attention_forward)
         F.scaled_dot_product_attention, F.multi_head_attention_forward = self._wrappers
-        self._flex = FlexStandIn(lambda: gate.on and gate.traced.armed)
+        self._flex = FlexStandIn(gate.measures)
         self._flex.install(self)
 
     def remove(self) -> None:
@@ -173,10 +173,16 @@ class CompiledAttention:
 
 
 class _Gate:
-    """What the wrapper reads: whether its probe still stands, and the traced probe it measures for."""
+    """What the wrappers read: whether their probe still stands, the traced probe they measure
+    for, and whether they measure only where Dynamo traces them (``traced_only``: put in place
+    before a caller may compile the model, see :meth:`TracedProbe.stand_in_ahead`)."""
 
-    def __init__(self, traced: Any) -> None:
-        self.on, self.traced = True, traced
+    def __init__(self, traced: Any, traced_only: bool) -> None:
+        self.on, self.traced, self.traced_only = True, traced, traced_only
+
+    def measures(self) -> bool:
+        """Whether a call is measured (a read of plain attributes, which Dynamo guards on)."""
+        return self.on and self.traced.armed and (not self.traced_only or torch.compiler.is_compiling())
 
 
 _PROBES: "weakref.WeakValueDictionary[int, CompiledAttention]" = weakref.WeakValueDictionary()

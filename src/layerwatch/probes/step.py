@@ -32,8 +32,7 @@ COMPILED_CALLER = (
 
 
 class StepProbes:
-    """The module hooks of one sampled step: the layer table (the first time) and the runtime
-    probes.
+    """The module hooks of a sampled step: the layer table (the first time), the runtime probes.
 
     Modules that run inside compiled code are measured by the traced probe (see
     :mod:`~layerwatch.probes.traced`), whose hooks are compiled into the graph and stay, gated,
@@ -46,8 +45,8 @@ class StepProbes:
     * the caller says it will compile it (the Hugging Face Trainer's ``torch_compile``): every
       module gets the traced probe's hooks;
     * it is called from compiled code (``torch.compile`` of a function that calls it): Dynamo
-      traces the runtime probe's hooks, which then call the traced probe. Those hooks stay,
-      calling only the traced probe, and later sampled steps arm it alone.
+      traces the runtime probe's hooks, which then call the traced probe (its stand-ins on ``ahead``);
+      those stay, calling only the traced probe, and later sampled steps arm it alone.
 
     Neither sees inside compiled code for the layer table. Where the model's own call runs
     eagerly (the first two ways, in one process), the shapes of its inputs are noted on the
@@ -158,7 +157,7 @@ class StepProbes:
             self._attach_traced(model, parameters)
             return
         modules = select_modules(model, self.modules)
-        self._traced = self._traced_probe(modules, parameters)
+        self._traced = self._traced_probe(modules, parameters, ahead=not compiled_by_caller)
         if compiled_by_caller:
             self._traced.attach([module for _, module in modules])
             self._outside = ([], [])
@@ -174,10 +173,12 @@ class StepProbes:
             )
         return modules
 
-    def _traced_probe(self, modules: Sequence[tuple[str, nn.Module]], parameters: Sequence[nn.Parameter]) -> TracedProbe:
+    def _traced_probe(self, modules: Sequence[tuple[str, nn.Module]], parameters: Sequence[Any], ahead=False) -> TracedProbe:
+        if self._traced is not None:  # its stand-ins go with it
+            self._traced.remove()
         device = next((p.device for p in parameters), torch.device("cpu"))
         return TracedProbe(modules, families=self.families, bins=self.bins, zeros=self.zeros, centered=self.centered,
-                           device=device)
+                           device=device, ahead=ahead)
 
     def table_from_shapes(self, model: nn.Module, step: int) -> Optional[Summary]:
         """The layer table of a compiled model from the input shapes its sampled step noted
@@ -303,6 +304,8 @@ class StepProbes:
         transformer = self._transformer.take(sync)
         if compiled:
             return self._caller_found(structure, runtime, step, weights)
+        if trained and self._traced is not None and self._outside is None:  # the model ran eagerly
+            self._traced.drop_attention()
         self.disarm()
         summary = result = None
         if structure is not None:

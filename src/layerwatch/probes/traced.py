@@ -50,7 +50,7 @@ class TracedProbe:
     """Gated hooks on modules that run inside compiled code; see the module's docstring."""
 
     def __init__(self, modules: Sequence[tuple[str, nn.Module]], *, families: Sequence[str], bins: int, zeros: bool,
-                 centered: bool, device: torch.device) -> None:
+                 centered: bool, device: torch.device, ahead: bool = False) -> None:
         self.armed = False
         self.names = probe_names(modules)
         self.blocks = [index for index, (_, module) in enumerate(modules) if module._modules]  # those with children
@@ -74,6 +74,8 @@ class TracedProbe:
         self._handles: list[Any] = []
         _PROBES[id(self)] = self
         self._clear()
+        if ahead:
+            self.stand_in_ahead()
 
     def attach(self, modules: Sequence[nn.Module]) -> None:
         """Hook ``modules`` (of those this probe was made for) until :meth:`remove`; with the
@@ -84,6 +86,20 @@ class TracedProbe:
             self._handles += [module.register_forward_pre_hook(self.watch_inputs, with_kwargs=True),
                               module.register_forward_hook(self.record)]
 
+    def stand_in_ahead(self) -> None:
+        """With the ``attention`` family, the attention stand-ins before the model's first
+        forward (``ahead``), for a caller that may compile it (``torch.compile`` of a function that calls
+        it: nothing tells before the first sample, and what stands in after its first compile
+        would cost it a graph more). They measure only where Dynamo traces them; a model that
+        turns out to run eagerly has them taken off (:meth:`drop_attention`)."""
+        if self._measures_attention and self.attention is None and measure_call is not None:
+            self.attention = CompiledAttention(self, self._attention_like, traced_only=True)
+
+    def drop_attention(self) -> None:
+        if self.attention is not None:
+            self.attention.remove()
+            self.attention = None
+
     def index_of(self, module: nn.Module) -> Optional[int]:
         """The index of ``module`` among this probe's, or None."""
         return self._index.get(id(module))
@@ -92,9 +108,7 @@ class TracedProbe:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
-        if self.attention is not None:
-            self.attention.remove()
-            self.attention = None
+        self.drop_attention()
 
     @property
     def calls_ended(self) -> int:

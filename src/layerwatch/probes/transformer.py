@@ -116,8 +116,8 @@ class TransformerProbes:
 
     def say_compiled(self) -> None:
         if self.attention_on and is_writer_rank():
-            self.failures.say_once("attention-compiled", "layerwatch: attention logits and entropy are not measured in a "
-                                   "model called from compiled code (torch.compile of a function that calls it) yet")
+            self.failures.say_once("attention-compiled", "layerwatch: attention logits and entropy are not measured in "
+                                   "this compiled code: it was compiled before layerwatch's attention stand-ins were in place")
 
     def _find_head(self, model: nn.Module) -> Optional[tuple[str, nn.Module]]:
         head = find_output_head(model, self.output_head)
