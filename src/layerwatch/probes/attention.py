@@ -132,8 +132,11 @@ class AttentionProbe:
         """One FlexAttention call (:mod:`~layerwatch.probes.flex_attention`): its kernel's rows kept."""
         if lse is None:
             self.unmeasured = True
-        else:
+            return
+        try:  # called from inside torch's compiled call: a failure is kept, never raised there
             self.seen({FLEX: (lse, top)})
+        except Exception as e:
+            self.error = e
 
     def seen(self, given: dict) -> None:
         """One call, by the innermost module of the model on the stack: kept for :meth:`flush`."""

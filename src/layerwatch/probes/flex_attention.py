@@ -22,7 +22,9 @@ Per head (:func:`flex_rows`), over the batch and every query row with a key left
   score_mod cannot be run again outside it.
 
 Where the kernel cannot return them, a call is not measured, and the receiver is told
-(``measure_flex`` with no tensors): the ``FLASH`` backend (no largest score), and torch 2.13's
+(``measure_flex`` with no tensors): the ``FLASH`` backend (no largest score), the decoding
+kernel (``TRITON_DECODE``, and calls under 128 query rows on a GPU, for which Inductor picks it:
+asked, it would run another kernel), and torch 2.13's
 CPU and MPS kernels, which run inference only and return neither. With gradients on the CPU,
 which torch refuses in ``flex_attention`` itself, only its reference implementation would run,
 and it returns both.
@@ -76,7 +78,7 @@ class FlexStandIn:
             self._function = None
             return
         _STAND_INS[id(self)] = self
-        number, clock = id(self), torch.zeros(1)
+        number, clock = id(self), torch.zeros(1)  # clock: what the operator mutates, so no compiler drops it
 
         def flex_attention_hop(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Any,
                                block_mask: tuple, scale: float, kernel_options: dict, *buffers: Any) -> Any:
@@ -94,26 +96,51 @@ class FlexStandIn:
         self._function = flex_attention_hop
 
     def install(self, receiver: Any) -> None:
-        """Stand in for the operator (if not already), the calls going to ``receiver``."""
+        """Stand in for the operator (unless already in the chain of stand-ins there), the calls
+        going to ``receiver``."""
         self.receiver = receiver
-        if self._function is not None and _MODULE.flex_attention_hop is not self._function:
+        if self._function is not None and self not in _chain():
             self._previous, _MODULE.flex_attention_hop = _MODULE.flex_attention_hop, self._function
 
     def remove(self) -> None:
-        """Put back what stood there before (unless another stand-in has taken the place since:
-        this one then calls the one it found)."""
+        """Leave the chain of stand-ins, in whatever order they came: what it stood in for takes
+        its place, at the top or under the one that called it."""
         self.receiver = None
-        if self._function is not None and _MODULE.flex_attention_hop is self._function:
+        if self._function is None:
+            return
+        if _MODULE.flex_attention_hop is self._function:
             _MODULE.flex_attention_hop = self._previous
+            return
+        for above in _chain():
+            if above._previous is self._function:
+                above._previous = self._previous
+
+
+def _chain() -> list["FlexStandIn"]:
+    """The stand-ins in place, from the one torch calls down (install and remove only)."""
+    found: list[FlexStandIn] = []
+    function = _MODULE.flex_attention_hop
+    while True:
+        stand_in = next((s for s in _STAND_INS.values() if s._function is function and s not in found), None)
+        if stand_in is None:
+            return found
+        found.append(stand_in)
+        function = stand_in._previous
 
 
 def returns_statistics(query: torch.Tensor, kernel_options: dict) -> bool:
-    """Whether the kernel that runs this call returns each row's largest score and logsumexp."""
-    if kernel_options.get("BACKEND") == "FLASH":
+    """Whether the kernel that runs this call returns each row's largest score and logsumexp,
+    and asking for them leaves the kernel chosen as it was: not FLASH nor the decoding kernel
+    (TRITON_DECODE, or under 128 query rows on a GPU, where Inductor picks it and would pick
+    another when asked)."""
+    if kernel_options.get("BACKEND") in ("FLASH", "TRITON_DECODE"):
         return False
     if query.device.type == "cpu":  # inference only, returning neither; with gradients, the reference implementation
         return query.requires_grad
-    return query.device.type not in ("mps",)
+    return query.device.type != "mps" and query.shape[-2] >= DECODING_BELOW
+
+
+DECODING_BELOW = 128  # query rows under which Inductor's FlexAttention takes its decoding kernel (flex_decoding.py)
 
 
 _STAND_INS: "weakref.WeakValueDictionary[int, FlexStandIn]" = weakref.WeakValueDictionary()

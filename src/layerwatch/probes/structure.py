@@ -24,7 +24,7 @@ class StructureProbe:
     """Hooks on every module that record calls, shapes and MACs; ``remove()`` is safe twice.
 
     A window opens when a module is entered with no module running and closes when it
-    returns; FlopCounterMode is active only inside windows. With ``training_only``
+    returns; FlopCounterMode's counting mode is active only inside windows. With ``training_only``
     windows opened with autograd off (validation) are ignored. Calls during backward
     (activation checkpointing recomputes) are never counted. A hook that fails records
     the error and the probe goes quiet; it never raises into the forward.
@@ -156,7 +156,7 @@ class StructureProbe:
             counter.__enter__()
             self._counter_exit = counter.__exit__
         self._counter = counter
-        self._flex_restore = flex_compiles_outside(counter.mode)
+        self._flex_restore = flex_compiles_outside(getattr(counter, "mode", counter))  # before 2.4: the mode itself
 
     def _close_counter(self) -> None:
         counter, self._counter = self._counter, None
