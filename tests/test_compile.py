@@ -71,6 +71,7 @@ def run(log_dir, *, how, watch=True, steps=8, every=2, spoil_at=None, spoiler=No
         "graphs": counters["stats"]["unique_graphs"],
         "new_graphs": counter.frame_count - after_two, "breaks": sum(counters["graph_break"].values()),
         "graph_sizes": sorted(len(g.graph.nodes) for g in counter.graphs if len(g.graph.nodes)),
+        "graph_code": [g.code for g in counter.graphs],
         "said": layerwatch_messages(seen), "alerts": alerts,
     }
 
@@ -160,6 +161,14 @@ def test_inductor_compiled_model_is_measured_with_bitwise_losses(tmp_path, event
     same_run(watched, plain)
     assert watched["breaks"] == 0 and watched["graphs"] == plain["graphs"] + 1 and watched["new_graphs"] == 0
     assert [e.step for e in events(tmp_path).Scalars("activations_norm/3")] == [0, 2]
+
+
+def test_a_second_run_compiles_the_very_graphs_of_the_first_so_inductors_caches_find_them(tmp_path):
+    # Inductor's FX graph and AOTAutograd caches key on the graph's code, constants included: the
+    # armed operator's probe is a small number, not an id() that differs in every process and run.
+    first, second = (run(tmp_path / str(k), how="torch.compile(model)") for k in range(2))
+    assert any("layerwatch.measure_call" in code for code in first["graph_code"])
+    assert first["graph_code"] == second["graph_code"]
 
 
 def test_a_compiled_optimizer_step_is_not_traced_into(tmp_path, events):

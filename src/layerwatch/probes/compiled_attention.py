@@ -32,7 +32,6 @@ graph break) are measured the same.
 from __future__ import annotations
 
 import sys
-import weakref
 from time import perf_counter_ns
 from typing import Any, Optional, Sequence
 
@@ -42,6 +41,7 @@ from torch import nn
 
 from layerwatch.probes.attention import MHA, SDPA_ARGUMENTS, as_sdpa_calls, attention_rows
 from layerwatch.probes.flex_attention import FlexStandIn, flex_rows
+from layerwatch.probes.numbering import Numbering
 from layerwatch.vocabulary import ROOT
 
 
@@ -57,8 +57,7 @@ class CompiledAttention:
         self.error: Optional[BaseException] = None
         self.unmeasured = False  # a FlexAttention call whose kernel returns no statistics ran
         self._original = original = F.scaled_dot_product_attention
-        probe_id = id(self)
-        _PROBES[probe_id] = self
+        self._number = probe_id = _PROBES.add(self)
         gate = self._gate = _Gate(traced, traced_only)
 
         def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
@@ -103,6 +102,8 @@ class CompiledAttention:
     def remove(self) -> None:
         self._gate.on = False
         self._flex.remove()
+        self._flex.release()
+        _PROBES.release(self._number)
         if F.scaled_dot_product_attention is self._wrappers[0]:
             F.scaled_dot_product_attention = self._original
         if F.multi_head_attention_forward is self._wrappers[1]:
@@ -185,7 +186,7 @@ class _Gate:
         return self.on and self.traced.armed and (not self.traced_only or torch.compiler.is_compiling())
 
 
-_PROBES: "weakref.WeakValueDictionary[int, CompiledAttention]" = weakref.WeakValueDictionary()
+_PROBES = Numbering()
 
 
 def _measure_attention(query: torch.Tensor, key: torch.Tensor, mask: Optional[torch.Tensor], is_causal: bool,

@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import importlib
 import math
-import weakref
 from typing import Any, Callable, Optional
 
 import torch
+
+from layerwatch.probes.numbering import Numbering
 
 try:
     _MODULE: Any = importlib.import_module("torch.nn.attention.flex_attention")
@@ -77,8 +78,8 @@ class FlexStandIn:
         if _MODULE is None:
             self._function = None
             return
-        _STAND_INS[id(self)] = self
-        number, clock = id(self), torch.zeros(1)  # clock: what the operator mutates, so no compiler drops it
+        self._number = number = _STAND_INS.add(self)
+        clock = torch.zeros(1)  # what the operator mutates, so that no compiler drops it
 
         def flex_attention_hop(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Any,
                                block_mask: tuple, scale: float, kernel_options: dict, *buffers: Any) -> Any:
@@ -116,12 +117,18 @@ class FlexStandIn:
                 above._previous = self._previous
 
 
+    def release(self) -> None:
+        """Give up its number (:mod:`~layerwatch.probes.numbering`): it stands in no more."""
+        if self._function is not None:
+            _STAND_INS.release(self._number)
+
+
 def _chain() -> list["FlexStandIn"]:
     """The stand-ins in place, from the one torch calls down (install and remove only)."""
     found: list[FlexStandIn] = []
     function = _MODULE.flex_attention_hop
     while True:
-        stand_in = next((s for s in _STAND_INS.values() if s._function is function and s not in found), None)
+        stand_in = next((s for s in _STAND_INS if s._function is function and s not in found), None)
         if stand_in is None:
             return found
         found.append(stand_in)
@@ -143,7 +150,7 @@ def returns_statistics(query: torch.Tensor, kernel_options: dict) -> bool:
 DECODING_BELOW = 128  # query rows under which Inductor's FlexAttention takes its decoding kernel (flex_decoding.py)
 
 
-_STAND_INS: "weakref.WeakValueDictionary[int, FlexStandIn]" = weakref.WeakValueDictionary()
+_STAND_INS = Numbering()
 EAGER = FlexStandIn(lambda: True)  # the eager attention probe's: in place only while a sampled forward runs
 
 

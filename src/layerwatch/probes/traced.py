@@ -28,7 +28,6 @@ a graph break), the same operator runs, and records the same.
 
 from __future__ import annotations
 
-import weakref
 from time import perf_counter_ns
 from typing import Any, Callable, Optional, Sequence
 
@@ -40,6 +39,7 @@ from layerwatch import stats as S
 from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import inlined_only, tensors_in, with_first_replaced
 from layerwatch.probes.compiled_attention import CompiledAttention
+from layerwatch.probes.numbering import Numbering
 from layerwatch.probes.outputs import Outputs, is_float, nonfinite_sum
 from layerwatch.probes.runtime import ModuleTrace, Offender, ProbeResult
 from layerwatch.probes.selection import probe_names
@@ -72,7 +72,7 @@ class TracedProbe:
         self._grad_inputs = [_counter(device) for _ in modules]
         self.clock = torch.zeros(1, dtype=torch.float64, device=device)  # what the operator says it mutates
         self._handles: list[Any] = []
-        _PROBES[id(self)] = self
+        self.number = _PROBES.add(self)  # what the operator is given: a constant of the graph
         self._clear()
         if ahead:
             self.stand_in_ahead()
@@ -109,6 +109,7 @@ class TracedProbe:
         for handle in handles:
             handle.remove()
         self.drop_attention()
+        _PROBES.release(self.number)
 
     @property
     def calls_ended(self) -> int:
@@ -184,7 +185,7 @@ class TracedProbe:
             output, done = _counted(output, self._grad_outputs[index])
         outputs = [t for t in tensors_in(output) if is_float(t)]
         inputs = [t for t in tensors_in(args) if is_float(t)]
-        measure_call([t.detach() for t in outputs], [t.detach() for t in inputs], self.clock, id(self), index)
+        measure_call([t.detach() for t in outputs], [t.detach() for t in inputs], self.clock, self.number, index)
         return output if done else None
 
     def measure(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], index: int) -> None:
@@ -271,7 +272,7 @@ class TracedProbe:
             )
 
 
-_PROBES: "weakref.WeakValueDictionary[int, TracedProbe]" = weakref.WeakValueDictionary()
+_PROBES = Numbering()
 
 
 def _measure_call(outputs: list[torch.Tensor], inputs: list[torch.Tensor], clock: torch.Tensor, probe: int,
