@@ -4,6 +4,7 @@
     python benchmarks/compiled_gpt2.py --backend aot_eager --steps 20
     python benchmarks/compiled_gpt2.py --device cuda
     python benchmarks/compiled_gpt2.py --layers 2 --d 64 --vocab 256 --steps 8   # the tests' size
+    python benchmarks/compiled_gpt2.py --layers 2 --d 64 --vocab 256 --steps 8 --dtype bfloat16 --deterministic
     TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 python benchmarks/compiled_gpt2.py       # a cold compile
 
 Three runs in one process from the same seed, the same batches and the same optimizer:
@@ -62,7 +63,8 @@ def one_run(watched: bool, args: argparse.Namespace, log_dir: Optional[str] = No
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = gpt2(args.layers, args.d, args.heads, args.vocab, args.seq, args.dropout).to(args.device)
+    dtype = getattr(torch, getattr(args, "dtype", "float32"))
+    model = gpt2(args.layers, args.d, args.heads, args.vocab, args.seq, args.dropout).to(args.device, dtype)
     model.train()
     compiled = torch.compile(model, backend=args.backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -163,6 +165,8 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.1, help="GPT-2's three dropout probabilities")
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="the model's parameters and activations (bfloat16: sampled steps may round differently)")
     parser.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -174,11 +178,11 @@ def main() -> None:
     result = compare(plain, again, watched)
     result.update(model=f"GPT-2 {args.layers}x{args.d}, vocab {args.vocab}, batch {args.batch}x{args.seq}",
                   backend=args.backend, device=args.device if args.device == "cpu" else torch.cuda.get_device_name(),
-                  torch=torch.__version__, deterministic=args.deterministic)
+                  torch=torch.__version__, deterministic=args.deterministic, dtype=args.dtype)
     if args.json:
         print(json.dumps(result))
         return
-    print(f"{result['model']}, {args.backend}, {result['device']}, torch {torch.__version__}"
+    print(f"{result['model']}, {args.dtype}, {args.backend}, {result['device']}, torch {torch.__version__}"
           f"{', deterministic algorithms' if args.deterministic else ''}, {result['steps']} steps, "
           f"sampled {result['sampled_steps']}")
     for key, label in (("watched", "with layerwatch"), ("again", "without, again")):

@@ -171,6 +171,26 @@ def test_a_second_run_compiles_the_very_graphs_of_the_first_so_inductors_caches_
     assert first["graph_code"] == second["graph_code"]
 
 
+def test_a_compiled_model_in_bfloat16_is_told_once_that_its_sampled_steps_may_round_differently(tmp_path, events):
+    # Measuring a module's output makes Inductor store it in bfloat16 where the unsampled graph may
+    # keep it in float32 inside a fused kernel (a 2-block GPT-2 in bfloat16 under Inductor: step 0's
+    # loss 5.540804 unwatched, 5.540761 watched; python benchmarks/compiled_gpt2.py --dtype bfloat16).
+    dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP().to(torch.bfloat16)
+    compiled = torch.compile(model, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        inspector = Inspector(compiled, log_dir=tmp_path, every_n_steps=1).start()
+        for _ in range(3):
+            compiled(torch.randn(4, 8, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+            inspector.step()
+        inspector.finish()
+    said = [m for m in layerwatch_messages(seen) if "bfloat16 or float16" in m]
+    assert len(said) == 1 and "families=" in said[0], layerwatch_messages(seen)
+    assert [e.step for e in events(tmp_path).Scalars("activations_norm/fc1")] == [0, 1, 2]  # still measured
+
+
 def test_a_compiled_optimizer_step_is_not_traced_into(tmp_path, events):
     """Dynamo never traces layerwatch's optimizer hooks. Python 3.11's Dynamo compiles the step
     with the hooks inside (traced, they do nothing: said once); 3.13's runs them eagerly around

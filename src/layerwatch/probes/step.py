@@ -380,7 +380,7 @@ class StepProbes:
 
     def _traced_ran(self, result: ProbeResult, step: int) -> None:
         if self._traced is not None:
-            self._traced.warn_if_late(result, step, self.failures)
+            self._traced.say_once(result, step, self.failures)
 
 
 def _with_transformer(result: Optional[ProbeResult], transformer: tuple[dict, Optional[tuple], dict]) -> Optional[ProbeResult]:

@@ -43,6 +43,7 @@ from layerwatch.probes.numbering import Numbering
 from layerwatch.probes.outputs import Outputs, is_float, nonfinite_sum
 from layerwatch.probes.runtime import ModuleTrace, Offender, ProbeResult
 from layerwatch.probes.selection import probe_names
+from layerwatch.vocabulary import PROBE_FAMILIES
 from layerwatch.probes.weights import NonfiniteWeights, WeightCheck
 
 
@@ -71,6 +72,7 @@ class TracedProbe:
         self._grad_outputs = [_counter(device) for _ in modules]
         self._grad_inputs = [_counter(device) for _ in modules]
         self.clock = torch.zeros(1, dtype=torch.float64, device=device)  # what the operator says it mutates
+        self.low_precision = False  # a measured module's output was bfloat16 or float16 (say_once)
         self._handles: list[Any] = []
         self.number = _PROBES.add(self)  # what the operator is given: a constant of the graph
         self._clear()
@@ -202,6 +204,7 @@ class TracedProbe:
             if watcher is not None and outputs:
                 watcher(outputs[0])
             self._bytes[index] += sum(t.numel() * t.element_size() for t in outputs)
+            self.low_precision = self.low_precision or any(t.dtype in _LOW_PRECISION for t in outputs)
             self._calls[index] += 1
             self.clock.add_(1)
 
@@ -257,9 +260,19 @@ class TracedProbe:
         return ProbeResult([traces[i] for i in sorted(traces)], offender, user, used.names)
 
 
-    def warn_if_late(self, result: ProbeResult, step: int, failures: FailurePolicy) -> None:
-        """Armed hooks inside compiled code that recorded nothing (in ``result``) were attached
-        too late: said once."""
+    def say_once(self, result: ProbeResult, step: int, failures: FailurePolicy) -> None:
+        """What a sampled step inside compiled code showed, said once: armed hooks that recorded
+        nothing (in ``result``) were attached too late; outputs in bfloat16 or float16 may be
+        rounded where the unsampled graph keeps them in float32."""
+        if self.low_precision:
+            failures.warn_once(
+                "compiled-low-precision",
+                "layerwatch: modules inside compiled code output bfloat16 or float16 tensors. Measuring an output "
+                "makes Inductor store it, rounded to its dtype, where the unsampled graph may keep it in float32 "
+                "inside a fused kernel: a sampled step's results, and the run after it, may then differ in the last "
+                "bits from the run without layerwatch (float32 models are bitwise unchanged). For a bitwise "
+                f"low-precision compiled run, leave the per-module families {list(PROBE_FAMILIES)} out of families=.",
+            )
         inside = set(self.names)
         if inside and not any(trace.name in inside for trace in result.modules):
             failures.warn_once(
@@ -273,6 +286,7 @@ class TracedProbe:
 
 
 _PROBES = Numbering()
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def _measure_call(outputs: list[torch.Tensor], inputs: list[torch.Tensor], clock: torch.Tensor, probe: int,
