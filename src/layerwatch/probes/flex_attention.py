@@ -116,7 +116,6 @@ class FlexStandIn:
             if above._previous is self._function:
                 above._previous = self._previous
 
-
     def release(self) -> None:
         """Give up its number (:mod:`~layerwatch.probes.numbering`): it stands in no more."""
         if self._function is not None:

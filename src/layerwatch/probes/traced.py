@@ -43,8 +43,8 @@ from layerwatch.probes.numbering import Numbering
 from layerwatch.probes.outputs import Outputs, is_float, nonfinite_sum
 from layerwatch.probes.runtime import ModuleTrace, Offender, ProbeResult
 from layerwatch.probes.selection import probe_names
-from layerwatch.vocabulary import PROBE_FAMILIES
 from layerwatch.probes.weights import NonfiniteWeights, WeightCheck
+from layerwatch.vocabulary import PROBE_FAMILIES
 
 
 class TracedProbe:
@@ -258,7 +258,6 @@ class TracedProbe:
             elif offends and user is None:
                 user = Offender(self.names[max(offends, key=first_call.__getitem__)], "backward")
         return ProbeResult([traces[i] for i in sorted(traces)], offender, user, used.names)
-
 
     def say_once(self, result: ProbeResult, step: int, failures: FailurePolicy) -> None:
         """What a sampled step inside compiled code showed, said once: armed hooks that recorded
