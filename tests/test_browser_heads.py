@@ -19,7 +19,7 @@ playwright = pytest.importorskip("playwright.sync_api", reason="playwright is no
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on the PATH (apt-get install chromium)")
 
 HEADS = 4
-STEPS, EVERY = 24, 2  # sampled at 0, 2, ..., 22; the attention from the second sample on
+STEPS, EVERY = 24, 2  # sampled at 0, 2, ..., 22; the attention from the first sample on
 RUN = "sdpa"
 
 
@@ -88,7 +88,7 @@ def test_an_attention_module_shows_its_heads_and_a_head_its_series(browser, serv
         "attention_head_logit_max", "attention_head_entropy"]
     for figure in heads.all():
         assert figure.get_attribute("data-heads") == str(HEADS)
-        assert figure.get_attribute("data-steps") == str(STEPS // EVERY - 1)
+        assert figure.get_attribute("data-steps") == str(STEPS // EVERY)
         assert figure.locator(".lw-head-label").evaluate_all("(rows) => rows.map((row) => row.textContent)") == [
             f"#{h}" for h in range(HEADS)]
         assert figure.locator(".lw-legend-bar").count() == 1

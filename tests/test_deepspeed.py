@@ -76,20 +76,27 @@ def zero_config(stage: int, persistence: bool = True) -> dict:
             "steps_per_print": 10**9, "gradient_clipping": CLIP}
 
 
-def zero_worker(rank: int, world: int, out: str, stage: int, persistence: bool, watch: str, nan_at: int) -> None:
+def zero_worker(rank: int, world: int, out: str, stage: int, persistence: bool, watch: str, nan_at: int,
+                compiled: bool = False) -> None:
     """Train ``mlp()`` under DeepSpeed twice, without and with an Inspector (``watch``: of the
     engine, of its module with ``optimizer=engine.optimizer``, or of its module alone), every 2
-    steps; with a NaN in
-    rank 1's input at ``nan_at``, and (ZeRO-3) a ``GatheredParameters`` block after each step,
-    as a checkpoint save makes. Rank 0 records the losses, its alerts and what it said."""
+    steps; with a NaN in rank 1's input at ``nan_at``, and (ZeRO-3) a ``GatheredParameters`` block
+    after each step, as a checkpoint save makes; with ``compiled``, the engine compiled
+    (``engine.compile``, ``aot_eager``). Rank 0 records the losses, its alerts, what it said and
+    Dynamo's counts."""
     on_gloo()
     import deepspeed
+    from torch._dynamo.utils import counters
 
     results = {}
     for watched in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
         model = mlp()
         engine, zero_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
                                                             config=zero_config(stage, persistence))
+        if compiled:
+            engine.compile(backend="aot_eager")
         inspector = None
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
@@ -117,7 +124,9 @@ def zero_worker(rank: int, world: int, out: str, stage: int, persistence: bool, 
                 inspector.finish()
         results[watched] = {"losses": losses, "said": [str(w.message) for w in seen if "layerwatch" in str(w.message)],
                             "alerts": [] if inspector is None else [[a.step, a.kind, a.name, a.message] for a in inspector.alerts],
-                            "hooks": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in engine.module.modules())}
+                            "hooks": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in engine.module.modules()),
+                            "dynamo": [counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()),
+                                       sum(counters["recompiles"].values())]}
     if rank == 0:
         Path(out, "results.json").write_text(json.dumps(results))
 
@@ -149,6 +158,27 @@ def test_zero_in_a_plain_loop_leaves_training_unchanged_and_logs_the_whole_tenso
     assert said == ([] if stage < 3 else [m for m in said if "under DeepSpeed ZeRO-3 a parameter is an empty placeholder" in m])
     assert len(said) == (stage == 3)  # once
     check_truth(events(tmp_path / "run"), reference(2), [0, 2, 4])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_with_a_compiled_module_is_measured_on_every_ranks_re_run_and_left_as_it_was(stage, tmp_path, events):
+    """``engine.compile()``: every rank runs the sampled step's batch again eagerly, before its
+    forward (ZeRO-3's gathers: the same collectives on every rank); the losses are bitwise, and the
+    parameters are the whole tensors', as uncompiled. Under ZeRO-2 Dynamo compiles the same. ZeRO-3
+    records the order its modules run in, and records it anew after a forward that breaks it, as
+    the re-run does: its compiled code then takes other paths through DeepSpeed's hooks (6 graphs
+    and 19 graph breaks without layerwatch, 8 and 11 with it, here)."""
+    run_ranks(zero_worker, str(tmp_path), stage, True, "engine", -1, True, tmp=tmp_path)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["true"]["losses"] == results["false"]["losses"]  # bitwise
+    assert results["false"]["dynamo"][0] >= 1
+    if stage < 3:
+        assert results["true"]["dynamo"] == results["false"]["dynamo"]
+    assert results["true"]["hooks"] == results["false"]["hooks"]
+    acc = events(tmp_path / "run")
+    check_truth(acc, reference(2), [0, 2, 4])
+    for module in ("0", "2.0", "3"):
+        assert [e.step for e in acc.Scalars(f"activations_norm/{module}")] == [0, 2, 4], module
 
 
 def test_zero2_a_module_watched_without_its_optimizer_says_where_the_gradients_are(tmp_path, events):

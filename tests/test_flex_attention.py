@@ -102,26 +102,58 @@ def test_each_flex_attention_call_gets_its_heads_eager_and_the_run_is_unchanged(
     split = lambda t: t.view(4, 11, 2, 8).transpose(1, 2)  # noqa: E731
     for b in range(2):
         name = f"blocks.{b}.attn"
-        for step in (2, 4):  # from the second sampled step on: the first shows the model runs eagerly
+        for step in (0, 2, 4):  # from the first sampled step on
             expected = min_entropy_heads(split(seen[f"{b}.q"][step]), split(seen[f"{b}.k"][step]))
             assert tab[f"attention_logit_max/{name}"][step] == pytest.approx(expected[:, 0].max().item(), rel=1e-5)
             assert tab[f"attention_entropy/{name}"][step] == pytest.approx(expected[:, 1].min().item(), rel=1e-5)
 
 
-def test_a_compiled_models_flex_attention_is_measured_as_in_eager_with_no_graph_break(tmp_path, events, cpu_training):
-    """Under AOTAutograd (Inductor has no CPU FlexAttention with gradients): eager's values at
-    the steps both measure, bitwise losses, no graph break, at most the armed variant more."""
+def test_a_compiled_models_flex_attention_is_measured_on_its_re_run_as_in_eager(tmp_path, events, cpu_training):
+    """The re-run runs FlexAttention eagerly (its reference implementation, which returns both
+    statistics): eager's values at every sampled step, bitwise losses, the very graphs, and the
+    stand-in there for the re-run alone."""
     operator = FA.flex_attention_hop
     eager, _, _, _ = train(tmp_path / "eager")
-    plain, _, plain_graphs, _ = train(None, "aot_eager")
+    plain, _, plain_graphs, plain_breaks = train(None, "aot_eager")
     losses, standing, graphs, breaks = train(tmp_path / "compiled", "aot_eager")
-    assert losses == plain == eager and breaks == 0 and graphs <= plain_graphs + 1
-    assert standing[-1] is not operator and FA.flex_attention_hop is operator  # there for the run, and no longer
+    assert losses == plain == eager and (graphs, breaks) == (plain_graphs, plain_breaks)
+    assert standing == [operator] * 6 and FA.flex_attention_hop is operator
     eager_tab, compiled_tab = tab_values(events(tmp_path / "eager")), tab_values(events(tmp_path / "compiled"))
     for tag in [f"attention_{kind}/blocks.{b}.attn" for kind in ("logit_max", "entropy") for b in range(2)]:
-        assert sorted(compiled_tab[tag]) == [0, 2, 4], tag  # hooked inside the graph from the start
-        for step in (2, 4):
+        assert sorted(compiled_tab[tag]) == [0, 2, 4], tag
+        for step in (0, 2, 4):
             assert compiled_tab[tag][step] == pytest.approx(eager_tab[tag][step], rel=1e-5), (tag, step)
+
+
+@pytest.mark.parametrize("limit, rows", [(2000, 2), (500, 0)], ids=["two rows fit", "no row fits"])
+def test_a_re_run_whose_flex_attention_would_not_fit_runs_the_first_rows_or_is_said(tmp_path, events, monkeypatch, capsys,
+                                                                                 cpu_training, limit, rows):
+    """Run eagerly, FlexAttention builds every score of a call at once ([4, 2, 11, 11] float32
+    here: 3,872 bytes). Above the bound the re-run runs the micro-batch's first rows that fit
+    (said once, measured on those), or where not one fits, is said once and not measured. The run
+    is as without it either way."""
+    from layerwatch.probes import step
+
+    monkeypatch.setattr(step, "DENSE_LIMIT", limit)
+    plain, _, _, _ = train(None, "aot_eager")
+    capsys.readouterr()
+    losses, _, _, _ = train(tmp_path, "aot_eager")
+    assert losses == plain
+    said = [line for line in capsys.readouterr().err.splitlines() if "would build 3.8 KiB of scores" in line]
+    assert len(said) == 1, said
+    tab = tab_values(events(tmp_path))
+    if rows:
+        assert f"run the first {rows} rows of their micro-batch again" in said[0]
+        assert sorted(tab["attention_logit_max/blocks.0.attn"]) == [0, 2, 4]
+        assert tab["activation_bytes/blocks.0.attn.q"][0] == rows * 11 * 16 * 4  # measured on those rows
+    else:
+        assert "not measured" in said[0]
+        assert not [key for key in tab if key.startswith(("attention", "activation"))]
+    assert weights_measured(events(tmp_path))
+
+
+def weights_measured(acc) -> bool:
+    return [e.step for e in acc.Scalars("weights_norm/head.weight")] == [0, 2, 4]
 
 
 class FrozenFlexEncoder(nn.Module):

@@ -252,10 +252,11 @@ def test_the_replay_benchmark_runs_on_cuda(benchmarks):
     assert r["device"] == torch.cuda.get_device_name() and r["replay_named"]
 
 
-def test_a_model_compiled_with_inductor_on_cuda_is_measured_inside_and_its_hooks_never_sync(tmp_path, events):
+def test_a_model_compiled_with_inductor_on_cuda_is_measured_on_its_re_run_and_never_syncs(tmp_path, events):
     """Triton kernels: bitwise losses against the same compiled run without layerwatch, the
-    modules inside measured on sampled steps, and no hook of ours making the host wait on a
-    sampled step's forward and backward (CUDA's own sync debug mode)."""
+    modules measured on sampled steps (on the eager re-run, before the step's forward), and
+    neither the re-run nor any hook of ours making the host wait in a sampled step's forward and
+    backward (CUDA's own sync debug mode)."""
     from models import Spoiler, spoilable
 
     def run(log_dir):
@@ -327,22 +328,73 @@ def test_a_snapshot_that_does_not_fit_in_the_gpus_free_memory_is_estimated_then_
     assert len([w for w in seen if "does not fit in memory" in str(w.message)]) == 1
 
 
-def test_a_compiled_gpt2_with_dropout_on_cuda_trains_bitwise_as_without_layerwatch(tmp_path, events, monkeypatch, benchmarks):
-    """Inductor's CUDA dropout draws from a seed per graph and the element's index: the armed
-    graph draws the same masks. Deterministic algorithms on, as on the CPU."""
-    pytest.importorskip("transformers")
-    from test_compiled_transformers import measured_inside, plain_loop, same_training
-
+@pytest.fixture
+def deterministic(monkeypatch):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
-    try:
-        plain = plain_loop(device="cuda")
-        watched = plain_loop(tmp_path, device="cuda")
-    finally:
-        torch.use_deterministic_algorithms(was)
-    same_training(watched, plain)
-    measured_inside(events(tmp_path))
+    yield
+    torch.use_deterministic_algorithms(was)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["default", "reduce-overhead (CUDA graphs)"])
+def test_a_compiled_llama_in_bfloat16_on_cuda_trains_bitwise_as_without_layerwatch(tmp_path, events, deterministic, mode):
+    """The CPU's test on CUDA (tests/test_compiled_transformers.py): Triton's kernels, where a kernel
+    split in two would contract its multiply-adds otherwise; and under CUDA graphs, whose
+    replays the eager re-run runs between."""
+    pytest.importorskip("transformers")
+    from test_compiled_transformers import inspector_run, measured, same_training
+
+    same_training(inspector_run(tmp_path, "cuda", mode), inspector_run(None, "cuda", mode))
+    measured(events(tmp_path))
+
+
+@pytest.mark.parametrize("door", ["Lightning", "Hugging Face"])
+def test_a_compiled_llama_in_bfloat16_on_cuda_on_the_callbacks_trains_bitwise_as_without_them(tmp_path, events,
+                                                                                           deterministic, door):
+    pytest.importorskip("transformers")
+    from test_compiled_transformers import lightning_run, measured, same_training, trainer_run
+
+    if door == "Lightning":
+        from layerwatch import InspectCallback
+
+        same_training(lightning_run([InspectCallback()], tmp_path / "watched", "cuda"), lightning_run([], tmp_path / "plain", "cuda"))
+        measured(events(tmp_path / "watched" / "tb" / "version_0"), prefix="llama.")
+    else:
+        from layerwatch.huggingface import InspectTrainerCallback
+        from test_huggingface import event_dirs
+
+        same_training(trainer_run([InspectTrainerCallback()], tmp_path / "watched", "cuda"), trainer_run([], tmp_path / "plain", "cuda"))
+        (run,) = event_dirs(tmp_path / "watched")
+        measured(events(run), sampled=(1, 2))
+
+
+def test_a_compiled_models_re_run_on_cuda_adds_no_more_than_a_module_to_the_peak(tmp_path):
+    """The re-run holds one module's outputs at a time (autograd off, measured as they come):
+    a sampled step's peak allocated memory is the unsampled step's, within a module's output."""
+    from models import SdpaLM
+
+    torch.manual_seed(0)
+    model = SdpaLM(vocab=256, d=256).cuda()
+    compiled = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 256, (16, 257), device="cuda")
+    peaks = []
+    with Inspector(compiled, log_dir=tmp_path, every_n_steps=2, optimizer=opt, output_head="head") as inspector:
+        for step in range(6):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            loss = torch.nn.functional.cross_entropy(compiled(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated())
+            inspector.step()
+    unsampled, sampled = max(peaks[3], peaks[5]), max(peaks[2], peaks[4])
+    one_output = 16 * 256 * 256 * 4  # the head's logits, float32: the largest module output
+    assert sampled <= unsampled + one_output, (sampled, unsampled, one_output)
 
 
 def test_a_spike_on_cuda_is_found_once_its_copies_land_and_no_unsampled_step_waits(tmp_path, events):
@@ -378,9 +430,10 @@ def test_a_spike_on_cuda_is_found_once_its_copies_land_and_no_unsampled_step_wai
 
 @pytest.mark.parametrize("backend", [None, "inductor"], ids=["eager", "inductor"])
 def test_flex_attention_on_cuda_gets_the_kernels_own_statistics_and_the_run_is_unchanged(tmp_path, events, backend):
-    """The Triton kernel asked for each row's largest score and logsumexp: each head's exact
-    largest logit and mean min-entropy, the losses bitwise those without layerwatch (head size
-    32, 128 query rows: Inductor's main kernel, not its decoding one)."""
+    """The kernel asked for each row's largest score and logsumexp: each head's exact largest
+    logit and mean min-entropy, the losses bitwise those without layerwatch (head size 32, 128
+    query rows). Eager: the stand-in in torch's own compiled call (Triton's main kernel, not its
+    decoding one); compiled with Inductor: on the re-run, whose eager call returns both."""
     from test_flex_attention import min_entropy_heads
     from models import SdpaLM, lm_step, tab_values
 
@@ -388,10 +441,11 @@ def test_flex_attention_on_cuda_gets_the_kernels_own_statistics_and_the_run_is_u
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = SdpaLM(d=64, flex=True).cuda()
-        if seen is not None:
+        if seen is not None:  # (not inside compiled code: a hook there would be compiled into it)
             for side in ("q", "k"):
                 getattr(model.blocks[0].attn, side).register_forward_hook(
-                    lambda module, args, out, side=side: seen.setdefault(side, []).append(out.detach().clone()))
+                    lambda module, args, out, side=side: None if torch.compiler.is_compiling()
+                    else seen.setdefault(side, []).append(out.detach().clone()))
         call = model if backend is None else torch.compile(model, backend=backend)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         generator = torch.Generator().manual_seed(1)
@@ -411,7 +465,8 @@ def test_flex_attention_on_cuda_gets_the_kernels_own_statistics_and_the_run_is_u
     assert train(tmp_path, seen) == train(None)
     tab = tab_values(events(tmp_path))
     split = lambda t: t.view(2, 128, 2, 32).transpose(1, 2).cpu()  # noqa: E731
-    for step in (2, 4):
-        expected = min_entropy_heads(split(seen["q"][step]), split(seen["k"][step]))
+    for step in (0, 2, 4):
+        call = step if backend is None else step // 2  # compiled: the re-runs' eager calls alone are seen
+        expected = min_entropy_heads(split(seen["q"][call]), split(seen["k"][call]))
         assert tab["attention_logit_max/blocks.0.attn"][step] == pytest.approx(expected[:, 0].max().item(), rel=1e-3)
         assert tab["attention_entropy/blocks.0.attn"][step] == pytest.approx(expected[:, 1].min().item(), rel=1e-3)

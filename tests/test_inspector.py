@@ -171,9 +171,10 @@ def test_off_steps_register_nothing_and_touch_no_tensor(tmp_path):
     ins = Inspector(model, log_dir=tmp_path, schedule=at_steps([2]), optimizer=opt, sentinel=False).start()
     module_hooks = 2 * len(list(model.modules()))  # pre and post: the layer table (first sample) and the probes
     for step in range(4):
-        # the optimizer's step hooks for the whole run (they return at once off samples);
-        # module hooks only on the sampled step (the attention probe's from the second sample on)
-        assert hook_count(model, opt) == 2 + (2 * module_hooks if step == 2 else 0)
+        # the optimizer's step hooks for the whole run (they return at once off samples); module hooks only on
+        # the sampled step, with the transformer probes' three on the model (when its forward begins and ends; the
+        # kurtosis of its output, a block's)
+        assert hook_count(model, opt) == 2 + (2 * module_hooks + 3 if step == 2 else 0)
         loss = model(torch.randn(4, 8)).sum()
         opt.zero_grad()
         loss.backward()

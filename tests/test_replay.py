@@ -585,8 +585,9 @@ def test_a_compiled_model_is_replayed_eagerly_with_no_recompile_and_bitwise_loss
 
 @pytest.mark.parametrize("how", ["torch.compile(model)", "torch.compile(loss_fn)"])
 def test_a_compiled_models_layer_table_comes_from_one_eager_forward_of_its_batch(tmp_path, events, how):
-    """Where layerwatch can run a sampled step's batch again, a compiled model gets its layer
-    table (names as uncompiled, MACs), with no recompile and bitwise losses."""
+    """A compiled model gets its layer table (names as uncompiled, MACs) from its first sampled
+    step's re-run (a compiled function's batch given by ``replay_with``), with the very graphs and
+    bitwise losses."""
     dynamo = pytest.importorskip("torch._dynamo")
     from torch._dynamo.utils import counters
 
@@ -596,7 +597,8 @@ def test_a_compiled_models_layer_table_comes_from_one_eager_forward_of_its_batch
     def run(log_dir):
         dynamo.reset()
         counters.clear()
-        model = make_model(FaultAt(-1))
+        fault = FaultAt(-1)  # never
+        model = make_model(fault)
         call = torch.compile(model, backend="aot_eager") if how == "torch.compile(model)" else model
         forward = torch.compile(lambda x: model(x), backend="aot_eager") if how == "torch.compile(loss_fn)" else call
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -605,7 +607,7 @@ def test_a_compiled_models_layer_table_comes_from_one_eager_forward_of_its_batch
         inspector = None if log_dir is None else Inspector(call, log_dir=log_dir, every_n_steps=2, optimizer=opt).start()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            losses = train_steps(forward, FaultAt(-1), opt, batches, inspector)
+            losses = train_steps(forward, fault, opt, batches, inspector)
         if inspector is not None:
             inspector.finish()
         return losses, (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"],
@@ -613,8 +615,7 @@ def test_a_compiled_models_layer_table_comes_from_one_eager_forward_of_its_batch
 
     plain, watched = run(None), run(tmp_path)
     assert watched[0] == plain[0]
-    breaks, graphs, recompiles = watched[1]
-    assert breaks == plain[1][0] and recompiles == plain[1][2] and graphs <= plain[1][1] + 1  # the traced probe's armed graph
+    assert watched[1] == plain[1]  # graph breaks, graphs, recompiles
     acc = events(tmp_path)
     (table,) = acc.Tensors("layerwatch/structure/text_summary")
     text = table.tensor_proto.string_val[0].decode()

@@ -643,34 +643,106 @@ def test_what_sets_one_rank_apart_leaves_no_rank_waiting(tmp_path, events, case)
         assert [e.step for e in acc.Scalars("fwd_ms/fc1")] == [3]  # every rank armed it
 
 
-def fsdp2_compiled_worker(rank: int, world: int, out: str) -> None:
-    """Per-layer FSDP2 units, then ``torch.compile`` of the whole model (aot_eager): FSDP's
-    hooks run between compiled pieces, the traced probe's inside them."""
+def compiled_both_ways(build: Callable[[], nn.Module], loss_of: Callable[[nn.Module, int], torch.Tensor], out: str,
+                       observe: Callable[[nn.Module, int], Any], **options: Any) -> dict[int, Any]:
+    """:func:`train_both_ways` of a compiled model (``build()`` compiles it), asserting also that
+    Dynamo compiled the same graphs, breaks and recompiles with the Inspector as without it."""
+    from torch._dynamo.utils import counters
+
+    counts = []
+
+    def built() -> nn.Module:
+        if counts:  # the run before is over: its counts
+            counts[-1] = dynamo_counts()
+        torch._dynamo.reset()
+        counters.clear()
+        counts.append(None)
+        return build()
+
+    def dynamo_counts() -> tuple[int, int, int]:
+        return (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()),
+                sum(counters["recompiles"].values()))
+
+    seen = train_both_ways(built, loss_of, out, observe, **options)
+    counts[-1] = dynamo_counts()
+    assert len(counts) == 2 and counts[0] == counts[1] and counts[0][0] >= 1, counts  # without, with
+    return seen
+
+
+class Dropped(Stack):
+    """:class:`Stack` with dropout after its input layer: the re-run must leave the RNG as it was."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(nn.functional.dropout(x, 0.2, self.training))
+
+
+def compiled_worker(rank: int, world: int, out: str, setup: str) -> None:
+    """A compiled model (``aot_eager``) under DDP (``torch.compile(DDP(model))``), FSDP2 per layer
+    or tensor parallel, every second step sampled: every rank re-runs the sampled step's batch at
+    the same point (FSDP's all-gathers, tensor parallel's reductions: the same collectives in the
+    same order), with bitwise losses, the same graphs, and the whole tensors' statistics."""
+    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
-    torch._dynamo.reset()
+    whole: dict[int, Any] = {}
 
     def build() -> nn.Module:
-        model = Stack()
-        shard_stack(model, "per_layer", mesh)
+        if setup == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            return torch.compile(DistributedDataParallel(Dropped()), backend="aot_eager")
+        if setup == "fsdp2":
+            model = Dropped()
+            shard_stack(model, "per_layer", mesh)
+            return torch.compile(model, backend="aot_eager")
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        model = MLP(d_in=8, hidden=16, d_out=8)
+        parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
         return torch.compile(model, backend="aot_eager")
 
     def loss_of(model: nn.Module, step: int) -> torch.Tensor:
+        if setup == "tensor parallel":
+            torch.manual_seed(100 + step)  # the same input on both ranks
+            x = torch.randn(4, 8)
+            fc1 = model._orig_mod.fc1
+            whole[step] = F.linear(x, fc1.weight.full_tensor(), fc1.bias.full_tensor()).detach()
+            return model(x).pow(2).mean()
         torch.manual_seed(100 + 10 * step + rank)  # each rank its own data
         return model(torch.randn(4, 6)).pow(2).mean()
 
-    train_both_ways(build, loss_of, out, every_n_steps=EVERY)
+    def observe(model: nn.Module, step: int) -> dict:
+        inner = model._orig_mod
+        weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).double().norm().item()
+                   for n, p in inner.named_parameters()}  # every rank: full_tensor is collective
+        return {"weights": weights, "fc1": whole[step].norm().item() if step in whole else None}
+
+    reference = compiled_both_ways(build, loss_of, out, observe, every_n_steps=EVERY)
+    if rank == 0:
+        record(out, "reference.json", reference)
 
 
-def test_fsdp2_per_layer_and_compiled_never_hangs_and_measures_inside(tmp_path, events):
-    run_ranks(fsdp2_compiled_worker, str(tmp_path), tmp=tmp_path)
+@pytest.mark.parametrize("setup", ["ddp", "fsdp2", "tensor parallel"])
+def test_a_compiled_model_is_measured_on_every_ranks_re_run_and_left_as_it_was(tmp_path, events, setup):
+    run_ranks(compiled_worker, str(tmp_path), setup, tmp=tmp_path, debug="INFO" if setup == "ddp" else "DETAIL")
     one_writer(tmp_path / "run")
     acc = events(tmp_path / "run")
+    reference = json.loads((tmp_path / "reference.json").read_text())
     scalars = set(acc.Tags()["scalars"])
-    assert {"weights_norm/inp.weight", "grads_norm/blocks.1.fc2.bias"} <= scalars
     assert not [t for t in scalars if "_orig_mod" in t or "_wrapped_module" in t]
-    assert {f"activations/{m}" for m in ("inp", "blocks.0.fc1", "blocks.1", "out")} <= set(acc.Tags()["histograms"])
+    modules = ["fc1", "act", "fc2"] if setup == "tensor parallel" else ["inp", "blocks.0.fc1", "blocks.1", "out"]
+    prefix = "module." if setup == "ddp" else ""
+    for module in modules:
+        assert [e.step for e in acc.Scalars(f"activations_norm/{prefix}{module}")] == [0, 2], module
+    for step in (0, 2):
+        for name, norm in reference[str(step)]["weights"].items():  # exact, from the shards
+            got = {e.step: e.value for e in acc.Scalars(f"weights_norm/{clean(name)}")}[step]  # (DDP's: module.)
+            assert got == pytest.approx(norm, rel=1e-5), (step, name)
+        if setup == "tensor parallel":  # the re-run's output of fc1, sharded over the ranks: the whole output's
+            got = {e.step: e.value for e in acc.Scalars("activations_norm/fc1")}[step]
+            assert got == pytest.approx(reference[str(step)]["fc1"], rel=1e-5)
+    assert not [t for t in scalars if t.startswith(("bwd_ms/", "saved_bytes/"))]
 
 
 def budget_worker(rank: int, world: int, out: str) -> None:

@@ -313,7 +313,7 @@ def test_the_tab_forgets_the_points_of_a_run_deleted_from_the_log_directory():
 
 @pytest.fixture(scope="module")
 def attention_server(tmp_path_factory):
-    """A run of a two-block SDPA model (2 heads each), every step sampled: attention from the second sample on."""
+    """A run of a two-block SDPA model (2 heads each), every step sampled: attention from the first sample on."""
     logdir = tmp_path_factory.mktemp("attention")
     torch.manual_seed(0)
     model = SdpaLM()
@@ -325,10 +325,17 @@ def attention_server(tmp_path_factory):
                 ids = torch.randint(0, 32, (4, 12))
                 lm_step(model, opt, ids)
                 inspector.step()
+        torch._dynamo.reset()
+        compiled = torch.compile(SdpaLM(), backend="aot_eager")  # measured on its re-runs
+        opt = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
+        with Inspector(compiled, log_dir=logdir / "compiled", every_n_steps=1, optimizer=opt) as inspector:
+            for _ in range(4):
+                lm_step(compiled, opt, torch.randint(0, 32, (4, 12)))
+                inspector.step()
 
     def loaded(server):
         runs = server.get_json("/data/plugin/layerwatch/runs")["runs"]
-        return runs and runs[0]["last_step"] == 3
+        return len(runs) == 2 and all(run["last_step"] == 3 for run in runs)
 
     with serve(logdir, ready=loaded) as server:
         yield server
@@ -342,8 +349,8 @@ def test_an_attention_module_has_its_heads_as_heads_x_steps(attention_server):
                                  ("attention_head_entropy", "attention_entropy", min)):
         of = heads[key]
         assert of["heads"] == ["blocks.0.attn#0", "blocks.0.attn#1"]
-        assert of["steps"] == [1, 2, 3]  # from the second sample on
-        assert len(of["values"]) == 2 and all(len(row) == 3 for row in of["values"])
+        assert of["steps"] == [0, 1, 2, 3]  # from the first sample on
+        assert len(of["values"]) == 2 and all(len(row) == 4 for row in of["values"])
         heatmap = route(attention_server, "heatmap", run="sdpa", stat=key)
         values = decode(heatmap)
         for h, name in enumerate(of["heads"]):
@@ -355,11 +362,21 @@ def test_an_attention_module_has_its_heads_as_heads_x_steps(attention_server):
             assert own[step] == pytest.approx(combine(row[i] for row in of["values"]), rel=1e-6)
 
 
+def test_a_compiled_models_forward_time_is_said_to_be_its_eager_re_runs(attention_server):
+    """A compiled model's per-module values come from an eager re-run of the sampled step's batch
+    (its events say so): the tab names its ``fwd_ms`` for what it is."""
+    labels = {run: {s["key"]: s for s in route(attention_server, "stats", run=run)["stats"]} for run in ("sdpa", "compiled")}
+    assert labels["sdpa"]["fwd_ms"]["label"] == "forward time"
+    assert labels["compiled"]["fwd_ms"]["label"] == "forward time (eager re-run)"
+    assert "autograd off" in labels["compiled"]["fwd_ms"]["unit"]
+    assert "bwd_ms" in labels["sdpa"] and "bwd_ms" not in labels["compiled"]
+
+
 def test_a_head_has_its_own_series_and_a_layer_without_heads_has_none(attention_server):
     module = route(attention_server, "layer", run="sdpa", name="blocks.1.attn")
     head = route(attention_server, "layer", run="sdpa", name="blocks.1.attn#1")
     assert set(head["series"]) == {"attention_head_logit_max", "attention_head_entropy"}
-    assert head["steps"] == [1, 2, 3] and head["heads"] == {} and head["histograms"] == {}
+    assert head["steps"] == [0, 1, 2, 3] and head["heads"] == {} and head["histograms"] == {}
     for key, series in head["series"].items():
         assert series == module["heads"][key]["values"][1]
     for name in ("blocks.1", "blocks.1.attn.q", "blocks.1.attn.q.weight"):

@@ -17,16 +17,15 @@ small protocol, and nothing private::
 ``state_dict()`` / ``load_state_dict()`` carry what a resumed run needs (the overhead budget's
 interval); the front doors put it into their own state.
 
-``before_optimizer_step`` and ``after_optimizer_step`` may be left out: ``end_step`` reads
-whatever the step has not read yet. Off-steps cost a schedule lookup (and the sentinel's
-fused check, when it is on). The data flow of a sampled step is one way: device rows
-(:mod:`~layerwatch.params`, :mod:`~layerwatch.probes`) -> one transfer per device -> a
+``before_optimizer_step`` and ``after_optimizer_step`` may be left out: ``end_step`` reads whatever the step has not
+read yet. Off-steps cost a schedule lookup (and the sentinel's fused check, when it is on). The data flow of a sampled
+step is one way: device rows (:mod:`~layerwatch.params`, :mod:`~layerwatch.probes`) -> one transfer per device -> a
 :class:`~layerwatch.record.StepRecord` -> the sinks.
 
-The engine coordinates; each decision has its own home: which steps are sampled
-(:mod:`~layerwatch.sampling`), what a sampled step reads (:mod:`~layerwatch.sample`), what
-NaN/Inf gradients set going (:mod:`~layerwatch.faults`), where the records go
-(:mod:`~layerwatch.output`), where the parameters live (:mod:`~layerwatch.placement`).
+The engine coordinates; each decision has its own home: which steps are sampled (:mod:`~layerwatch.sampling`), what
+a sampled step reads (:mod:`~layerwatch.sample`), a compiled model's re-run (:mod:`~layerwatch.rerun`), what NaN/Inf
+gradients set going (:mod:`~layerwatch.faults`), where the records go (:mod:`~layerwatch.output`), where the
+parameters live (:mod:`~layerwatch.placement`).
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ from torch import nn
 from layerwatch import record as R
 from layerwatch.alerts import Alert, HealthCheck
 from layerwatch.budget import Pacer
-from layerwatch.distributed import Layout, is_writer_rank, world_size
+from layerwatch.distributed import Layout, is_writer_rank
 from layerwatch.failures import FailurePolicy
 from layerwatch.faults import Faults
 from layerwatch.hooks import Attachments, CollectorClock, claim
@@ -51,7 +50,8 @@ from layerwatch.options import Options, writable_dir
 from layerwatch.output import Output
 from layerwatch.params import ParameterFamilies
 from layerwatch.probes import ProbeResult, StepProbes
-from layerwatch.sample import Sample, SampleReads, table_eagerly
+from layerwatch.rerun import Rerun, Rows
+from layerwatch.sample import Sample, SampleReads
 from layerwatch.sampling import Sampling
 from layerwatch.schedule import Schedule
 from layerwatch.spikes import Spikes
@@ -71,15 +71,13 @@ class Engine:
     Args:
         model: The module to watch. Held by weak reference.
         options: The validated options (:func:`~layerwatch.options.validate_options`).
-        writer: A ``SummaryWriter`` to write into (flushed, never closed). Exclusive with
-            ``log_dir``.
-        log_dir: Directory for a ``SummaryWriter`` the engine owns and closes. With
-            neither, ``SummaryWriter()``'s default ``runs/...`` directory.
+        writer: A ``SummaryWriter`` to write into (flushed, never closed). Exclusive with ``log_dir``.
+        log_dir: Directory for a ``SummaryWriter`` the engine owns and closes. With neither, ``SummaryWriter()``'s
+            default ``runs/...`` directory.
         owner: The front door's name, as its messages spell it (``"Inspector"``).
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``, or ``writer`` lacks the
-            ``SummaryWriter`` interface.
+        TypeError: ``model`` is not an ``nn.Module``, or ``writer`` lacks the ``SummaryWriter`` interface.
         ValueError: both ``writer`` and ``log_dir``, or a ``log_dir`` that cannot be written.
     """
 
@@ -103,12 +101,13 @@ class Engine:
         self._reads = SampleReads(options, self.failures, self._params)
         self._probes = StepProbes(options.families, options.modules, options.stats, options.bins, self.failures,
                                   output_head=options.output_head)
+        self._rerun = Rerun(self._probes, self.failures)  # a compiled model's sampled step, run again eagerly
         self._health = None if options.rules is None else HealthCheck(options.rules, self.failures)
         self._counter = StepCounter()
         # What is attached to the user's objects lives apart from the engine and goes with it.
         self._attached = Attachments()
         self._collector = CollectorClock()
-        self._attached.removables += [self._probes, self._counter, self._collector]
+        self._attached.removables += [self._probes, self._rerun, self._counter, self._collector]
         self._release = weakref.finalize(self, self._attached.release)
         self._output = Output(self._attached, self.failures, writer)
         self._sampling = Sampling(options, self.failures)
@@ -127,8 +126,7 @@ class Engine:
 
     @property
     def schedule(self) -> Schedule | Pacer:
-        """What chooses the sampled steps: the schedule given, or the overhead budget's pacer
-        (its ``interval``)."""
+        """What chooses the sampled steps: the schedule given, or the overhead budget's pacer (its ``interval``)."""
         return self._sampling.schedule
 
     @property
@@ -155,18 +153,18 @@ class Engine:
               deepspeed: Any = None) -> "Engine":
         """Open the writer (rank 0) and write the chart layout. Opens no step. A model still watched by an earlier
         engine that was never finished is taken from it: that engine is finished first (hooks removed, writer flushed).
+        In a distributed run, call it on every rank at the same point: a sharded run makes the ranks' group here.
 
         ``within``: a module the model is wrapped in, whose FSDP units may hold some of its parameters (Lightning's
-        ``strategy="fsdp"`` wraps the LightningModule itself). In a distributed run, call it on every rank at the
-        same point: a sharded run makes the ranks' group for agreeing here, which is collective.
+        ``strategy="fsdp"`` wraps the LightningModule itself).
 
-        ``compiled_by_caller``: the caller will run the model under ``torch.compile`` (the Hugging Face Trainer's
-        ``torch_compile=True``), so its modules get the traced probe's hooks now, before the first compiled forward.
+        ``compiled_by_caller``: the caller compiles the model (the Hugging Face Trainer's ``torch_compile=True``, a
+        LightningModule Lightning compiles): it is measured on re-runs of what the caller offers (:meth:`rerun_with`).
 
         ``deepspeed``: the DeepSpeed engine (or its ZeRO optimizer) that trains the model, when the model is not that
         engine itself. A ``DeepSpeedEngine`` given as the model is watched through the module it trains; with ZeRO,
-        every rank reads its partitions (:mod:`~layerwatch.zero`): the gradients in the step pre-hook of the
-        optimizer DeepSpeed steps (:attr:`deepspeed_client`, which the front door hooks).
+        every rank reads its partitions (:mod:`~layerwatch.zero`), the gradients in the step pre-hook of the optimizer
+        DeepSpeed steps (:attr:`deepspeed_client`, which the front door hooks).
         """
         if self._state != "new":
             raise RuntimeError(f"start() called on an {self.owner.lower()} that is {self._state}")
@@ -189,13 +187,11 @@ class Engine:
         self._faults.start(self._model, layout, zero, within, together, stages is not None)
         self._spikes.start(together, is_writer_rank())
         self._state = "running"
-        model = self._model()
-        if model is not None and (is_writer_rank() or together):
-            params = [p for _, p in layout.parameters(model)]
-            self.failures.run("prepare the probes", lambda: self._probes.prepare(model, params, compiled_by_caller), 0)
         if not layout.parameters(model):
             self.failures.warn_once("no-params", "layerwatch: the model has no parameters; there is nothing to log")
         if model is not None:
+            self._probes.start(model, compiled_by_caller)
+            self._rerun.start(model, within, together)
             self._output.write_layout(model, self._placement, self.options, self._step)
         return self
 
@@ -248,8 +244,8 @@ class Engine:
     # ------------------------------------------------------------------ the step protocol
 
     def begin_step(self, step: int, *, may_sample: bool = True) -> bool:
-        """Open ``step``; sampled when the schedule says so (or the sentinel asked for it) and
-        ``may_sample``. Arms the module hooks of a sampled step. Returns whether it is sampled."""
+        """Open ``step``; sampled when the schedule (or a fault) says so and ``may_sample``: then its module hooks are
+        armed, or a compiled model's re-run awaits its first micro-batch. Returns whether it is sampled."""
         self._check_running("begin_step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
@@ -265,49 +261,56 @@ class Engine:
         self._param_cache = sample.params
         if model is not None and (is_writer_rank() or self._placement.together):
             self._armed = True  # before: what a failed arming put on is taken off too
-            self._probes.arm(model, [p for _, p in sample.params], step, writer=is_writer_rank())
+            params = [p for _, p in sample.params]
+            self._probes.arm(model, params, step, writer=is_writer_rank())
+            self._rerun.arm(step, params, writer=is_writer_rank())
             self._collector.attach()
         sample.overhead_s += time.perf_counter() - started
         return True
 
-    def replay_with(self, closure: Callable[[], Any]) -> None:
-        """Let the open step be replayed: ``closure()`` computes the loss of this step's batch
-        again (once per micro-batch), and is called before that forward. The front door must
-        call :meth:`before_optimizer_step` after the backward and only when the optimizer will
-        step (a GradScaler's skipped step is not a fault). See :meth:`Faults.offer
-        <layerwatch.faults.Faults.offer>`.
-
-        Raises:
-            TypeError: ``closure`` is not callable.
-        """
+    def replay_with(self, closure: Callable[[], Any], rows: Optional[Rows] = None,
+                    forward: Optional[Callable[[], Any]] = None) -> None:
+        """Let the open step be replayed (:meth:`Faults.offer <layerwatch.faults.Faults.offer>`): ``closure()``
+        computes the loss of this step's batch again (once per micro-batch), called before that forward. The door
+        must call :meth:`before_optimizer_step` after the backward, only when the optimizer will step (a GradScaler's
+        skipped step is no fault). It (or ``forward``, the forward alone) serves :meth:`rerun_with` too. Raises
+        ``TypeError`` when ``closure`` is not callable."""
         self._check_running("replay_with")
         if not callable(closure):
             raise TypeError(f"closure must be callable, got {type(closure).__name__}")
         self._faults.offer(closure, self._placement.together, keep=self._spikes.rule is not None)
+        self._rerun.offer(closure if forward is None else forward, rows)
+
+    def rerun_with(self, closure: Callable[[], Any], rows: Optional[Rows] = None) -> None:
+        """A forward of the open step's micro-batch (its result unused), before that forward: a compiled model's
+        sampled step is measured on the first, run again eagerly (:class:`~layerwatch.rerun.Rerun`); ``rows(n)``: the
+        same on its first ``n`` rows. For a door that cannot replay the step (:meth:`replay_with` offers it too)."""
+        self._check_running("rerun_with")
+        self._rerun.offer(closure, rows)
 
     def observe(self, value: Any, what: str = "loss") -> None:
         """The open step's loss (micro-batches: averaged) or (``what="grad_norm"``) gradient norm, judged once landed."""
         self._spikes.offer(self._step, value, what)
 
     def before_optimizer_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-        """The gradients of ``optimizer``'s parameters (of every parameter when None) are
-        final: read those not read yet this step, and snapshot their weights for the update
-        ratios. With several optimizers, call it before each one's step. When the step can be
-        replayed (:meth:`replay_with`), the sentinel's check is read here, first."""
+        """The gradients of ``optimizer``'s parameters (every parameter's when None) are final: read those not read yet
+        this step, and snapshot their weights for the update ratios. With several optimizers, call it before each
+        one's step. When the step can be replayed (:meth:`replay_with`), the sentinel's check is read here, first."""
         started = time.perf_counter()
         self._check_faults(before_optimizer_step=True)  # before each optimizer's step: a later one's gradients may be new
         sample = self._sample
         if sample is None:
             self._sampling.own_s += time.perf_counter() - started
             return
+        if self._armed:  # a model found running compiled has its first micro-batch run again, with the step's weights
+            self._rerun.before_optimizer_step(sample.step, sample.trained)
         self._reads.before_optimizer_step(sample, optimizer, self._placement.zero)
         sample.overhead_s += time.perf_counter() - started
 
     def after_optimizer_step(self, optimizer: Optional[torch.optim.Optimizer] = None, *, stepped: Optional[bool] = None) -> None:
-        """``optimizer`` (every optimizer when None) has stepped: measure the updates of its
-        parameters and read their weights. ``stepped``, when the caller knows it (call it on
-        every step then): whether the optimizer really stepped (False: a GradScaler skip),
-        counted as :meth:`track_optimizers` counts, without a hook."""
+        """``optimizer`` (every optimizer when None) has stepped: measure the updates of its parameters and read their
+        weights. ``stepped``, when the caller knows it (call it on every step then): whether the optimizer really
+        stepped (False: a GradScaler skip), counted as :meth:`track_optimizers` counts, without a hook."""
         if stepped is not None:
             self._counter.add(stepped)
         sample = self._sample
@@ -322,21 +325,17 @@ class Engine:
         self._check_running("end_step")
         entered = time.perf_counter()
         self._check_faults()
-        micro_batches, self._faults.micro_batches = self._faults.micro_batches, []
+        self._faults.micro_batches = []  # the step's batches are let go of
         sample, self._sample = self._sample, None
         if sample is None:
             self._sampling.close_unsampled(self._step, entered, self._faults.check_s)
             return None
         started = time.perf_counter()
-        sample.overhead_s += self._probes.hook_seconds
-        trained = any(p.grad is not None for _, p in sample.params)
+        sample.overhead_s += self._probes.hook_seconds + self._rerun.close(sample.step)
         stages = self._placement.stages
         sync = None if stages is not None else self._sampling.sync  # a stage's probes combine nothing with other ranks'
-        structure, probes = self._probes.take(sync, sample.step, trained, self._placement.layout.flattened)
+        structure, probes = self._probes.take(sync, sample.step, sample.trained(), self._placement.layout.flattened)
         probes = sample.replay or probes
-        if structure is None and self._probes.table_waits and world_size() == 1:
-            structure = table_eagerly(self._model(), self._probes, self.failures, self._step,
-                                      micro_batches[0] if micro_batches else None)
         self._reads.rest(sample, [ref() for ref in self._faults.optimizers])
         parts: list[Optional[StagePart]] = []  # every stage's measurements, on the writer
         if stages is not None:  # every rank, whatever it measured: collective
@@ -357,6 +356,7 @@ class Engine:
     def _drop_sample(self) -> None:
         if self._armed:
             self._probes.disarm()
+            self._rerun.disarm()
             self._collector.remove()
         self._sample, self._armed = None, False
 
@@ -383,9 +383,9 @@ class Engine:
 
     def _write(self, sample: Sample, started: float, structure: Optional[Summary], probes: Optional[ProbeResult],
                stages: Optional[StagePart] = None) -> None:
-        """Rank 0: the step's rows to the host, what they and the probes say, then its record to
-        the sinks, built and written after the step's cost is taken (so both count in the next
-        sample's: :meth:`Sampling.cost`). ``stages``: every stage's rows, gathered already."""
+        """Rank 0: the step's rows to the host, what they and the probes say, then its record to the sinks, built and
+        written after the step's cost is taken (both count in the next sample's: :meth:`Sampling.cost`). ``stages``: every
+        stage's rows, gathered already."""
         rows = self._reads.host_rows(sample) if stages is None else stages.rows
         stepped = sample.stepped(self._counter.count)
         found, offender = self._faults.offender_alerts(sample.step, probes, stepped)

@@ -125,12 +125,10 @@ class Faults:
         and calls ``backward()`` on what it returns (a loss tensor, or a mapping with a
         ``"loss"``), to name the module that made the NaN. RNG states, buffers, gradients and
         module modes are restored after it (see :mod:`~layerwatch.replay`). Nothing is kept
-        past the step. On compiled code whose layer table cannot come from the shapes of its
-        inputs, the first sampled step's closure gives it (one more forward, run eagerly,
-        after the step; see :func:`~layerwatch.sample.table_eagerly`). Not taken when the
-        ranks vote (``voting``): they agree on a finding a step later. ``keep``: kept whatever
-        the sentinel does (a loss spike replays the step too: :meth:`replay_spike`)."""
-        if (self.sentinel is not None or self._probes.table_waits or keep) and not voting:
+        past the step. Not taken when the ranks vote (``voting``): they agree on a finding a
+        step later. ``keep``: kept whatever the sentinel does (a loss spike replays the step
+        too: :meth:`replay_spike`)."""
+        if (self.sentinel is not None or keep) and not voting:
             self._replay_offered = True
             self.micro_batches.append(MicroBatch(closure, RngState.capture()))
 

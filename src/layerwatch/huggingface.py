@@ -33,10 +33,11 @@ ends.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import weakref
-from typing import Any, Collection, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
 from torch import nn
@@ -49,6 +50,7 @@ from layerwatch.engine import Engine
 from layerwatch.hooks import FailedForwardGuard, GradNormTaken, engine_step_hooks, is_compiling
 from layerwatch.options import DEFAULT_STATS, options_from
 from layerwatch.probes import ModuleFilter
+from layerwatch.rerun import first_rows
 from layerwatch.schedule import ScheduleLike
 from layerwatch.spikes import SpikeRule
 
@@ -104,7 +106,10 @@ class InspectTrainerCallback(TrainerCallback):
             GradScaler (its skipped steps are not faults), DeepSpeed, sharded parameters
             (FSDP), or with a loss computed outside the model (``compute_loss_func``, label
             smoothing): each is said at the fault. With a ``compute_loss`` of your own, the replay backpropagates the
-            model's own loss (``outputs.loss``) instead of yours.
+            model's own loss (``outputs.loss``) instead of yours. Under ``torch_compile=True`` each sampled
+            step's inputs are run through the model again the same way, forward only and without a gradient,
+            before the step's own forward: its per-module families are measured there, nothing of layerwatch
+            running inside compiled code (``replay=False`` turns that off too).
 
     Raises:
         ValueError, TypeError: A bad option, at construction.
@@ -177,8 +182,9 @@ class InspectTrainerCallback(TrainerCallback):
         if unreplayable is not None or note:
             self._engine.describe_replay(unreplayable=unreplayable, differs=note or None)
         losses = self._options.spikes is not None  # the loss the model's outputs hold, for the spike check
-        if unreplayable is None or losses:
-            self._inputs = _InputsKept(self._engine, outer, model, replay=unreplayable is None, losses=losses)
+        rerun = self._replay and bool(getattr(args, "torch_compile", False))  # a compiled model's sampled steps: run again
+        if unreplayable is None or losses or rerun:
+            self._inputs = _InputsKept(self._engine, outer, model, replay=unreplayable is None, rerun=rerun, losses=losses)
             self._inputs.attach()
             self._engine.attach([self._inputs])
         if losses and getattr(trainer, "accelerator", None) is not None:  # the Trainer asks it for the norm, each step
@@ -219,18 +225,21 @@ class InspectTrainerCallback(TrainerCallback):
 class _InputsKept:
     """The hooks on the module the Trainer calls, at each training forward of the open step:
     with ``replay``, a pre-hook offers the engine a closure that calls the model again with the
-    same inputs (:meth:`Engine.replay_with`); with ``losses``, a hook hands the engine the loss
+    same inputs (:meth:`Engine.replay_with`); with ``rerun`` alone, one that runs its forward
+    again (:meth:`Engine.rerun_with`: a compiled model's sampled step is measured on it); with
+    ``losses``, a hook hands the engine the loss
     the model's outputs hold (:meth:`Engine.observe`: the Trainer's default
     ``compute_loss`` takes it there). Evaluation (no autograd, or ``eval()``), traced calls and
     the replay's own forwards are passed over. A forward that raises takes the hooks off at once
     (the exception may end training, and no event of the Trainer's says so); the next step
     puts them back. It holds the engine and the modules weakly; ``remove()`` is safe twice."""
 
-    def __init__(self, engine: Engine, outer: nn.Module, model: nn.Module, replay: bool = True, losses: bool = False) -> None:
+    def __init__(self, engine: Engine, outer: nn.Module, model: nn.Module, replay: bool = True, rerun: bool = False,
+                 losses: bool = False) -> None:
         self._engine = weakref.ref(engine)
         self._outer = weakref.ref(outer)
         self._model = weakref.ref(model)
-        self._replay, self._losses = replay, losses
+        self._replay, self._rerun, self._losses = replay, rerun, losses
         self._replaying = False
         self._handles: list[Any] = []
 
@@ -239,7 +248,7 @@ class _InputsKept:
         if self._handles or outer is None or model is None:
             return
         self._handles = [FailedForwardGuard(model, self.remove)]
-        if self._replay:
+        if self._replay or self._rerun:
             self._handles.append(outer.register_forward_pre_hook(self, with_kwargs=True))
         if self._losses:
             self._handles.append(outer.register_forward_hook(self._loss_seen, with_kwargs=True))
@@ -265,16 +274,25 @@ class _InputsKept:
         if self._passed_over(module):
             return
         engine = self._engine()
-        if engine is not None and engine.state == "running":
-            engine.replay_with(lambda: self._again(args, kwargs))
+        if engine is None or engine.state != "running":
+            return
+        rows = functools.partial(self._first_rows, args, kwargs)
+        forward = functools.partial(self._forward, args, kwargs)
+        if self._replay:
+            engine.replay_with(lambda: _model_loss(forward(), "labels" in kwargs), rows, forward=forward)
+        else:
+            engine.rerun_with(forward, rows)
 
-    def _again(self, args: tuple, kwargs: dict) -> torch.Tensor:
+    def _first_rows(self, args: tuple, kwargs: dict, rows: int) -> Callable[[], Any]:
+        return lambda: self._forward(first_rows(args, rows), first_rows(kwargs, rows))
+
+    def _forward(self, args: tuple, kwargs: dict) -> Any:
+        """The model called again with ``args`` and ``kwargs`` (its own forward, not the wrapper's)."""
         self._replaying = True
         try:
-            outputs = self._model()(*args, **kwargs)
+            return self._model()(*args, **kwargs)
         finally:
             self._replaying = False
-        return _model_loss(outputs, "labels" in kwargs)
 
 
 def _model_loss(outputs: Any, labels_given: bool) -> torch.Tensor:

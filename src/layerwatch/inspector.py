@@ -249,6 +249,12 @@ class Inspector:
         a closure of its own (``opt.step(closure)``, LBFGS): its pre-hook runs before that
         closure's backward.
 
+        A model that runs compiled is measured on it too: on a sampled step, the first closure
+        is run again at once, eagerly, forward only and without a gradient, and the per-module
+        families are measured there (nothing of layerwatch runs inside compiled code; see
+        docs/usage.md, "Compiled code"). For a model called from a compiled function
+        (``torch.compile(loss_fn)``) it is the only way they are measured.
+
         Example:
             >>> for x, y in loader:  # doctest: +SKIP
             ...     compute_loss = lambda: loss_fn(model(x), y)

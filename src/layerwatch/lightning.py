@@ -25,6 +25,7 @@ from layerwatch.engine import Engine
 from layerwatch.hooks import GradNormTaken
 from layerwatch.options import DEFAULT_STATS, options_from
 from layerwatch.probes import ModuleFilter
+from layerwatch.rerun import first_rows
 from layerwatch.schedule import ScheduleLike
 from layerwatch.spikes import SpikeRule
 
@@ -118,7 +119,11 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
             ``training_step`` in either mode). Not under a GradScaler (its skipped steps are
             not faults) or with sharded parameters (the ranks agree on a finding a step later).
             Python state ``training_step`` changes outside the module (a metric's ``update``, a
-            counter) changes again in a replay.
+            counter) changes again in a replay. A compiled LightningModule
+            (``Trainer.fit(torch.compile(module))``, or parts compiled in ``configure_model``) runs
+            ``training_step`` again the same way, forward only and without a gradient, before each
+            sampled step's own: its per-module families are measured there, nothing of layerwatch
+            running inside compiled code (``replay=False`` turns that off too).
 
     Use one InspectCallback per Trainer: Lightning refuses a second one (or the same
     object twice) when the Trainer is built, because their checkpoint states would collide.
@@ -152,6 +157,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         self._options = options_from(locals())
         self._replay = replay
         self._replaying = False  # this run's steps can be replayed
+        self._rerunning = False  # training_step can run again, forward only (a compiled module's sampled steps)
         self._loss_in_backward, self._accumulated = True, 1  # where the loss is taken (set at the start of training)
         self._engine: Optional[Engine] = None
         self._alerts: list[Alert] = []
@@ -199,13 +205,14 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         if self._engine is None:
             return
         # strategy="fsdp" wraps pl_module itself; a compiled LightningModule (Trainer.fit(torch.compile(module)))
-        # has its forward and steps compiled by Lightning, so its modules get the traced probe's hooks now
+        # has its forward and steps compiled by Lightning: its sampled steps run training_step again, eagerly
         self._engine.start(within=getattr(trainer.strategy, "model", None),
                            compiled_by_caller=getattr(pl_module, "_compiler_ctx", None) is not None)
         self._engine.load_state_dict(self._engine_state)
         self._engine.track_optimizers(trainer.optimizers)
         custom = callable(self._replay)
-        self._replaying = bool(self._replay) and (custom or pl_module.automatic_optimization) and _scaler(trainer) is None
+        self._rerunning = bool(self._replay) and (custom or pl_module.automatic_optimization)
+        self._replaying = self._rerunning and _scaler(trainer) is None
         # The loss before the backward, where a spike can still be sampled in its step; a GradScaler's is scaled then.
         self._loss_in_backward = _scaler(trainer) is None
         self._accumulated = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
@@ -224,9 +231,14 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
 
     @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if self._engine is not None and self._replaying:
+        if self._engine is not None and self._rerunning:
             step = self._replay if callable(self._replay) else None
-            self._engine.replay_with(functools.partial(_training_step_again, trainer, pl_module, batch, batch_idx, step))
+            closure = functools.partial(_training_step_again, trainer, pl_module, batch, batch_idx, step)
+            rows = functools.partial(_first_rows_again, trainer, pl_module, batch, batch_idx, step)
+            if self._replaying:
+                self._engine.replay_with(closure, rows)
+            else:  # a compiled module's sampled step runs it again, forward only
+                self._engine.rerun_with(closure, rows)
 
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -328,6 +340,12 @@ def _training_step_again(trainer: Any, pl_module: Any, batch: Any, batch_idx: in
         parameters = inspect.signature(step).parameters.values()
         takes_index = len(parameters) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
         return step(batch, batch_idx) if takes_index else step(batch)
+
+
+def _first_rows_again(trainer: Any, pl_module: Any, batch: Any, batch_idx: int, replay: Optional[Callable],
+                      rows: int) -> Callable[[], Any]:
+    """:func:`_training_step_again` on the first ``rows`` of ``batch``, as a closure."""
+    return functools.partial(_training_step_again, trainer, pl_module, first_rows(batch, rows), batch_idx, replay)
 
 
 @contextlib.contextmanager

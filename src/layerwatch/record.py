@@ -40,6 +40,7 @@ class StepRecord:
     offender: Optional[Offender] = None  # the first offender, at the step it was found
     spikes: list = field(default_factory=list)  # the loss spikes found since the last sample (events/spikes)
     history: dict = field(default_factory=dict)  # tag -> [(step, value)] of steps before this one, written before it
+    rerun: bool = False  # the per-module values are of a compiled model's eager re-run (rerun.py)
 
 
 @dataclass
@@ -77,7 +78,7 @@ def build(
     sentinel's first hit alone holds ``first_nonfinite_step``. ``all_grads`` False: the rows
     lack some gradients of the model (a pipeline stage's could not be sent), so its gradient
     norm is not written."""
-    rec = StepRecord(step)
+    rec = StepRecord(step, rerun=probes is not None and probes.rerun)
     rows = rows or {}
     for family in TENSOR_FAMILIES:
         for names, family_rows in rows.get(family, ()):

@@ -7,18 +7,20 @@ the engine notes the RNG state it starts from (:class:`MicroBatch`). When the Na
 finds non-finite gradients at that step, still before the optimizer step, the engine runs
 those micro-batches again in order (:func:`replay_until_named`), each from its own RNG state
 (the same dropout masks) and with fresh gradients, until one shows the first module that made
-a NaN or Inf. On compiled code, one forward of the first sampled step's batch run again
-(:func:`forward_again`) also gives the layer table.
+a NaN or Inf. A compiled model's sampled step is run again too, forward only
+(:mod:`~layerwatch.rerun`), with the same care.
 
 What a replay leaves as it found it (:class:`SavedState`):
 
 * the RNG states: torch's CPU generator and CUDA generators, Python's and NumPy's;
 * the buffers (BatchNorm running statistics): the tensors the modules hold, and their values;
+* each module's attributes (a counter or a cache a forward sets, which compiled code may be
+  guarded on), and its mode (``training``);
 * the gradients: the tensors the parameters hold (the model's, and those of the optimizers
   it was given, which a closure may reach beyond the model), and in a distributed run their
   values too (DDP's ``gradient_as_bucket_view`` gradients share storage with what a
   synchronized backward writes);
-* each module's mode (``training``), and DDP's sync flags (:func:`gradient_sync_off`).
+* DDP's sync flags (:func:`gradient_sync_off`).
 
 Compiled code runs eagerly during a replay (:func:`run_eagerly`), so a compiled model is
 replayed with every probe too.
@@ -29,6 +31,7 @@ The optimizer then steps as it would have without layerwatch.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
@@ -75,7 +78,7 @@ class SavedState:
         self.rng = RngState.capture()
         self.python_rng = random.getstate()
         self.numpy_rng = np.random.get_state()
-        self.modes = [(module, module.training) for module in model.modules()]
+        self.attributes = [(module, dict(module.__dict__)) for module in model.modules()]  # modes among them
         self.buffers = [
             (module, name, buffer, buffer.detach().clone())
             for module in model.modules() for name, buffer in module._buffers.items() if buffer is not None
@@ -99,11 +102,18 @@ class SavedState:
                 p.grad = grad
                 if value is not None:
                     grad.copy_(value)
-        for module, training in self.modes:
-            module.training = training
+        for module, before in self.attributes:
+            now = module.__dict__
+            if len(now) != len(before) or any(now.get(key, _GONE) is not value for key, value in before.items()):
+                for key in [key for key in now if key not in before]:
+                    del now[key]
+                now.update(before)
         self.rng.restore()
         random.setstate(self.python_rng)
         np.random.set_state(self.numpy_rng)
+
+
+_GONE = object()
 
 
 def loss_of(output: Any) -> Optional[torch.Tensor]:
@@ -164,6 +174,14 @@ def gradient_sync_off(*models: Optional[nn.Module]) -> Iterator[None]:
             setattr(module, name, value)
 
 
+_replaying = contextvars.ContextVar("layerwatch_replaying", default=False)
+
+
+def replaying() -> bool:
+    """Whether a replay is running its micro-batches again now (its forwards are not the step's)."""
+    return _replaying.get()
+
+
 def replay_until_named(model: nn.Module, micro_batches: Sequence[MicroBatch], probes: "StepProbes", step: int, *,
                        writer: bool, params: Sequence[nn.Parameter], within: Optional[nn.Module],
                        also: Iterable[torch.Tensor], copy_gradients: bool,
@@ -175,6 +193,7 @@ def replay_until_named(model: nn.Module, micro_batches: Sequence[MicroBatch], pr
     after, whatever happened (``also``: parameters beyond ``model`` whose gradients a closure
     may reach)."""
     saved = SavedState(model, copy_gradients, also)
+    token = _replaying.set(True)
     try:
         with gradient_sync_off(model, within), run_eagerly():
             for index, micro in enumerate(micro_batches):
@@ -191,16 +210,5 @@ def replay_until_named(model: nn.Module, micro_batches: Sequence[MicroBatch], pr
                     return index, result
         return None
     finally:
-        saved.restore()
-
-
-def forward_again(model: nn.Module, micro: MicroBatch) -> None:
-    """One forward of ``micro`` again, from its RNG state, compiled code eager, its graph
-    dropped; the state put back after (the layer table of a compiled model)."""
-    saved = SavedState(model, copy_gradients=False)
-    try:
-        with run_eagerly(), torch.enable_grad():
-            micro.rng.restore()
-            micro.closure()
-    finally:
+        _replaying.reset(token)
         saved.restore()

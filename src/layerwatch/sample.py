@@ -22,9 +22,7 @@ from layerwatch.failures import FailurePolicy
 from layerwatch.optimizer_state import AdamState, WIDTH, failed as adam_failed
 from layerwatch.options import Options
 from layerwatch.params import ParameterFamilies, Piece, Snapshot
-from layerwatch.probes import ProbeResult, StepProbes
-from layerwatch.replay import MicroBatch, forward_again
-from layerwatch.table import Summary
+from layerwatch.probes import ProbeResult
 from layerwatch.zero import Zero
 
 
@@ -69,6 +67,10 @@ class Sample:
         if self.steps_before is not None and steps_now is not None:
             return steps_now != self.steps_before
         return None if self.before_calls == 0 else self.after_calls >= self.before_calls
+
+    def trained(self) -> bool:
+        """Whether the step computed gradients (so the model ran)."""
+        return any(p.grad is not None for _, p in self.params)
 
     def trainable(self) -> list[str]:
         """The parameters with ``requires_grad``, as the health rules count them."""
@@ -193,19 +195,3 @@ class SampleReads:
         self.failures.warn_once(f"failed-rows:{family}", f"layerwatch: a rank could not {what.format(which)} of step {step}")
         kept = [name for name, bad in zip(names, failed) if not bad]
         return kept, rows[:, ~failed] if update else rows[~failed]
-
-
-def table_eagerly(model: Optional[nn.Module], probes: StepProbes, failures: FailurePolicy, step: int,
-                  micro: Optional[MicroBatch]) -> Optional[Summary]:
-    """The layer table of a compiled model: from one forward of the shapes of the step's
-    inputs under fake tensors (probes/shapes.py), or where there are none or that fails,
-    from one forward of the step's first micro-batch run again eagerly (replay.py). Not in
-    a distributed run: that forward may issue collectives (DDP's buffer broadcast), and
-    only rank 0 records the table."""
-    tables: list[Optional[Summary]] = []
-    if model is not None:
-        failures.run("record the layer table from shapes", lambda: tables.append(probes.table_from_shapes(model, step)), step)
-    if model is not None and all(table is None for table in tables) and micro is not None and probes.table_waits:
-        failures.run("record the layer table eagerly", lambda: tables.append(
-            probes.table_eagerly(model, step, lambda: forward_again(model, micro))), step)
-    return next((table for table in tables if table is not None), None)

@@ -84,7 +84,7 @@ NONFINITE_SERIES = ("weights_nonfinite", "grads_nonfinite", "activations_nonfini
 PLUGIN_NAME = "layerwatch"
 SERIES = "layerwatch/series/"  # + a series key: float32 [n], one value per layer of the layout's names
 LAYOUT = "layerwatch/layout"  # JSON {"series": {series key: [layer names]}}
-EVENTS = "layerwatch/events/"  # + alerts, first_offender, first_nonfinite_step, spikes: JSON
+EVENTS = "layerwatch/events/"  # + alerts, first_offender, first_nonfinite_step, spikes, rerun: JSON
 
 
 def series_key(family: str, stat: str) -> str:

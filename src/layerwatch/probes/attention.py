@@ -11,7 +11,8 @@ it would without it (its output is the same tensor, bitwise); its inputs are kep
 keeps them for the backward anyway) and, once the forward is over and every module's time
 taken, for each call the logits ``q·k/√d`` of ``ROWS`` query rows evenly spread over
 the sequence are computed against every key, under the call's own mask (``attn_mask``,
-``is_causal``, grouped-query heads), in float32:
+``is_causal``, grouped-query heads), in float32 (on a compiled model's re-run, where autograd is
+off and nothing else keeps them, as each call ends, outside the modules' time):
 
 - **the largest logit** of each head: the maximum over those rows, their keys and the batch;
 - **the entropy** of each head: ``−Σ p log p`` of those rows' softmax, averaged over the rows and
@@ -30,7 +31,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -92,8 +93,13 @@ class AttentionProbe:
     calls them as the model's forward begins and ends); each call's inputs are kept, and
     measured by :meth:`flush` once the forward is over, outside every module's time."""
 
-    def __init__(self, names: dict[int, str]) -> None:
+    def __init__(self, names: dict[int, str], aside: Optional[Callable[[Callable[[], None]], None]] = None,
+                 dense_limit: Optional[int] = None) -> None:
         self.names = names  # id(module) -> its name, for the modules whose calls are kept
+        # With ``aside`` (a compiled model's re-run, autograd off: nothing keeps a call's inputs),
+        # each call is measured as it ends, its time left out of the modules' by ``aside``.
+        self._aside = aside
+        self.dense_limit = dense_limit  # the most score bytes a FlexAttention call run eagerly may build
         self.calls: dict[str, list[torch.Tensor]] = {}  # module -> each call's [heads, 3] (attention_rows)
         self.split: dict[str, Optional[tuple[int, ...]]] = {}  # module -> the global ranks its heads are split over
         self.error: Optional[BaseException] = None
@@ -148,6 +154,8 @@ class AttentionProbe:
             if name not in self.split:
                 self.split[name] = heads_split(module, given.get("query"))
             self._pending.append((name, given))
+            if self._aside is not None:
+                self._aside(self.flush)
 
     def flush(self) -> None:
         """Measure the calls kept; a failure is kept, not raised (the user's training goes on)."""
@@ -176,7 +184,8 @@ class AttentionProbe:
             frame = frame.f_back
         return None
 
-    def remove(self) -> None:
+    def remove(self, keep_module_hooks: bool = False) -> None:
+        """Put torch's functions back (it has no module hooks to keep)."""
         self.stop()
 
     def on_device(self) -> Optional[torch.Tensor]:

@@ -3,14 +3,15 @@ largest score and its logsumexp, which the kernel computes anyway and returns wh
 (what ``return_aux=AuxRequest(max_scores=True, lse=True)`` asks for).
 
 ``torch.nn.attention.flex_attention.flex_attention`` calls its higher-order operator through
-the module's global ``flex_attention_hop``, looked up at each call: eagerly (inside the small
-compiled function it makes) and while Dynamo traces it (a compiled model, or
-``torch.compile(flex_attention)`` as Hugging Face and torchtitan call it). A stand-in put there
-(:class:`FlexStandIn`) calls the operator itself; while armed, it asks it for both statistics
-and hands them to an opaque operator, :data:`measure_flex`, whose body gives them to whoever
-the stand-in measures for (its ``receiver``), as the call runs. The call's output is the
-kernel's, bitwise: it computes the same scores either way. Unarmed, or not installed, the
-operator is called exactly as torch calls it.
+the module's global ``flex_attention_hop``, looked up at each call: inside the small compiled
+function it makes when it runs eagerly, and directly when that function runs eagerly too (a
+compiled model's re-run, under ``set_stance("force_eager")``). While a sampled forward runs
+eagerly, a stand-in put there (:data:`EAGER`, by the eager attention probe) calls the operator
+itself, asks it for both statistics and hands them to an opaque operator, :data:`measure_flex`,
+whose body gives them to the probe (its ``receiver``) as the call runs. The call's output is the
+kernel's, bitwise: it computes the same scores either way. Compiled code is never given the
+stand-in: the user's compiled FlexAttention is measured on the eager re-run
+(:mod:`~layerwatch.rerun`).
 
 Per head (:func:`flex_rows`), over the batch and every query row with a key left:
 
@@ -24,21 +25,22 @@ Per head (:func:`flex_rows`), over the batch and every query row with a key left
 Where the kernel cannot return them, a call is not measured, and the receiver is told
 (``measure_flex`` with no tensors): the ``FLASH`` backend (no largest score), the decoding
 kernel (``TRITON_DECODE``, and calls under 128 query rows on a GPU, for which Inductor picks it:
-asked, it would run another kernel), and torch 2.13's
-CPU and MPS kernels, which run inference only and return neither. With gradients on the CPU,
-which torch refuses in ``flex_attention`` itself, only its reference implementation would run,
-and it returns both.
+asked, it would run another kernel), and torch 2.13's CPU and MPS kernels, which run inference
+only and return neither. With gradients on the CPU, which torch refuses in ``flex_attention``
+itself, only its reference implementation would run, and it returns both; so does the operator
+run eagerly (the re-run), whose reference implementation builds every score of the call at once:
+a receiver with a ``dense_limit`` (the re-run's) is told first, and may refuse a call too large
+(:class:`DenseTooLarge`).
 """
 
 from __future__ import annotations
 
 import importlib
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-from layerwatch.probes.numbering import Numbering
 
 try:
     _MODULE: Any = importlib.import_module("torch.nn.attention.flex_attention")
@@ -65,73 +67,76 @@ def flex_rows(lse: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
         return torch.stack([largest, entropy, count.to(largest.dtype)], dim=1)
 
 
-class FlexStandIn:
-    """The stand-in for FlexAttention's operator, from :meth:`install` to :meth:`remove`. It
-    measures calls while ``armed()`` (a read of plain attributes: Dynamo guards on it) and
-    gives them to ``receiver.measure_flex(lse, top)`` (``None, None``: a call the kernel could
-    not measure), the receiver read as each call runs, not where Dynamo traces. One stand-in
-    keeps one function for its whole life, so a compiled caller compiles it once."""
+class DenseTooLarge(Exception):
+    """A call the operator would run eagerly on more score bytes than its receiver's
+    ``dense_limit``; ``rows``: the batch rows that fit (0: not one)."""
 
-    def __init__(self, armed: Callable[[], bool]) -> None:
+    def __init__(self, needed: int, limit: int, batch: int) -> None:
+        per_row = max(needed // max(batch, 1), 1)
+        self.rows = limit // per_row
+        super().__init__(f"FlexAttention run eagerly would build {_size(needed)} of scores at once (the bound is "
+                         f"{_size(limit)}; {self.rows} of its {batch} batch rows fit)")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:,} bytes"
+
+
+class FlexStandIn:
+    """The stand-in for FlexAttention's operator, from :meth:`install` to :meth:`remove`: while
+    it stands, each call is measured and given to ``receiver.measure_flex(lse, top)`` (``None,
+    None``: a call the kernel could not measure), the receiver read as each call runs, not where
+    Dynamo traces. It keeps one function for its whole life, so torch's own compiled call of
+    FlexAttention compiles it once, not again at each sample."""
+
+    def __init__(self) -> None:
         self.receiver: Any = None
+        self.standing = False
         self._previous: Any = None
         if _MODULE is None:
             self._function = None
             return
-        self._number = number = _STAND_INS.add(self)
         clock = torch.zeros(1)  # what the operator mutates, so that no compiler drops it
 
         def flex_attention_hop(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Any,
                                block_mask: tuple, scale: float, kernel_options: dict, *buffers: Any) -> Any:
             operator = self._previous
-            if not armed() or measure_flex is None or type(query) is not torch.Tensor:  # a DTensor, a tracer's
+            # (standing: a plain bool, which Dynamo guards on; the receiver is read where the call runs)
+            if not self.standing or measure_flex is None or type(query) is not torch.Tensor:  # a DTensor, a tracer's
                 return operator(query, key, value, score_mod, block_mask, scale, kernel_options, *buffers)
+            if not torch.compiler.is_compiling():  # run eagerly: every score at once
+                self._check_dense(query, key)
             if not returns_statistics(query, kernel_options):
-                measure_flex(None, None, clock, number)
+                measure_flex(None, None, clock)
                 return operator(query, key, value, score_mod, block_mask, scale, kernel_options, *buffers)
             asked = dict(kernel_options, OUTPUT_MAX=True, OUTPUT_LOGSUMEXP=True)
             out, lse, top = operator(query, key, value, score_mod, block_mask, scale, asked, *buffers)
-            measure_flex(lse.detach(), top.detach(), clock, number)
+            measure_flex(lse.detach(), top.detach(), clock)
             return out, lse, top  # the caller keeps what it asked for (flex_attention's _finalize_outputs)
 
         self._function = flex_attention_hop
 
+    def _check_dense(self, query: torch.Tensor, key: torch.Tensor) -> None:
+        limit = getattr(self.receiver, "dense_limit", None)
+        needed = 4 * query.shape[:-1].numel() * key.shape[-2]  # float32 scores, [batch, heads, queries, keys]
+        if limit is not None and needed > limit:
+            raise DenseTooLarge(needed, limit, query.shape[0] if query.dim() == 4 else 1)
+
     def install(self, receiver: Any) -> None:
-        """Stand in for the operator (unless already in the chain of stand-ins there), the calls
-        going to ``receiver``."""
-        self.receiver = receiver
-        if self._function is not None and self not in _chain():
+        """Stand in for the operator (unless it stands already), the calls going to ``receiver``."""
+        self.receiver, self.standing = receiver, True
+        if self._function is not None and _MODULE.flex_attention_hop is not self._function:
             self._previous, _MODULE.flex_attention_hop = _MODULE.flex_attention_hop, self._function
 
     def remove(self) -> None:
-        """Leave the chain of stand-ins, in whatever order they came: what it stood in for takes
-        its place, at the top or under the one that called it."""
-        self.receiver = None
-        if self._function is None:
-            return
-        if _MODULE.flex_attention_hop is self._function:
+        """Put back what it stood in for (unless another stand-in took its place since: that one
+        calls it, and it then only passes the calls on)."""
+        self.receiver, self.standing = None, False
+        if self._function is not None and _MODULE.flex_attention_hop is self._function:
             _MODULE.flex_attention_hop = self._previous
-            return
-        for above in _chain():
-            if above._previous is self._function:
-                above._previous = self._previous
-
-    def release(self) -> None:
-        """Give up its number (:mod:`~layerwatch.probes.numbering`): it stands in no more."""
-        if self._function is not None:
-            _STAND_INS.release(self._number)
-
-
-def _chain() -> list["FlexStandIn"]:
-    """The stand-ins in place, from the one torch calls down (install and remove only)."""
-    found: list[FlexStandIn] = []
-    function = _MODULE.flex_attention_hop
-    while True:
-        stand_in = next((s for s in _STAND_INS if s._function is function and s not in found), None)
-        if stand_in is None:
-            return found
-        found.append(stand_in)
-        function = stand_in._previous
 
 
 def returns_statistics(query: torch.Tensor, kernel_options: dict) -> bool:
@@ -139,6 +144,8 @@ def returns_statistics(query: torch.Tensor, kernel_options: dict) -> bool:
     and asking for them leaves the kernel chosen as it was: not FLASH nor the decoding kernel
     (TRITON_DECODE, or under 128 query rows on a GPU, where Inductor picks it and would pick
     another when asked)."""
+    if not torch.compiler.is_compiling():  # the operator run eagerly: its reference implementation returns both
+        return True
     if kernel_options.get("BACKEND") in ("FLASH", "TRITON_DECODE"):
         return False
     if query.device.type == "cpu":  # inference only, returning neither; with gradients, the reference implementation
@@ -149,14 +156,12 @@ def returns_statistics(query: torch.Tensor, kernel_options: dict) -> bool:
 DECODING_BELOW = 128  # query rows under which Inductor's FlexAttention takes its decoding kernel (flex_decoding.py)
 
 
-_STAND_INS = Numbering()
-EAGER = FlexStandIn(lambda: True)  # the eager attention probe's: in place only while a sampled forward runs
+EAGER = FlexStandIn()  # the eager attention probe's: in place only while a sampled forward runs
 
 
-def _measure_flex(lse: Optional[torch.Tensor], top: Optional[torch.Tensor], clock: torch.Tensor, stand_in: int) -> None:
-    """One FlexAttention call, given to the receiver of :class:`FlexStandIn` ``stand_in``."""
-    found = _STAND_INS.get(stand_in)
-    receiver = None if found is None else found.receiver
+def _measure_flex(lse: Optional[torch.Tensor], top: Optional[torch.Tensor], clock: torch.Tensor) -> None:
+    """One FlexAttention call, given to the receiver of :data:`EAGER`."""
+    receiver = EAGER.receiver
     if receiver is not None:
         receiver.measure_flex(lse, top)
 

@@ -5,17 +5,19 @@ one channel holds all of it: the outlier features of He et al. (2024), which Com
 ActivationMonitor logs per batch and Megatron dropped at "up to 30% of the step time". Here a
 forward hook on each probed module, on sampled steps only, keeps the output; once the forward
 is over (outside every module's time) three ops on the device make it, and the step's values
-reach the host together at its end. Inside compiled code the traced probe's operator hands each
-block's output over as its call runs (:meth:`ChannelKurtosis.keep`), measured on the spot.
+reach the host together at its end. On a compiled model's re-run (autograd off: nothing else keeps
+the output) each is measured as it comes.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 from torch import nn
+
+from layerwatch.hooks import is_compiling
 
 
 def channel_kurtosis(h: torch.Tensor) -> torch.Tensor:
@@ -35,14 +37,22 @@ class ChannelKurtosis:
         self.error: Optional[BaseException] = None
         self._pending: dict[str, torch.Tensor] = {}
         self._handles: list[Any] = []
+        self._after: Optional[Callable[[Any], None]] = None
+        self.inert = False
 
-    def hook(self, modules: Sequence[tuple[str, nn.Module]]) -> None:
-        """Forward hooks keeping the output of each of ``modules``, under its name."""
+    def hook(self, modules: Sequence[tuple[str, nn.Module]], after: Optional[Callable[[Any], None]] = None) -> None:
+        """Forward hooks keeping the output of each of ``modules``, under its name; ``after(self)``
+        then, when given (the re-run measures it at once)."""
+        self._after = after
         self._handles += [module.register_forward_hook(self._hook(name)) for name, module in modules]
 
     def _hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if is_compiling() or self.inert:  # traced by Dynamo, or kept inert (StepProbes): nothing
+                return
             self.keep(name, output)
+            if self._after is not None:
+                self._after(self)
         return hook
 
     def keep(self, name: str, output: Any) -> None:
@@ -65,10 +75,13 @@ class ChannelKurtosis:
         except Exception as e:
             self.error = e
 
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+    def remove(self, keep_module_hooks: bool = False) -> None:
+        """Take the hooks off (``keep_module_hooks``: leave them on, inert)."""
+        self.inert = True
+        if not keep_module_hooks:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
 
     def on_device(self) -> Optional[torch.Tensor]:
         """Each module's kurtosis, in :attr:`values`' order; None when none was made or one failed."""

@@ -6,20 +6,20 @@ The head is the module the ``output_head`` option names, else the one Hugging Fa
 ``get_output_embeddings()`` returns (the outermost module that has it). A forward hook on it,
 on sampled steps only, keeps its output; once the forward is over (outside every module's
 time) it is reduced on the device: ``[mean, max]`` of ``log Z`` over the batch's tokens, in
-float32, averaged (mean) and maxed (max) over the step's calls. Inside compiled code the traced
-probe's operator hands the head's output over as its call runs (:meth:`OutputLogits.keep`); the
-head must be one of the probed modules there.
+float32, averaged (mean) and maxed (max) over the step's calls; on a compiled model's re-run
+(autograd off: nothing else keeps the output) as it comes.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 from torch import nn
 
 from layerwatch.distributed import named_modules
+from layerwatch.hooks import is_compiling
 
 
 def find_output_head(model: nn.Module, name: Optional[str]) -> Optional[tuple[str, nn.Module]]:
@@ -58,13 +58,21 @@ class OutputLogits:
         self.error: Optional[BaseException] = None
         self._pending: list[torch.Tensor] = []
         self._handle: Any = None
+        self._after: Optional[Callable[[Any], None]] = None
+        self.inert = False
 
-    def hook(self, head: nn.Module) -> None:
-        """A forward hook keeping ``head``'s output."""
+    def hook(self, head: nn.Module, after: Optional[Callable[[Any], None]] = None) -> None:
+        """A forward hook keeping ``head``'s output; ``after(self)`` then, when given (the re-run
+        measures it at once)."""
+        self._after = after
         self._handle = head.register_forward_hook(self._hook)
 
     def _hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if is_compiling() or self.inert:  # traced by Dynamo, or kept inert (StepProbes): nothing
+            return
         self.keep(output)
+        if self._after is not None:
+            self._after(self)
 
     def keep(self, output: Any) -> None:
         """One call's output (or its ``logits``), kept."""
@@ -82,8 +90,10 @@ class OutputLogits:
         except Exception as e:
             self.error = e
 
-    def remove(self) -> None:
-        if self._handle is not None:
+    def remove(self, keep_module_hooks: bool = False) -> None:
+        """Take the hook off (``keep_module_hooks``: leave it on, inert)."""
+        self.inert = True
+        if self._handle is not None and not keep_module_hooks:
             self._handle.remove()
             self._handle = None
 

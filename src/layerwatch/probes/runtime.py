@@ -72,15 +72,17 @@ class ProbeResult:
     attention: dict = field(default_factory=dict)  # module -> [heads, 2]: largest logit, entropy (probes/attention.py)
     logits: Optional[tuple] = None  # (the output head, [mean, max] of log Z) (probes/logits.py)
     kurtosis: dict = field(default_factory=dict)  # module -> its output's per-channel kurtosis (probes/kurtosis.py)
+    rerun: bool = False  # measured on a compiled model's eager, forward-only re-run (rerun.py)
 
 
 class RuntimeProbe:
     """Hooks on the selected modules for one sampled step; ``remove()`` is safe twice.
 
     A hook that fails records the error and the probe goes quiet; it never raises into
-    the training step. Forwards with autograd off (validation), recomputes inside
-    backward (activation checkpointing) and a pipeline stage's shape inference are not
-    recorded.
+    the training step. Forwards with autograd off (validation, unless ``forward_only``: a
+    compiled model's eager re-run), recomputes inside backward (activation checkpointing) and
+    a pipeline stage's shape inference are not recorded. Traced by Dynamo (a model called
+    from compiled code), every hook returns before anything.
 
     A hook reads local data only, never an op on a DTensor (which may hide a collective):
     a DTensor's local tensor. A tensor spread over ranks (a ``Shard`` or ``Partial`` DTensor,
@@ -106,23 +108,20 @@ class RuntimeProbe:
         parameters: Sequence[nn.Parameter],
         workspace: Optional[S.Workspace] = None,
         cuda_events: Optional[list[Any]] = None,
-        traced: Any = None,
-        regions: Optional[Collection[str]] = None,
+        forward_only: bool = False,
     ) -> None:
         self.error: Optional[BaseException] = None
-        # The modules inside compiled code. ``traced`` measures them: the modules inside the
-        # model's compiled parts when ``regions`` is given (the names of those parts, hooked
-        # here from outside: their hooks run around the compiled call), else the modules whose
-        # hooks Dynamo traces (these hooks call it then: the model runs in a compiled caller).
-        self._traced, self._regions = traced, regions
-        self.compiled = False  # a hook was traced by Dynamo: the model runs inside compiled code
-        self.inert = False  # hooks kept for compiled code: they only call the traced probe
+        # A compiled model's eager re-run (rerun.py): one forward with autograd off, recorded;
+        # nothing of a backward, of the bytes saved for it or of the allocator's growth (a forward
+        # without autograd frees what a training forward keeps): those stay None, never 0.
+        self.forward_only = forward_only
+        self.inert = False  # hooks kept on a model found running inside compiled code (StepProbes)
         self._host_ns = 0
         self._latency = "latency" in families
         self._memory = "memory" in families
         self._activations = "activations" in families
         self._nonfinite = "nonfinite" in families
-        self._backward = self._latency or self._nonfinite
+        self._backward = (self._latency or self._nonfinite) and not forward_only
         self._bins, self._zeros, self._centered = bins, zeros, centered
         device = next((p.device for p in parameters), torch.device("cpu"))
         self._cuda = device.type == "cuda"
@@ -133,7 +132,7 @@ class RuntimeProbe:
         self._calls = [0] * count  # per module
         self._activation_bytes = [0] * count
         self._cuda_alloc_bytes = [0] * count
-        self._saved = SavedBytes(parameters if self._memory else (), count, self._running_modules)
+        self._saved = SavedBytes(parameters if self._memory and not forward_only else (), count, self._running_modules)
         # Per forward call (a call is its position in these lists): its module, the hook
         # interval after which it starts, its input flags (a run of ``_runs``), the memory
         # allocated before it, the interval its backward starts at (-1: not yet) and the
@@ -219,8 +218,10 @@ class RuntimeProbe:
         for index, trace in enumerate(traces):
             trace.calls = self._calls[index]
             if self._memory:
-                trace.activation_bytes, trace.saved_bytes = self._activation_bytes[index], self._saved.bytes[index]
-                trace.cuda_alloc_bytes = self._cuda_alloc_bytes[index] if self._cuda else None
+                trace.activation_bytes = self._activation_bytes[index]
+                if not self.forward_only:
+                    trace.saved_bytes = self._saved.bytes[index]
+                    trace.cuda_alloc_bytes = self._cuda_alloc_bytes[index] if self._cuda else None
             if self._nonfinite:
                 trace.nonfinite = False
         for spans, attribute in ((self._fwd_spans, "fwd_ms"), (self._bwd_spans, "bwd_ms")) if self._latency else ():
@@ -244,10 +245,7 @@ class RuntimeProbe:
                             offender = Offender(trace.name, phase)
                         elif user is None:
                             user = Offender(trace.name, phase)
-        result = ProbeResult([t for t in traces if t.calls], offender, user, used.names)
-        if self._traced is None or not (self.compiled or self._regions is not None):
-            return result
-        return merged(result, self._traced.result(weights), self._regions or ())
+        return ProbeResult([t for t in traces if t.calls], offender, user, used.names, rerun=self.forward_only)
 
     # ------------------------------------------------------------------ hooks
     # Hooks hold the probe (names and indices), never a module or the inspector.
@@ -256,18 +254,17 @@ class RuntimeProbe:
     # its hooks) is passed over.
 
     @inlined_only
-    def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-        if is_compiling():  # traced: note it (a store Dynamo replays); the traced probe measures
-            self.compiled = True
-            return None if self._traced is None else self._traced.watch_inputs(module, args, kwargs)
+    def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if is_compiling() or self.inert:  # traced by Dynamo: nothing, not even a store
+            return
         index = self._index.get(id(module))
-        if index is not None and self.error is None and not self.inert:
+        if index is not None and self.error is None:
             self._guarded(self._enter, index, args, module)
 
     @inlined_only
-    def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        if is_compiling() or self.inert:  # traced, or kept for compiled code and run eagerly (a graph break)
-            return None if self._traced is None else self._traced.record(module, args, output)
+    def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if is_compiling() or self.inert:
+            return
         index = self._index.get(id(module))
         if index is None:
             return
@@ -307,6 +304,17 @@ class RuntimeProbe:
             self._host_ns += self._left[-1] - entered
 
     @property
+    def ran(self) -> bool:
+        """Whether a hook recorded a module call."""
+        return bool(self._call_module)
+
+    def aside(self, action: Callable[[], None]) -> None:
+        """``action()`` timed as a hook's work: left out of every module's time (the re-run's
+        transformer signals, measured as their calls end). It must not raise."""
+        if self.error is None:
+            self._guarded(action)
+
+    @property
     def hook_seconds(self) -> float:
         """Host time spent in the hooks so far (the probes' own cost)."""
         return self._host_ns / 1e9
@@ -320,10 +328,11 @@ class RuntimeProbe:
     def _enter(self, index: int, args: tuple, module: nn.Module) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # a recompute inside backward
-        if self._ignored_depth or (not self._stack and (not torch.is_grad_enabled() or in_shape_inference())):
+        if self._ignored_depth or (not self._stack and ((not torch.is_grad_enabled() and not self.forward_only)
+                                                        or in_shape_inference())):
             self._ignored_depth += 1
             return
-        if not self._stack and self._memory:
+        if not self._stack and self._memory and not self.forward_only:
             self._saved.enter()
         tensors = list(args) if len(args) == 1 and type(args[0]) is torch.Tensor else list(tensors_in(args))
         call = len(self._call_module)
@@ -449,17 +458,3 @@ def on_gradients(tensors: list[torch.Tensor], probe: "RuntimeProbe", call: int, 
     if len(tensors) > 1:
         return torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="all" if done else "any")
     return tensors[0].register_hook(hook)
-
-
-def merged(outside: ProbeResult, inside: ProbeResult, regions: Collection[str]) -> ProbeResult:
-    """The eager probe's result (``outside``: the modules outside compiled code, and the
-    compiled ``regions`` as wholes) with the traced probe's (``inside`` them). An offender inside
-    a region is more precise than the region itself, or than a backward offender."""
-    offender = outside.offender
-    if inside.offender is not None and (
-        offender is None or offender.name in regions or (offender.phase == "backward" and inside.offender.phase == "forward")
-    ):
-        offender = inside.offender
-    user = outside.weight_user if outside.weight_user is not None and outside.weight_user.name not in regions else (
-        inside.weight_user or outside.weight_user)
-    return ProbeResult(outside.modules + inside.modules, offender, user, outside.nonfinite_weights or inside.nonfinite_weights)

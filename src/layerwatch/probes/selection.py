@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence, Union
 
 from torch import nn
 
-from layerwatch.distributed import is_wrapper, named_modules, walk
+from layerwatch.distributed import named_modules, walk
 from layerwatch.vocabulary import ROOT
 
 
@@ -58,58 +58,6 @@ def check_module_filter(modules: Any) -> Optional[tuple[Union[str, type], ...]]:
 
 
 def is_compiled(model: nn.Module) -> bool:
-    """Whether ``model`` or a part of it runs under torch.compile (module hooks would not
-    see inside the compiled graph, and adding them forces a recompile)."""
+    """Whether ``model`` or a part of it runs under torch.compile (``torch.compile(module)``'s
+    wrapper, or ``module.compile()``): module hooks there would be compiled into its graph."""
     return any([hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None for _, m in walk(model)])
-
-
-def split_at_compiled(model: nn.Module, selected: Sequence[tuple[str, nn.Module]]
-                      ) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]], list[str]]:
-    """The ``selected`` modules of a model with compiled parts, as (outside, inside, regions):
-    the modules whose hooks run eagerly, those that run inside compiled code (their hooks are
-    traced), and the names of the compiled parts hooked from outside.
-
-    A ``torch.compile(module)`` wrapper runs its hooks eagerly around the compiled call: it is
-    hooked, under its module's name, in place of that module, whose hooks run eagerly or are
-    traced depending on its class. ``module.compile()`` compiles the module's call, and Dynamo
-    starts at its ``forward``: its own hooks run under the compiler as frames of their own,
-    each compiled apart (graphs and breaks of ours): it is in none of the three. Where that
-    ``forward`` is torch's own (an ``nn.Sequential``), Dynamo starts nowhere there but at the
-    user code below, and a hook on a module makes its ``forward`` a compiled frame of its own:
-    no module of it is hooked."""
-    inside_ids: set[int] = set()
-    wrappers: dict[int, nn.Module] = {}  # id of a compiled module -> its torch.compile wrapper
-    unhooked: set[int] = set()
-    for module in model.modules():
-        if is_wrapper(module) and hasattr(module, "_orig_mod"):
-            compiled = module._orig_mod
-            wrappers[id(compiled)] = module
-            inside_ids.update(id(m) for m in compiled.modules() if m is not compiled)
-        elif getattr(module, "_compiled_call_impl", None) is not None:
-            unhooked.add(id(module))
-            if starts_no_frame(module):  # nothing compiled at this level: a hook would make frames compile
-                unhooked.update(id(m) for m in module.modules())
-            else:
-                inside_ids.update(id(m) for m in module.modules() if m is not module)
-    outside, inside, regions = [], [], []
-    for name, module in selected:
-        if id(module) in unhooked:
-            continue
-        if id(module) in inside_ids:
-            inside.append((name, module))
-        elif id(module) in wrappers:
-            outside.append((name, wrappers[id(module)]))
-            regions.append(probe_name(name))
-        else:
-            outside.append((name, module))
-    return outside, inside, regions
-
-
-def starts_no_frame(module: nn.Module) -> bool:
-    """Whether Dynamo, compiling ``module``'s call, skips its ``forward`` (torch's own code)."""
-    try:
-        from torch._dynamo import trace_rules
-
-        return bool(trace_rules.check(module.forward))
-    except Exception:
-        return False

@@ -37,8 +37,7 @@ class StructureProbe:
         self.model_type = self.layers[0].type if self.layers else type(model).__name__  # a wrapper's: its model's
         self._model = weakref.ref(model)
         self.error: Optional[BaseException] = None
-        self.compiled = False  # a hook was traced by Dynamo (see probes.StepProbes)
-        self.inert = False
+        self.inert = False  # hooks kept on a model found running inside compiled code (probes.StepProbes)
         self.failed_in: Optional[str] = None
         self.windows = 0
         self.first_input: Optional[tuple[int, ...]] = None  # shape of the first tensor the model received
@@ -60,6 +59,21 @@ class StructureProbe:
             add_parameters(model, self.layers, flattened)
         return Summary(self.model_type, self.layers, self.first_input)
 
+    def uncounted(self, action: Callable[[], None]) -> None:
+        """``action()`` with the open window's FLOP counter off: layerwatch's own work inside the
+        forward (a re-run's transformer signals) is not the model's."""
+        mode = None if self._counter is None else getattr(self._counter, "mode", self._counter)
+        try:
+            from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+        except ImportError:  # an older torch
+            action()
+            return
+        if mode is not None and _get_current_dispatch_mode() is mode:
+            with _pop_mode_temporarily():
+                action()
+        else:
+            action()
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -71,9 +85,7 @@ class StructureProbe:
     # Hooks hold the layer record, never the module or the inspector.
     def _enter_hook(self, layer: Layer) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if is_compiling():  # traced: note it (a store Dynamo replays), nothing else
-                self.compiled = True
-            elif self.error is None and not self.inert:
+            if not is_compiling() and self.error is None and not self.inert:  # traced by Dynamo: nothing
                 try:
                     self._enter(layer, args, kwargs)
                 except Exception as e:  # a probe must never break the forward

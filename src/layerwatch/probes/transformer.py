@@ -1,15 +1,14 @@
 """The transformer signals of one sampled step's forward: each attention call's heads
 (:mod:`~layerwatch.probes.attention`), the output head's log Z (:mod:`~layerwatch.probes.logits`)
 and each block output's per-channel kurtosis (:mod:`~layerwatch.probes.kurtosis`), armed and
-taken together beside the runtime probe; inside compiled code, the last two by the traced
-probe's operator."""
+taken together beside the runtime probe, on every eager forward that is measured: a sampled
+step's, or a compiled model's re-run (:mod:`~layerwatch.rerun`)."""
 
 from __future__ import annotations
 
 import functools
 from typing import Any, Callable, Optional, Sequence
 
-import torch
 from torch import nn
 
 from layerwatch.distributed import RankSync, global_rank, is_writer_rank
@@ -19,7 +18,6 @@ from layerwatch.probes.attention import AttentionProbe, combine_heads
 from layerwatch.probes.kurtosis import ChannelKurtosis
 from layerwatch.probes.logits import OutputLogits, find_output_head
 from layerwatch.probes.selection import probe_names
-from layerwatch.probes.traced import TracedProbe
 from layerwatch.stats import to_host
 
 
@@ -35,74 +33,65 @@ class TransformerProbes:
     begins (the attention wrapper stands in) and when it is over (torch's function is back, and
     what the probes kept is measured: after the runtime probe closed every module's span, whose
     hooks came first, so no module's ``fwd_ms`` holds this work, on the host or the device).
+
+    With ``aside`` (a compiled model's re-run: autograd is off, so nothing else keeps a module's
+    output or an attention call's inputs) each is measured as it comes, and ``aside`` leaves that
+    work out of the modules' time: the re-run holds no more than one module's outputs at a time.
     """
 
     def __init__(self, families: Sequence[str], output_head: Optional[str], failures: FailurePolicy) -> None:
         self.attention_on, self.logits_on = "attention" in families, "logits" in families
         self.kurtosis_on = "activations" in families
         self.output_head, self.failures = output_head, failures
-        self.eager = False  # a sampled forward ran eagerly: hooks added now are not traced into a compiled caller's graph
+        self._armed: Optional[object] = None  # this arming's token (see arm)
         self._attention: Optional[AttentionProbe] = None
         self._logits: Optional[OutputLogits] = None
         self._kurtosis: Optional[ChannelKurtosis] = None
         self._handles: list[Any] = []
+        self._inert: list[Any] = []  # hooks and probes kept, inert (see remove)
         self._depth = 0
-        self._traced: Optional[TracedProbe] = None  # armed inside compiled code this step (arm_traced)
+        self._aside: Optional[Callable[[Callable[[], None]], None]] = None
 
-    def arm(self, model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> None:
+    def arm(self, model: nn.Module, modules: Sequence[tuple[str, nn.Module]],
+            aside: Optional[Callable[[Callable[[], None]], None]] = None, dense_limit: Optional[int] = None) -> None:
         """This step's probes, on an eager forward of ``model`` whose probed ``modules`` are these;
-        from the second sampled step on. The first shows whether the model runs inside a compiled
-        caller (Dynamo traces the runtime probe's hooks): there, hooks that come and go with the
-        samples would make Dynamo compile again, so these are never armed."""
-        if not self.eager:
-            return
+        ``aside`` and ``dense_limit`` (a re-run's) as the class and :class:`AttentionProbe` say."""
+        self._aside = aside
         names = probe_names(modules)
         if self.attention_on:
-            self._attention = AttentionProbe({id(module): name for name, (_, module) in zip(names, modules)})
+            self._attention = AttentionProbe({id(module): name for name, (_, module) in zip(names, modules)}, aside,
+                                             dense_limit)
         head = self._find_head(model) if self.logits_on else None
         if head is not None:
             self._logits = OutputLogits(head[0])
-            self._logits.hook(head[1])
+            self._logits.hook(head[1], self._measured_now)
         if self.kurtosis_on:
             self._kurtosis = ChannelKurtosis()
             # _modules, not children(): a generator a module would cost a 1,000-layer chain's sample 3 calls a layer
-            self._kurtosis.hook([(name, module) for name, (_, module) in zip(names, modules) if module._modules])
+            self._kurtosis.hook([(name, module) for name, (_, module) in zip(names, modules) if module._modules],
+                                self._measured_now)
         self._depth = 0
+        self._armed = armed = object()  # hooks of an earlier arming, kept inert, are not this one's
         entries = [model] + [module for module in model._modules.values() if module is not None and module._modules]
+        begins, ends = functools.partial(self._begins, armed), functools.partial(self._ends, armed)
         self._handles = [handle for module in entries
-                         for handle in (module.register_forward_pre_hook(self._begins),
-                                        module.register_forward_hook(self._ends, always_call=True))]
+                         for handle in (module.register_forward_pre_hook(begins),
+                                        module.register_forward_hook(ends, always_call=True))]
 
-    def arm_traced(self, model: nn.Module, traced: TracedProbe) -> None:
-        """This step's output logits and kurtosis inside compiled code: the armed ``traced``
-        probe's operator hands over the first output of the head and of each block (the probed
-        modules with children) as its call runs, measured on the spot; its SDPA calls are SDPA's
-        stand-in's (:mod:`~layerwatch.probes.compiled_attention`), where it has one (not in a
-        compiled caller: said once). The head must be one of the traced probe's modules."""
-        self._traced = traced
-        if traced.attention is None:
-            self.say_compiled()
-        keeps: dict[int, list[tuple[Any, Callable[[torch.Tensor], None]]]] = {}  # module -> (probe, its keep)
-        if self.kurtosis_on:
-            kurtosis = self._kurtosis = ChannelKurtosis()
-            for index in traced.blocks:
-                keeps.setdefault(index, []).append((kurtosis, functools.partial(kurtosis.keep, traced.names[index])))
-        head = self._find_head(model) if self.logits_on else None
-        index = traced.index_of(head[1]) if head is not None else None
-        if index is not None:
-            logits = self._logits = OutputLogits(head[0])
-            keeps.setdefault(index, []).append((logits, logits.keep))
-        traced.watchers = {index: functools.partial(_measure_each, pairs) for index, pairs in keeps.items()}
+    def _measured_now(self, probe: Any) -> None:
+        """After a hook kept an output: with ``aside`` (the re-run), measured at once, outside the modules' time."""
+        if self._aside is not None:
+            self._aside(probe.flush)
 
-    def _begins(self, module: nn.Module, args: tuple) -> None:
-        if is_compiling():  # traced by Dynamo (a compiled caller): nothing here, no graph break
+    def _begins(self, armed: object, module: nn.Module, args: tuple) -> None:
+        if is_compiling() or armed is not self._armed:  # traced by Dynamo (a compiled caller), or kept inert: nothing
             return
         self._depth += 1
         if self._attention is not None:
             self._attention.start()
 
-    def _ends(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if is_compiling():
+    def _ends(self, armed: object, module: nn.Module, args: tuple, output: Any) -> None:
+        if is_compiling() or armed is not self._armed:
             return
         self._depth -= 1
         if self._depth > 0:
@@ -114,11 +103,6 @@ class TransformerProbes:
             if probe is not None:
                 probe.flush()
 
-    def say_compiled(self) -> None:
-        if self.attention_on and is_writer_rank():
-            self.failures.say_once("attention-compiled", "layerwatch: attention logits and entropy are not measured in "
-                                   "this compiled code: it was compiled before layerwatch's attention stand-ins were in place")
-
     def _find_head(self, model: nn.Module) -> Optional[tuple[str, nn.Module]]:
         head = find_output_head(model, self.output_head)
         if head is None and self.output_head is not None:
@@ -126,16 +110,40 @@ class TransformerProbes:
                                     "of the model; the output logits are not measured")
         return head
 
-    def remove(self) -> None:
+    def unhook(self) -> None:
+        """Take the hooks off and put torch's functions back, keeping what was measured (for :meth:`take`)."""
+        self._armed = None
         for handle in self._handles:
             handle.remove()
         self._handles = []
         for probe in (self._attention, self._logits, self._kurtosis):
             if probe is not None:
                 probe.remove()
+
+    def remove(self, keep_module_hooks: bool = False) -> None:
+        """Take the hooks off (``keep_module_hooks``: leave them on, inert, until :meth:`release`;
+        see StepProbes)."""
+        self._armed = None
+        if keep_module_hooks:
+            self._inert += self._handles + [probe for probe in (self._logits, self._kurtosis) if probe is not None]
+        else:
+            for handle in self._handles:
+                handle.remove()
+        self._handles = []
+        for probe in (self._attention, self._logits, self._kurtosis):
+            if probe is not None:
+                probe.remove(keep_module_hooks)
         self._attention = self._logits = self._kurtosis = None
 
-    def take(self, sync: Optional[RankSync] = None) -> tuple[dict[str, Any], Optional[tuple[str, Any]], dict[str, float]]:
+    def release(self) -> None:
+        """Remove the hooks kept inert too (the run is over)."""
+        self.remove()
+        for kept in self._inert:
+            kept.remove()
+        self._inert = []
+
+    def take(self, sync: Optional[RankSync] = None, keep_module_hooks: bool = False
+             ) -> tuple[dict[str, Any], Optional[tuple[str, Any]], dict[str, float]]:
         """The step's attention (module -> ``[heads, 2]``), output logits (the head, ``[mean, max]``
         of log Z) and kurtosis (module -> its output's), brought to the host together (one
         transfer per device).
@@ -147,13 +155,7 @@ class TransformerProbes:
         rank's other values are its own, as its activations' are (data parallel ranks: its
         micro-batch)."""
         attention, logits, kurtosis = self._attention, self._logits, self._kurtosis
-        self.remove()  # keeps what each measured; on_device() measures what is left
-        traced, self._traced = self._traced, None
-        self.eager = self.eager or traced is None
-        if traced is not None and traced.attention is not None and self.attention_on:
-            attention = AttentionProbe({})
-            attention.calls, attention.error = traced.attention_calls(), traced.attention.error
-            attention.unmeasured, traced.attention.unmeasured = traced.attention.unmeasured, False
+        self.remove(keep_module_hooks)  # keeps what each measured; on_device() measures what is left
         taken = [(probe, probe.on_device()) for probe in (attention, logits, kurtosis) if probe is not None]
         for probe, what in ((attention, "attention"), (logits, "the output logits")):
             if probe is not None and probe.error is not None:
@@ -180,10 +182,3 @@ class TransformerProbes:
             self.failures.say_once("attention-ranks", "layerwatch: the attention of " + ", ".join(left_out[:3])
                                    + " is split over ranks that did not all measure it; left out")
         return combined
-
-
-def _measure_each(keeps: Sequence[tuple[Any, Callable[[torch.Tensor], None]]], output: torch.Tensor) -> None:
-    """``output`` kept by each probe and measured at once (a failure is kept by the probe)."""
-    for probe, keep in keeps:
-        keep(output)
-        probe.flush()

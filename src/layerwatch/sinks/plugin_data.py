@@ -98,7 +98,8 @@ def _place(names: list[str], new: str) -> int:
 
 
 def record_events(record: R.StepRecord) -> dict[str, Any]:
-    """The alerts, first offender, first non-finite step and loss spikes that appear in ``record``."""
+    """The alerts, first offender, first non-finite step and loss spikes that appear in ``record``, and
+    whether its per-module values are of a compiled model's eager re-run."""
     events: dict[str, Any] = {}
     if record.alerts:
         events["alerts"] = [
@@ -113,6 +114,8 @@ def record_events(record: R.StepRecord) -> dict[str, Any]:
         events["spikes"] = record.spikes
     if V.FIRST_NONFINITE_STEP in record.scalars:
         events["first_nonfinite_step"] = int(record.scalars[V.FIRST_NONFINITE_STEP])
+    if record.rerun:
+        events["rerun"] = True
     return events
 
 

@@ -18,7 +18,8 @@ the ``layerwatch`` plugin:
   list: ``step``, ``what``, ``value``, ``z``, ``mean``, ``std``, ``scale`` (``"log"``: ``z``
   and ``std`` of the logarithm, ``mean`` the geometric mean; ``"linear"``), ``over``, ``layer`` (the
   top-ranked), ``layers`` (ranked: ``layer``, ``what``, ``factor``, ``before``, ``now``),
-  ``sampled_at``, ``replayed``, ``text``, ``message``): one tag each, as a step may have
+  ``sampled_at``, ``replayed``, ``text``, ``message``); and ``rerun`` (``true``: the step's
+  per-module values are of a compiled model's eager re-run): one tag each, as a step may have
   several and a time series keeps one value per step.
 """
 

@@ -60,10 +60,13 @@ _STATS: dict[str, tuple[str, str, str, str]] = {
 _STAT_NAMES = {"mean": "mean", "std": "std", "min": "min", "max": "max", "norm": "norm", "zero_frac": "zero fraction"}
 
 
-def describe(key: str) -> dict[str, Any]:
-    """The tab's description of a series key (known or not)."""
+def describe(key: str, rerun: bool = False) -> dict[str, Any]:
+    """The tab's description of a series key (known or not); ``rerun``: the run's per-module values
+    are of a compiled model's eager re-run, whose forward time is eager time."""
     if key in _STATS:
         label, unit, scale, collapse = _STATS[key]
+        if rerun and key == V.FWD_MS:
+            label, unit = "forward time (eager re-run)", "ms, the compiled model run eagerly, autograd off"
     else:
         family, _, stat = key.partition("_")
         label = f"{family} {_STAT_NAMES.get(stat, stat)}"
@@ -187,7 +190,9 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
             raise exceptions.NotFound(f"no layerwatch data in run {run!r}")
         reader = self._reader(ctx, experiment, run, keys[:1])
         rows = reader.layout_sizes()
-        return {"run": run, "steps": reader.steps(), "stats": [dict(describe(key), rows=rows.get(key, 0)) for key in keys]}
+        rerun = any(events.get("rerun") for _, events in reader.events)  # a compiled model's: see describe
+        return {"run": run, "steps": reader.steps(),
+                "stats": [dict(describe(key, rerun), rows=rows.get(key, 0)) for key in keys]}
 
     def heatmap(self, ctx: Any, experiment: str, args: Any) -> dict[str, Any]:
         run, stat = _arg(args, "run"), _arg(args, "stat")
