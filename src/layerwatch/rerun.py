@@ -203,6 +203,7 @@ class Rerun:
         self._ran = False  # this step's micro-batch was run again
         self._first: Optional[tuple[Callable[[], Any], Optional[Rows]]] = None  # see found_compiled
         self._offered = [0, 0]  # micro-batches offered this step, by the door and kept (Inputs)
+        self._fits: Optional[int] = None  # the rows of a micro-batch that fit in a re-run, once one did not
         self.seconds = 0.0  # this step's re-run, which counts as the sample's cost
 
     def start(self, model: nn.Module, within: Optional[nn.Module], together: bool) -> None:
@@ -278,32 +279,38 @@ class Rerun:
             self.seconds = seconds
 
     def _run(self, model: nn.Module, step: int, closure: Callable[[], Any], rows: Optional[Rows]) -> None:
-        failed: list[BaseException] = []
+        """``closure()`` run again; where it is too large to run eagerly, the first rows that fit, from
+        then on (where ``rows`` can cut it), said once."""
+        fits = self._fits if rows is not None else None
+        for _ in range(2):
+            error = self._again(model, step, closure if fits is None else rows(fits))
+            if error is None:
+                return
+            if rows is None or error.rows < 1 or (fits is not None and error.rows >= fits):
+                self.failures.say_once("rerun-too-large", (
+                    f"layerwatch: {error}: the compiled model's re-run cannot cut this micro-batch to fewer rows "
+                    f"({'it came as a closure' if rows is None else 'not one fits'}), so its sampled steps' per-module "
+                    "families are not measured"))
+                return
+            fits = self._fits = error.rows
+            self.failures.say_once("rerun-rows", (
+                f"layerwatch: {error}; the compiled model's sampled steps run the first {fits} rows of their "
+                "micro-batch again instead, and their per-module families are of those rows"))
 
-        def again(what: Callable[[], Any]) -> None:
+    def _again(self, model: nn.Module, step: int, closure: Callable[[], Any]) -> Optional[DenseTooLarge]:
+        """:func:`run_forward_again` of ``closure``; the call too large to run eagerly that stopped it,
+        or None (a failure of another kind is warned once)."""
+        too_large: list[DenseTooLarge] = []
+
+        def again() -> None:
             try:
-                run_forward_again(model, what, self._probes, step, writer=self._writer, params=self._params,
+                run_forward_again(model, closure, self._probes, step, writer=self._writer, params=self._params,
                                   within=self._within())
             except DenseTooLarge as e:
-                failed.append(e)
+                too_large.append(e)
 
-        if not self.failures.run("run a micro-batch of the sampled step again, eagerly", lambda: again(closure), step):
-            return
-        if not failed:
-            return
-        too_large = failed[0]
-        assert isinstance(too_large, DenseTooLarge)
-        if rows is None or too_large.rows < 1:
-            self.failures.say_once("rerun-too-large", (
-                f"layerwatch: {too_large}: the compiled model's re-run cannot cut this micro-batch to fewer rows "
-                f"({'not one fits' if rows is not None else 'it came as a closure'}), so its sampled steps' per-module "
-                "families are not measured"))
-            return
-        self.failures.say_once("rerun-rows", (
-            f"layerwatch: {too_large}; the compiled model's sampled steps run the first {too_large.rows} rows of their "
-            "micro-batch again instead, and their per-module families are of those rows"))
-        self.failures.run("run the first rows of the sampled step's micro-batch again, eagerly",
-                          lambda: again(rows(too_large.rows)), step)
+        self.failures.run("run a micro-batch of the sampled step again, eagerly", again, step)
+        return too_large[0] if too_large else None
 
     def disarm(self) -> None:
         """The step is over (or dropped): its inputs are no longer kept."""

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from layerwatch import stats as S
-from layerwatch.distributed import RankSync
+from layerwatch.distributed import RankSync, is_writer_rank
 from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import FailedForwardGuard
 from layerwatch.probes.transformer import TransformerProbes
@@ -247,15 +247,14 @@ class StepProbes:
                 probe.inert = True
                 self._inert.append(probe)
         if self._runtime is not None:
-            self._runtime.remove(keep_module_hooks=True)
-        if self._structure is not None:
-            self._structure.inert = True
+            self._runtime.remove(keep_module_hooks=True)  # its gradient hooks go; none ran
         self._transformer.take(sync, keep_module_hooks=True)
         if self._forward_guard is not None:  # compiled code is guarded on the model's forward too
             self._inert.append(self._forward_guard)
         self._structure = self._runtime = self._forward_guard = self._weights = None
         self.compiled = True
-        self.failures.warn_once("compiled-caller", IN_A_COMPILED_CALLER.format(step=step))
+        if is_writer_rank():
+            self.failures.warn_once("compiled-caller", IN_A_COMPILED_CALLER.format(step=step))
         return None, None
 
 
