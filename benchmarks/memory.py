@@ -16,10 +16,12 @@ trains ``WARM`` uninstrumented steps, then ``SAMPLED`` steps under
   (CPU: current RSS; GPU: ``memory_allocated``): workspaces kept for the next sample.
 
 With ``--compile`` each model is compiled in place (``model.compile()``) before its warm-up
-steps, which compile it; the baseline is then the peak of as many unsampled steps after them
-(the CPU's high-water mark reset first, through Linux's ``/proc/self/clear_refs``), so that the
-compile's own peak is not taken for the step's. A compiled model's sampled step adds its eager,
-forward-only re-run (``layerwatch/rerun.py``).
+steps, which compile it; then the peak of the tensors alive at once over two unsampled steps is
+the baseline, and over two sampled steps the peak, each above what was alive as it began (on the
+CPU from the profiler's record of torch's allocator, Inductor's kernels included; on a GPU from
+the allocator's counters): the compile's own memory, which is not the step's, left out. "held
+after" is then what the sampled steps left allocated (workspaces kept for the next sample). A
+compiled model's sampled step adds its eager, forward-only re-run (``layerwatch/rerun.py``).
 - params: the parameters' bytes, the scale of a snapshot (100% of them).
 """
 
@@ -33,7 +35,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -63,43 +65,53 @@ def _held_bytes(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else _rss_bytes()
 
 
-def _reset_peak(device: torch.device) -> None:
-    """The peak from now on: CUDA's counter; on the CPU the process's high-water mark (Linux's
-    ``clear_refs``), so that a compile's peak in the warm-up steps is not the baseline's."""
+def _live_peak(run: Callable[[], None], device: torch.device, window: str = "") -> tuple[int, int, int]:
+    """The most bytes of tensors allocated by ``run()`` and alive at once, those still alive at its
+    end, and the most that the last span ``run`` marked ``window`` (``torch.profiler.record_function``)
+    added above what was alive as it began: on the CPU from the profiler's record of every
+    allocation and free of torch's allocator (Inductor's kernels' too), summed in time order; on a
+    GPU from the allocator's counters (no window)."""
     if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-    else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        run()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start, torch.cuda.memory_allocated(device) - start, 0
+    from torch.profiler import ProfilerActivity, profile
 
-
-def _hwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) * 1024
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = prof.profiler.kineto_results.events()  # every allocation and free, as it happened
+    changes = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    spans = sorted((e.start_ns(), e.end_ns()) for e in events if window and e.name() == window)
+    live = peak = 0
+    start: dict[tuple, int] = {}
+    added = {span: 0 for span in spans}
+    for time, change in changes:
+        inside = [span for span in spans if span[0] <= time <= span[1]]
+        for span in inside:
+            start.setdefault(span, live)
+        live += change
+        peak = max(peak, live)
+        for span in inside:
+            added[span] = max(added[span], live - start[span])
+    return peak, live, added[spans[-1]] if spans else 0  # the last span's: workspaces made at the first are kept
 
 
 def measure(workload: str, case: str, device: str = "cpu", compiled: Optional[str] = None) -> dict[str, Any]:
     """One case in this process (on the CPU, a fresh one: the peak RSS never goes down). With
-    ``compiled`` (a backend), the model is compiled in place first (``model.compile()``), and the
-    baseline is the peak of unsampled steps after the warm-up ones (which compile)."""
+    ``compiled`` (a backend): see :func:`measure_compiled`."""
+    if compiled is not None:
+        return measure_compiled(workload, case, device, compiled)
     dev = torch.device(device)
     model, opt, step = WORKLOADS[workload](seed=0, device=device)
     cuda = dev.type == "cuda"
-    if compiled is not None:
-        model.compile(backend=compiled)
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
     for _ in range(WARM):
         step()
-    if compiled is not None:  # the compile's peak is not the step's
-        _reset_peak(dev)
-        for _ in range(WARM):
-            step()
-        base_peak = torch.cuda.max_memory_allocated(dev) if cuda else _hwm_bytes()
-        held_before = _held_bytes(dev)
-        _reset_peak(dev)
-    else:
-        base_peak, held_before = _peak_bytes(dev), _held_bytes(dev)
+    base_peak, held_before = _peak_bytes(dev), _held_bytes(dev)
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
     options: dict[str, Any] = {} if case == "defaults" else {"families": (case,), "sentinel": False}
@@ -109,11 +121,55 @@ def measure(workload: str, case: str, device: str = "cpu", compiled: Optional[st
             for _ in range(SAMPLED):
                 step()
                 inspector.step()
-            peak = _hwm_bytes() if compiled is not None and not cuda else _peak_bytes(dev)
-            held_after = _held_bytes(dev)
+            peak, held_after = _peak_bytes(dev), _held_bytes(dev)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"workload": workload + ("" if compiled is None else " (compiled)"), "case": case, "device": device,
-            "params_bytes": params, "peak_added_bytes": max(peak - base_peak, 0), "held_after_bytes": held_after - held_before}
+    return {"workload": workload, "case": case, "device": device, "params_bytes": params,
+            "peak_added_bytes": max(peak - base_peak, 0), "held_after_bytes": held_after - held_before}
+
+
+def measure_compiled(workload: str, case: str, device: str, backend: str) -> dict[str, Any]:
+    """The model compiled in place (``model.compile(backend=...)``), its warm-up steps compiling it;
+    then ``SAMPLED`` unsampled steps and as many sampled ones, each phase's peak of the tensors
+    alive at once (:func:`_live_peak`, above what was alive when it began): what a sampled step
+    adds to the step's own peak, the compile left out (its memory is not the step's)."""
+    dev = torch.device(device)
+    model, opt, step = WORKLOADS[workload](seed=0, device=device)
+    model.compile(backend=backend)
+    for _ in range(WARM):
+        step()
+
+    def steps(inspector: Optional[Inspector] = None) -> None:
+        for _ in range(SAMPLED):
+            step()
+            if inspector is not None:
+                inspector.step()
+
+    base_peak, _, _ = _live_peak(steps, dev)
+    options: dict[str, Any] = {} if case == "defaults" else {"families": (case,), "sentinel": False}
+    try:
+        from layerwatch import rerun
+    except ImportError:  # a layerwatch from before the re-run (1c2410a: hooks compiled into the graph)
+        rerun = None
+    run_forward_again = None if rerun is None else rerun.run_forward_again
+
+    def marked(*args: Any, **kwargs: Any) -> None:  # the re-run's span, for its own peak
+        with torch.profiler.record_function("layerwatch.rerun"):
+            run_forward_again(*args, **kwargs)
+
+    if rerun is not None:
+        rerun.run_forward_again = marked
+    try:
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Inspector(model, log_dir=tmp, optimizer=opt, every_n_steps=1, **options) as inspector:
+                peak, held_after, rerun_peak = _live_peak(lambda: steps(inspector), dev, window="layerwatch.rerun")
+    finally:
+        if rerun is not None:
+            rerun.run_forward_again = run_forward_again
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"workload": f"{workload} (compiled)", "case": case, "device": device, "params_bytes": params,
+            "peak_added_bytes": max(peak - base_peak, 0), "held_after_bytes": held_after, "step_peak_bytes": base_peak,
+            "rerun_peak_bytes": rerun_peak}
 
 
 def main() -> None:
@@ -145,12 +201,14 @@ def main() -> None:
     if not args.json:
         mib = 2 ** 20
         print(f"device: {args.device} ({'peak RSS' if args.device == 'cpu' else 'max_memory_allocated'})\n")
-        print("| workload | family | params | peak added | peak added / params | held after |")
-        print("|---|---|---|---|---|---|")
+        print("| workload | family | params | peak added | peak added / params | held after |"
+              + (" step's own peak | re-run's own peak |" if args.compile else ""))
+        print("|---|---|---|---|---|---|" + ("---|---|" if args.compile else ""))
         for r in rows:
             print(f"| {r['workload']} | {r['case']} | {r['params_bytes'] / mib:.1f} MiB | "
                   f"{r['peak_added_bytes'] / mib:.1f} MiB | {r['peak_added_bytes'] / r['params_bytes']:.0%} | "
-                  f"{r['held_after_bytes'] / mib:.1f} MiB |")
+                  f"{r['held_after_bytes'] / mib:.1f} MiB |"
+                  + (f" {r['step_peak_bytes'] / mib:.1f} MiB | {r['rerun_peak_bytes'] / mib:.1f} MiB |" if args.compile else ""))
 
 
 if __name__ == "__main__":
