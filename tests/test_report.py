@@ -145,3 +145,28 @@ def test_an_event_file_that_cannot_be_read_is_a_usage_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert info.value.code == 2 and "Traceback" not in err
     assert err.splitlines()[-1] == f"layerwatch report: error: cannot read {str(gone)!r}: No such file or directory"
+
+
+def test_a_compiled_models_slowest_layers_are_said_to_be_its_eager_re_runs(tmp_path, capsys):
+    """A compiled model's per-module values come from an eager, forward-only re-run: the report's
+    slowest layers say so."""
+    import torch
+    import torch._dynamo
+
+    from layerwatch import Inspector
+    from models import MLP
+
+    torch._dynamo.reset()
+    model = MLP()
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match="sampled 2 time"), Inspector(compiled, log_dir=tmp_path, every_n_steps=2,
+                                                                         optimizer=opt) as inspector:
+        for _ in range(4):
+            compiled(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            inspector.step()
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Slowest leaf layers (median fwd of the eager re-run: the model is compiled):\n" in out

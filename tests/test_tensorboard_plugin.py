@@ -370,6 +370,10 @@ def test_a_compiled_models_forward_time_is_said_to_be_its_eager_re_runs(attentio
     assert labels["compiled"]["fwd_ms"]["label"] == "forward time (eager re-run)"
     assert "autograd off" in labels["compiled"]["fwd_ms"]["unit"]
     assert "bwd_ms" in labels["sdpa"] and "bwd_ms" not in labels["compiled"]
+    notes = {run: {r["key"]: r["note"] for r in route(attention_server, "rankings", run=run)["rankings"]}
+             for run in ("sdpa", "compiled")}
+    assert notes["sdpa"]["slowest"] == "leaf layers, median forward + backward ms over the samples"
+    assert "eager re-run" in notes["compiled"]["slowest"] and "nothing saved" in notes["compiled"]["memory"]
 
 
 def test_a_head_has_its_own_series_and_a_layer_without_heads_has_none(attention_server):

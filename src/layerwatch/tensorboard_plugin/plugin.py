@@ -276,11 +276,15 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
         slowest = rankings.top_by_median([tables[k] for k in V.TIME_SERIES if k in tables], "value", top=10)
         memory = rankings.top_by_median([tables[k] for k in V.BYTE_SERIES if k in tables], "value", top=10)
         growth = [] if grads_norm not in tables else rankings.growth(tables[grads_norm], top=10)
+        rerun = any(events.get("rerun") for _, events in reader.events)  # a compiled model's: forward only, eager
         return {"rankings": [
-            _ranking("slowest", "Slowest layers", "ms", "leaf layers, median forward + backward ms over the samples",
+            _ranking("slowest", "Slowest layers", "ms",
+                     "leaf layers, median forward ms of the eager re-run over the samples (the model is compiled)"
+                     if rerun else "leaf layers, median forward + backward ms over the samples",
                      slowest, "no fwd_ms/bwd_ms: the latency probes were off"),
             _ranking("memory", "Largest memory", "bytes",
-                     "leaf layers, median activation + saved-for-backward bytes", memory,
+                     "leaf layers, median activation bytes (the model is compiled: nothing saved for a backward)"
+                     if rerun else "leaf layers, median activation + saved-for-backward bytes", memory,
                      "no activation_bytes/saved_bytes: the memory probes were off"),
             _ranking("grad_growth", "Largest gradient growth", "x",
                      "gradient norm, last sample / first: ×N grew N times, ÷N shrank",
