@@ -78,21 +78,27 @@ def lm_run(log_dir, *, how="torch.compile(model)", dtype="float32", backend="ind
                     logits = forward(ids[:, :-1])
                 return F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
 
-            if inspector is not None and how == "torch.compile(loss_fn)":
-                inspector.replay_with(loss_of)
-            loss = loss_of()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(repr(loss.item()))
-            if inspector is not None:
-                inspector.step()
+            losses.append(train_step(loss_of, opt, inspector, replay=how == "torch.compile(loss_fn)"))
         alerts = [] if inspector is None else [a.message for a in inspector.alerts]
         if inspector is not None:
             inspector.finish()
     assert hook_count(model, opt) == 0
     return {"losses": losses, "state": [t.clone() for t in model.state_dict().values()], "dynamo": dynamo_counts(),
             "graph_code": [graph.code for graph in counter.graphs], "said": layerwatch_messages(seen), "alerts": alerts}
+
+
+def train_step(loss_of, opt: torch.optim.Optimizer, inspector=None, replay: bool = False) -> str:
+    """One optimizer step of ``loss_of()`` (given to ``replay_with`` first with ``replay``), then
+    ``inspector.step()``: its loss, exactly."""
+    if inspector is not None and replay:
+        inspector.replay_with(loss_of)
+    loss = loss_of()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if inspector is not None:
+        inspector.step()
+    return repr(loss.item())
 
 
 def same_run(watched: dict, plain: dict, inputs_in_any_order: bool = False) -> None:
@@ -234,14 +240,7 @@ def spoiler_run(log_dir, *, how, steps=8, every=2, spoil_at=None, spoiler=None, 
                 def loss_of(x=x, y=y):
                     return F.mse_loss(forward(x), y)
 
-                if replay or how == "torch.compile(loss_fn)":
-                    inspector.replay_with(loss_of)
-                loss = loss_of()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                losses.append(repr(loss.item()))
-                inspector.step()
+                losses.append(train_step(loss_of, opt, inspector, replay=replay or how == "torch.compile(loss_fn)"))
     return {"losses": losses, "alerts": [a.message for a in inspector.alerts]}
 
 
@@ -279,13 +278,8 @@ def small_run(make, log_dir, *, how="torch.compile(model)", backend="inductor", 
     losses = []
     inspector = None if log_dir is None else Inspector(call, log_dir=log_dir, every_n_steps=2, optimizer=opt).start()
     for _ in range(steps):
-        loss = loss_of(batch(g))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(repr(loss.item()))
-        if inspector is not None:
-            inspector.step()
+        x = batch(g)
+        losses.append(train_step(lambda: loss_of(x), opt, inspector))
     if inspector is not None:
         inspector.finish()
     assert hook_count(model, opt) == 0
