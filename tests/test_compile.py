@@ -547,3 +547,50 @@ def test_overhead_ms_counts_the_re_run(tmp_path, monkeypatch, events):
     spoiler_run(tmp_path, how="torch.compile(model)", steps=4, every=2)
     reported = [s.value for s in events(tmp_path).Scalars("layerwatch/overhead_ms")]
     assert len(reported) == 2 and all(ms >= 1e3 * delay for ms in reported), reported
+
+
+class CallsCompiledHelpers(nn.Module):
+    """An eager model that calls two compiled functions: attention (SDPA) and an activation."""
+
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.mlp, self.head = nn.Linear(d, 3 * d), nn.Linear(d, d), nn.Linear(d, 1)
+        self.attend = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                    backend="aot_eager")
+        self.act = torch.compile(lambda x: F.gelu(x) * 2, backend="aot_eager")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + self.attend(q, k, v).transpose(1, 2).reshape(b, n, d)
+        return self.head(self.act(self.mlp(x)))
+
+
+def test_compiled_functions_an_eager_model_calls_compile_as_without_layerwatch(tmp_path, events):
+    """The model is eager and probed as it runs; the functions it calls compile on its first,
+    sampled step, under the layer table's FLOP counter and the attention probe's stand-in for
+    SDPA. Neither breaks their graphs (nor makes Dynamo skip them for good); the attention
+    function, compiled with the stand-in in place, has one variant more for the unsampled
+    steps (docs/probes.md, "What is left out")."""
+    runs = {}
+    for watched in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = CallsCompiledHelpers()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        inspector = Inspector(model, log_dir=tmp_path, optimizer=opt, every_n_steps=2).start() if watched else None
+        losses = [train_step(lambda: model(torch.randn(2, 5, 16)).pow(2).mean(), opt, inspector) for _ in range(4)]
+        if inspector is not None:
+            inspector.finish()
+        runs[watched] = losses, dynamo_counts(), dict(counters["frames"])
+    (plain, plain_counts, plain_frames), (watched, counts, frames) = runs[False], runs[True]
+    assert watched == plain
+    assert plain_counts == {"graphs": 2, "recompiles": 0, "breaks": 0}, plain_counts
+    assert counts == {"graphs": 3, "recompiles": 0, "breaks": 0}, counts
+    assert frames["total"] == frames["ok"], frames  # none skipped
+    acc = events(tmp_path)
+    assert [e.step for e in acc.Scalars("activations_norm/mlp")] == [0, 2]
+    (table,) = acc.Tensors("layerwatch/structure/text_summary")
+    assert "CallsCompiledHelpers" in table.tensor_proto.string_val[0].decode()

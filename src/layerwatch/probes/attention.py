@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from layerwatch.distributed import local, spread
+from layerwatch.hooks import is_compiling
 from layerwatch.probes.flex_attention import EAGER, FLEX, flex_rows
 
 
@@ -112,15 +113,20 @@ class AttentionProbe:
             return
         sdpa, mha = self._originals = F.scaled_dot_product_attention, F.multi_head_attention_forward
 
+        # Traced by Dynamo (a compiled function the eager model calls), a wrapper only calls through.
         @functools.wraps(sdpa)
         def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
             out = sdpa(*args, **kwargs)
+            if is_compiling():
+                return out
             self.seen(dict(zip(SDPA_ARGUMENTS, args)) | kwargs)
             return out
 
         @functools.wraps(mha)
         def multi_head_attention_forward(*args: Any, **kwargs: Any) -> Any:
             out = mha(*args, **kwargs)
+            if is_compiling():
+                return out
             arguments = _mha_signature(mha).bind(*args, **kwargs).arguments
             if arguments.get("need_weights", True):  # computed without SDPA: measured again with it, in flush()
                 self.seen({MHA: (mha, arguments)})

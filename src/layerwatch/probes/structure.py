@@ -6,6 +6,7 @@ table comes from the real batch with no extra forward."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import sys
 import weakref
@@ -158,10 +159,8 @@ class StructureProbe:
         counter = FlopCounterMode(display=False, custom_mapping=extra_flop_formulas())
         try:  # its dispatch mode alone, every FLOP counted as the model's ("Global"); not its ModTracker, whose
             # module and gradient hooks would give per-module counts not read here, and which fail under FlexAttention
-            from torch.utils.flop_counter import _FlopCounterMode
-
             counter.flop_counts.clear()
-            counter.mode = _FlopCounterMode(counter)
+            counter.mode = _counting_mode()(counter)
             counter.mode.__enter__()
             self._counter_exit = counter.mode.__exit__
         except ImportError:  # an older torch
@@ -177,6 +176,27 @@ class StructureProbe:
             restore()
         if counter is not None:
             self._counter_exit(None, None, None)
+
+
+@functools.cache
+def _counting_mode() -> type:
+    """torch's FLOP counting dispatch mode, told to stand aside while ``torch.compile`` compiles
+    (``ignore_compile_internals``, torch 2.8 and later): a compiled function an eager model calls
+    (``torch.compile(flex_attention)``, a compiled helper), first called inside a table's window,
+    would otherwise be skipped by Dynamo for good ("non-infra torch dispatch mode present") and run
+    eagerly ever after. Its compiled kernels' FLOPs are not counted.
+
+    Raises:
+        ImportError: a torch without it (the caller falls back to the whole ``FlopCounterMode``).
+    """
+    from torch.utils.flop_counter import _FlopCounterMode
+
+    class CountingMode(_FlopCounterMode):
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            return True
+
+    return CountingMode
 
 
 def flex_compiles_outside(mode: Any) -> Callable[[], None]:
