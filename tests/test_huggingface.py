@@ -258,6 +258,29 @@ def test_torch_compile_true_is_measured_on_its_re_runs_with_bitwise_losses(tmp_p
     assert table.step == 2 and "GPT2LMHeadModel" in text and "c_fc (Conv1D)" in text
 
 
+
+def test_a_re_run_that_raises_is_said_once_and_leaves_the_compiled_model_as_it_was(tmp_path):
+    """A block whose forward raises with autograd off raises in every re-run alone: each is warned
+    about once and skipped, training goes on, and the model keeps neither a hook nor a wrapped
+    ``forward`` of layerwatch's (a failing re-run is not the user's failing forward)."""
+    pytest.importorskip("torch._dynamo").reset()
+    model = tiny("gpt2")
+
+    def no_eval(module, args):
+        if not torch.is_grad_enabled():
+            raise RuntimeError("this block trains only")
+
+    own = model.transformer.h[1].register_forward_pre_hook(no_eval)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer, losses = train(model, tmp_path, [InspectTrainerCallback(every_n_steps=2)], torch_compile=True,
+                                torch_compile_backend="aot_eager")
+    assert len(losses) == 6
+    said = [m for m in layerwatch_messages(seen) if "this block trains only" in m]
+    assert len(said) == 1 and "run a micro-batch of the sampled step again" in said[0], said
+    assert hook_count(model, trainer.optimizer.optimizer) == 1 and "forward" not in vars(model)
+    own.remove()
+
 # ------------------------------------------------------------------------------- faults at the defaults
 
 

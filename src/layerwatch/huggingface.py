@@ -247,7 +247,7 @@ class _InputsKept:
         outer, model = self._outer(), self._model()
         if self._handles or outer is None or model is None:
             return
-        self._handles = [FailedForwardGuard(model, self.remove)]
+        self._handles = [FailedForwardGuard(model, self._failed)]
         if self._replay or self._rerun:
             self._handles.append(outer.register_forward_pre_hook(self, with_kwargs=True))
         if self._losses:
@@ -264,6 +264,12 @@ class _InputsKept:
         loss = outputs.get("loss") if isinstance(outputs, dict) else None
         if engine is not None and engine.state == "running" and isinstance(loss, torch.Tensor):
             engine.observe(loss)
+
+    def _failed(self) -> None:
+        """The model's forward raised: the hooks come off, unless the forward was the replay's or
+        the re-run's own (the engine handles that one, and puts the model back as it was)."""
+        if not self._replaying:
+            self.remove()
 
     def remove(self) -> None:
         handles, self._handles = self._handles, []
