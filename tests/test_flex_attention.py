@@ -132,9 +132,9 @@ def test_a_re_run_whose_flex_attention_would_not_fit_runs_the_first_rows_or_is_s
     here: 3,872 bytes). Above the bound the re-run runs the micro-batch's first rows that fit
     (said once, measured on those), or where not one fits, is said once and not measured. The run
     is as without it either way."""
-    from layerwatch.probes import step
+    from layerwatch import rerun
 
-    monkeypatch.setattr(step, "DENSE_LIMIT", limit)
+    monkeypatch.setattr(rerun, "DENSE_LIMIT", limit)
     plain, _, _, _ = train(None, "aot_eager")
     capsys.readouterr()
     losses, _, _, _ = train(tmp_path, "aot_eager")

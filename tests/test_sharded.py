@@ -745,6 +745,69 @@ def test_a_compiled_model_is_measured_on_every_ranks_re_run_and_left_as_it_was(t
     assert not [t for t in scalars if t.startswith(("bwd_ms/", "saved_bytes/"))]
 
 
+class NormedAttention(nn.Module):
+    """An attention block (SDPA) between BatchNorm's running buffers and a head: what DDP's
+    forward broadcasts (the buffers) and what the attention probe reads (the block's heads)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        from models import SdpaBlock
+
+        self.inp, self.block, self.norm, self.out = nn.Linear(6, d), SdpaBlock(d), nn.BatchNorm1d(d), nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.block(self.inp(x))
+        return self.out(self.norm(h.flatten(0, 1)))
+
+
+def ddp_rerun_worker(rank: int, world: int, out: str, closure: bool) -> None:
+    """DDP around a compiled model with buffers. With ``closure`` its batch is given to
+    ``replay_with`` as a closure that calls DDP: rank 0 alone runs the closure again, so DDP's
+    forward must broadcast nothing then (the other rank would answer with its own step's
+    broadcast: a hang, or a wrong pairing). Without, the module DDP holds is run again on the
+    arguments it was called with. Either way the attention inside it is measured, and training
+    and Dynamo's graphs are as without layerwatch."""
+    from torch._dynamo.utils import counters
+    from torch.nn.parallel import DistributedDataParallel
+
+    losses, counts = {}, {}
+    for inspected in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = DistributedDataParallel(torch.compile(NormedAttention(), backend="aot_eager"))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        inspector = Inspector(model, log_dir=f"{out}/run", optimizer=opt, every_n_steps=EVERY).start() if inspected else None
+        losses[inspected] = []
+        for step in range(STEPS):
+            torch.manual_seed(100 + 10 * step + rank)  # each rank its own data
+            x = torch.randn(4, 5, 6)
+            if inspector is not None and closure:
+                inspector.replay_with(lambda x=x: model(x).pow(2).mean())
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if inspector is not None:
+                inspector.step()
+            losses[inspected].append(loss.item())
+        if inspector is not None:
+            inspector.finish()
+        counts[inspected] = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+        losses[inspected].append(model.module._orig_mod.norm.running_mean.double().norm().item())
+    assert losses_equal(losses[True], losses[False]), losses
+    assert counts[True] == counts[False], counts
+
+
+@pytest.mark.parametrize("closure", [True, False], ids=["closure", "kept inputs"])
+def test_a_compiled_model_under_ddp_is_run_again_on_rank_zero_alone_with_no_collective(tmp_path, events, closure):
+    run_ranks(ddp_rerun_worker, str(tmp_path), closure, tmp=tmp_path, debug="INFO")
+    one_writer(tmp_path / "run")
+    acc = events(tmp_path / "run")
+    assert [e.step for e in acc.Scalars("attention_entropy/module.block.attn")] == [0, 2]
+    assert [e.step for e in acc.Scalars("activations_norm/module.norm")] == [0, 2]
+
+
 def budget_worker(rank: int, world: int, out: str) -> None:
     """FSDP2 per layer at the default schedule, the overhead budget. Its measurements are
     scripted apart on purpose: rank 0's pacer wants every 5th step and rank 1's every step, so

@@ -429,7 +429,7 @@ def test_a_compiled_models_table_is_of_the_first_micro_batch_of_its_step(tmp_pat
     assert eager.Scalars("layerwatch/macs_per_step")[0].value == first.total_macs + second.total_macs
     capsys.readouterr()
     acc = run(tmp_path / "compiled", compiled=True)
-    assert "sampled step 0 had 2 micro-batches (gradient accumulation)" in capsys.readouterr().err
+    assert "sampled step 0 ran 2 training forwards (the micro-batches" in capsys.readouterr().err
     (table,) = acc.Tensors("layerwatch/structure/text_summary")
     assert acc.Scalars("layerwatch/macs_per_step")[0].value == first.total_macs
     assert re.search(r"fc1 \(Linear\) +\[4, 8\] +\[4, 16\] .* 1$", table.tensor_proto.string_val[0].decode(), re.MULTILINE)

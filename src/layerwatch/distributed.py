@@ -38,6 +38,20 @@ Group = tuple[Any, list[str], list[torch.Tensor]]  # (process group or None, nam
 WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
 
+def innermost(module: nn.Module) -> nn.Module:
+    """The module that ``torch.compile``'s and DDP's wrappers hold (DDP's forward would broadcast
+    its buffers: the inner module's issues no collective)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        if hasattr(module, "_orig_mod") and isinstance(module._orig_mod, nn.Module):
+            module = module._orig_mod
+        elif isinstance(module, DistributedDataParallel):
+            module = module.module
+        else:
+            return module
+
+
 def _initialized() -> bool:
     import torch.distributed as dist
 

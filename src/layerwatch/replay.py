@@ -156,9 +156,10 @@ SYNC_FLAGS = ("require_backward_grad_sync", "require_forward_param_sync")
 
 
 @contextlib.contextmanager
-def gradient_sync_off(*models: Optional[nn.Module]) -> Iterator[None]:
+def gradient_sync_off(*models: Optional[nn.Module], buffers: bool = False) -> Iterator[None]:
     """Inside: no ``DistributedDataParallel`` among ``models`` (and their submodules) reduces
-    gradients. Its sync flags are put back after, both of them: a forward under ``no_sync()``
+    gradients, nor, with ``buffers``, broadcasts its buffers at a forward (a forward that one rank
+    runs alone). Its sync flags are put back after, both of them: a forward under ``no_sync()``
     also turns off the buffer broadcast of the next forward."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -167,6 +168,8 @@ def gradient_sync_off(*models: Optional[nn.Module]) -> Iterator[None]:
     flags = [(m, name, getattr(m, name)) for m in found.values() for name in SYNC_FLAGS if hasattr(m, name)]
     for module in found.values():
         module.require_backward_grad_sync = False
+        if buffers:
+            module.require_forward_param_sync = False
     try:
         yield
     finally:

@@ -9,8 +9,9 @@ readers is one more graph to compile. So a compiled step runs exactly the graphs
 without layerwatch: the same count, the same bits.
 
 What a compiled model's sampled step gets of the per-module families comes from a second run of
-one micro-batch of the step, with the step's weights, before the step's own forward
-(:func:`run_forward_again`):
+one micro-batch of the step, with the step's weights, before the step's own forward (for a
+model first found running inside compiled code at a sample, that sample's comes after it, before
+the optimizer step: :meth:`Rerun.before_optimizer_step`) (:func:`run_forward_again`):
 
 - **eager**: compiled code runs eagerly (``torch.compiler.set_stance("force_eager")``, torch 2.6
   and later), so the probes' hooks see every module, and no graph is made or thrown away;
@@ -44,7 +45,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from layerwatch.distributed import is_writer_rank, world_size
+from layerwatch.distributed import innermost, is_writer_rank, world_size
 from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import is_compiling
 from layerwatch.probes import StepProbes
@@ -54,20 +55,26 @@ from layerwatch.replay import SavedState, gradient_sync_off, replaying, run_eage
 
 Rows = Callable[[int], Callable[[], Any]]  # the closure of a micro-batch's first n rows
 
+# The most score bytes one FlexAttention call may build at once in a re-run (the operator run
+# eagerly computes every score of the call at once).
+DENSE_LIMIT = 1 << 30
+
 
 def run_forward_again(model: nn.Module, closure: Callable[[], Any], probes: StepProbes, step: int, *,
-                      writer: bool, params: Sequence[nn.Parameter], within: Optional[nn.Module]) -> None:
+                      writer: bool, params: Sequence[nn.Parameter], within: Optional[nn.Module],
+                      dense_limit: Optional[int]) -> None:
     """``closure()`` (a forward of the step's micro-batch) with ``probes`` armed for one forward,
     compiled code eager, autograd off, DDP's sync off; the state put back after, whatever
-    happened. The probes keep what they measured for :meth:`StepProbes.take`.
+    happened. The probes keep what they measured for :meth:`StepProbes.take`; a FlexAttention
+    call that would build more than ``dense_limit`` bytes of scores stops it (:class:`DenseTooLarge`).
 
     Raises:
         Exception: what the forward raised (the probes are disarmed then).
     """
     saved = SavedState(model, copy_gradients=False)
     try:
-        with gradient_sync_off(model, within), run_eagerly(), torch.no_grad(), _eager_flex_unsaid():
-            probes.arm(model, params, step, writer=writer, eager=True, forward_only=True)
+        with gradient_sync_off(model, within, buffers=True), run_eagerly(), torch.no_grad(), _eager_flex_unsaid():
+            probes.arm(model, params, step, writer=writer, eager=True, forward_only=True, dense_limit=dense_limit)
             try:
                 closure()
             except BaseException:
@@ -76,6 +83,7 @@ def run_forward_again(model: nn.Module, closure: Callable[[], Any], probes: Step
             probes.unhook()
     finally:
         saved.restore()
+        torch.clear_autocast_cache()  # weights it cast without autograd serve no later forward
 
 
 @contextlib.contextmanager
@@ -116,20 +124,6 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, dict):
         for item in obj.values():
             yield from _tensors(item)
-
-
-def innermost(module: nn.Module) -> nn.Module:
-    """The module that ``torch.compile``'s and DDP's wrappers hold (DDP's forward would broadcast
-    its buffers: the inner module's issues no collective)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    while True:
-        if hasattr(module, "_orig_mod") and isinstance(module._orig_mod, nn.Module):
-            module = module._orig_mod
-        elif isinstance(module, DistributedDataParallel):
-            module = module.module
-        else:
-            return module
 
 
 class Inputs:
@@ -200,6 +194,7 @@ class Rerun:
         self._step: Optional[int] = None  # the sampled step whose micro-batch is awaited, while armed
         self._params: Sequence[nn.Parameter] = ()
         self._writer = False
+        self._together = False
         self._ran = False  # this step's micro-batch was run again
         self._first: Optional[tuple[Callable[[], Any], Optional[Rows]]] = None  # see found_compiled
         self._offered = [0, 0]  # micro-batches offered this step, by the door and kept (Inputs)
@@ -212,6 +207,7 @@ class Rerun:
         self._model = weakref.ref(model)
         self._within = (lambda: None) if within is None else weakref.ref(within)
         self._keeps_inputs = is_compiled(model)
+        self._together = together
         # rank 0 alone re-runs under DDP: a forward that is collective (SyncBatchNorm) would wait for the others
         self._alone_and_collective = (world_size() > 1 and not together
                                       and any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()))
@@ -221,8 +217,15 @@ class Rerun:
         compiled, kept for :meth:`found_compiled`)."""
         self.disarm()
         self.seconds, self._ran, self._offered, self._first = 0.0, False, [0, 0], None
-        if not self._probes.runtime_on and not (self._probes.structure_pending and writer):
-            return
+        if not self._probes.runtime_on:
+            if not (self._probes.structure_pending and writer):
+                return
+            if self._together:  # every rank re-runs a sharded (collective) forward, or none: not for rank 0's table
+                if self._probes.compiled:
+                    self.failures.say_once("rerun-table-together", (
+                        "layerwatch: the compiled model's ranks measure together, and with no per-module family on "
+                        "they do not run a micro-batch again, so its layer table is not recorded"))
+                return
         why = ("this torch (before 2.6) cannot run compiled code eagerly" if not hasattr(torch.compiler, "set_stance")
                else "the model's SyncBatchNorm is collective, and rank 0 alone would run it again (data parallel ranks "
                "are measured on rank 0)" if self._alone_and_collective else None)
@@ -282,20 +285,26 @@ class Rerun:
         """``closure()`` run again; where it is too large to run eagerly, the first rows that fit, from
         then on (where ``rows`` can cut it), said once."""
         fits = self._fits if rows is not None else None
-        for _ in range(2):
-            error = self._again(model, step, closure if fits is None else rows(fits))
+        for attempt in range(2):
+            error = self._again(model, step, closure if fits is None else self._cut(rows, fits))
             if error is None:
                 return
-            if rows is None or error.rows < 1 or (fits is not None and error.rows >= fits):
+            if rows is None or error.rows < 1 or (fits is not None and error.rows >= fits) or attempt == 1:
+                why = ("it came as a closure" if rows is None else "not one fits" if error.rows < 1
+                       else f"its first {fits} rows did not fit either")
                 self.failures.say_once("rerun-too-large", (
                     f"layerwatch: {error}: the compiled model's re-run cannot cut this micro-batch to fewer rows "
-                    f"({'it came as a closure' if rows is None else 'not one fits'}), so its sampled steps' per-module "
-                    "families are not measured"))
+                    f"({why}), so its sampled steps' per-module families are not measured"))
                 return
             fits = self._fits = error.rows
             self.failures.say_once("rerun-rows", (
                 f"layerwatch: {error}; the compiled model's sampled steps run the first {fits} rows of their "
                 "micro-batch again instead, and their per-module families are of those rows"))
+
+    @staticmethod
+    def _cut(rows: Rows, fits: int) -> Callable[[], Any]:
+        """The closure of the first ``fits`` rows, cut when it runs (where a failure is caught)."""
+        return lambda: rows(fits)()
 
     def _again(self, model: nn.Module, step: int, closure: Callable[[], Any]) -> Optional[DenseTooLarge]:
         """:func:`run_forward_again` of ``closure``; the call too large to run eagerly that stopped it,
@@ -304,8 +313,9 @@ class Rerun:
 
         def again() -> None:
             try:
+                # measuring together, no rank may stop a collective forward alone: no bound on FlexAttention's scores
                 run_forward_again(model, closure, self._probes, step, writer=self._writer, params=self._params,
-                                  within=self._within())
+                                  within=self._within(), dense_limit=None if self._together else DENSE_LIMIT)
             except DenseTooLarge as e:
                 too_large.append(e)
 
@@ -335,8 +345,9 @@ class Rerun:
                 "(a model called from a compiled function, a compiled training step)"))
         if max(self._offered) > 1 and self._ran and is_writer_rank():
             self.failures.say_once("rerun-first", (
-                f"layerwatch: sampled step {step} had {max(self._offered)} micro-batches (gradient accumulation): the "
-                "compiled model's per-module families are of the first, run again eagerly"))
+                f"layerwatch: sampled step {step} ran {max(self._offered)} training forwards (the micro-batches of "
+                "gradient accumulation, or several calls of the model): the compiled model's per-module families are "
+                "of the first, run again eagerly"))
         if self._ran and is_writer_rank():
             self.failures.say_once("rerun-backward", (
                 "layerwatch: the model runs compiled: its sampled steps' per-module families come from an eager, "

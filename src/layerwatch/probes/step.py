@@ -20,10 +20,6 @@ from layerwatch.probes.structure import StructureProbe
 from layerwatch.probes.weights import WeightCheck
 from layerwatch.table import Summary
 
-# The most score bytes one FlexAttention call may build at once in a compiled model's eager
-# re-run (the operator run eagerly computes every score of the call; see rerun.py).
-DENSE_LIMIT = 1 << 30
-
 IN_A_COMPILED_CALLER = (
     "layerwatch: the model runs inside compiled code (a torch.compile'd function calls it), so its hooks "
     "recorded nothing on sampled step {step}. Nothing of layerwatch runs inside compiled code: from now on its "
@@ -71,12 +67,14 @@ class StepProbes:
         self.compiled = compiled_by_caller or is_compiled(model)
 
     def arm(self, model: nn.Module, parameters: Sequence[nn.Parameter], step: int, writer: bool = True,
-            structure: bool = True, eager: bool = False, forward_only: bool = False) -> None:
+            structure: bool = True, eager: bool = False, forward_only: bool = False,
+            dense_limit: Optional[int] = None) -> None:
         """Arm this step's hooks: the layer table's (the first time, on the rank that writes,
         unless ``structure`` is False) and the runtime probes'. On a model that runs compiled,
         none: its forward is the compiled code's alone. ``eager``: compiled code runs eagerly
         for this forward (a replay, a re-run), so the hooks see every module. ``forward_only``: a
-        compiled model's re-run, one forward with autograd off."""
+        compiled model's re-run, one forward with autograd off, whose FlexAttention calls may build
+        ``dense_limit`` bytes of scores at most (:class:`~layerwatch.probes.attention.AttentionProbe`)."""
         if self._runtime is not None or self._structure is not None:  # a re-run's, kept for take(): a replay's now
             self.disarm()
         if self.compiled and not eager:
@@ -90,7 +88,8 @@ class StepProbes:
         if self.structure_pending and writer:
             self.failures.run("record the layer table", lambda: self._arm_structure(model, forward_only), step)
         if runtime:
-            self.failures.run("arm the runtime probes", lambda: self._arm_runtime(model, parameters, forward_only), step)
+            self.failures.run("arm the runtime probes",
+                              lambda: self._arm_runtime(model, parameters, forward_only, dense_limit), step)
         if self._structure is not None or self._runtime is not None:
             self.failures.run("guard the forward", lambda: self._guard(model), step)
 
@@ -115,7 +114,8 @@ class StepProbes:
     def _arm_structure(self, model: nn.Module, forward_only: bool) -> None:
         self._structure = StructureProbe(model, training_only=not forward_only)
 
-    def _arm_runtime(self, model: nn.Module, parameters: Sequence[nn.Parameter], forward_only: bool) -> None:
+    def _arm_runtime(self, model: nn.Module, parameters: Sequence[nn.Parameter], forward_only: bool,
+                     dense_limit: Optional[int]) -> None:
         modules = self._selected(model)
         if not modules:
             return
@@ -132,7 +132,7 @@ class StepProbes:
             runtime.aside(action if structure is None else lambda: structure.uncounted(action))
 
         self._transformer.arm(model, modules, aside=aside if forward_only else None,
-                              dense_limit=DENSE_LIMIT if forward_only else None)
+                              dense_limit=dense_limit)
 
     @property
     def sees_nonfinite(self) -> bool:

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
 
-from layerwatch.distributed import RankSync, global_rank, is_writer_rank
+from layerwatch.distributed import RankSync, global_rank, innermost, is_writer_rank
 from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import is_compiling
 from layerwatch.probes.attention import AttentionProbe, combine_heads
@@ -57,6 +57,7 @@ class TransformerProbes:
         """This step's probes, on an eager forward of ``model`` whose probed ``modules`` are these;
         ``aside`` and ``dense_limit`` (a re-run's) as the class and :class:`AttentionProbe` say."""
         self._aside = aside
+        model = innermost(model)  # a compiled or DDP wrapper's module: its blocks run its forward
         names = probe_names(modules)
         if self.attention_on:
             self._attention = AttentionProbe({id(module): name for name, (_, module) in zip(names, modules)}, aside,
