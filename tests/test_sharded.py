@@ -107,11 +107,13 @@ def record(out: str, name: str, value) -> None:
 
 
 def train_both_ways(build: Callable[[], nn.Module], loss_of: Callable[[nn.Module, int], torch.Tensor], out: str,
-                    observe: Optional[Callable[[nn.Module, int], Any]] = None, **options: Any) -> dict[int, Any]:
+                    observe: Optional[Callable[[nn.Module, int], Any]] = None, replay: bool = False,
+                    **options: Any) -> dict[int, Any]:
     """Train ``build()`` twice from one seed, without and with an Inspector (``options``, writing
-    to ``out/run``), ``STEPS`` SGD steps of ``loss_of(model, step)``. Asserts that the losses are
-    bitwise equal and that no hook of layerwatch's stays; returns what ``observe(model, step)``
-    saw after each step of the inspected run."""
+    to ``out/run``), ``STEPS`` SGD steps of ``loss_of(model, step)`` (given to ``replay_with``
+    first with ``replay``). Asserts that the losses are bitwise equal and that no hook of
+    layerwatch's stays; returns what ``observe(model, step)`` saw after each step of the
+    inspected run."""
     losses, seen = {}, {}
     for inspected in (False, True):
         torch.manual_seed(0)
@@ -121,6 +123,8 @@ def train_both_ways(build: Callable[[], nn.Module], loss_of: Callable[[nn.Module
         inspector = Inspector(model, log_dir=f"{out}/run", optimizer=opt, **options).start() if inspected else None
         losses[inspected] = []
         for step in range(STEPS):
+            if inspector is not None and replay:
+                inspector.replay_with(lambda step=step: loss_of(model, step))
             loss = loss_of(model, step)
             opt.zero_grad()
             loss.backward()
@@ -767,36 +771,16 @@ def ddp_rerun_worker(rank: int, world: int, out: str, closure: bool) -> None:
     broadcast: a hang, or a wrong pairing). Without, the module DDP holds is run again on the
     arguments it was called with. Either way the attention inside it is measured, and training
     and Dynamo's graphs are as without layerwatch."""
-    from torch._dynamo.utils import counters
     from torch.nn.parallel import DistributedDataParallel
 
-    losses, counts = {}, {}
-    for inspected in (False, True):
-        torch._dynamo.reset()
-        counters.clear()
-        torch.manual_seed(0)
-        model = DistributedDataParallel(torch.compile(NormedAttention(), backend="aot_eager"))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        inspector = Inspector(model, log_dir=f"{out}/run", optimizer=opt, every_n_steps=EVERY).start() if inspected else None
-        losses[inspected] = []
-        for step in range(STEPS):
-            torch.manual_seed(100 + 10 * step + rank)  # each rank its own data
-            x = torch.randn(4, 5, 6)
-            if inspector is not None and closure:
-                inspector.replay_with(lambda x=x: model(x).pow(2).mean())
-            loss = model(x).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if inspector is not None:
-                inspector.step()
-            losses[inspected].append(loss.item())
-        if inspector is not None:
-            inspector.finish()
-        counts[inspected] = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
-        losses[inspected].append(model.module._orig_mod.norm.running_mean.double().norm().item())
-    assert losses_equal(losses[True], losses[False]), losses
-    assert counts[True] == counts[False], counts
+    def build() -> nn.Module:
+        return DistributedDataParallel(torch.compile(NormedAttention(), backend="aot_eager"))
+
+    def loss_of(model: nn.Module, step: int) -> torch.Tensor:
+        torch.manual_seed(100 + 10 * step + rank)  # each rank its own data
+        return model(torch.randn(4, 5, 6)).pow(2).mean()
+
+    compiled_both_ways(build, loss_of, out, lambda model, step: None, replay=closure, every_n_steps=EVERY)
 
 
 @pytest.mark.parametrize("closure", [True, False], ids=["closure", "kept inputs"])
