@@ -80,23 +80,19 @@ def inspector_run(log_dir, device="cpu", mode=None) -> dict:
     """AdamW steps of the compiled Llama (``torch.compile(model, mode=mode)``) under
     ``torch.autocast`` in bfloat16, the Inspector at its defaults when there is a ``log_dir``."""
     from layerwatch import Inspector
+    from test_compile import train_step
 
     fresh_counts()
     model = llama().to(device)
     compiled = torch.compile(model, mode=mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     inspector = None if log_dir is None else Inspector(compiled, log_dir=log_dir, optimizer=opt).start()
-    losses = []
-    for x in token_batches():
-        x = x.to(device)
+
+    def loss_of(x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device, dtype=torch.bfloat16):
-            loss = compiled(input_ids=x, labels=x).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        if inspector is not None:
-            inspector.step()
+            return compiled(input_ids=x, labels=x).loss
+
+    losses = [train_step(lambda x=x.to(device): loss_of(x), opt, inspector) for x in token_batches()]
     if inspector is not None:
         inspector.finish()
     return {"losses": losses, "weights": [p.detach().cpu().clone() for p in model.parameters()], "dynamo": dynamo_counts()}
