@@ -336,3 +336,40 @@ def test_update_ratios_are_exact_again_when_memory_allows_and_it_is_said(tmp_pat
     assert {step for step, tag in ratios if tag.startswith("update_ratio_estimate/")} == {0}
     assert {step for step, tag in ratios if tag.startswith("update_ratio/")} == {3, 6}
     assert "layerwatch: update ratios are exact again from step 3: the snapshot fits" in capfd.readouterr().err
+
+
+def test_an_incident_holds_the_interval_and_its_captures_never_more_than_double_it():
+    from layerwatch.budget import HOLD_STEPS
+
+    pacer = Pacer(0.01)
+    measured(pacer, base_ms=10, own_ms=0, cost_ms=16)
+    pacer.interval = pacer.decide()
+    assert pacer.interval == 200
+    for step in (327, 328, 329):  # a spike's capture of 3 samples, each 200 ms: alone they would ask for 10,000
+        pacer.unscheduled(step, 0.2)
+    assert pacer.ideal() > MAX_INTERVAL
+    pacer.sampled(0.016, 0.026, step=400)
+    assert pacer.decide() is None  # held: a run in trouble is watched as densely as before
+    pacer.sampled(0.016, 0.026, step=329 + HOLD_STEPS)  # the hold is over, the captures still paid for
+    assert pacer.decide() is None  # the largest grid value within twice 200 is 200 itself
+    pacer.interval = 500
+    pacer._before_incidents = 500
+    assert pacer.decide() == 1000  # 500 may go to 1,000, never to 10,000
+
+
+def test_within_the_hold_the_interval_may_shrink_and_after_it_the_runs_own_cost_still_grows_it():
+    from layerwatch.budget import HOLD_STEPS
+
+    pacer = Pacer(0.01)
+    measured(pacer, base_ms=10, own_ms=0, cost_ms=16)
+    pacer.interval = 200
+    pacer.incident(300)  # an alert
+    measured(pacer, base_ms=10, own_ms=0, cost_ms=1, samples=40)  # samples became cheap: every 20 would do
+    pacer.sampled(0.001, 0.011, step=320)
+    assert pacer.decide() == 20
+    pacer.interval = 20
+    measured(pacer, base_ms=10, own_ms=0, cost_ms=160, samples=40)  # ...then dear: its own cost, not an incident's
+    pacer.sampled(0.16, 0.17, step=330)
+    assert pacer.decide() is None  # held
+    pacer.sampled(0.16, 0.17, step=300 + HOLD_STEPS)
+    assert pacer.decide() == 2000

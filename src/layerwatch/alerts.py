@@ -48,13 +48,16 @@ from layerwatch import record as R
 from layerwatch import stats as S
 from layerwatch.failures import FailurePolicy
 from layerwatch.optimizer_state import EPS_BOUND, SEEN, UPDATE_SUMSQ, VALUES
+from layerwatch.progress import LossProgress
 from layerwatch.vocabulary import ROOT, parent
 
 logger = logging.getLogger("layerwatch")
 
 KINDS = ("dead", "stuck", "exploding", "vanishing", "nonfinite", "spike", "sign_like", "eps_bound", "attention_logits",
-         "entropy_collapse", "logit_drift", "outlier_growth")
-EVENT_KINDS = ("spike",)  # raised at each step they happen; the others once per layer
+         "entropy_collapse", "logit_drift", "outlier_growth", "loss_rise")
+EVENT_KINDS = ("spike", "loss_rise")  # raised at each step they happen; the others once per layer
+# judged only once the loss has turned (LossProgress.turned): they come with healthy learning too
+GROWTH_KINDS = ("sign_like", "attention_logits", "entropy_collapse", "logit_drift", "outlier_growth")
 
 Bounds = tuple[Optional[float], Optional[float]]
 
@@ -115,6 +118,18 @@ class AlertRules:
         kurtosis_growth: The same for the kurtosis of an output's per-channel RMS: a few channels
             taking over (healthy runs of the zoo: at most 4.2x, GPT-2's output head learning its
             vocabulary's frequencies).
+        loss_window: Steps the loss is averaged over (:class:`~layerwatch.progress.LossProgress`).
+        learned: The share of its first mean the loss must shed before it is judged: before
+            then there is no progress to give back.
+        loss_rise: The share of its progress (first mean - lowest mean) the loss gives back that
+            raises ``loss_rise`` (benchmarks/divergence.py's failure is at 0.5; its healthy twins
+            gave back at most 5%).
+        loss_turned: The share of its progress given back from which the growth rules
+            (``GROWTH_KINDS``: ``sign_like``, ``attention_logits`` below its level,
+            ``entropy_collapse``, ``logit_drift``, ``outlier_growth``) judge. While the loss is
+            near its lowest the model is learning, and its attention sharpening, its logits
+            growing and its updates changing shape are what learning looks like. With no loss
+            given to layerwatch they judge at every sample.
     """
 
     window: int = 5
@@ -133,13 +148,17 @@ class AlertRules:
     logit_drift: float = 10.0
     outlier_growth: float = 4.0
     kurtosis_growth: float = 10.0
+    loss_window: int = 10
+    learned: float = 0.2
+    loss_rise: float = 0.2
+    loss_turned: float = 0.05
 
     def __post_init__(self) -> None:
-        for name in ("window", "dead_samples", "stuck_samples"):
+        for name in ("window", "dead_samples", "stuck_samples", "loss_window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"AlertRules.{name} must be an int >= 1, got {value!r}")
-        for name in ("sign_like_rms", "eps_bound_frac", "entropy_collapse"):
+        for name in ("sign_like_rms", "eps_bound_frac", "entropy_collapse", "learned", "loss_rise", "loss_turned"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f"AlertRules.{name} must be a number in (0, 1], got {value!r}")
@@ -161,6 +180,8 @@ class AlertRules:
             low, high = value
             if low is not None and high is not None and low >= high:
                 raise ValueError(f"AlertRules.{name}: low must be below high, got {value!r}")
+        if self.loss_turned > self.loss_rise:
+            raise ValueError(f"AlertRules.loss_turned must be at most loss_rise ({self.loss_rise!r}), got {self.loss_turned!r}")
 
 
 class HealthMonitor:
@@ -198,6 +219,7 @@ class HealthMonitor:
         trainable: Sequence[str],
         adam: Sequence[tuple[list[str], np.ndarray]] = (),
         probes: Any = None,
+        loss: Optional[tuple[bool, str]] = None,
     ) -> list[Alert]:
         """The alerts first seen at ``step``.
 
@@ -210,6 +232,9 @@ class HealthMonitor:
                 (:mod:`~layerwatch.optimizer_state`).
             probes: The step's :class:`~layerwatch.probes.ProbeResult` (its attention, output
                 logits, activation rows and kurtosis), or None.
+            loss: Whether the loss has turned (:meth:`~layerwatch.progress.LossProgress.turned`:
+                the growth rules judge only then) and its progress in words, said in their
+                alerts; None: no loss is known, and they judge at every sample.
         """
         new: list[Alert] = []
         w_idx, w_rows = self._stack(weights)
@@ -220,12 +245,15 @@ class HealthMonitor:
         self._norms(step, "grads", g_idx, g_rows, new)
         self._dead(step, w_idx, w_rows, g_idx if grads is not None else None, g_rows, t_idx, new)
         self._stuck(step, w_idx, w_rows, None if grads is None else (g_idx, g_rows), t_idx, new)
+        turned, meanwhile = loss or (True, "")
+        found = []
         if adam:
             names = [name for names, _ in adam for name in names]
-            for kind, layer, message in self._update_shape.observe(names, np.concatenate([rows for _, rows in adam])):
-                self._raise_for(new, kind, layer, step, message)
-        for kind, layer, message in self._probe_trends.observe(probes) if probes is not None else ():
-            self._raise_for(new, kind, layer, step, message)
+            found += self._update_shape.observe(names, np.concatenate([rows for _, rows in adam]), turned)
+        found += self._probe_trends.observe(probes, turned) if probes is not None else []
+        for kind, layer, message in found:
+            grown = kind in GROWTH_KINDS and meanwhile
+            self._raise_for(new, kind, layer, step, f"{message}; meanwhile {meanwhile}" if grown else message)
         return new
 
     # ------------------------------------------------------------------ rules
@@ -546,8 +574,9 @@ class UpdateShape:
         self._rms = Windows(rules.window)
         self._eps_run: list[int] = []  # per layer, samples in a row above eps_bound_frac
 
-    def observe(self, names: list[str], rows: np.ndarray) -> list[tuple[str, str, str]]:
-        """``(kind, layer, message)`` of each rule broken, given the rows read after a step."""
+    def observe(self, names: list[str], rows: np.ndarray, turned: bool = True) -> list[tuple[str, str, str]]:
+        """``(kind, layer, message)`` of each rule broken, given the rows read after a step;
+        ``sign_like`` only where the loss has ``turned``."""
         idx = np.array([self._slot(name) for name in names], dtype=int)
         size = len(self._layers)
         sums = {col: np.bincount(idx, rows[:, col], minlength=size) for col in (UPDATE_SUMSQ, VALUES, EPS_BOUND, SEEN)}
@@ -560,7 +589,7 @@ class UpdateShape:
             trend = self._rms.add(self._layers[i], float(rms[i]))
             if trend is not None:
                 _, now, lowest, _ = trend
-                if now >= self.rules.sign_like_rms and now >= self.rules.sign_like_factor * lowest:
+                if turned and now >= self.rules.sign_like_rms and now >= self.rules.sign_like_factor * lowest:
                     found.append(("sign_like", self._layers[i], (
                         f"Adam's updates of layer {layer} turned sign-like: normalized update RMS {now:.2f} over the last "
                         f"{w} samples (median), {now / lowest:.3g}x its lowest window's {lowest:.2f} (AlertRules."
@@ -640,8 +669,9 @@ class ProbeTrends:
         self._outliers, self._kurtosis = Windows(rules.window), Windows(rules.window)
         self._first: dict[str, float] = {}  # the output head's first window median of log Z
 
-    def observe(self, probes: Any) -> list[tuple[str, str, str]]:
-        """``(kind, layer, message)`` of each rule broken by a :class:`~layerwatch.probes.ProbeResult`."""
+    def observe(self, probes: Any, turned: bool = True) -> list[tuple[str, str, str]]:
+        """``(kind, layer, message)`` of each rule broken by a :class:`~layerwatch.probes.ProbeResult`;
+        the growth rules only where the loss has ``turned`` (their windows are kept all the same)."""
         found, rules = [], self.rules
         for values, windows, factor, what, option in (
                 (outliers_of(probes), self._outliers, rules.outlier_growth, "max|h| / RMS(h)", "outlier_growth"),
@@ -649,7 +679,7 @@ class ProbeTrends:
                  "kurtosis_growth")):
             for layer, value in values.items():
                 trend = windows.add(layer, value)
-                if trend is not None and trend[1] >= factor * trend[2] > 0:
+                if turned and trend is not None and trend[1] >= factor * trend[2] > 0:
                     _, now, lowest, _ = trend
                     found.append(("outlier_growth", layer, (
                         f"the output of {layer} grew outliers: {what} {lowest:.3g} -> {now:.3g} (medians of {rules.window} "
@@ -662,7 +692,7 @@ class ProbeTrends:
             if trend is not None:
                 first = self._first.setdefault(head, trend[0])
                 now = trend[1]
-                if abs(now - first) > rules.logit_drift:
+                if turned and abs(now - first) > rules.logit_drift:
                     found.append(("logit_drift", head, (
                         f"the output head {head}'s log Z (logsumexp of a token's logits, mean) drifted from {first:.3g} to "
                         f"{now:.3g} nats (medians of {rules.window} samples; AlertRules.logit_drift is {rules.logit_drift:g}): "
@@ -678,7 +708,7 @@ class ProbeTrends:
             trend = self._logits.add(layer, logit)
             if trend is not None:
                 _, now, lowest, _ = trend
-                if now >= rules.attention_logit_level / 10 and now >= rules.attention_logit_growth * lowest > 0:
+                if turned and now >= rules.attention_logit_level / 10 and now >= rules.attention_logit_growth * lowest > 0:
                     found.append(("attention_logits", layer, (
                         f"largest attention logit of layer {layer} grew {now / lowest:.3g}x over its lowest window: "
                         f"{lowest:.3g} -> {now:.3g} (median of {rules.window} samples; AlertRules.attention_logit_growth is "
@@ -689,7 +719,7 @@ class ProbeTrends:
             trend = self._entropy.add(layer, entropy)
             if trend is not None:
                 _, now, _, highest = trend
-                if now < rules.entropy_collapse * highest:
+                if turned and now < rules.entropy_collapse * highest:
                     found.append(("entropy_collapse", layer, (
                         f"attention entropy of layer {layer} collapsed to {now:.3g} nats (its lowest head, median of "
                         f"{rules.window} samples), {now / highest if highest else 0:.2g} of the {highest:.3g} it had (AlertRules."
@@ -705,6 +735,7 @@ class HealthCheck:
     def __init__(self, rules: AlertRules, failures: FailurePolicy) -> None:
         self.monitor = HealthMonitor(rules)
         self.failures = failures
+        self.progress = LossProgress(rules)  # each step's loss, observed by the spike check (Spikes)
 
     def judge(
         self,
@@ -745,7 +776,8 @@ class HealthCheck:
             )
             grads = None
         new += self.monitor.observe(step, weights=by_name("weights"), grads=grads, trainable=trainable,
-                                    adam=rows.get("adam", ()), probes=probes)
+                                    adam=rows.get("adam", ()), probes=probes,
+                                    loss=(self.progress.turned(), self.progress.describe()) if self.progress.seen else None)
         return R.Findings(alerts=new, alert_count=len(self.monitor.alerts),
                           alert_table=alerts_markdown(self.monitor.alerts) if new else None, optimizer_skipped=skipped)
 

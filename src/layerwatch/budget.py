@@ -16,8 +16,11 @@ a per-step cost that spreading can bring down never drives the interval to ``MAX
 Checks that cost under ``CHECKS_FLOOR_S`` a step are kept whole.
 
 Samples the pacer did not schedule (a NaN's, a loss spike's capture) are taken whatever it
-says, and paid out of the budget: their costs over the last ``EXTRA_SPAN`` steps, per step,
-``e``, are counted with ``s`` (:meth:`Pacer.unscheduled`).
+says, and paid out of the budget over a long horizon: their costs over the last ``EXTRA_SPAN``
+steps, per step, ``e``, are counted with ``s`` (:meth:`Pacer.unscheduled`). A run in trouble is
+watched, not abandoned: an incident (such a sample, or an alert: :meth:`Pacer.incident`) holds
+the interval where it was for ``HOLD_STEPS`` steps (it may shrink, never grow), and what
+incidents cost never takes the interval beyond twice what it was before the first of them.
 
 Sampling every ``n`` steps costs ``C / n + s + e`` per step, so the interval is the smallest value
 of the 1-2-5 grid (1, 2, 5, 10, 20, 50, ...) with ``C / n + s + e <= HEADROOM * budget * T``: ``C``
@@ -45,7 +48,8 @@ WINDOW = 32  # recent measurements each median is taken over
 PER_STEP_SHARE = 0.5  # of the budget's headroom: what the checks made every step may take
 MAX_SPREAD = 1024  # the most steps the per-step checks are spread over (a share is one tensor before that)
 CHECKS_FLOOR_S = 50e-6  # per-step checks cheaper than this are kept whole: spreading them saves little, loses a replay
-EXTRA_SPAN = 1024  # the steps an unscheduled sample's cost is spread over
+EXTRA_SPAN = 10_000  # the steps an unscheduled sample's cost is spread over
+HOLD_STEPS = 1000  # after an incident, the steps the interval does not grow for
 
 
 def check_fraction(name: str, value: object) -> float:
@@ -87,6 +91,8 @@ class Pacer:
         self._extra: deque[tuple[int, float]] = deque()  # (step, cost) of the unscheduled samples of the last EXTRA_SPAN steps
         self._step = 0  # the latest step a sample was seen at
         self._samples_seen = 0
+        self._hold_until = -1  # the interval does not grow before this step (an incident's)
+        self._before_incidents: Optional[int] = None  # the interval before the incidents still paid for
 
     def __call__(self, step: int) -> bool:
         interval = self.interval
@@ -141,9 +147,19 @@ class Pacer:
 
     def unscheduled(self, step: int, cost_s: float) -> None:
         """Step ``step``, which this pacer did not schedule, was sampled (a fault's or a spike's
-        capture) and added ``cost_s``: paid out of the budget over the ``EXTRA_SPAN`` steps after it."""
+        capture) and added ``cost_s``: paid out of the budget over the ``EXTRA_SPAN`` steps after
+        it. An incident (:meth:`incident`)."""
         self._step = step
         self._extra.append((step, cost_s))
+        self.incident(step)
+
+    def incident(self, step: int) -> None:
+        """Something went wrong at ``step`` (a fault, a spike, an alert): the interval does not
+        grow for ``HOLD_STEPS`` steps."""
+        self._step = max(self._step, step)
+        self._hold_until = max(self._hold_until, step + HOLD_STEPS)
+        if self._before_incidents is None:
+            self._before_incidents = self.interval
 
     def extra_per_step(self) -> float:
         """The unscheduled samples' cost per step, over the last ``EXTRA_SPAN`` steps."""
@@ -151,21 +167,31 @@ class Pacer:
             self._extra.popleft()
         return sum(cost for _, cost in self._extra) / EXTRA_SPAN
 
-    def ideal(self) -> Optional[float]:
-        """The interval that spends exactly ``HEADROOM`` of the budget (inf: none does); None
-        before a cost is known."""
+    def ideal(self, extra: bool = True) -> Optional[float]:
+        """The interval that spends exactly ``HEADROOM`` of the budget (inf: none does), with
+        the unscheduled samples' cost (``extra``) or without; None before a cost is known."""
         if not self._costs_s:
             return None
         spare = (HEADROOM * self.budget * statistics.median(self._base_s) - statistics.median(self._own_s or [0.0])
-                 - self.extra_per_step())
+                 - (self.extra_per_step() if extra else 0.0))
         return math.inf if spare <= 0 else statistics.median(self._costs_s) / spare
 
     def decide(self) -> Optional[int]:
-        """The interval from here on: a new one, or None when it stays."""
+        """The interval from here on: a new one, or None when it stays. Within ``HOLD_STEPS`` of
+        an incident it does not grow; what incidents cost takes it at most to the largest grid
+        value within twice the interval before them."""
         ideal = self.ideal()
         if ideal is None:
             return None
-        wanted = MAX_INTERVAL if ideal > MAX_INTERVAL else grid_value(grid_index(ideal))
+        wanted = _on_grid(ideal)
+        if not self._extra:
+            self._before_incidents = None
+        elif self._before_incidents is not None:
+            own = _on_grid(self.ideal(extra=False))  # what the run's own samples ask for
+            doubled = grid_value(grid_index(2 * self._before_incidents + 1) - 1)  # the largest grid value <= 2x
+            wanted = max(own, min(wanted, doubled))
+        if self.interval is not None and self._step < self._hold_until and wanted > self.interval:
+            return None  # a run in trouble: watched as densely as before
         if self.interval is not None and grid_index(self.interval) - 2 < grid_index(wanted) <= grid_index(self.interval):
             return None  # within the budget, and not two grid steps below: kept
         return wanted
@@ -188,3 +214,8 @@ class Pacer:
                     "budget; pass every_n_steps= to fix the interval, or sentinel=False")
         return (f"layerwatch: sampling every {interval} steps{was} to stay within a {budget} overhead budget; "
                 "pass every_n_steps= to fix the interval")
+
+
+def _on_grid(ideal: float) -> int:
+    """The interval of the grid for an ``ideal`` one: the smallest grid value at or above it, up to ``MAX_INTERVAL``."""
+    return MAX_INTERVAL if ideal > MAX_INTERVAL else grid_value(grid_index(ideal))

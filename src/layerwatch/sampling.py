@@ -116,6 +116,11 @@ class Sampling:
         """A fault asks for a sample: the next step that may be sampled is."""
         self._forced = True
 
+    def incident(self, step: int) -> None:
+        """Rank 0: an alert was raised at ``step``: the budget keeps the run watched as densely (:meth:`Pacer.incident`)."""
+        if self.pacer is not None:
+            self.pacer.incident(step)
+
     # ------------------------------------------------------------------ the step
 
     def open(self) -> float:

@@ -26,6 +26,7 @@ from layerwatch.failures import FailurePolicy
 from layerwatch.sentinel import to_host
 from layerwatch.growth import LayerGrowth
 from layerwatch.probes import ProbeResult
+from layerwatch.progress import LOSS_LAYER, LossProgress
 from layerwatch.vocabulary import GRAD_NORM_LEAD_UP, LOSS
 
 MOST_UNVOTED = 1024  # losses kept for the ranks' vote: a run whose vote stalls does not keep them all
@@ -258,11 +259,16 @@ class Spikes:
     spike within ``window`` steps of the last capture's start is said, not captured again: a run
     of many spikes does not sample forever. At the next sample written, :meth:`explain` ranks
     the layers that grew most. With no ``rule``, nothing is judged. A failure is warned once and
-    skipped."""
+    skipped.
+
+    Each loss judged also goes to ``progress`` (the health rules', :class:`~layerwatch.progress.LossProgress`):
+    a loss that gave back ``AlertRules.loss_rise`` of what it had learned is a ``loss_rise``
+    alert, said at the next sample written, and captured as a spike is."""
 
     def __init__(self, rule: Optional[SpikeRule], failures: FailurePolicy, ask: Callable[[], None],
-                 output: Optional[Output] = None) -> None:
-        self.rule, self._failures, self._ask, self._output = rule, failures, ask, output
+                 output: Optional[Output] = None, progress: Optional[LossProgress] = None) -> None:
+        self.rule, self._failures, self._ask, self._output, self._progress = rule, failures, ask, output, progress
+        self._risen: list[Alert] = []  # loss_rise alerts found since the last sample written
         self._signals = {} if rule is None else {what: _Signal(rule, what) for what in SIGNALS}  # none: off
         self._capture_left = 0
         self._captured_at: Optional[int] = None
@@ -343,7 +349,7 @@ class Spikes:
             for what, signal in self._signals.items():
                 if what != "loss" or self._voted is None:
                     self._observe(signal, signal.tap.landed(math.inf, wait=True), step, ended=True)
-            if not self._unwritten or self._output is None:
+            if not (self._unwritten or self._risen) or self._output is None:
                 return
             findings = self.explain(step, {})
             alerts = findings.alerts if health is None else [
@@ -387,11 +393,24 @@ class Spikes:
         said and captured (:meth:`_on_spike`). Whether ``step`` itself spiked and is captured now."""
         now = False
         for at, value, _ in landed:
+            if signal.what == "loss" and self._progress is not None:
+                self._rise(at, value, ended)
             spike = signal.detector.observe(at, value)
             if math.isfinite(value) and (value != 0 or not signal.detector.log):  # as the detector kept it
                 signal.recent.append((at, value))
             now = spike is not None and self._on_spike(spike, step, ended) and at == step or now
         return now
+
+    def _rise(self, at: int, value: float, ended: bool) -> None:
+        """``at``'s loss to the loss's progress: a rise is said at the next sample written (rank 0) and,
+        unless the run has ended, its next ``capture`` steps are sampled in full."""
+        message = self._progress.observe(at, value)
+        if message is None:
+            return
+        if is_writer_rank():
+            self._risen.append(Alert("loss_rise", LOSS_LAYER, at, message))
+        if not ended:
+            self._capture_left = max(self._capture_left, self.rule.capture)
 
     def _on_spike(self, spike: Spike, step: int, ended: bool = False) -> bool:
         """Say ``spike`` (found at ``step``; ``ended``: as the run ends) and capture what follows;
@@ -433,6 +452,7 @@ class Spikes:
         ``probes`` come from the step's batch run again. An alert is a step's: it says each
         spike of that step, and names the first of ``origin``, else of ``layers``."""
         spikes, self._unwritten = self._unwritten, []
+        risen, self._risen = self._risen, []
         try:
             ranked, origin = self._growth.observe(rows, probes, rank=bool(spikes))
         except Exception as e:  # an inspector must never break the training run: the spikes are said unranked
@@ -460,8 +480,8 @@ class Spikes:
         same_step: dict[int, list[Spike]] = {}  # the loss's and the gradient norm's spikes of one step: one alert
         for spike, _ in spikes:
             same_step.setdefault(spike.step, []).append(spike)
-        alerts = [Alert("spike", layer or found[0].what, at, message("; ".join(s.describe() for s in found), at))
-                  for at, found in same_step.items()]
+        alerts = risen + [Alert("spike", layer or found[0].what, at, message("; ".join(s.describe() for s in found), at))
+                          for at, found in same_step.items()]
         return R.Findings(alerts=alerts, spikes=events, history=lead_ups)
 
 

@@ -1,0 +1,109 @@
+"""What the loss has learned, and how much of it it has given back: the context that tells
+learning from failing.
+
+A transformer that learns sharpens its attention, grows its logits and changes its update's
+shape (a copy head attends to one earlier token): the signals that come before a divergence
+(Wortsman et al. 2023, Zhai et al. 2023, Dehghani et al. 2023) come with healthy learning too.
+What differs is the loss: it falls while a model learns, and turns while it fails. So
+:class:`LossProgress` follows each step's loss (the mean of the last ``loss_window`` steps):
+its first mean, its lowest so far, and the share of that progress given back since
+(:attr:`LossProgress.given_back`). The growth rules judge a layer only once the loss has turned
+(:meth:`LossProgress.turned`), and the ``loss_rise`` rule is the loss's own: a run that gave
+back ``loss_rise`` of what it had learned.
+
+A loss is judged once it has learned: its mean fell to ``1 - learned`` of its first (a run that
+has not learned a fifth of its first loss has no progress to give back). Plain host arithmetic
+over floats that landed there: O(1) a step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, Optional
+
+LOSS_LAYER = "loss"  # the name a loss_rise alert is raised under
+HEALTHY_GIVEN_BACK = 0.05  # the most any healthy twin of benchmarks/divergence.py gave back (docs/alerts.md)
+
+
+class LossProgress:
+    """Each step's loss, in step order (:meth:`observe`), as progress made and given back.
+
+    Args:
+        rules: The :class:`~layerwatch.alerts.AlertRules`: ``loss_window`` (steps a mean is
+            taken over), ``learned`` (the share of its first mean the loss must shed before it
+            is judged), ``loss_rise`` (the share of the progress given back that is an alert)
+            and ``loss_turned`` (the share from which the growth rules judge).
+    """
+
+    def __init__(self, rules: Any) -> None:
+        self.rules = rules
+        self._window: deque[float] = deque(maxlen=rules.loss_window)
+        self._sum = 0.0
+        self.first: Optional[float] = None  # the first full window's mean
+        self.lowest = math.inf  # the lowest mean so far
+        self.lowest_at: Optional[int] = None
+        self.now: Optional[float] = None  # the last mean
+        self.now_at: Optional[int] = None
+        self.seen = False  # a loss was ever observed
+        self._raised = False  # loss_rise was raised since the loss last made new progress
+
+    @property
+    def learned(self) -> bool:
+        """Whether the loss has shed ``learned`` of its first mean (and so is judged)."""
+        return self.first is not None and self.first > 0 and self.lowest <= (1 - self.rules.learned) * self.first
+
+    @property
+    def given_back(self) -> Optional[float]:
+        """The share of its progress (first mean - lowest) the loss has given back since its
+        lowest: 0 at a new low, 1 back at its first; None until it has learned."""
+        if not self.learned or self.now is None:
+            return None
+        return (self.now - self.lowest) / (self.first - self.lowest)
+
+    def turned(self) -> bool:
+        """Whether the growth rules judge now: no loss was ever observed (nothing tells learning
+        from failing: they judge as they always did), or the loss has learned and given back at
+        least ``loss_turned`` of it."""
+        if not self.seen:
+            return True
+        back = self.given_back
+        return back is not None and back >= self.rules.loss_turned
+
+    def describe(self) -> str:
+        """The loss's progress in words, for an alert's message."""
+        back = self.given_back
+        if back is None:
+            return "the loss has not learned yet"
+        return (f"the loss ({self.rules.loss_window}-step mean) went from {self.first:.4g} to {self.lowest:.4g} at step "
+                f"{self.lowest_at} and is at {self.now:.4g}: {back:.0%} of that progress given back")
+
+    def observe(self, step: int, value: float) -> Optional[str]:
+        """``step``'s loss (a NaN or Inf is the sentinel's: not kept); the ``loss_rise`` alert's
+        message when the loss has just given back ``loss_rise`` of its progress. Said once, and
+        again only after the loss has made new progress."""
+        if not math.isfinite(value):
+            return None
+        self.seen = True
+        window = self._window
+        if len(window) == window.maxlen:
+            self._sum -= window[0]
+        window.append(value)
+        self._sum += value
+        if len(window) < window.maxlen:
+            return None
+        mean = self._sum / len(window)
+        self.now, self.now_at = mean, step
+        if self.first is None:
+            self.first = mean
+        if mean < self.lowest:
+            self.lowest, self.lowest_at = mean, step
+            self._raised = False
+            self._sum = math.fsum(window)  # a new low is a fresh start for the running sum's rounding
+        back = self.given_back
+        if back is None or back < self.rules.loss_rise or self._raised:
+            return None
+        self._raised = True
+        return (f"{self.describe()} (AlertRules.loss_rise is {self.rules.loss_rise:g}; the healthy runs of "
+                f"benchmarks/divergence.py gave back at most {HEALTHY_GIVEN_BACK:.0%}): training is failing, or about to. "
+                "A learning rate too high for this point of the run, a schedule that restarted without warm-up, bad data?")
