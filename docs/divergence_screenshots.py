@@ -1,6 +1,7 @@
-"""The pictures of docs/reading-charts.md's "Before a divergence": benchmarks/divergence.py's two
-runs (a GPT-2 whose learning rate climbs until it fails, and the same at a safe rate) in the
-LAYERWATCH tab, each signal of the diverging run beside the safe run's.
+"""The pictures of docs/reading-charts.md's "Before a divergence" and docs/alerts.md's calibration:
+two runs of benchmarks/divergence.py's suite (a Llama learning the copy task whose learning rate
+climbs until it fails, and its healthy twin), sampled every 10 steps, in the LAYERWATCH tab: each
+signal of the failing run, its alerts marked, beside the healthy run's.
 
     python docs/divergence_screenshots.py [--out docs/img]
 
@@ -25,7 +26,8 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--out", type=Path, default=root / "docs" / "img")
 args = parser.parse_args()
 logdir = Path(tempfile.mkdtemp(prefix="divergence-"))
-divergence.main(["--logdir", str(logdir)])
+for twin, name in (("ramp", "diverging"), ("healthy", "safe")):
+    divergence.run("copy", "llama", twin, "every 10", log_dir=logdir / name)
 with serve(logdir, ready=lambda s: len(s.get_json("/data/plugin/layerwatch/runs")["runs"]) == 2) as server, sync_playwright() as p:
     time.sleep(20)  # TensorBoard reads the runs' events a while after it lists them
     browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])

@@ -123,7 +123,7 @@ class AlertRules:
             then there is no progress to give back.
         loss_rise: The share of its progress (first mean - lowest mean) the loss gives back that
             raises ``loss_rise`` (benchmarks/divergence.py's failure is at 0.5; its healthy twins
-            gave back at most 5%).
+            gave back at most 8%, the turn is at 0.1).
         loss_turned: The share of its progress given back from which the growth rules
             (``GROWTH_KINDS``: ``sign_like``, ``attention_logits`` below its level,
             ``entropy_collapse``, ``logit_drift``, ``outlier_growth``) judge. While the loss is
@@ -151,7 +151,7 @@ class AlertRules:
     loss_window: int = 10
     learned: float = 0.2
     loss_rise: float = 0.2
-    loss_turned: float = 0.05
+    loss_turned: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("window", "dead_samples", "stuck_samples", "loss_window"):

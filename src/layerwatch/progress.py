@@ -23,7 +23,7 @@ from collections import deque
 from typing import Any, Optional
 
 LOSS_LAYER = "loss"  # the name a loss_rise alert is raised under
-HEALTHY_GIVEN_BACK = 0.05  # the most any healthy twin of benchmarks/divergence.py gave back (docs/alerts.md)
+HEALTHY_GIVEN_BACK = 0.08  # the most any healthy twin of benchmarks/divergence.py gave back (docs/alerts.md)
 
 
 class LossProgress:
