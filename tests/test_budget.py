@@ -345,8 +345,8 @@ def test_an_incident_holds_the_interval_and_its_captures_never_more_than_double_
     measured(pacer, base_ms=10, own_ms=0, cost_ms=16)
     pacer.interval = pacer.decide()
     assert pacer.interval == 200
-    for step in (327, 328, 329):  # a spike's capture of 3 samples, each 200 ms: alone they would ask for 10,000
-        pacer.unscheduled(step, 0.2)
+    for step in (327, 328, 329):  # a spike's capture of 3 samples, each 300 ms: 0.09 ms a step, over the budget alone
+        pacer.unscheduled(step, 0.3)
     assert pacer.ideal() > MAX_INTERVAL
     pacer.sampled(0.016, 0.026, step=400)
     assert pacer.decide() is None  # held: a run in trouble is watched as densely as before
