@@ -10,9 +10,11 @@ Each case is a task, a family and a twin, trained from the same seed with AdamW 
   (nothing is downloaded);
 - twins (:data:`TWINS`): ``healthy`` learns at a safe rate throughout; the failing ones
   ``ramp`` (the rate climbs geometrically once the loss has fallen: Wortsman et al. 2023's
-  learning-rate sensitivity), ``high`` (a constant rate too high, with no warm-up: Wortsman et
-  al. 2023, Zhai et al. 2023) and ``init`` (a large initialization at a rate that is safe for
-  the standard one: Wortsman et al. 2023 §3.4, the parameter norm's role).
+  learning-rate sensitivity), ``jump`` (a high rate with no warm-up, from a step on: a restart
+  whose schedule was lost; warm-up exists because of it, Goyal et al. 2017, and Zhai et al.
+  2023 find entropy collapse there) and ``high`` (a constant rate too high: in 2-layer, 64-wide
+  models it mostly stalls the loss rather than failing it; 4 layers, 128 wide fail at 6e-3 on
+  the copy task).
 
 **The failure**, fixed before any alert is looked at: the loss, as a mean over the last
 ``SMOOTH`` steps, back above the midpoint of its first such mean and its lowest so far, once it
@@ -26,6 +28,8 @@ none before the run ended).
     python benchmarks/divergence.py --tasks copy --families llama --every 10
     python benchmarks/divergence.py --logdir runs/div      # keep the runs for TensorBoard
     python benchmarks/divergence.py --plain                # the twins without layerwatch: do they learn, do they fail?
+    python benchmarks/divergence.py --tasks copy --twins healthy high --width 128 --layers 4 --high-lr 6e-3
+                                                           # a constant rate too high, at a size where it fails
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 VOCAB, SEQ, BATCH = 64, 32, 16
+WIDTH, LAYERS, HEADS = 64, 2, 4
 SMOOTH = 10  # steps the loss is averaged over for the failure's definition
 LEARNED = 0.2  # the share of its first value the loss must have shed before a rise counts as a failure
 STEPS = 450
@@ -89,18 +94,18 @@ TASKS: dict[str, Callable[[torch.Generator], Iterator[tuple[torch.Tensor, torch.
 
 
 def build(family: str, init_scale: float = 1.0) -> torch.nn.Module:
-    """A 2-layer, 64-wide, 4-head model of ``family``; ``init_scale``: its matrices' initial values times this."""
+    """A ``LAYERS``-layer, ``WIDTH``-wide model of ``family`` with ``HEADS`` heads; ``init_scale``: its matrices' initial values times this."""
     import transformers
 
     torch.manual_seed(0)
     if family == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4,
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=WIDTH, n_layer=LAYERS, n_head=HEADS,
                                          bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
                                          attn_pdrop=0.0)
         model = transformers.GPT2LMHeadModel(config)
     elif family == "llama":
-        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ,
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
+                                          num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ,
                                           bos_token_id=0, eos_token_id=0, pad_token_id=0)
         model = transformers.LlamaForCausalLM(config)
     else:
@@ -235,7 +240,11 @@ def run(task: str, family: str, twin: str, schedule: str, steps: int = STEPS, lo
 
 
 def _run(args: tuple) -> Outcome:
-    return run(*args)
+    """One case in a worker: the model's size and the ``high`` twin's rate set first (a spawned worker's own globals)."""
+    global WIDTH, LAYERS
+    *case, (WIDTH, LAYERS, high_lr) = args
+    TWINS["high"] = Twin(lr=high_lr)
+    return run(*case)
 
 
 def table(outcomes: list[Outcome]) -> str:
@@ -273,6 +282,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--every-step", action="store_true", help="the healthy twins sampled at every step too")
     parser.add_argument("--plain", action="store_true", help="without layerwatch: the losses and failures alone")
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--width", type=int, default=WIDTH, help="the models' width (heads: 4)")
+    parser.add_argument("--layers", type=int, default=LAYERS, help="the models' layers")
+    parser.add_argument("--high-lr", type=float, default=TWINS["high"].lr, help="the high twin's constant rate")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--logdir", type=Path, default=None)
     parser.add_argument("--verbose", action="store_true", help="print each run's alerts")
@@ -284,7 +296,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             for twin in args.twins:
                 for schedule in schedules + (["every 1"] if args.every_step and twin == "healthy" else []):
                     log_dir = None if args.logdir is None else args.logdir / f"{task}-{family}-{twin}-{schedule.replace(' ', '')}"
-                    cases.append((task, family, twin, schedule, args.steps, log_dir))
+                    cases.append((task, family, twin, schedule, args.steps, log_dir,
+                                  (args.width, args.layers, args.high_lr)))
     started = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
         outcomes = pool.map(_run, cases, chunksize=1)

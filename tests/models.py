@@ -29,7 +29,7 @@ MEASURED_IDEAL = Pacer.ideal
 def scripted_ideal(wanted: Callable[[], float]) -> Callable[[Pacer], Optional[float]]:
     """A ``Pacer.ideal`` that says ``wanted()`` once the real one knows a sample's cost, and None
     (no interval yet) before: the overhead budget's choices, scripted."""
-    def ideal(pacer: Pacer) -> Optional[float]:
+    def ideal(pacer: Pacer, extra: bool = True) -> Optional[float]:
         return None if MEASURED_IDEAL(pacer) is None else wanted()
 
     return ideal

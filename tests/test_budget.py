@@ -373,3 +373,28 @@ def test_within_the_hold_the_interval_may_shrink_and_after_it_the_runs_own_cost_
     assert pacer.decide() is None  # held
     pacer.sampled(0.16, 0.17, step=300 + HOLD_STEPS)
     assert pacer.decide() == 2000
+
+
+def test_a_spike_keeps_the_run_watched_as_densely_as_before(tmp_path, monkeypatch, recwarn):
+    """A loss spike's capture samples the next steps, and the interval after it stays where it was,
+    though the pacer's ideal (scripted) would now sample every 10,000 steps."""
+    current = {"step": 0}
+    monkeypatch.setattr(Pacer, "ideal", scripted_ideal(lambda: 15 if current["step"] < 100 else 20_000))
+    model = MLP()
+    written = {}
+    inspector = Inspector(model, log_dir=tmp_path)
+    inspector.add_sink(lambda record: written.__setitem__(record.step, record.scalars.get(INTERVAL_TAG)))
+    generator = torch.Generator().manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with inspector:
+        for k in range(200):
+            current["step"] = k
+            x = torch.randn(8, 8, generator=generator)
+            loss = model(x).pow(2).mean() * (1000.0 if k == 90 else 1.0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            inspector.step(loss=loss)
+    assert {91, 92, 93} <= set(written)  # the capture
+    assert [k for k in written if k > 93] == [100, 120, 140, 160, 180]  # held at every 20, not 10,000
+    assert {written[k] for k in written if k >= 100} == {20}

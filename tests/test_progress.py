@@ -135,3 +135,14 @@ def test_a_run_that_gives_back_its_progress_is_alerted_before_it_fails_and_its_h
     assert rise.name == "loss" and 200 <= rise.step < failure
     _, healthy = train_with_a_jump(tmp_path / "healthy", jump_at=None, every=every)
     assert healthy == []
+
+
+def test_a_loss_that_learned_only_its_offset_and_then_wanders_is_noise_not_a_rise():
+    """A regression on random targets: the loss sheds its initial offset (a fifth of its first
+    value), then wanders by its noise; the lowest of many noisy means sits well below its level."""
+    generator = torch.Generator().manual_seed(0)
+    noise = (0.3 * torch.randn(600, generator=generator)).tolist()
+    values = [1.4 - 0.04 * k for k in range(10)] + [1.0 + e for e in noise]
+    progress = LossProgress(AlertRules())
+    assert losses_of(progress, values) == [] and not progress.turned()
+    assert progress.noise == pytest.approx(0.3 / math.sqrt(10), rel=0.2)

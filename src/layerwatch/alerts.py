@@ -31,6 +31,13 @@ thresholds in :class:`AlertRules`:
 - ``outlier_growth``: a module output's ``max|h| / RMS(h)``, its window median ``outlier_growth``
   times the lowest of a window before; or its per-channel kurtosis ``kurtosis_growth`` times
   (:class:`ProbeTrends`).
+- ``loss_rise``: the loss gave back ``loss_rise`` of what it had learned
+  (:class:`~layerwatch.progress.LossProgress`, judged at every step by the spike check).
+
+The growth rules (``GROWTH_KINDS``) judge only once the loss has turned (given back
+``loss_turned`` of its progress): attention that sharpens, logits that grow and updates that
+change shape come with healthy learning too (benchmarks/divergence.py). The absolute level of
+``attention_logits`` is judged at every sample.
 
 Alerts are named by layer (the module that owns the parameter), so a layer's weight and
 bias raise one alert between them.
@@ -777,7 +784,7 @@ class HealthCheck:
             grads = None
         new += self.monitor.observe(step, weights=by_name("weights"), grads=grads, trainable=trainable,
                                     adam=rows.get("adam", ()), probes=probes,
-                                    loss=(self.progress.turned(), self.progress.describe()) if self.progress.seen else None)
+                                    loss=(self.progress.turned(), self.progress.context()) if self.progress.seen else None)
         return R.Findings(alerts=new, alert_count=len(self.monitor.alerts),
                           alert_table=alerts_markdown(self.monitor.alerts) if new else None, optimizer_skipped=skipped)
 

@@ -112,8 +112,7 @@ class Engine:
         self._output = Output(self._attached, self.failures, writer)
         self._sampling = Sampling(options, self.failures)
         self._faults = Faults(options, self.failures, self._probes, self._counter, self._output, self._sampling.ask)
-        self._spikes = Spikes(options.spikes, self.failures, self._sampling.ask, self._output,
-                              None if self._health is None else self._health.progress)
+        self._spikes = Spikes(options.spikes, self.failures, self._sampling.ask, self._output, self._health and self._health.progress)
         self._placement = Placement(Layout())  # where the parameters live: found at start()
         # The parameters as last walked (a walk costs per module: once, then at each sample).
         self._param_cache: Optional[list[tuple[str, nn.Parameter]]] = None
@@ -395,9 +394,7 @@ class Engine:
             sample.step, rows, "grads" in self.options.families, sample.trainable() if stages is None else stages.trainable,
             stepped, found + spiked.alerts, probes)
         findings.offender, findings.spikes, findings.history = offender, spiked.spikes, spiked.history
-        if findings.alerts:
-            self._sampling.incident(sample.step)
-        cost_s, interval = self._sampling.cost(sample.step, sample.overhead_s, started, self._collector.seconds)
+        cost_s, interval = self._sampling.cost(sample.step, sample.overhead_s, started, self._collector.seconds, findings.alerts)
         self._samples_written += 1
         self._sampling.last_write_s = self._output.write_step(sample.step, rows, probes, structure, findings, self.options,
                                                               cost_s, interval, all_grads=stages is None or stages.complete)

@@ -12,18 +12,24 @@ its first mean, its lowest so far, and the share of that progress given back sin
 back ``loss_rise`` of what it had learned.
 
 A loss is judged once it has learned: its mean fell to ``1 - learned`` of its first (a run that
-has not learned a fifth of its first loss has no progress to give back). Plain host arithmetic
-over floats that landed there: O(1) a step.
+has not learned a fifth of its first loss has no progress to give back). A change its own noise
+explains is none: the progress, and a rise, count only beyond ``NOISE_Z`` standard errors of a
+mean (the per-step losses' spread, a median over recent windows): the lowest of many noisy
+means sits a few standard errors below the loss's level, and a regression on noise "learns"
+only its offset. Plain host arithmetic over floats that landed there: O(1) a step, amortized.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from typing import Any, Optional
 
 LOSS_LAYER = "loss"  # the name a loss_rise alert is raised under
 HEALTHY_GIVEN_BACK = 0.08  # the most any healthy twin of benchmarks/divergence.py gave back (docs/alerts.md)
+NOISE_Z = 8  # standard errors of a window's mean a change must exceed (the lowest of ~50 noisy means: ~3 below)
+SPREADS = 32  # the windows' spreads the noise is the median of
 
 
 class LossProgress:
@@ -47,11 +53,22 @@ class LossProgress:
         self.now_at: Optional[int] = None
         self.seen = False  # a loss was ever observed
         self._raised = False  # loss_rise was raised since the loss last made new progress
+        self._spreads: deque[float] = deque(maxlen=SPREADS)  # the per-step losses' variance, one per window
+        self._count = 0
+
+    @property
+    def noise(self) -> float:
+        """The standard error of a window's mean: the median spread of recent windows' losses."""
+        return math.sqrt(statistics.median(self._spreads) / self.rules.loss_window) if self._spreads else 0.0
 
     @property
     def learned(self) -> bool:
-        """Whether the loss has shed ``learned`` of its first mean (and so is judged)."""
-        return self.first is not None and self.first > 0 and self.lowest <= (1 - self.rules.learned) * self.first
+        """Whether the loss has shed ``learned`` of its first mean, and more than its noise (and so is judged)."""
+        return (self.first is not None and self.first > 0 and self.lowest <= (1 - self.rules.learned) * self.first
+                and self.first - self.lowest > NOISE_Z * self.noise)
+
+    def _beyond_noise(self) -> bool:
+        return self.now is not None and self.now - self.lowest > NOISE_Z * self.noise
 
     @property
     def given_back(self) -> Optional[float]:
@@ -68,7 +85,7 @@ class LossProgress:
         if not self.seen:
             return True
         back = self.given_back
-        return back is not None and back >= self.rules.loss_turned
+        return back is not None and back >= self.rules.loss_turned and self._beyond_noise()
 
     def describe(self) -> str:
         """The loss's progress in words, for an alert's message."""
@@ -77,6 +94,12 @@ class LossProgress:
             return "the loss has not learned yet"
         return (f"the loss ({self.rules.loss_window}-step mean) went from {self.first:.4g} to {self.lowest:.4g} at step "
                 f"{self.lowest_at} and is at {self.now:.4g}: {back:.0%} of that progress given back")
+
+    def context(self) -> str:
+        """What a growth rule's alert says of the loss: its progress, and where healthy runs stood."""
+        return (f"{self.describe()} (the healthy twins of benchmarks/divergence.py gave back at most "
+                f"{HEALTHY_GIVEN_BACK:.0%}, their attention sharpening as much while they learned: this is judged once "
+                f"the loss has given back {self.rules.loss_turned:.0%}, AlertRules.loss_turned)")
 
     def observe(self, step: int, value: float) -> Optional[str]:
         """``step``'s loss (a NaN or Inf is the sentinel's: not kept); the ``loss_rise`` alert's
@@ -90,8 +113,11 @@ class LossProgress:
             self._sum -= window[0]
         window.append(value)
         self._sum += value
+        self._count += 1
         if len(window) < window.maxlen:
             return None
+        if self._count % window.maxlen == 0:
+            self._spreads.append(statistics.pvariance(window))
         mean = self._sum / len(window)
         self.now, self.now_at = mean, step
         if self.first is None:
@@ -101,7 +127,7 @@ class LossProgress:
             self._raised = False
             self._sum = math.fsum(window)  # a new low is a fresh start for the running sum's rounding
         back = self.given_back
-        if back is None or back < self.rules.loss_rise or self._raised:
+        if back is None or back < self.rules.loss_rise or self._raised or not self._beyond_noise():
             return None
         self._raised = True
         return (f"{self.describe()} (AlertRules.loss_rise is {self.rules.loss_rise:g}; the healthy runs of "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Sequence
 
 from layerwatch.budget import Pacer
 from layerwatch.distributed import Ballot, Decision, RankSync, StepVote, is_writer_rank, world_size
@@ -116,11 +116,6 @@ class Sampling:
         """A fault asks for a sample: the next step that may be sampled is."""
         self._forced = True
 
-    def incident(self, step: int) -> None:
-        """Rank 0: an alert was raised at ``step``: the budget keeps the run watched as densely (:meth:`Pacer.incident`)."""
-        if self.pacer is not None:
-            self.pacer.incident(step)
-
     # ------------------------------------------------------------------ the step
 
     def open(self) -> float:
@@ -210,9 +205,11 @@ class Sampling:
 
     # ------------------------------------------------------------------ the overhead budget
 
-    def cost(self, step: int, measured_s: float, started: float, collected_s: float) -> tuple[float, Optional[int]]:
+    def cost(self, step: int, measured_s: float, started: float, collected_s: float,
+             alerted: Sequence[Any] = ()) -> tuple[float, Optional[int]]:
         """Rank 0, at a sampled step: what sampling added to it, and the budget's interval from
-        here on (None under a fixed schedule).
+        here on (None under a fixed schedule); an alert raised at it (``alerted``) is an incident
+        the budget keeps the run watched through (:meth:`Pacer.incident`).
 
         The cost is the time measured in our own code (``measured_s``, and since ``started``),
         plus the step's excess over the median recent unsampled step beyond that (what no timer
@@ -226,6 +223,8 @@ class Sampling:
         now = time.perf_counter()
         measured = measured_s + now - started + self.last_write_s
         cost_s = measured
+        if alerted and self.pacer is not None:
+            self.pacer.incident(step)
         if len(self._off_steps) >= 3:
             excess = now - self.opened_at + self.last_write_s - statistics.median(self._off_steps)
             cost_s = min(max(measured, excess), (1 + EXCESS_LIMIT) * measured + collected_s)
