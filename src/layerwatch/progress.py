@@ -2,8 +2,17 @@
 learning from failing.
 
 A transformer that learns sharpens its attention, grows its logits and changes its update's
-shape (a copy head attends to one earlier token): the signals that come before a divergence
-(Wortsman et al. 2023, Zhai et al. 2023, Dehghani et al. 2023) come with healthy learning too.
+shape (a copy head attends to one earlier token). The literature ties these signals to
+instability only where the loss fails with them:
+
+- Wortsman et al. 2023 (small-scale proxies for large-scale instabilities): attention-logit
+  growth and output-logit divergence at high learning rates, read against the final loss a
+  rate reaches (its sensitivity), not as levels of their own;
+- Zhai et al. 2023: attention entropy collapse comes with oscillating or diverging loss; the
+  entropy also falls as a model learns, so a low entropy alone is not the fault;
+- Dehghani et al. 2023 (ViT-22B): logits that grew without bound made attention one-hot and the
+  loss diverged.
+
 What differs is the loss: it falls while a model learns, and turns while it fails. So
 :class:`LossProgress` follows each step's loss (the mean of the last ``loss_window`` steps):
 its first mean, its lowest so far, and the share of that progress given back since
