@@ -61,11 +61,11 @@ def test_the_growth_rules_wait_for_the_loss_to_turn_and_say_what_it_did():
     learning = HealthMonitor(AlertRules())
     for step, probes in enumerate(sharpening):
         assert learning.observe(step, weights={}, grads=None, trainable=[], probes=probes,
-                                loss=(False, "the loss is at its lowest")) == []
+                                loss=(False, "the loss is at its lowest", 0)) == []
     failing = HealthMonitor(AlertRules())
     found = [a for step, probes in enumerate(sharpening)
              for a in failing.observe(step, weights={}, grads=None, trainable=[], probes=probes,
-                                      loss=(True, "the loss gave back 7%"))]
+                                      loss=(True, "the loss gave back 7%", 0))]
     assert {a.kind for a in found} == {"attention_logits", "entropy_collapse"}
     assert all(a.name == "attn" and a.message.endswith("; meanwhile the loss gave back 7%") for a in found)
     unknown = HealthMonitor(AlertRules())  # no loss given: judged at every sample, as before
@@ -76,7 +76,7 @@ def test_the_growth_rules_wait_for_the_loss_to_turn_and_say_what_it_did():
 def test_a_logit_at_the_level_is_said_even_while_the_loss_falls():
     monitor = HealthMonitor(AlertRules())
     probes = ProbeResult([], None, attention={"attn": np.array([[150.0, 1.0]])})
-    (alert,) = monitor.observe(0, weights={}, grads=None, trainable=[], probes=probes, loss=(False, "falling"))
+    (alert,) = monitor.observe(0, weights={}, grads=None, trainable=[], probes=probes, loss=(False, "falling", 0))
     assert alert.kind == "attention_logits" and "AlertRules.attention_logit_level" in alert.message
 
 
@@ -146,3 +146,32 @@ def test_a_loss_that_learned_only_its_offset_and_then_wanders_is_noise_not_a_ris
     progress = LossProgress(AlertRules())
     assert losses_of(progress, values) == [] and not progress.turned()
     assert progress.noise == pytest.approx(0.3 / math.sqrt(10), rel=0.2)
+
+
+def test_a_loss_that_stalls_above_its_lowest_opens_the_growth_rules_and_one_on_a_flat_floor_does_not():
+    progress = LossProgress(AlertRules())
+    falling = [4.0 - 0.02 * k for k in range(100)]
+    losses_of(progress, falling + [2.02] * 60)  # a floor: no new low, and not above it
+    assert progress.learned and not progress.stalled() and not progress.turned()
+    losses_of(progress, [2.02 + 0.002 * k for k in range(1, 41)], start=160)  # drifts up, 2% of its progress
+    assert progress.given_back < AlertRules().loss_turned
+    assert progress.stalled() and progress.turned()
+
+
+def test_growth_is_judged_from_the_losss_lowest_not_over_what_grew_while_it_learned():
+    monitor = HealthMonitor(AlertRules())
+    attention = lambda logit: ProbeResult([], None, attention={"attn": np.array([[logit, 2.0]])})  # noqa: E731
+    said = []
+    for step in range(12):  # learning: logits 0.5 -> 30, a new lowest loss at every sample
+        said += monitor.observe(step, weights={}, grads=None, trainable=[], probes=attention(0.5 * 1.45 ** step),
+                                loss=(False, "falling", step))
+    for step in range(12, 24):  # the loss stalls at its lowest of step 11; the logits stay where learning took them
+        said += monitor.observe(step, weights={}, grads=None, trainable=[], probes=attention(30.0),
+                                loss=(True, "stalled", 11))
+    assert said == []
+    for step in range(24, 36):  # ...then grow past 3x of that
+        said += monitor.observe(step, weights={}, grads=None, trainable=[], probes=attention(30.0 * 1.3 ** (step - 23)),
+                                loss=(True, "stalled", 11))
+    (alert,) = said  # 3x the window median at the loss's lowest (steps 7-11: 14.1): 50.7 at step 27
+    assert alert.kind == "attention_logits" and alert.step == 27 and "stalled" in alert.message
+    assert "0.5" not in alert.message.split(":")[1]  # judged from 14.1, not from where learning began

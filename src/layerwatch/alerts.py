@@ -216,6 +216,7 @@ class HealthMonitor:
         self._windows = {"weights": LayerWindows(rules, "weights"), "grads": LayerWindows(rules, "grads")}
         self._update_shape = UpdateShape(rules)
         self._probe_trends = ProbeTrends(rules)
+        self._lowest_at: Optional[int] = None  # the step of the loss's lowest mean at the last sample
 
     def observe(
         self,
@@ -226,7 +227,7 @@ class HealthMonitor:
         trainable: Sequence[str],
         adam: Sequence[tuple[list[str], np.ndarray]] = (),
         probes: Any = None,
-        loss: Optional[tuple[bool, str]] = None,
+        loss: Optional[tuple[bool, str, Optional[int]]] = None,
     ) -> list[Alert]:
         """The alerts first seen at ``step``.
 
@@ -240,8 +241,10 @@ class HealthMonitor:
             probes: The step's :class:`~layerwatch.probes.ProbeResult` (its attention, output
                 logits, activation rows and kurtosis), or None.
             loss: Whether the loss has turned (:meth:`~layerwatch.progress.LossProgress.turned`:
-                the growth rules judge only then) and its progress in words, said in their
-                alerts; None: no loss is known, and they judge at every sample.
+                the growth rules judge only then), its progress in words, said in their alerts,
+                and the step of its lowest mean: at each new lowest, growth is judged afresh
+                from there; None: no loss is known, and they judge at every sample, against
+                the whole run.
         """
         new: list[Alert] = []
         w_idx, w_rows = self._stack(weights)
@@ -252,7 +255,11 @@ class HealthMonitor:
         self._norms(step, "grads", g_idx, g_rows, new)
         self._dead(step, w_idx, w_rows, g_idx if grads is not None else None, g_rows, t_idx, new)
         self._stuck(step, w_idx, w_rows, None if grads is None else (g_idx, g_rows), t_idx, new)
-        turned, meanwhile = loss or (True, "")
+        turned, meanwhile, lowest_at = loss or (True, "", None)
+        if lowest_at != self._lowest_at:  # learning: what grew while the loss fell is not judged
+            self._lowest_at = lowest_at
+            self._update_shape.restart()
+            self._probe_trends.restart()
         found = []
         if adam:
             names = [name for names, _ in adam for name in names]
@@ -581,6 +588,10 @@ class UpdateShape:
         self._rms = Windows(rules.window)
         self._eps_run: list[int] = []  # per layer, samples in a row above eps_bound_frac
 
+    def restart(self) -> None:
+        """Judge growth afresh from here (:meth:`Windows.restart`)."""
+        self._rms.restart()
+
     def observe(self, names: list[str], rows: np.ndarray, turned: bool = True) -> list[tuple[str, str, str]]:
         """``(kind, layer, message)`` of each rule broken, given the rows read after a step;
         ``sign_like`` only where the loss has ``turned``."""
@@ -632,6 +643,14 @@ class Windows:
         self.window = window
         self._values: dict[str, list[float]] = {}
         self._extremes: dict[str, tuple[float, float]] = {}
+        self._restarted: set[str] = set()  # layers whose extremes start again from their last window
+        self._since: dict[str, int] = {}  # samples since a layer's restart, while its windows before reach past it
+
+    def restart(self) -> None:
+        """Judge growth from here on (the loss made progress): each layer's extremes become the
+        median of the window that ends at its next sample, and the windows before it are not
+        folded in until they lie after that window's start."""
+        self._restarted.update(self._values)
 
     def add(self, layer: str, value: float) -> Optional[tuple[float, float, float, float]]:
         """``value`` at this sample; once two windows are full, ``(before, now, lowest, highest)``."""
@@ -643,6 +662,15 @@ class Windows:
         if len(values) < 2 * self.window:
             return None
         before, now = float(np.median(values[:self.window])), float(np.median(values[self.window:]))
+        if layer in self._restarted:  # from the window that ends at the restart
+            self._restarted.discard(layer)
+            self._extremes[layer], self._since[layer] = (now, now), 0
+        since = self._since.get(layer)
+        if since is not None and since < self.window:  # the window before began before the restart
+            self._since[layer] = since + 1
+            lowest, highest = self._extremes[layer]
+            return before, now, lowest, highest
+        self._since.pop(layer, None)
         lowest, highest = self._extremes.get(layer, (before, before))
         self._extremes[layer] = lowest, highest = min(lowest, before), max(highest, before)
         return before, now, lowest, highest
@@ -675,6 +703,11 @@ class ProbeTrends:
         self._logits, self._entropy, self._log_z = Windows(rules.window), Windows(rules.window), Windows(rules.window)
         self._outliers, self._kurtosis = Windows(rules.window), Windows(rules.window)
         self._first: dict[str, float] = {}  # the output head's first window median of log Z
+
+    def restart(self) -> None:
+        """Judge growth afresh from here (:meth:`Windows.restart`); ``logit_drift`` keeps its first window."""
+        for windows in (self._logits, self._entropy, self._outliers, self._kurtosis):
+            windows.restart()
 
     def observe(self, probes: Any, turned: bool = True) -> list[tuple[str, str, str]]:
         """``(kind, layer, message)`` of each rule broken by a :class:`~layerwatch.probes.ProbeResult`;
@@ -784,7 +817,7 @@ class HealthCheck:
             grads = None
         new += self.monitor.observe(step, weights=by_name("weights"), grads=grads, trainable=trainable,
                                     adam=rows.get("adam", ()), probes=probes,
-                                    loss=(self.progress.turned(), self.progress.context()) if self.progress.seen else None)
+                                    loss=(self.progress.turned(), self.progress.context(), self.progress.lowest_at) if self.progress.seen else None)
         return R.Findings(alerts=new, alert_count=len(self.monitor.alerts),
                           alert_table=alerts_markdown(self.monitor.alerts) if new else None, optimizer_skipped=skipped)
 

@@ -38,6 +38,7 @@ from typing import Any, Optional
 LOSS_LAYER = "loss"  # the name a loss_rise alert is raised under
 HEALTHY_GIVEN_BACK = 0.08  # the most any healthy twin of benchmarks/divergence.py gave back (docs/alerts.md)
 NOISE_Z = 8  # standard errors of a window's mean a change must exceed (the lowest of ~50 noisy means: ~3 below)
+STALL_WINDOWS, STALL_Z = 3, 3  # a loss with no new low for this many windows, this many standard errors above it
 SPREADS = 32  # the windows' spreads the noise is the median of
 
 
@@ -90,11 +91,17 @@ class LossProgress:
     def turned(self) -> bool:
         """Whether the growth rules judge now: no loss was ever observed (nothing tells learning
         from failing: they judge as they always did), or the loss has learned and given back at
-        least ``loss_turned`` of it."""
+        least ``loss_turned`` of it, or it has stalled above its lowest (:meth:`stalled`)."""
         if not self.seen:
             return True
         back = self.given_back
-        return back is not None and back >= self.rules.loss_turned and self._beyond_noise()
+        return back is not None and (back >= self.rules.loss_turned and self._beyond_noise() or self.stalled())
+
+    def stalled(self) -> bool:
+        """The loss has learned, made no new low for ``STALL_WINDOWS`` windows of steps, and sits
+        ``STALL_Z`` standard errors above its lowest: what it gained, it has stopped gaining."""
+        return (self.learned and self.now_at - self.lowest_at >= STALL_WINDOWS * self.rules.loss_window
+                and self.now - self.lowest > STALL_Z * self.noise)
 
     def describe(self) -> str:
         """The loss's progress in words, for an alert's message."""
