@@ -1,5 +1,5 @@
 """The pictures of docs/reading-charts.md's "Before a divergence" and docs/alerts.md's calibration:
-two runs of benchmarks/divergence.py's suite (a Llama learning the copy task whose learning rate
+two runs of benchmarks/divergence.py's suite (a Llama learning the grammar task whose learning rate
 climbs until it fails, and its healthy twin), sampled every 10 steps, in the LAYERWATCH tab: each
 signal of the failing run, its alerts marked, beside the healthy run's.
 
@@ -27,7 +27,7 @@ parser.add_argument("--out", type=Path, default=root / "docs" / "img")
 args = parser.parse_args()
 logdir = Path(tempfile.mkdtemp(prefix="divergence-"))
 for twin, name in (("ramp", "diverging"), ("healthy", "safe")):
-    divergence.run("copy", "llama", twin, "every 10", log_dir=logdir / name)
+    divergence.run("grammar", "llama", twin, "every 10", log_dir=logdir / name)
 with serve(logdir, ready=lambda s: len(s.get_json("/data/plugin/layerwatch/runs")["runs"]) == 2) as server, sync_playwright() as p:
     time.sleep(20)  # TensorBoard reads the runs' events a while after it lists them
     browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
