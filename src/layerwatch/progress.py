@@ -113,9 +113,11 @@ class LossProgress:
 
     def context(self) -> str:
         """What a growth rule's alert says of the loss: its progress, and where healthy runs stood."""
-        return (f"{self.describe()} (the healthy twins of benchmarks/divergence.py gave back at most "
-                f"{HEALTHY_GIVEN_BACK:.0%}, their attention sharpening as much while they learned: this is judged once "
-                f"the loss has given back {self.rules.loss_turned:.0%}, AlertRules.loss_turned)")
+        why = ("it has stalled above its lowest" if self.stalled() else
+               f"it has given back {self.rules.loss_turned:.0%} (AlertRules.loss_turned)")
+        return (f"{self.describe()}, and growth is judged from its lowest on, now that {why} (the healthy twins of "
+                f"benchmarks/divergence.py gave back at most {HEALTHY_GIVEN_BACK:.0%}, their attention sharpening while "
+                "they learned)")
 
     def observe(self, step: int, value: float) -> Optional[str]:
         """``step``'s loss (a NaN or Inf is the sentinel's: not kept); the ``loss_rise`` alert's
