@@ -589,7 +589,7 @@ def test_compiled_functions_an_eager_model_calls_compile_as_without_layerwatch(t
     assert watched == plain
     assert plain_counts == {"graphs": 2, "recompiles": 0, "breaks": 0}, plain_counts
     assert counts == {"graphs": 3, "recompiles": 0, "breaks": 0}, counts
-    assert frames["total"] == frames["ok"], frames  # none skipped
+    assert frames["total"] == frames["ok"] and plain_frames["total"] == plain_frames["ok"], (frames, plain_frames)  # none skipped
     acc = events(tmp_path)
     assert [e.step for e in acc.Scalars("activations_norm/mlp")] == [0, 2]
     (table,) = acc.Tensors("layerwatch/structure/text_summary")
