@@ -65,11 +65,7 @@ class LossProgress:
         self._raised = False  # loss_rise was raised since the loss last made new progress
         self._spreads: deque[float] = deque(maxlen=SPREADS)  # the per-step losses' variance, one per window
         self._count = 0
-
-    @property
-    def noise(self) -> float:
-        """The standard error of a window's mean: the median spread of recent windows' losses."""
-        return math.sqrt(statistics.median(self._spreads) / self.rules.loss_window) if self._spreads else 0.0
+        self.noise = 0.0  # the standard error of a window's mean: the median spread of recent windows' losses
 
     @property
     def learned(self) -> bool:
@@ -136,6 +132,7 @@ class LossProgress:
             return None
         if self._count % window.maxlen == 0:
             self._spreads.append(statistics.pvariance(window))
+            self.noise = math.sqrt(statistics.median(self._spreads) / window.maxlen)
         mean = self._sum / len(window)
         self.now, self.now_at = mean, step
         if self.first is None:
