@@ -540,6 +540,7 @@ def test_lightning_judges_the_norm_it_clips_at_and_names_the_layer_whose_gradien
 def test_a_healthy_lightning_run_says_no_spike_at_the_defaults(tmp_path):
     _, alerts = _lightning_amplified(tmp_path, amplify=1.0)
     assert _spike_alerts(alerts) == []
+    assert [a for a in alerts if a.kind == "loss_rise"] == []  # the door feeds the loss's progress: it learns, nothing rises
 
 
 def _trainer_amplified(root, amplify=-1e3, spikes=True, compiled=False, gradient=False):
@@ -657,6 +658,7 @@ def test_a_gradient_norm_is_taken_from_its_method_for_the_runs_life_only():
 def test_a_healthy_trainer_run_says_no_spike_at_the_defaults(tmp_path):
     _, alerts = _trainer_amplified(tmp_path, amplify=1.0)
     assert _spike_alerts(alerts) == []
+    assert [a for a in alerts if a.kind == "loss_rise"] == []  # the door feeds the loss's progress: it learns, nothing rises
 
 
 # ------------------------------------------------------------------ sharded: the same spikes and captures on every rank
