@@ -175,3 +175,31 @@ def test_growth_is_judged_from_the_losss_lowest_not_over_what_grew_while_it_lear
     (alert,) = said  # 3x the window median at the loss's lowest (steps 7-11: 14.1): 50.7 at step 27
     assert alert.kind == "attention_logits" and alert.step == 27 and "stalled" in alert.message
     assert "0.5" not in alert.message.split(":")[1]  # judged from 14.1, not from where learning began
+
+
+@pytest.mark.parametrize("schedule", ["defaults", "every 10"])
+def test_the_suites_grammar_llama_is_alerted_before_it_fails_and_its_healthy_twin_never(benchmarks, tmp_path, schedule):
+    """benchmarks/divergence.py's grammar-task Llama (transformers' own class): its healthy twin
+    learns with its attention sharpening and raises nothing; the twin whose rate climbs from step
+    150 is alerted before it fails (its loss stalls above its lowest from step 179 on)."""
+    pytest.importorskip("transformers")
+    import divergence
+
+    healthy = divergence.run("grammar", "llama", "healthy", schedule, steps=320, log_dir=tmp_path / "healthy")
+    assert healthy.failure is None and healthy.lowest < 0.4 * healthy.first and healthy.alerts == []
+    failing = divergence.run("grammar", "llama", "ramp", schedule, log_dir=tmp_path / "ramp")
+    assert failing.failure is not None and failing.lead() > 0, (failing.failure, failing.alerts[:3])
+    if schedule == "every 10":  # the layers' own signals lead, well before the loss's rule
+        kind, layer, step, _ = min(failing.alerts, key=lambda a: a[2])
+        assert kind == "sign_like" and failing.failure - step >= 50, (kind, layer, step)
+
+
+def test_a_copy_head_forming_is_learning_not_an_alert(benchmarks, tmp_path):
+    """The suite's copy-task GPT-2 at every 10 steps: an induction head forms, its attention
+    sharpens and its LayerNorms' updates turn sign-like while the loss falls from 4.2 to 2.0. The
+    rules judged against the whole run raised 6 alerts here (sign_like from step 90)."""
+    pytest.importorskip("transformers")
+    import divergence
+
+    healthy = divergence.run("copy", "gpt2", "healthy", "every 10", steps=250, log_dir=tmp_path)
+    assert healthy.lowest < 2.2 and healthy.alerts == []
