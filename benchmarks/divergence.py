@@ -194,11 +194,22 @@ class FailureWatch:
 def run(task: str, family: str, twin: str, schedule: str, steps: int = STEPS, log_dir: Optional[Path] = None,
         after: int = 20) -> Outcome:
     """One case; ``schedule``: ``"defaults"``, ``"every N"``, or ``"plain"`` (no layerwatch).
-    The run goes on ``after`` steps past its failure (the alerts then are not leads)."""
-    from layerwatch import Inspector
-
+    The run goes on ``after`` steps past its failure (the alerts then are not leads). Deterministic,
+    on one thread; the process's settings are put back after."""
+    deterministic, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    threads = torch.get_num_threads()
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
+    try:
+        return _case(task, family, twin, schedule, steps, log_dir, after)
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.set_num_threads(threads)
+
+
+def _case(task: str, family: str, twin: str, schedule: str, steps: int, log_dir: Optional[Path], after: int) -> Outcome:
+    from layerwatch import Inspector
+
     how = TWINS[twin]
     net = build(family, how.init_scale)
     opt = torch.optim.AdamW(net.parameters(), lr=how.lr, weight_decay=0.0)

@@ -203,3 +203,12 @@ def test_a_copy_head_forming_is_learning_not_an_alert(benchmarks, tmp_path):
 
     healthy = divergence.run("copy", "gpt2", "healthy", "every 10", steps=250, log_dir=tmp_path)
     assert healthy.lowest < 2.2 and healthy.alerts == []
+
+
+def test_a_suite_case_leaves_the_process_as_it_found_it(benchmarks, tmp_path):
+    pytest.importorskip("transformers")
+    import divergence
+
+    threads = torch.get_num_threads()
+    divergence.run("classify", "llama", "healthy", "plain", steps=12)
+    assert torch.get_num_threads() == threads and not torch.are_deterministic_algorithms_enabled()
