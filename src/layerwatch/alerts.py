@@ -55,7 +55,7 @@ from layerwatch import record as R
 from layerwatch import stats as S
 from layerwatch.failures import FailurePolicy
 from layerwatch.optimizer_state import EPS_BOUND, SEEN, UPDATE_SUMSQ, VALUES
-from layerwatch.progress import LossProgress
+from layerwatch.progress import LossContext, LossProgress
 from layerwatch.vocabulary import ROOT, parent
 
 logger = logging.getLogger("layerwatch")
@@ -227,7 +227,7 @@ class HealthMonitor:
         trainable: Sequence[str],
         adam: Sequence[tuple[list[str], np.ndarray]] = (),
         probes: Any = None,
-        loss: Optional[tuple[bool, str, Optional[int]]] = None,
+        loss: Optional[LossContext] = None,
     ) -> list[Alert]:
         """The alerts first seen at ``step``.
 
@@ -240,11 +240,11 @@ class HealthMonitor:
                 (:mod:`~layerwatch.optimizer_state`).
             probes: The step's :class:`~layerwatch.probes.ProbeResult` (its attention, output
                 logits, activation rows and kurtosis), or None.
-            loss: Whether the loss has turned (:meth:`~layerwatch.progress.LossProgress.turned`:
-                the growth rules judge only then), its progress in words, said in their alerts,
-                and the step of its lowest mean: at each new lowest, growth is judged afresh
-                from there; None: no loss is known, and they judge at every sample, against
-                the whole run.
+            loss: What the growth rules are told of the loss
+                (:meth:`~layerwatch.progress.LossProgress.context`): whether it has turned (they
+                judge only then), its progress in words (said in their alerts), the step of its
+                lowest mean (at each new lowest, growth is judged afresh from there); None: no
+                loss is known, and they judge at every sample, against the whole run.
         """
         new: list[Alert] = []
         w_idx, w_rows = self._stack(weights)
@@ -816,8 +816,7 @@ class HealthCheck:
             )
             grads = None
         new += self.monitor.observe(step, weights=by_name("weights"), grads=grads, trainable=trainable,
-                                    adam=rows.get("adam", ()), probes=probes,
-                                    loss=(self.progress.turned(), self.progress.context(), self.progress.lowest_at) if self.progress.seen else None)
+                                    adam=rows.get("adam", ()), probes=probes, loss=self.progress.context())
         return R.Findings(alerts=new, alert_count=len(self.monitor.alerts),
                           alert_table=alerts_markdown(self.monitor.alerts) if new else None, optimizer_skipped=skipped)
 

@@ -92,7 +92,7 @@ class Pacer:
         self._step = 0  # the latest step a sample was seen at
         self._samples_seen = 0
         self._hold_until = -1  # the interval does not grow before this step (an incident's)
-        self._before_incidents: Optional[int] = None  # the interval before the incidents still paid for
+        self._before_incidents: Optional[int] = None  # the interval before the unscheduled samples still paid for
 
     def __call__(self, step: int) -> bool:
         interval = self.interval
@@ -158,8 +158,6 @@ class Pacer:
         grow for ``HOLD_STEPS`` steps."""
         self._step = max(self._step, step)
         self._hold_until = max(self._hold_until, step + HOLD_STEPS)
-        if self._before_incidents is None:
-            self._before_incidents = self.interval
 
     def extra_per_step(self) -> float:
         """The unscheduled samples' cost per step, over the last ``EXTRA_SPAN`` steps."""
@@ -186,7 +184,9 @@ class Pacer:
         wanted = _on_grid(ideal)
         if not self._extra:
             self._before_incidents = None
-        elif self._before_incidents is not None:
+        elif self._before_incidents is None:
+            self._before_incidents = self.interval  # the first decision since they came: the interval they found
+        if self._extra and self._before_incidents is not None:
             own = _on_grid(self.ideal(extra=False))  # what the run's own samples ask for
             doubled = grid_value(grid_index(2 * self._before_incidents + 1) - 1)  # the largest grid value <= 2x
             wanted = max(own, min(wanted, doubled))

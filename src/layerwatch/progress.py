@@ -33,13 +33,21 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 LOSS_LAYER = "loss"  # the name a loss_rise alert is raised under
 HEALTHY_GIVEN_BACK = 0.08  # the most any healthy twin of benchmarks/divergence.py gave back (docs/alerts.md)
 NOISE_Z = 8  # standard errors of a window's mean a change must exceed (the lowest of ~50 noisy means: ~3 below)
 STALL_WINDOWS, STALL_Z = 3, 3  # a loss with no new low for this many windows, this many standard errors above it
 SPREADS = 32  # the windows' spreads the noise is the median of
+
+
+class LossContext(NamedTuple):
+    """What the growth rules are told of the loss at a sample (:meth:`LossProgress.context`)."""
+
+    turned: bool  # they judge (LossProgress.turned)
+    words: str  # what their alerts say of the loss
+    lowest_at: Optional[int]  # the step of its lowest mean: growth is judged from there
 
 
 class LossProgress:
@@ -107,13 +115,17 @@ class LossProgress:
         return (f"the loss ({self.rules.loss_window}-step mean) went from {self.first:.4g} to {self.lowest:.4g} at step "
                 f"{self.lowest_at} and is at {self.now:.4g}: {back:.0%} of that progress given back")
 
-    def context(self) -> str:
-        """What a growth rule's alert says of the loss: its progress, and where healthy runs stood."""
+    def context(self) -> Optional[LossContext]:
+        """What the growth rules are told at a sample; None when no loss was ever observed. Its
+        words: the loss's progress, why the rules judge now, and where healthy runs stood."""
+        if not self.seen:
+            return None
         why = ("it has stalled above its lowest" if self.stalled() else
                f"it has given back {self.rules.loss_turned:.0%} (AlertRules.loss_turned)")
-        return (f"{self.describe()}, and growth is judged from its lowest on, now that {why} (the healthy twins of "
-                f"benchmarks/divergence.py gave back at most {HEALTHY_GIVEN_BACK:.0%}, their attention sharpening while "
-                "they learned)")
+        words = (f"{self.describe()}, and growth is judged from its lowest on, now that {why} (the healthy twins of "
+                 f"benchmarks/divergence.py gave back at most {HEALTHY_GIVEN_BACK:.0%}, their attention sharpening while "
+                 "they learned)")
+        return LossContext(self.turned(), words, self.lowest_at)
 
     def observe(self, step: int, value: float) -> Optional[str]:
         """``step``'s loss (a NaN or Inf is the sentinel's: not kept); the ``loss_rise`` alert's
@@ -130,7 +142,8 @@ class LossProgress:
         self._count += 1
         if len(window) < window.maxlen:
             return None
-        if self._count % window.maxlen == 0:
+        if self._count % window.maxlen == 0:  # once a window: the noise, and the running sum made anew (rounding)
+            self._sum = math.fsum(window)
             self._spreads.append(statistics.pvariance(window))
             self.noise = math.sqrt(statistics.median(self._spreads) / window.maxlen)
         mean = self._sum / len(window)
@@ -140,7 +153,6 @@ class LossProgress:
         if mean < self.lowest:
             self.lowest, self.lowest_at = mean, step
             self._raised = False
-            self._sum = math.fsum(window)  # a new low is a fresh start for the running sum's rounding
         back = self.given_back
         if back is None or back < self.rules.loss_rise or self._raised or not self._beyond_noise():
             return None
