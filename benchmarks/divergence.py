@@ -328,7 +328,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.plain:
         return 0
     healthy_quiet = all(not o.alerts for o in outcomes if o.twin == "healthy")
-    failing_led = all(o.failure is not None and (o.lead() or 0) > 0 for o in outcomes if o.twin != "healthy")
+    failing_led = all((o.lead() or 0) > 0 for o in outcomes if o.twin != "healthy" and o.failure is not None)
     return 0 if healthy_quiet and failing_led else 1
 
 
