@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from layerwatch import Inspector
-from layerwatch.alerts import AlertRules, HealthMonitor
+from layerwatch.alerts import HealthMonitor
+from layerwatch.options import AlertRules
 from layerwatch.probes import ProbeResult
 from layerwatch.progress import LossProgress
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from layerwatch.alerts import Alert
-from layerwatch.spikes import ValueTap, SpikeDetector, SpikeRule
+from layerwatch.options import SpikeRule
+from layerwatch.spikes import ValueTap, SpikeDetector
 
 
 def test_a_jump_past_six_deviations_of_the_trailing_window_is_a_spike_and_noise_is_not():
@@ -786,7 +787,8 @@ def test_a_loss_on_a_device_the_host_cannot_read_freely_turns_the_check_off_said
 def test_spikes_explained_at_one_sample_are_alerts_of_their_own_steps():
     """On a GPU two spikes can land before the next sample: each is an alert at its own step,
     though the ranking (one a sample) names the same layer."""
-    from layerwatch.alerts import AlertRules, HealthCheck
+    from layerwatch.alerts import HealthCheck
+    from layerwatch.options import AlertRules
     from layerwatch.failures import FailurePolicy
 
     health = HealthCheck(AlertRules(), FailurePolicy())

@@ -6,12 +6,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from layerwatch.alerts import Alert, AlertRules
+    from layerwatch.alerts import Alert
     from layerwatch.inspector import Inspector
     from layerwatch.lightning import InspectCallback
     from layerwatch.notebook import load, load_alerts, load_histograms
     from layerwatch.schedule import Schedule, at_steps, dense_then_every, every_n_steps, windowed
-    from layerwatch.spikes import SpikeRule
+    from layerwatch.options import AlertRules, SpikeRule
     from layerwatch.structure import summarize
     from layerwatch.table import Summary
 
@@ -25,9 +25,9 @@ _HOMES = {
     "load_alerts": "layerwatch.notebook",
     "summarize": "layerwatch.structure",
     "Summary": "layerwatch.table",
-    "AlertRules": "layerwatch.alerts",
+    "AlertRules": "layerwatch.options",
     "Alert": "layerwatch.alerts",
-    "SpikeRule": "layerwatch.spikes",
+    "SpikeRule": "layerwatch.options",
     "Schedule": "layerwatch.schedule",
     "every_n_steps": "layerwatch.schedule",
     "at_steps": "layerwatch.schedule",

@@ -51,9 +51,10 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
-from layerwatch import record as R
+from layerwatch.findings import Findings
 from layerwatch import stats as S
 from layerwatch.failures import FailurePolicy
+from layerwatch.options import AlertRules
 from layerwatch.optimizer_state import EPS_BOUND, SEEN, UPDATE_SUMSQ, VALUES
 from layerwatch.progress import LossContext, LossProgress
 from layerwatch.vocabulary import ROOT, parent
@@ -66,9 +67,6 @@ EVENT_KINDS = ("spike", "loss_rise")  # raised at each step they happen; the oth
 # judged only once the loss has turned (LossProgress.turned): they come with healthy learning too
 GROWTH_KINDS = ("sign_like", "attention_logits", "entropy_collapse", "logit_drift", "outlier_growth")
 
-Bounds = tuple[Optional[float], Optional[float]]
-
-
 @dataclass(frozen=True)
 class Alert:
     """One health problem: what, where, first seen when, in one line a person understands."""
@@ -80,115 +78,6 @@ class Alert:
 
     def as_dict(self) -> dict[str, object]:
         return {"kind": self.kind, "name": self.name, "step": self.step, "message": self.message}
-
-
-@dataclass(frozen=True)
-class AlertRules:
-    """Thresholds of the health rules. The defaults raise no alarm on healthy training of the
-    examples, the demo and tiny configurations of BERT, RoBERTa, DistilBERT, ViT, GPT-2, Llama
-    and T5, whose per-batch gradient norms swing by up to ~500x between windows of samples:
-    gradients get a loose factor, weights a tight one. The window rules judge a layer by the
-    RMS of all its values (:class:`LayerWindows`).
-
-    Args:
-        window: Samples per window for ``exploding``/``vanishing`` (compares the medians of
-            two neighbouring windows).
-        weight_factor: A layer's median weight size changing by more than this between windows.
-        grad_factor: A layer's median gradient size growing by more than this between windows
-            (to a new high), or its share of the largest layer's falling this far below its
-            highest earlier share.
-        weight_norm_bounds: ``(low, high)`` absolute bounds on any weight norm; None = no bound.
-        grad_norm_bounds: The same for gradient norms.
-        dead_samples: Samples in a row with all-zero gradients (or weights) before ``dead``.
-        stuck_samples: Samples in a row without change (or without a gradient) before ``stuck``.
-        sign_like_rms: Adam's normalized update RMS, a layer's median over a window, at or
-            above which its updates are sign-like (1: every coordinate moves by the learning
-            rate; about 0.2-0.3 where gradients are mostly noise).
-        sign_like_factor: ...and at least this many times the lowest median of an earlier
-            window: judged against the layer's own past, since a layer whose gradient keeps
-            one direction for long (a head's LayerNorm early on) sits high from the start.
-        eps_bound_frac: The share of a layer's coordinates (with a gradient) whose ``√v̂`` is
-            below ``10ε``, above which, at ``window`` samples in a row, it is ``eps_bound``.
-        attention_logit_level: The largest attention logit (``q·k/√d``) at or above which a
-            layer alerts (Kimi K2's QK-Clip and Megatron's ``qk_clip_threshold``: 100).
-        attention_logit_growth: From a tenth of that level, a layer's window median of its
-            largest logit this many times the lowest median of a window before alerts too: a
-            small model can diverge before any logit reaches 100.
-        entropy_collapse: A layer's lowest head entropy (window median) below this share of the
-            highest median of a window before is a collapse.
-        logit_drift: Nats the output head's mean log Z (window median) may move from its first
-            window's before it alerts: a softmax is blind to a shift of every logit, the loss
-            does not see it, and PaLM's z-loss exists to stop it.
-        outlier_growth: A module output's ``max|h| / RMS(h)`` (window median) this many times the
-            lowest of a window before: outlier features growing. Against the layer's own past:
-            massive activations are normal in healthy LLMs (healthy runs of the zoo: at most 2x).
-        kurtosis_growth: The same for the kurtosis of an output's per-channel RMS: a few channels
-            taking over (healthy runs of the zoo: at most 4.2x, GPT-2's output head learning its
-            vocabulary's frequencies).
-        loss_window: Steps the loss is averaged over (:class:`~layerwatch.progress.LossProgress`).
-        learned: The share of its first mean the loss must shed before it is judged: before
-            then there is no progress to give back.
-        loss_rise: The share of its progress (first mean - lowest mean) the loss gives back that
-            raises ``loss_rise`` (benchmarks/divergence.py's failure is at 0.5; its healthy twins
-            gave back at most 8%, the turn is at 0.1).
-        loss_turned: The share of its progress given back from which the growth rules
-            (``GROWTH_KINDS``: ``sign_like``, ``attention_logits`` below its level,
-            ``entropy_collapse``, ``logit_drift``, ``outlier_growth``) judge. While the loss is
-            near its lowest the model is learning, and its attention sharpening, its logits
-            growing and its updates changing shape are what learning looks like. With no loss
-            given to layerwatch they judge at every sample.
-    """
-
-    window: int = 5
-    weight_factor: float = 10.0
-    grad_factor: float = 1e4
-    weight_norm_bounds: Bounds = (None, None)
-    grad_norm_bounds: Bounds = (None, None)
-    dead_samples: int = 3
-    stuck_samples: int = 3
-    sign_like_rms: float = 0.6
-    sign_like_factor: float = 2.0
-    eps_bound_frac: float = 0.5
-    attention_logit_level: float = 100.0
-    attention_logit_growth: float = 3.0
-    entropy_collapse: float = 0.25
-    logit_drift: float = 10.0
-    outlier_growth: float = 4.0
-    kurtosis_growth: float = 10.0
-    loss_window: int = 10
-    learned: float = 0.2
-    loss_rise: float = 0.2
-    loss_turned: float = 0.1
-
-    def __post_init__(self) -> None:
-        for name in ("window", "dead_samples", "stuck_samples", "loss_window"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"AlertRules.{name} must be an int >= 1, got {value!r}")
-        for name in ("sign_like_rms", "eps_bound_frac", "entropy_collapse", "learned", "loss_rise", "loss_turned"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise ValueError(f"AlertRules.{name} must be a number in (0, 1], got {value!r}")
-        for name in ("weight_factor", "grad_factor", "sign_like_factor", "attention_logit_growth", "outlier_growth",
-                     "kurtosis_growth"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1:
-                raise ValueError(f"AlertRules.{name} must be a number > 1, got {value!r}")
-        for name in ("attention_logit_level", "logit_drift"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise ValueError(f"AlertRules.{name} must be a finite number > 0, got {value!r}")
-        for name in ("weight_norm_bounds", "grad_norm_bounds"):
-            value = getattr(self, name)
-            if not (isinstance(value, tuple) and len(value) == 2) or any(
-                b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or b < 0) for b in value
-            ):
-                raise ValueError(f"AlertRules.{name} must be a (low, high) pair of numbers >= 0 or None, got {value!r}")
-            low, high = value
-            if low is not None and high is not None and low >= high:
-                raise ValueError(f"AlertRules.{name}: low must be below high, got {value!r}")
-        if self.loss_turned > self.loss_rise:
-            raise ValueError(f"AlertRules.loss_turned must be at most loss_rise ({self.loss_rise!r}), got {self.loss_turned!r}")
 
 
 class HealthMonitor:
@@ -780,13 +669,13 @@ class HealthCheck:
     def judge(
         self,
         step: int,
-        rows: R.HostRows,
+        rows: S.HostRows,
         grads_read: bool,
         trainable: Sequence[str],
         stepped: Optional[bool],
         found: Sequence[Alert] = (),
         probes: Any = None,
-    ) -> R.Findings:
+    ) -> Findings:
         """The findings of ``step``: ``found`` (alerts found outside the rules: the first
         offender) raised first, then the rules' on the weights' and gradients' rows, Adam's state and
         the ``probes``' result (:class:`~layerwatch.probes.ProbeResult`: attention, output logits).
@@ -817,7 +706,7 @@ class HealthCheck:
             grads = None
         new += self.monitor.observe(step, weights=by_name("weights"), grads=grads, trainable=trainable,
                                     adam=rows.get("adam", ()), probes=probes, loss=self.progress.context())
-        return R.Findings(alerts=new, alert_count=len(self.monitor.alerts),
+        return Findings(alerts=new, alert_count=len(self.monitor.alerts),
                           alert_table=alerts_markdown(self.monitor.alerts) if new else None, optimizer_skipped=skipped)
 
     def say_if_too_short(self, samples: int) -> None:

@@ -46,9 +46,9 @@ class LayerGrowth:
     BEGAN = 2.0  # a module's output grew at least this many times more than its input's: a growth began there
 
     def __init__(self) -> None:
-        self._last: Optional[tuple[R.HostRows, Optional[ProbeResult]]] = None
+        self._last: Optional[tuple[S.HostRows, Optional[ProbeResult]]] = None
 
-    def observe(self, rows: R.HostRows, probes: Optional[ProbeResult], rank: bool) -> tuple[list[Growth], list[Growth]]:
+    def observe(self, rows: S.HostRows, probes: Optional[ProbeResult], rank: bool) -> tuple[list[Growth], list[Growth]]:
         """With ``rank``: the layers whose gradient or update grew most since the last sample,
         largest first (at most ``TOP``, each layer once), and the leaf modules whose output grew
         most beyond their input's (:meth:`origin`). This sample is kept for the next call."""
@@ -99,7 +99,7 @@ def _outputs(probes: Optional[ProbeResult]) -> list[tuple[str, float]]:
     return [(t.name, norm) for t, norm in zip(measured, norms)]
 
 
-def _per_parameter(rows: R.HostRows) -> dict[tuple[str, str], float]:
+def _per_parameter(rows: S.HostRows) -> dict[tuple[str, str], float]:
     """Each parameter's gradient norm and update ratio in ``rows``, keyed ``("gradient", name)``, ``("update", name)``."""
     out = {("gradient", name): float(norm) for names, r in rows.get("grads", ()) for name, norm in zip(names, S.Rows(r).norm)}
     weights = {name: norm for names, r in rows.get("weights", ()) for name, norm in zip(names, S.Rows(r).norm)}

@@ -45,14 +45,13 @@ from torch import nn
 from typing_extensions import override
 
 from layerwatch import vocabulary as V
-from layerwatch.alerts import Alert, AlertRules
+from layerwatch.alerts import Alert
 from layerwatch.engine import Engine
 from layerwatch.hooks import FailedForwardGuard, GradNormTaken, engine_step_hooks, is_compiling
-from layerwatch.options import DEFAULT_STATS, options_from
+from layerwatch.options import AlertRules, SpikeRule, DEFAULT_STATS, options_from
 from layerwatch.probes import ModuleFilter
 from layerwatch.rerun import first_rows
 from layerwatch.schedule import ScheduleLike
-from layerwatch.spikes import SpikeRule
 
 try:
     from transformers import Trainer, TrainerCallback

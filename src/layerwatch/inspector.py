@@ -16,14 +16,13 @@ from torch import nn
 
 from layerwatch import record as R
 from layerwatch import vocabulary as V
-from layerwatch.alerts import Alert, AlertRules
+from layerwatch.alerts import Alert
 from layerwatch.budget import Pacer
 from layerwatch.engine import Engine
 from layerwatch.hooks import engine_step_hooks
-from layerwatch.options import DEFAULT_STATS, Options, options_from
+from layerwatch.options import AlertRules, SpikeRule, DEFAULT_STATS, Options, options_from
 from layerwatch.probes import ModuleFilter
 from layerwatch.schedule import Schedule, ScheduleLike
-from layerwatch.spikes import SpikeRule
 
 
 class Inspector:

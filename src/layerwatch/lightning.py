@@ -20,14 +20,13 @@ from typing_extensions import override
 
 from layerwatch import record as R
 from layerwatch import vocabulary as V
-from layerwatch.alerts import Alert, AlertRules
+from layerwatch.alerts import Alert
 from layerwatch.engine import Engine
 from layerwatch.hooks import GradNormTaken
-from layerwatch.options import DEFAULT_STATS, options_from
+from layerwatch.options import AlertRules, SpikeRule, DEFAULT_STATS, options_from
 from layerwatch.probes import ModuleFilter
 from layerwatch.rerun import first_rows
 from layerwatch.schedule import ScheduleLike
-from layerwatch.spikes import SpikeRule
 
 _PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -12,11 +13,143 @@ from typing import Any, Collection, Optional, Sequence
 
 from layerwatch import vocabulary as V
 from layerwatch import stats as S
-from layerwatch.alerts import AlertRules
 from layerwatch.budget import check_fraction
-from layerwatch.probes import ModuleFilter, check_module_filter
+from layerwatch.probes.selection import ModuleFilter, check_module_filter
 from layerwatch.schedule import Schedule, ScheduleLike, as_schedule, every_n_steps as every_n
-from layerwatch.spikes import SpikeRule
+
+Bounds = tuple[Optional[float], Optional[float]]
+
+
+@dataclass(frozen=True)
+class AlertRules:
+    """Thresholds of the health rules. The defaults raise no alarm on healthy training of the
+    examples, the demo and tiny configurations of BERT, RoBERTa, DistilBERT, ViT, GPT-2, Llama
+    and T5, whose per-batch gradient norms swing by up to ~500x between windows of samples:
+    gradients get a loose factor, weights a tight one. The window rules judge a layer by the
+    RMS of all its values (:class:`LayerWindows`).
+
+    Args:
+        window: Samples per window for ``exploding``/``vanishing`` (compares the medians of
+            two neighbouring windows).
+        weight_factor: A layer's median weight size changing by more than this between windows.
+        grad_factor: A layer's median gradient size growing by more than this between windows
+            (to a new high), or its share of the largest layer's falling this far below its
+            highest earlier share.
+        weight_norm_bounds: ``(low, high)`` absolute bounds on any weight norm; None = no bound.
+        grad_norm_bounds: The same for gradient norms.
+        dead_samples: Samples in a row with all-zero gradients (or weights) before ``dead``.
+        stuck_samples: Samples in a row without change (or without a gradient) before ``stuck``.
+        sign_like_rms: Adam's normalized update RMS, a layer's median over a window, at or
+            above which its updates are sign-like (1: every coordinate moves by the learning
+            rate; about 0.2-0.3 where gradients are mostly noise).
+        sign_like_factor: ...and at least this many times the lowest median of an earlier
+            window: judged against the layer's own past, since a layer whose gradient keeps
+            one direction for long (a head's LayerNorm early on) sits high from the start.
+        eps_bound_frac: The share of a layer's coordinates (with a gradient) whose ``√v̂`` is
+            below ``10ε``, above which, at ``window`` samples in a row, it is ``eps_bound``.
+        attention_logit_level: The largest attention logit (``q·k/√d``) at or above which a
+            layer alerts (Kimi K2's QK-Clip and Megatron's ``qk_clip_threshold``: 100).
+        attention_logit_growth: From a tenth of that level, a layer's window median of its
+            largest logit this many times the lowest median of a window before alerts too: a
+            small model can diverge before any logit reaches 100.
+        entropy_collapse: A layer's lowest head entropy (window median) below this share of the
+            highest median of a window before is a collapse.
+        logit_drift: Nats the output head's mean log Z (window median) may move from its first
+            window's before it alerts: a softmax is blind to a shift of every logit, the loss
+            does not see it, and PaLM's z-loss exists to stop it.
+        outlier_growth: A module output's ``max|h| / RMS(h)`` (window median) this many times the
+            lowest of a window before: outlier features growing. Against the layer's own past:
+            massive activations are normal in healthy LLMs (healthy runs of the zoo: at most 2x).
+        kurtosis_growth: The same for the kurtosis of an output's per-channel RMS: a few channels
+            taking over (healthy runs of the zoo: at most 4.2x, GPT-2's output head learning its
+            vocabulary's frequencies).
+        loss_window: Steps the loss is averaged over (:class:`~layerwatch.progress.LossProgress`).
+        learned: The share of its first mean the loss must shed before it is judged: before
+            then there is no progress to give back.
+        loss_rise: The share of its progress (first mean - lowest mean) the loss gives back that
+            raises ``loss_rise`` (benchmarks/divergence.py's failure is at 0.5; its healthy twins
+            gave back at most 8%, the turn is at 0.1).
+        loss_turned: The share of its progress given back from which the growth rules
+            (``GROWTH_KINDS``: ``sign_like``, ``attention_logits`` below its level,
+            ``entropy_collapse``, ``logit_drift``, ``outlier_growth``) judge. While the loss is
+            near its lowest the model is learning, and its attention sharpening, its logits
+            growing and its updates changing shape are what learning looks like. With no loss
+            given to layerwatch they judge at every sample.
+    """
+
+    window: int = 5
+    weight_factor: float = 10.0
+    grad_factor: float = 1e4
+    weight_norm_bounds: Bounds = (None, None)
+    grad_norm_bounds: Bounds = (None, None)
+    dead_samples: int = 3
+    stuck_samples: int = 3
+    sign_like_rms: float = 0.6
+    sign_like_factor: float = 2.0
+    eps_bound_frac: float = 0.5
+    attention_logit_level: float = 100.0
+    attention_logit_growth: float = 3.0
+    entropy_collapse: float = 0.25
+    logit_drift: float = 10.0
+    outlier_growth: float = 4.0
+    kurtosis_growth: float = 10.0
+    loss_window: int = 10
+    learned: float = 0.2
+    loss_rise: float = 0.2
+    loss_turned: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("window", "dead_samples", "stuck_samples", "loss_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"AlertRules.{name} must be an int >= 1, got {value!r}")
+        for name in ("sign_like_rms", "eps_bound_frac", "entropy_collapse", "learned", "loss_rise", "loss_turned"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f"AlertRules.{name} must be a number in (0, 1], got {value!r}")
+        for name in ("weight_factor", "grad_factor", "sign_like_factor", "attention_logit_growth", "outlier_growth",
+                     "kurtosis_growth"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1:
+                raise ValueError(f"AlertRules.{name} must be a number > 1, got {value!r}")
+        for name in ("attention_logit_level", "logit_drift"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"AlertRules.{name} must be a finite number > 0, got {value!r}")
+        for name in ("weight_norm_bounds", "grad_norm_bounds"):
+            value = getattr(self, name)
+            if not (isinstance(value, tuple) and len(value) == 2) or any(
+                b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or b < 0) for b in value
+            ):
+                raise ValueError(f"AlertRules.{name} must be a (low, high) pair of numbers >= 0 or None, got {value!r}")
+            low, high = value
+            if low is not None and high is not None and low >= high:
+                raise ValueError(f"AlertRules.{name}: low must be below high, got {value!r}")
+        if self.loss_turned > self.loss_rise:
+            raise ValueError(f"AlertRules.loss_turned must be at most loss_rise ({self.loss_rise!r}), got {self.loss_turned!r}")
+
+
+@dataclass(frozen=True)
+class SpikeRule:
+    """When a value is a spike: more than ``z`` standard deviations above the mean of the
+    ``window`` values before it, once ``warmup`` values were seen; ``capture``: the steps after
+    a spike that are sampled in full."""
+
+    z: float = 6.0
+    window: int = 128
+    warmup: int = 32
+    capture: int = 3
+
+    def __post_init__(self) -> None:
+        if isinstance(self.z, bool) or not isinstance(self.z, (int, float)) or not (math.isfinite(self.z) and self.z > 0):
+            raise ValueError(f"SpikeRule.z must be a finite number > 0, got {self.z!r}")
+        for name, least in (("window", 2), ("warmup", 2), ("capture", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"SpikeRule.{name} must be an int >= {least}, got {value!r}")
+        if self.warmup > self.window:
+            raise ValueError(f"SpikeRule.warmup must be at most the window ({self.window}), got {self.warmup!r}")
+
 
 DEFAULT_OVERHEAD_BUDGET = 0.01  # the schedule when neither every_n_steps nor schedule is given
 DEFAULT_STATS = ("norm", "nonfinite")

@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 from layerwatch import record as R
+from layerwatch.findings import Findings
+from layerwatch import stats as S
 from layerwatch.alerts import Alert
 from layerwatch.failures import FailurePolicy
 from layerwatch.hooks import Attachments
@@ -87,8 +89,8 @@ class Output:
         if layout:
             self.write_with(lambda sink: sink.write_layout(layout), "write the chart layout", step)
 
-    def write_step(self, step: int, rows: R.HostRows, probes: Optional[ProbeResult], structure: Optional[Summary],
-                   findings: R.Findings, options: Options, cost_s: float, interval: Optional[int], all_grads: bool) -> float:
+    def write_step(self, step: int, rows: S.HostRows, probes: Optional[ProbeResult], structure: Optional[Summary],
+                   findings: Findings, options: Options, cost_s: float, interval: Optional[int], all_grads: bool) -> float:
         """A sampled step's record (:func:`~layerwatch.record.build`) to every sink, and its new
         alerts said. Returns the seconds that took."""
         writing = time.perf_counter()

@@ -54,7 +54,7 @@ class LossProgress:
     """Each step's loss, in step order (:meth:`observe`), as progress made and given back.
 
     Args:
-        rules: The :class:`~layerwatch.alerts.AlertRules`: ``loss_window`` (steps a mean is
+        rules: The :class:`~layerwatch.options.AlertRules`: ``loss_window`` (steps a mean is
             taken over), ``learned`` (the share of its first mean the loss must shed before it
             is judged), ``loss_rise`` (the share of the progress given back that is an alert)
             and ``loss_turned`` (the share from which the growth rules judge).

@@ -14,7 +14,8 @@ import numpy as np
 
 from layerwatch import stats as S
 from layerwatch.optimizer_state import spike_fractions, update_stats
-from layerwatch.probes import Offender, ProbeResult
+from layerwatch.findings import Findings
+from layerwatch.probes.result import Offender, ProbeResult
 from layerwatch.stats import Histogram
 from layerwatch.table import Summary
 from layerwatch.vocabulary import (
@@ -24,9 +25,6 @@ from layerwatch.vocabulary import (
     ROOT, RUN_WIDE, SAMPLE_INTERVAL, STRUCTURE, TENSOR_FAMILIES, head_name, histogram_tag, module_prefix, nonfinite_total_tag,
     stat_prefix, update_ratio_tag,
 )
-
-HostRows = dict[str, list[tuple[list[str], np.ndarray]]]  # family -> its pieces' names and rows, on the host
-
 
 @dataclass
 class StepRecord:
@@ -43,23 +41,9 @@ class StepRecord:
     rerun: bool = False  # the per-module values are of a compiled model's eager re-run (rerun.py)
 
 
-@dataclass
-class Findings:
-    """What was concluded about one sampled step: by the health rules (``alerts.HealthCheck``)
-    and the probes' first offender. Plain data, read by :func:`build`."""
-
-    alerts: list = field(default_factory=list)  # the alerts first seen at this step
-    alert_count: Optional[int] = None  # every alert raised so far; None where no rules run
-    alert_table: Optional[str] = None  # the table of them all, when some are new
-    optimizer_skipped: bool = False  # the optimizer skipped the step, its gradients non-finite
-    offender: Optional[Offender] = None  # the first offender, named at this step
-    spikes: list = field(default_factory=list)  # the loss spikes found since the last sample (spikes.Spike.event, explained)
-    history: dict = field(default_factory=dict)  # tag -> [(step, value)] of earlier steps: a spike's lead-up
-
-
 def build(
     step: int,
-    rows: Optional[HostRows] = None,
+    rows: Optional[S.HostRows] = None,
     probes: Optional[ProbeResult] = None,
     structure: Optional[Summary] = None,
     findings: Optional[Findings] = None,
@@ -130,7 +114,7 @@ def update_ratios(names: Sequence[str], deltas: np.ndarray, after_norms: np.ndar
         return np.where(deltas == 0, 0.0, np.where(norms == 0, 1.0, deltas / norms))
 
 
-def _add_optimizer_state(rec: StepRecord, rows: HostRows) -> None:
+def _add_optimizer_state(rec: StepRecord, rows: S.HostRows) -> None:
     """Adam's state per parameter (:mod:`~layerwatch.optimizer_state`): its series, less the NaN
     of a tensor where nothing could be judged."""
     for names, family_rows in rows.get("adam", ()):

@@ -15,7 +15,6 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from torch import nn
 
-from layerwatch import record as R
 from layerwatch import stats as S
 from layerwatch.distributed import FAILED_NORM, is_writer_rank, local_tensors
 from layerwatch.failures import FailurePolicy
@@ -169,7 +168,7 @@ class SampleReads:
         pieces = self.params.updates(snapshot, sample.params, weight_norms="weights" not in self.families)
         (sample.update_estimate if snapshot.estimated else sample.update).extend(pieces)
 
-    def host_rows(self, sample: Sample) -> R.HostRows:
+    def host_rows(self, sample: Sample) -> S.HostRows:
         """The families' rows, on the host in one transfer per device, less the rows a rank
         could not help measure."""
         families = {"grads": sample.grads, "weights": sample.weights, "update": sample.update,

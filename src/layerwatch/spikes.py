@@ -14,49 +14,28 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from layerwatch import record as R
+from layerwatch.findings import Findings
 from layerwatch.alerts import Alert, HealthCheck
 from layerwatch import stats as S
 from layerwatch.distributed import Decision, is_dtensor, is_writer_rank, local
 from layerwatch.failures import FailurePolicy
+from layerwatch.output import Output
 from layerwatch.sentinel import to_host
 from layerwatch.growth import LayerGrowth
+from layerwatch.options import SpikeRule
 from layerwatch.probes import ProbeResult
 from layerwatch.progress import LOSS_LAYER, LossProgress
 from layerwatch.vocabulary import GRAD_NORM_LEAD_UP, LOSS
 
 MOST_UNVOTED = 1024  # losses kept for the ranks' vote: a run whose vote stalls does not keep them all
-if TYPE_CHECKING:  # the output's module imports the options', which import this one
-    from layerwatch.output import Output
 
 FLAT = 1e-10  # a window whose deviation is below this (relative to its mean) is flat: no z-score (OLMo-core's floor)
 SIGNALS = {"loss": ("loss", LOSS), "grad_norm": ("gradient norm", GRAD_NORM_LEAD_UP)}  # what is judged: its words, its lead-up's tag
-
-
-@dataclass(frozen=True)
-class SpikeRule:
-    """When a value is a spike: more than ``z`` standard deviations above the mean of the
-    ``window`` values before it, once ``warmup`` values were seen; ``capture``: the steps after
-    a spike that are sampled in full."""
-
-    z: float = 6.0
-    window: int = 128
-    warmup: int = 32
-    capture: int = 3
-
-    def __post_init__(self) -> None:
-        if isinstance(self.z, bool) or not isinstance(self.z, (int, float)) or not (math.isfinite(self.z) and self.z > 0):
-            raise ValueError(f"SpikeRule.z must be a finite number > 0, got {self.z!r}")
-        for name, least in (("window", 2), ("warmup", 2), ("capture", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"SpikeRule.{name} must be an int >= {least}, got {value!r}")
-        if self.warmup > self.window:
-            raise ValueError(f"SpikeRule.warmup must be at most the window ({self.window}), got {self.warmup!r}")
 
 
 @dataclass(frozen=True)
@@ -442,7 +421,7 @@ class Spikes:
                                                  if steps else ""))
         return now
 
-    def explain(self, step: int, rows: R.HostRows, probes: Optional[ProbeResult] = None, replayed: bool = False) -> R.Findings:
+    def explain(self, step: int, rows: S.HostRows, probes: Optional[ProbeResult] = None, replayed: bool = False) -> Findings:
         """At a sample written (rank 0): the spikes found since the last one, as findings: their
         ``spike`` alerts and events, each with the layers ranked by growth since they were last
         sampled (:class:`~layerwatch.growth.LayerGrowth`: ``origin``, the modules whose output grew most beyond
@@ -482,7 +461,7 @@ class Spikes:
             same_step.setdefault(spike.step, []).append(spike)
         alerts = risen + [Alert("spike", layer or found[0].what, at, message("; ".join(s.describe() for s in found), at))
                           for at, found in same_step.items()]
-        return R.Findings(alerts=alerts, spikes=events, history=lead_ups)
+        return Findings(alerts=alerts, spikes=events, history=lead_ups)
 
 
 def _z(z: float) -> str:

@@ -31,14 +31,13 @@ import pickle
 import sys
 from dataclasses import dataclass, field
 from types import CodeType
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from layerwatch.distributed import RankSync, is_writer_rank, world_size
 
-if TYPE_CHECKING:  # not imported at run time: the runtime probe imports this module
-    from layerwatch.failures import FailurePolicy
-    from layerwatch.probes.runtime import Offender, ProbeResult
-    from layerwatch.record import HostRows
+from layerwatch.failures import FailurePolicy
+from layerwatch.probes.result import Offender, ProbeResult
+from layerwatch.stats.rows import HostRows
 
 EXCHANGE_TIMEOUT_S = 300.0  # how long a rank waits for the others at the start, or at a sampled step's exchange
 PIPELINING = "torch.distributed.pipelining"

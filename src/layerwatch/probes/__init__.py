@@ -29,7 +29,8 @@ device), :mod:`~layerwatch.probes.saved` (the bytes saved for backward),
 :mod:`~layerwatch.probes.step` (the hooks of one sampled step, armed and taken).
 """
 
-from layerwatch.probes.runtime import ModuleTrace, Offender, ProbeResult, RuntimeProbe
+from layerwatch.probes.result import ModuleTrace, Offender, ProbeResult
+from layerwatch.probes.runtime import RuntimeProbe
 from layerwatch.probes.selection import ModuleFilter, check_module_filter, probe_name, select_modules
 from layerwatch.probes.step import StepProbes
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass, field
 from time import perf_counter_ns
 from typing import Any, Callable, Collection, Optional, Sequence
 
@@ -16,6 +15,7 @@ from torch import nn
 from layerwatch import stats as S
 from layerwatch.distributed import is_dtensor, local_tensors, spread, walk
 from layerwatch.hooks import ForwardHooks, detached, entered_by_its_own_hook, inlined_only, is_compiling, tensors_in
+from layerwatch.probes.result import ModuleTrace, Offender, ProbeResult
 from layerwatch.probes.clocks import CudaClock, HostClock
 from layerwatch.probes.evidence import Evidence
 from layerwatch.probes.outputs import floats
@@ -25,54 +25,6 @@ from layerwatch.probes.selection import probe_names
 from layerwatch.probes.weights import NonfiniteWeights, WeightCheck
 from layerwatch.zero import is_zero3_param
 from layerwatch.stages import in_shape_inference
-
-
-@dataclass
-class ModuleTrace:
-    """One module's measurements on a sampled step (host values)."""
-
-    name: str
-    calls: int = 0
-    # None where the family is off (or, for bwd_ms, where no backward was seen).
-    fwd_ms: Optional[float] = None
-    bwd_ms: Optional[float] = None
-    activation_bytes: Optional[int] = None
-    saved_bytes: Optional[int] = None
-    cuda_alloc_bytes: Optional[int] = None
-    nonfinite: Optional[bool] = None
-    activation_row: Optional[np.ndarray] = None  # stats row of its first call's outputs
-
-
-@dataclass
-class Offender:
-    """The first module whose inputs were finite and whose outputs were not."""
-
-    name: str
-    phase: str  # "forward" or "backward"
-    replayed_from: Optional[int] = None  # found by running this step's batch again (see replay.py)
-    replayed_what: str = ""  # which part of it, when not all: "micro-batch 2 of 4", "rank 1's batch"
-
-    def describe(self, step: int) -> str:
-        what = "output" if self.phase == "forward" else "gradient with respect to its inputs (or parameters)"
-        given = "inputs" if self.phase == "forward" else "gradient with respect to its outputs"
-        text = f"step {step}, {self.phase}: {self.name} turned finite {given} into a non-finite {what}"
-        if self.replayed_from is not None:
-            text += f" (replayed from step {self.replayed_from}{', ' + self.replayed_what if self.replayed_what else ''})"
-        return text
-
-
-@dataclass
-class ProbeResult:
-    modules: list[ModuleTrace]  # the modules called during the step, in model order
-    offender: Optional[Offender]
-    # The first module that made a non-finite value from finite inputs with a weight that was
-    # non-finite already (it used the fault, it did not make it), and those weights' names.
-    weight_user: Optional[Offender] = None
-    nonfinite_weights: list[str] = field(default_factory=list)
-    attention: dict = field(default_factory=dict)  # module -> [heads, 2]: largest logit, entropy (probes/attention.py)
-    logits: Optional[tuple] = None  # (the output head, [mean, max] of log Z) (probes/logits.py)
-    kurtosis: dict = field(default_factory=dict)  # module -> its output's per-channel kurtosis (probes/kurtosis.py)
-    rerun: bool = False  # measured on a compiled model's eager, forward-only re-run (rerun.py)
 
 
 class RuntimeProbe:

@@ -12,7 +12,7 @@ Everything is read as ``layerwatch.stats.<name>``.
 """
 
 from layerwatch.stats.batched import Workspace, as_real_values, chunk_values, grid, prime_stride, reduce
-from layerwatch.stats.rows import (ANCHOR, CENTERED_SUMSQ, COUNT, FINGERPRINT_WIDTH, HIST, HISTOGRAM_VALUES, MAX, MAX_BINS,
+from layerwatch.stats.rows import (ANCHOR, CENTERED_SUMSQ, COUNT, FINGERPRINT_WIDTH, HIST, HISTOGRAM_VALUES, HostRows, MAX, MAX_BINS,
                                    MIN, NONFINITE, SCALE, SUM, SUMSQ, ZERO_POINT, ZEROS, Histogram, Rows, exact_row,
                                    histogram, histograms, host_reads_free, row_width, scalar_stats, to_host)
 from layerwatch.stats.sharded import combine_shards, reduce_sharded, shard_statistics
@@ -20,7 +20,7 @@ from layerwatch.vocabulary import STATS
 
 __all__ = [
     "ANCHOR", "CENTERED_SUMSQ", "COUNT", "FINGERPRINT_WIDTH", "HIST", "HISTOGRAM_VALUES", "MAX", "MAX_BINS", "MIN",
-    "NONFINITE", "SCALE", "STATS", "SUM", "SUMSQ", "ZERO_POINT", "ZEROS", "Histogram", "Rows", "Workspace",
+    "NONFINITE", "SCALE", "STATS", "SUM", "SUMSQ", "ZERO_POINT", "ZEROS", "Histogram", "HostRows", "Rows", "Workspace",
     "as_real_values", "chunk_values", "combine_shards", "exact_row", "grid", "histogram", "histograms", "host_reads_free",
     "prime_stride", "reduce", "reduce_sharded", "row_width", "scalar_stats", "shard_statistics", "to_host",
 ]

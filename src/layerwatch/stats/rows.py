@@ -17,6 +17,8 @@ import numpy as np
 import torch
 
 # Columns of a packed row.
+HostRows = dict[str, list[tuple[list[str], np.ndarray]]]  # family -> its pieces' names and rows, on the host
+
 COUNT = 0  # finite values
 NONFINITE = 1  # NaN or Inf values
 MIN = 2
