@@ -17,7 +17,7 @@ import time
 import torch
 import transformers
 
-from layerwatch.engine import Engine
+from layerwatch.engine.engine import Engine
 from layerwatch.huggingface import _InputsKept
 from layerwatch.options import validate_options
 

@@ -37,7 +37,7 @@ def write_run(log_dir: Path, layers: int, samples: int) -> None:
     import torch
     from torch.utils.tensorboard import SummaryWriter
 
-    from layerwatch import record as R
+    from layerwatch.sinks import record as R
     from layerwatch import stats as S
     from layerwatch.options import validate_options
     from layerwatch.sinks.tensorboard import TensorBoardSink
@@ -84,7 +84,7 @@ def measure_histograms(log_dir: str, samples: int, case: str) -> dict[str, float
     from tensorboard.compat.proto import event_pb2  # noqa: F401
 
     import layerwatch
-    import layerwatch.notebook  # noqa: F401
+    import layerwatch.reading.notebook  # noqa: F401
 
     before = peak_rss_mib()
     started = time.perf_counter()

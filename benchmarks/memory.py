@@ -21,7 +21,7 @@ the baseline, and over two sampled steps the peak, each above what was alive as 
 CPU from the profiler's record of torch's allocator, Inductor's kernels included; on a GPU from
 the allocator's counters): the compile's own memory, which is not the step's, left out. "held
 after" is then what the sampled steps left allocated (workspaces kept for the next sample). A
-compiled model's sampled step adds its eager, forward-only re-run (``layerwatch/rerun.py``).
+compiled model's sampled step adds its eager, forward-only re-run (``layerwatch/engine/rerun.py``).
 - params: the parameters' bytes, the scale of a snapshot (100% of them).
 """
 
@@ -147,13 +147,13 @@ def measure_compiled(workload: str, case: str, device: str, backend: str) -> dic
     base_peak, _, _ = _live_peak(steps, dev)
     options: dict[str, Any] = {} if case == "defaults" else {"families": (case,), "sentinel": False}
     try:
-        from layerwatch import rerun
+        from layerwatch.engine import rerun
     except ImportError:  # a layerwatch from before the re-run (1c2410a: hooks compiled into the graph)
         rerun = None
     run_forward_again = None if rerun is None else rerun.run_forward_again
 
     def marked(*args: Any, **kwargs: Any) -> None:  # the re-run's span, for its own peak
-        with torch.profiler.record_function("layerwatch.rerun"):
+        with torch.profiler.record_function("layerwatch.engine.rerun"):
             run_forward_again(*args, **kwargs)
 
     if rerun is not None:
@@ -162,7 +162,7 @@ def measure_compiled(workload: str, case: str, device: str, backend: str) -> dic
         with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with Inspector(model, log_dir=tmp, optimizer=opt, every_n_steps=1, **options) as inspector:
-                peak, held_after, rerun_peak = _live_peak(lambda: steps(inspector), dev, window="layerwatch.rerun")
+                peak, held_after, rerun_peak = _live_peak(lambda: steps(inspector), dev, window="layerwatch.engine.rerun")
     finally:
         if rerun is not None:
             rerun.run_forward_again = run_forward_again

@@ -8,7 +8,7 @@
 With ``--compile`` each workload's model is compiled in place (``model.compile()``, Inductor
 unless a backend is named) before its warm-up steps, so every ratio is to the compiled uninstrumented step; the per-module
 families are then measured on an eager, forward-only re-run of each sampled step's batch
-(``layerwatch/rerun.py``), which compiles nothing: "first sampled" holds no compile.
+(``layerwatch/engine/rerun.py``), which compiles nothing: "first sampled" holds no compile.
 
 With ``--device cuda`` the workloads train on the GPU and every time is taken with CUDA
 events, with a synchronize only before and after each timed block (``timing.Clock``): inside

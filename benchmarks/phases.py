@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import median_ms  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
-from layerwatch import record as R  # noqa: E402
+from layerwatch.sinks import record as R  # noqa: E402
 from layerwatch import stats as S  # noqa: E402
-from layerwatch.failures import FailurePolicy  # noqa: E402
+from layerwatch.guards.failures import FailurePolicy  # noqa: E402
 from layerwatch.options import validate_options  # noqa: E402
-from layerwatch.params import ParameterFamilies, parameters  # noqa: E402
+from layerwatch.measure.params import ParameterFamilies, parameters  # noqa: E402
 from layerwatch.sinks.tensorboard import TensorBoardSink  # noqa: E402
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from layerwatch import Inspector
-from layerwatch.report import build_report, find_runs
+from layerwatch.reading.report import build_report, find_runs
 
 
 def write_log(log_dir: Path, samples: int) -> None:

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 def write_run(logdir: Path, layers: int, samples: int) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
-    from layerwatch.record import StepRecord
+    from layerwatch.sinks.record import StepRecord
     from layerwatch.sinks import events
     from layerwatch.sinks.plugin_data import PluginData
 

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from layerwatch import stats as S
-from layerwatch.failures import FailurePolicy
+from layerwatch.guards.failures import FailurePolicy
 from layerwatch.options import validate_options
-from layerwatch.params import ParameterFamilies, parameters
+from layerwatch.measure.params import ParameterFamilies, parameters
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import counted_calls, median_ms  # noqa: E402

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning.pytorch as L
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from layerwatch.budget import Pacer
+from layerwatch.engine.budget import Pacer
 from models import MLP, NaNOnRankOne, Recurrent, StructuredOutputs, dataset, scripted_ideal
 
 class LitMLP(L.LightningModule):

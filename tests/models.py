@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.optim import optimizer as optimizer_module
 from torch.utils.data import TensorDataset
 
-from layerwatch.budget import Pacer
+from layerwatch.engine.budget import Pacer
 
 
 MEASURED_IDEAL = Pacer.ideal

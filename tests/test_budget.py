@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from layerwatch import Inspector
-from layerwatch.budget import CHECKS_FLOOR_S, MAX_INTERVAL, MAX_SPREAD, Pacer, grid_index, grid_value
+from layerwatch.engine.budget import CHECKS_FLOOR_S, MAX_INTERVAL, MAX_SPREAD, Pacer, grid_index, grid_value
 from layerwatch.options import validate_options
-from layerwatch import params
+from layerwatch.measure import params
 from models import MLP, scripted_ideal, train
 
 INTERVAL_TAG = "layerwatch/sample_interval"
@@ -50,7 +50,7 @@ def test_the_interval_is_the_smallest_grid_value_within_the_budget():
 
 
 def test_samples_the_pacer_did_not_schedule_are_paid_out_of_the_budget_then_forgotten():
-    from layerwatch.budget import EXTRA_SPAN
+    from layerwatch.engine.budget import EXTRA_SPAN
 
     pacer = Pacer(0.01)
     measured(pacer, base_ms=10, own_ms=0, cost_ms=16)  # 0.08 ms a step to spend: every 200 steps
@@ -238,7 +238,7 @@ def test_a_sentinel_over_its_share_of_the_budget_is_spread_said_once_and_still_f
         tmp_path, monkeypatch, capfd, recwarn):
     """A sentinel allowed nothing (no share, no floor): spread as far as it goes, one tensor a
     share, said once; a NaN that reaches the weights is still found."""
-    import layerwatch.budget as budget
+    import layerwatch.engine.budget as budget
 
     monkeypatch.setattr(budget, "PER_STEP_SHARE", 1e-9)
     monkeypatch.setattr(budget, "CHECKS_FLOOR_S", 0.0)
@@ -339,7 +339,7 @@ def test_update_ratios_are_exact_again_when_memory_allows_and_it_is_said(tmp_pat
 
 
 def test_an_incident_holds_the_interval_and_its_captures_never_more_than_double_it():
-    from layerwatch.budget import HOLD_STEPS
+    from layerwatch.engine.budget import HOLD_STEPS
 
     pacer = Pacer(0.01)
     measured(pacer, base_ms=10, own_ms=0, cost_ms=16)
@@ -358,7 +358,7 @@ def test_an_incident_holds_the_interval_and_its_captures_never_more_than_double_
 
 
 def test_within_the_hold_the_interval_may_shrink_and_after_it_the_runs_own_cost_still_grows_it():
-    from layerwatch.budget import HOLD_STEPS
+    from layerwatch.engine.budget import HOLD_STEPS
 
     pacer = Pacer(0.01)
     measured(pacer, base_ms=10, own_ms=0, cost_ms=16)

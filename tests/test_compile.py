@@ -535,7 +535,7 @@ def test_a_layer_has_one_name_compiled_or_not(tmp_path, events, compiled):
 def test_overhead_ms_counts_the_re_run(tmp_path, monkeypatch, events):
     """The re-run runs before the step's forward, outside every hook's clock: its time counts in the
     sampled step's ``overhead_ms`` (and so in the overhead budget's measure)."""
-    from layerwatch import rerun
+    from layerwatch.engine import rerun
 
     delay, original = 0.05, rerun.run_forward_again
 

@@ -7,7 +7,7 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as tensorboard_crc
 from torch.utils.tensorboard import SummaryWriter
 
-from layerwatch.record import StepRecord
+from layerwatch.sinks.record import StepRecord
 from layerwatch.sinks import events
 from layerwatch.sinks.tensorboard import TensorBoardSink
 

@@ -11,14 +11,15 @@ import pytest
 import torch
 from torch import nn
 
-from layerwatch.distributed import Decision, Layout
-from layerwatch.failures import FailurePolicy
-from layerwatch.faults import Faults
-from layerwatch.hooks import Attachments
+from layerwatch.distributed.agreement import Decision
+from layerwatch.distributed.sharding import Layout
+from layerwatch.guards.failures import FailurePolicy
+from layerwatch.faults.faults import Faults
+from layerwatch.guards.hooks import Attachments
 from layerwatch.options import validate_options
-from layerwatch.output import Output
+from layerwatch.engine.output import Output
 from layerwatch.probes import Offender, ProbeResult, StepProbes
-from layerwatch.sentinel import NonfiniteSentinel, StepCounter
+from layerwatch.faults.sentinel import NonfiniteSentinel, StepCounter
 from layerwatch.vocabulary import FIRST_NONFINITE_STEP
 
 REPLAY_HINT = "to find it, let layerwatch replay the bad step: Inspector.replay_with(closure) before each step's forward"
@@ -437,7 +438,7 @@ def test_a_check_that_lands_later_is_not_waited_for_once_the_budget_spread_it(mo
     it before the optimizer step: a device sync a step. It is waited for only once the budget
     measured the checks within their share: not before it measured them, nor once it spread the
     check (the CPU's check costs no wait: it stays)."""
-    from layerwatch.faults import spread_message
+    from layerwatch.faults.faults import spread_message
 
     watch, poll, polled = NonfiniteSentinel.watch, NonfiniteSentinel.poll, []
 
@@ -478,7 +479,7 @@ def test_the_first_check_is_not_waited_for_before_the_budget_measured_it(monkeyp
 def test_the_sentinels_shares_are_made_again_only_for_other_tensors_or_a_new_spread(monkeypatch):
     """A sample walks the parameters again (FSDP may have swapped them): the same tensors keep
     their shares, whose making is work per tensor."""
-    from layerwatch.sentinel import NonfiniteSentinel
+    from layerwatch.faults.sentinel import NonfiniteSentinel
 
     watch, watched = NonfiniteSentinel.watch, []
     monkeypatch.setattr(NonfiniteSentinel, "watch", lambda self, params, *a: watched.append(len(params)) or watch(self, params, *a))
@@ -498,8 +499,8 @@ def test_the_sentinels_shares_are_made_again_only_for_other_tensors_or_a_new_spr
 
 
 def test_the_warning_says_which_gradients_the_flag_did_not_name():
-    from layerwatch.faults import _where
-    from layerwatch.sentinel import Finding
+    from layerwatch.faults.faults import _where
+    from layerwatch.faults.sentinel import Finding
 
     assert _where(Finding(3, ["a"], True, True)) == " in a"
     assert _where(Finding(3, [], True, True, unnamed=True)) == " in this step's share of the gradients (its one flag names none)"

@@ -132,7 +132,7 @@ def test_a_re_run_whose_flex_attention_would_not_fit_runs_the_first_rows_or_is_s
     here: 3,872 bytes). Above the bound the re-run runs the micro-batch's first rows that fit
     (said once, measured on those), or where not one fits, is said once and not measured. The run
     is as without it either way."""
-    from layerwatch import rerun
+    from layerwatch.engine import rerun
 
     monkeypatch.setattr(rerun, "DENSE_LIMIT", limit)
     plain, _, _, _ = train(None, "aot_eager")

@@ -295,7 +295,7 @@ def test_a_model_compiled_with_inductor_on_cuda_is_measured_on_its_re_run_and_ne
 def test_a_snapshot_that_does_not_fit_in_the_gpus_free_memory_is_estimated_then_exact_again(tmp_path, events):
     """The GPU nearly full (a filler tensor leaves less than the weights' bytes beyond the 5%
     margin): update ratios are estimates, under their own tag; freed, exact again."""
-    from layerwatch.params import CUDA_MARGIN
+    from layerwatch.measure.params import CUDA_MARGIN
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 8)).cuda()  # 64 MiB

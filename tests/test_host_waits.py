@@ -104,7 +104,7 @@ def test_an_unsampled_step_makes_the_host_wait_nowhere_on_every_front_door(tmp_p
     the sentinel's check is waited for before the optimizer step (for a replay: a device sync)
     only once the budget has measured the checks within their share, never before."""
     from layerwatch import stats
-    from layerwatch.sentinel import NonfiniteSentinel
+    from layerwatch.faults.sentinel import NonfiniteSentinel
 
     for home in (stats, stats.batched):
         monkeypatch.setattr(home, "host_reads_free", lambda device: False)

@@ -178,7 +178,6 @@ def test_no_function_over_60_lines():
     assert not long
 
 
-@pytest.mark.xfail(strict=True, reason="until the move commit")
 def test_the_folders_are_the_architecture():
     top = {path.stem for path in (SRC / PACKAGE).glob("*.py")}
     folders = {path.name for path in (SRC / PACKAGE).iterdir() if (path / "__init__.py").exists()}

@@ -84,7 +84,7 @@ def test_same_losses_and_weights_one_run_and_no_hook_left(kind, tmp_path, events
 
 
 def test_the_default_overhead_budget_samples_hfs_first_two_steps_then_multiples(tmp_path, events, monkeypatch):
-    from layerwatch.budget import Pacer
+    from layerwatch.engine.budget import Pacer
 
     monkeypatch.setattr(Pacer, "ideal", scripted_ideal(lambda: 3.0))  # every 5 steps
     train(tiny("gpt2"), tmp_path, [InspectTrainerCallback()], max_steps=11)

@@ -322,7 +322,7 @@ def test_custom_scalars_charts_compare_layers_in_one_unit(tmp_path, events):
 
 
 def test_a_large_block_is_split_into_charts_that_do_not_overlap():
-    from layerwatch.record import CHART_SERIES, custom_scalars_layout
+    from layerwatch.sinks.record import CHART_SERIES, custom_scalars_layout
 
     params = [f"layers.{i}.linear{j}.{p}" for i in range(12) for j in (1, 2) for p in ("weight", "bias")]
     modules = ["(root)", "layers"] + [f"layers.{i}" for i in range(12)] + [f"layers.{i}.linear{j}" for i in range(12) for j in (1, 2)]

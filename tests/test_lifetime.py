@@ -121,7 +121,7 @@ def test_stacked_forward_guards_come_off_in_either_order_and_both_see_a_failure(
     """A run-long guard (the Hugging Face door's input hook) under a sampled step's guard: each
     runs its ``on_failure`` when the forward raises, and removing them in any order leaves the
     model's ``forward`` as it was."""
-    from layerwatch.hooks import FailedForwardGuard
+    from layerwatch.guards.hooks import FailedForwardGuard
 
     model = nn.Linear(2, 2)
     failed: list[str] = []

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from layerwatch import InspectCallback
-from layerwatch.budget import Pacer
+from layerwatch.engine.budget import Pacer
 from models import LitMLP, TwoOptimizers, dataset, make_trainer, scripted_ideal
 
 

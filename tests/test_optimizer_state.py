@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from layerwatch import AlertRules, Inspector
-from layerwatch.distributed import this_ranks_groups
-from layerwatch.optimizer_state import AdamState, adam_optimizer, spike_fractions, update_stats
+from layerwatch.distributed.sharding import this_ranks_groups
+from layerwatch.measure.optimizer_state import AdamState, adam_optimizer, spike_fractions, update_stats
 from models import MLP, tab_values, train
 
 IMPLEMENTATIONS = [dict(), dict(foreach=True), dict(foreach=False), dict(fused=True), dict(amsgrad=True)]

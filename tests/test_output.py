@@ -1,4 +1,4 @@
-"""Where the records go (:class:`layerwatch.output.Output`), tested on its own: the TensorBoard
+"""Where the records go (:class:`layerwatch.engine.output.Output`), tested on its own: the TensorBoard
 sink it opens or wraps, the sinks added, and the alerts it says."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import pytest
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
-from layerwatch import record as R
-from layerwatch.alerts import Alert
-from layerwatch.distributed import Layout
-from layerwatch.failures import FailurePolicy
-from layerwatch.hooks import Attachments
+from layerwatch.sinks import record as R
+from layerwatch.health.alerts import Alert
+from layerwatch.distributed.sharding import Layout
+from layerwatch.guards.failures import FailurePolicy
+from layerwatch.guards.hooks import Attachments
 from layerwatch.options import validate_options
-from layerwatch.output import Output
-from layerwatch.placement import Placement
+from layerwatch.engine.output import Output
+from layerwatch.engine.placement import Placement
 from layerwatch.vocabulary import OVERHEAD_MS, SAMPLE_INTERVAL
 
 LAYOUT_TAG = "custom_scalars__config__"  # where TensorBoard keeps the Custom Scalars layout

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from tensorboard.plugins.custom_scalar import layout_pb2
 
 from layerwatch import Inspector
-from layerwatch.record import custom_scalars_layout
+from layerwatch.sinks.record import custom_scalars_layout
 from layerwatch.vocabulary import FAMILIES
 from models import Stageable, hook_count, layerwatch_messages, stage_of, tab_values
 from ranks import run_ranks
@@ -64,7 +64,7 @@ def pipeline_worker(rank: int, world: int, out: str, schedule_name: str, options
     ``"traced"`` (pipelining's own ``pipeline()``, split before ``layers.2``)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
 
-    from layerwatch.sample import SampleReads
+    from layerwatch.measure.reads import SampleReads
 
     if fail_step is not None and rank == 1:
         host_rows = SampleReads.host_rows
@@ -250,7 +250,7 @@ def test_stages_that_do_not_keep_the_whole_models_names_are_said_and_rank_0s_lay
 ])
 def test_the_pipelines_first_offender(stages, expected):
     from layerwatch.probes import Offender, ProbeResult
-    from layerwatch.stages import first_offender
+    from layerwatch.distributed.stages import first_offender
 
     results = [None if found == "missing" else ProbeResult([], None if found is None else Offender(found[1], found[0]))
                for found in stages]

@@ -1,14 +1,14 @@
-"""Where the parameters live (layerwatch.placement): found once at the start of a run; whether
+"""Where the parameters live (layerwatch.engine.placement): found once at the start of a run; whether
 the ranks sample together follows from it. The distributed cases run in test_sharded.py,
 test_pipeline.py and test_deepspeed.py, on real process groups."""
 
 import torch
 from torch import nn
 
-from layerwatch.distributed import Layout, named_parameters, walk
-from layerwatch.failures import FailurePolicy
+from layerwatch.distributed.sharding import Layout, named_parameters, walk
+from layerwatch.guards.failures import FailurePolicy
 from layerwatch.options import validate_options
-from layerwatch.placement import Placement, find_placement
+from layerwatch.engine.placement import Placement, find_placement
 from layerwatch.probes import StepProbes
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from layerwatch import Inspector
-from layerwatch.alerts import HealthMonitor
+from layerwatch.health.alerts import HealthMonitor
 from layerwatch.options import AlertRules
 from layerwatch.probes import ProbeResult
-from layerwatch.progress import LossProgress
+from layerwatch.health.progress import LossProgress
 
 
 def losses_of(progress: LossProgress, values, start: int = 0) -> list[tuple[int, str]]:

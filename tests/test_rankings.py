@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 
-from layerwatch.rankings import Table, growth, norms, top_by_median
+from layerwatch.reading.rankings import Table, growth, norms, top_by_median
 
 
 def table(points):

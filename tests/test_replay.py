@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from layerwatch import Inspector
-from layerwatch.replay import SavedState
+from layerwatch.faults.replay import SavedState
 from layerwatch.schedule import at_steps
 from models import FAULT_STEP, BackwardFaultAt, FaultAt, compile_as, make_model, same_tensors, train_steps
 

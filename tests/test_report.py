@@ -9,7 +9,7 @@ import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 from layerwatch.cli import main
-from layerwatch.report import NAME_WIDTH, _bytes, _factor, _fit
+from layerwatch.reading.report import NAME_WIDTH, _bytes, _factor, _fit
 
 LONG = "model.decoder.layers.11.self_attention.rotary_embedding.inner_projection_with_a_long_name.weight"
 
@@ -131,7 +131,7 @@ def test_a_lightning_run_without_the_callback_fails_the_gate(tmp_path):
 
 @pytest.mark.parametrize("value, text", [(11.6912, "11.69"), (1.9e5, "1.9e5"), (3.2e-6, "3.2e-6"), (0.08772, "0.08772")])
 def test_norms_keep_four_digits_and_short_exponents(value, text):
-    from layerwatch.report import _number
+    from layerwatch.reading.report import _number
 
     assert _number(value) == text
 

@@ -1,4 +1,4 @@
-"""The sampled step's reads (layerwatch.sample): each parameter read once, at the first point
+"""The sampled step's reads (layerwatch.measure.reads): each parameter read once, at the first point
 of the step where it is final, and its rows on the host in one transfer."""
 
 import numpy as np
@@ -7,11 +7,11 @@ import torch
 from torch import nn
 
 from layerwatch import stats as S
-from layerwatch.distributed import FAILED_NORM
-from layerwatch.failures import FailurePolicy
+from layerwatch.distributed.sharding import FAILED_NORM
+from layerwatch.guards.failures import FailurePolicy
 from layerwatch.options import validate_options
-from layerwatch.params import ParameterFamilies, parameters
-from layerwatch.sample import Sample, SampleReads
+from layerwatch.measure.params import ParameterFamilies, parameters
+from layerwatch.measure.reads import Sample, SampleReads
 
 
 def two_optimizers():

@@ -1,4 +1,4 @@
-"""Which steps are sampled (:class:`layerwatch.sampling.Sampling`), tested on its own: the
+"""Which steps are sampled (:class:`layerwatch.engine.sampling.Sampling`), tested on its own: the
 schedule's answers, a fault's request, the ranks' groups in a single process, and the overhead
 budget's cost, interval and state."""
 
@@ -10,11 +10,11 @@ import warnings
 
 import pytest
 
-from layerwatch import sampling as sampling_module
-from layerwatch.failures import FailurePolicy
-from layerwatch.hooks import Attachments
+from layerwatch.engine import sampling as sampling_module
+from layerwatch.guards.failures import FailurePolicy
+from layerwatch.guards.hooks import Attachments
 from layerwatch.options import validate_options
-from layerwatch.sampling import EXCESS_LIMIT, Sampling
+from layerwatch.engine.sampling import EXCESS_LIMIT, Sampling
 from layerwatch.schedule import at_steps
 
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from layerwatch import Inspector, at_steps
-from layerwatch import sentinel as sentinel_module
-from layerwatch.sentinel import NonfiniteSentinel
+from layerwatch.faults import sentinel as sentinel_module
+from layerwatch.faults.sentinel import NonfiniteSentinel
 
 
 def params(sizes):
@@ -109,7 +109,7 @@ def test_a_check_made_before_an_optimizer_step_that_is_then_skipped_is_no_fault(
     stepped: an Inf it then skipped is a GradScaler's overflow, not a fault."""
     import warnings
 
-    from layerwatch.engine import Engine
+    from layerwatch.engine.engine import Engine
     from layerwatch.options import validate_options
 
     torch.manual_seed(0)

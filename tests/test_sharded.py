@@ -458,7 +458,7 @@ def fsdp1_outside_worker(rank: int, world: int, out: str) -> None:
     wraps the LightningModule; the engine watches the module inside, told of the wrapper."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from layerwatch.engine import Engine
+    from layerwatch.engine.engine import Engine
     from layerwatch.options import validate_options
 
     torch.manual_seed(0)
@@ -558,7 +558,7 @@ def ranks_apart_worker(rank: int, world: int, out: str, case: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    import layerwatch.params as params
+    import layerwatch.measure.params as params
     import layerwatch.probes.evidence as evidence
     import layerwatch.probes.outputs as outputs
     import layerwatch.stats as stats
@@ -799,7 +799,7 @@ def budget_worker(rank: int, world: int, out: str) -> None:
     alone is short of memory for the update ratios' snapshot: every rank estimates them."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from layerwatch.budget import Pacer
+    from layerwatch.engine.budget import Pacer
 
     Pacer.ideal = scripted_ideal(lambda: 3.0 if rank == 0 else 1.0)
     mesh = init_device_mesh("cpu", (world,))

@@ -14,7 +14,7 @@ from test_browser_heads import HEADS, train
 from torch.utils.tensorboard import SummaryWriter
 
 from layerwatch.cli import main
-from layerwatch.packing import unpack
+from layerwatch.tensorboard_plugin.packing import unpack
 
 ATTENTION_RUN = "sdpa"
 DEMO_RUN = "demo/version_0"
@@ -66,7 +66,7 @@ def open_offline(browser, path: Path):
 def open_over_routes(browser, logdir: Path):
     """index.js as TensorBoard loads it (an ES module whose render() is called), its requests
     answered by the tab's routes: the tab, without TensorBoard's page around it."""
-    from layerwatch.share import _ask, _plugin, _provider
+    from layerwatch.tensorboard_plugin.share import _ask, _plugin, _provider
     from layerwatch.tensorboard_plugin.plugin import STATIC
 
     plugin = _plugin(_provider(logdir, [DEMO_RUN, ATTENTION_RUN]))
@@ -180,7 +180,7 @@ def test_the_file_shows_what_the_routes_show(browser, shared, logdir):
 
 
 def test_the_file_holds_every_answer_exactly_as_the_routes_give_it(shared, logdir):
-    from layerwatch.share import _ask, _plugin, _provider
+    from layerwatch.tensorboard_plugin.share import _ask, _plugin, _provider
 
     plugin = _plugin(_provider(logdir, [DEMO_RUN, ATTENTION_RUN]))
     held = answers_in(shared)

@@ -1,4 +1,4 @@
-"""Loss spikes (layerwatch.spikes): the rule, the loss tap, what a spike says and captures, on every front door."""
+"""Loss spikes (layerwatch.health.spikes): the rule, the loss tap, what a spike says and captures, on every front door."""
 
 import math
 import random
@@ -7,9 +7,9 @@ import re
 import pytest
 import torch
 
-from layerwatch.alerts import Alert
+from layerwatch.health.alerts import Alert
 from layerwatch.options import SpikeRule
-from layerwatch.spikes import ValueTap, SpikeDetector
+from layerwatch.health.spikes import ValueTap, SpikeDetector
 
 
 def test_a_jump_past_six_deviations_of_the_trailing_window_is_a_spike_and_noise_is_not():
@@ -111,8 +111,8 @@ def test_the_tap_starts_a_copy_where_reads_are_not_free_and_reads_it_once_landed
 def test_a_spike_is_said_and_asks_for_the_next_steps_and_a_second_one_soon_after_is_said_only():
     import warnings
 
-    from layerwatch.failures import FailurePolicy
-    from layerwatch.spikes import Spikes
+    from layerwatch.guards.failures import FailurePolicy
+    from layerwatch.health.spikes import Spikes
 
     asked, now = [], []
     spikes = Spikes(SpikeRule(warmup=8, window=16, capture=3), FailurePolicy(), lambda: asked.append(step))
@@ -135,8 +135,8 @@ def test_a_spike_is_said_and_asks_for_the_next_steps_and_a_second_one_soon_after
 def test_no_rule_judges_nothing_and_a_bad_loss_is_warned_once_and_skipped():
     import warnings
 
-    from layerwatch.failures import FailurePolicy
-    from layerwatch.spikes import Spikes
+    from layerwatch.guards.failures import FailurePolicy
+    from layerwatch.health.spikes import Spikes
 
     off = Spikes(None, FailurePolicy(), lambda: pytest.fail("asked"))
     off.offer(0, "not a loss")  # not even looked at
@@ -156,8 +156,8 @@ def test_the_gradient_norm_is_judged_apart_from_the_loss_and_each_spike_writes_b
     quantities' steps up to it, each step written once."""
     import warnings
 
-    from layerwatch.failures import FailurePolicy
-    from layerwatch.spikes import Spikes
+    from layerwatch.guards.failures import FailurePolicy
+    from layerwatch.health.spikes import Spikes
 
     asked = []
     spikes = Spikes(SpikeRule(warmup=8, window=16, capture=2), FailurePolicy(), lambda: asked.append(step))
@@ -192,8 +192,8 @@ def test_a_steps_gradient_norms_combine_as_one_norm_and_a_late_explanation_keeps
     """Two optimizers' norms of one step are the norm of both (3 and 4: 5), where a step's
     losses are averaged; a spike explained long after it (a sample far off) still writes the
     other quantity's steps before it, as they were when it was found; a NaN or Inf is in no lead-up."""
-    from layerwatch.failures import FailurePolicy
-    from layerwatch.spikes import Spikes
+    from layerwatch.guards.failures import FailurePolicy
+    from layerwatch.health.spikes import Spikes
 
     norms, losses = ValueTap("gradient norm", norms=True), ValueTap()
     for tap in (norms, losses):
@@ -227,8 +227,8 @@ def test_a_gradient_norm_of_sharded_gradients_is_not_judged_said_once():
 
     from torch.distributed.tensor import DTensor, Partial
 
-    from layerwatch.failures import FailurePolicy
-    from layerwatch.spikes import Spikes
+    from layerwatch.guards.failures import FailurePolicy
+    from layerwatch.health.spikes import Spikes
 
     class Partly(DTensor):  # placements without a mesh: what the tap reads of it
         def __new__(cls):
@@ -469,7 +469,7 @@ def test_a_plain_loop_names_the_layer_whose_gradient_alone_was_scaled_by_the_gra
 def test_under_the_overhead_budget_the_capture_is_taken_and_paid_for(tmp_path, events):
     """At the real defaults (the budget's pacer): the spiking step and the three after it are
     sampled whatever the interval, and their cost is counted against the budget."""
-    from layerwatch.budget import Pacer
+    from layerwatch.engine.budget import Pacer
 
     Pacer_unscheduled, paid = Pacer.unscheduled, []
 
@@ -625,7 +625,7 @@ def test_a_gradient_norm_is_taken_from_its_method_for_the_runs_life_only():
     clip_grad_by_norm, which keeps it: ``compute``) is wrapped while the engine runs and put
     back after: its own method again, or a wrapper that was there before; what it returns is
     what it returned."""
-    from layerwatch.hooks import GradNormTaken
+    from layerwatch.guards.hooks import GradNormTaken
 
     class Accelerator:
         def clip_grad_norm_(self, parameters, max_norm):
@@ -771,8 +771,8 @@ def test_a_loss_offered_after_its_step_was_given_out_is_not_taken():
 def test_a_loss_on_a_device_the_host_cannot_read_freely_turns_the_check_off_said_once():
     import warnings
 
-    from layerwatch.failures import FailurePolicy
-    from layerwatch.spikes import Spikes
+    from layerwatch.guards.failures import FailurePolicy
+    from layerwatch.health.spikes import Spikes
 
     spikes = Spikes(SpikeRule(), FailurePolicy(), lambda: None)
     with warnings.catch_warnings(record=True) as seen:
@@ -787,9 +787,9 @@ def test_a_loss_on_a_device_the_host_cannot_read_freely_turns_the_check_off_said
 def test_spikes_explained_at_one_sample_are_alerts_of_their_own_steps():
     """On a GPU two spikes can land before the next sample: each is an alert at its own step,
     though the ranking (one a sample) names the same layer."""
-    from layerwatch.alerts import HealthCheck
+    from layerwatch.health.alerts import HealthCheck
     from layerwatch.options import AlertRules
-    from layerwatch.failures import FailurePolicy
+    from layerwatch.guards.failures import FailurePolicy
 
     health = HealthCheck(AlertRules(), FailurePolicy())
     found = [Alert("spike", "fc1", 60, "loss spike at step 60"), Alert("spike", "fc1", 62, "loss spike at step 62")]
@@ -800,8 +800,8 @@ def test_spikes_explained_at_one_sample_are_alerts_of_their_own_steps():
 def test_a_spike_found_as_the_run_ends_is_written_then_unranked():
     import warnings
 
-    from layerwatch.failures import FailurePolicy
-    from layerwatch.spikes import Spikes
+    from layerwatch.guards.failures import FailurePolicy
+    from layerwatch.health.spikes import Spikes
 
     class Sink:
         records, announced = [], []
@@ -833,7 +833,7 @@ def vote_worker(rank: int, world: int, out: str) -> None:
     decision says, recorded by rank 0."""
     import json
 
-    from layerwatch.distributed import Ballot, RankSync, StepVote
+    from layerwatch.distributed.agreement import Ballot, RankSync, StepVote
 
     cases = {  # rank 0's loss, rank 1's (None: it has none; "pending": its loss is on its way)
         "both": ((5, 1.0), (5, 3.0)),

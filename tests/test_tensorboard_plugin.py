@@ -138,7 +138,7 @@ def tab_reader(records, wall_times=None):
 
 
 def test_a_layer_that_comes_and_goes_reads_minus_inf_and_writes_the_layout_once_more():
-    from layerwatch.record import StepRecord
+    from layerwatch.sinks.record import StepRecord
 
     steps = [{"fwd_ms/l.0": 1.0, "fwd_ms/m": 2.0}, {"fwd_ms/l.0": 3.0, "fwd_ms/l.1": 5.0, "fwd_ms/m": 6.0},
              {"fwd_ms/l.0": 4.0, "fwd_ms/m": float("nan")}, {"fwd_ms/l.0": 7.0, "fwd_ms/l.1": 8.0, "fwd_ms/m": 9.0}]
@@ -152,7 +152,7 @@ def test_a_layer_that_comes_and_goes_reads_minus_inf_and_writes_the_layout_once_
 
 
 def test_a_run_resumed_into_the_same_directory_reads_each_step_with_its_own_layout():
-    from layerwatch.record import StepRecord
+    from layerwatch.sinks.record import StepRecord
     from layerwatch.sinks.plugin_data import PluginData
     from layerwatch.tensorboard_plugin.metadata import Reader
     from tensorboard.compat.proto.summary_pb2 import Summary
@@ -170,7 +170,7 @@ def test_a_run_resumed_into_the_same_directory_reads_each_step_with_its_own_layo
 
 
 def test_the_run_wide_nonfinite_count_adds_every_piece():
-    from layerwatch.record import build
+    from layerwatch.sinks.record import build
     from layerwatch.vocabulary import nonfinite_total_tag
     from layerwatch import stats as S
 
@@ -184,8 +184,8 @@ def test_the_run_wide_nonfinite_count_adds_every_piece():
 
 
 def test_a_growth_beyond_float32_is_a_finite_factor():
-    from layerwatch.record import StepRecord
-    from layerwatch import rankings
+    from layerwatch.sinks.record import StepRecord
+    from layerwatch.reading import rankings
 
     reader, _ = tab_reader([StepRecord(0, scalars={"grads_norm/a": 1e-20}), StepRecord(1, scalars={"grads_norm/a": 1e20})])
     assert rankings.growth(reader.table("grads_norm"))[0]["factor"] == pytest.approx(1e40, rel=1e-6)

@@ -3,7 +3,7 @@ import math
 import pytest
 from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
 
-from layerwatch.record import StepRecord
+from layerwatch.sinks.record import StepRecord
 from layerwatch.sinks.tensorboard import TensorBoardSink, encode_summary
 from layerwatch.stats import Histogram
 

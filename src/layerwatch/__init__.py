@@ -6,27 +6,27 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from layerwatch.alerts import Alert
+    from layerwatch.health.alerts import Alert
     from layerwatch.inspector import Inspector
     from layerwatch.lightning import InspectCallback
-    from layerwatch.notebook import load, load_alerts, load_histograms
+    from layerwatch.reading.notebook import load, load_alerts, load_histograms
     from layerwatch.schedule import Schedule, at_steps, dense_then_every, every_n_steps, windowed
     from layerwatch.options import AlertRules, SpikeRule
-    from layerwatch.structure import summarize
-    from layerwatch.table import Summary
+    from layerwatch.table.summarize import summarize
+    from layerwatch.table.summary import Summary
 
 # Where each public name lives. They are imported when first asked for: TensorBoard imports
 # this package to load the LAYERWATCH tab and should not pay for torch (or Lightning) then.
 _HOMES = {
     "Inspector": "layerwatch.inspector",
     "InspectCallback": "layerwatch.lightning",
-    "load": "layerwatch.notebook",
-    "load_histograms": "layerwatch.notebook",
-    "load_alerts": "layerwatch.notebook",
-    "summarize": "layerwatch.structure",
-    "Summary": "layerwatch.table",
+    "load": "layerwatch.reading.notebook",
+    "load_histograms": "layerwatch.reading.notebook",
+    "load_alerts": "layerwatch.reading.notebook",
+    "summarize": "layerwatch.table.summarize",
+    "Summary": "layerwatch.table.summary",
     "AlertRules": "layerwatch.options",
-    "Alert": "layerwatch.alerts",
+    "Alert": "layerwatch.health.alerts",
     "SpikeRule": "layerwatch.options",
     "Schedule": "layerwatch.schedule",
     "every_n_steps": "layerwatch.schedule",

@@ -183,8 +183,8 @@ def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                         ("--every-nth", args.every_nth)):
         if value is not None:
             parser.error(f"argument {flag}: only with --html (it narrows the file written)")
-    from layerwatch.alerts import KINDS
-    from layerwatch.report import ReportError, build_report, format_report, has_layerwatch_data
+    from layerwatch.health.alerts import KINDS
+    from layerwatch.reading.report import ReportError, build_report, format_report, has_layerwatch_data
 
     fail_on: set[str] = set()
     if args.fail_on is not None:
@@ -212,8 +212,8 @@ def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def _share(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``report --html``: the runs as one HTML file; exits 2 naming what is wrong, with no file written."""
-    from layerwatch.notebook import _chosen_steps
-    from layerwatch.share import Narrowing, ShareError, write_html
+    from layerwatch.reading.notebook import _chosen_steps
+    from layerwatch.tensorboard_plugin.share import Narrowing, ShareError, write_html
 
     for flag, value in (("--json", args.json), ("--fail-on", args.fail_on)):
         if value:
@@ -251,7 +251,7 @@ def _export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         out = writable_dir(args.out)
     except ValueError:
         parser.error(f"argument --out: cannot create or write to {args.out!r}")
-    from layerwatch.notebook import load, load_alerts, load_histograms
+    from layerwatch.reading.notebook import load, load_alerts, load_histograms
 
     try:
         # First: it checks --tensors and --steps before anything is read.
@@ -278,8 +278,8 @@ def _print(text: str) -> None:
 
 
 def _summary(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from layerwatch.structure import summarize
-    from layerwatch.table import as_dtype
+    from layerwatch.table.summarize import summarize
+    from layerwatch.table.summary import as_dtype
 
     try:
         inputs = [_make_input(spec) for spec in args.input]

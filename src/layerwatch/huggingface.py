@@ -1,7 +1,7 @@
 """``InspectTrainerCallback``: the engine driven by Hugging Face ``Trainer``'s callbacks.
 
 The only module that imports ``transformers``; importing ``layerwatch`` never does. It uses
-nothing of the engine but its public protocol (:mod:`layerwatch.engine`).
+nothing of the engine but its public protocol (:mod:`layerwatch.engine.engine`).
 
 How the Trainer's events map onto the protocol, for optimizer step ``k`` (``state.global_step``
 goes from ``k - 1`` to ``k``):
@@ -45,12 +45,12 @@ from torch import nn
 from typing_extensions import override
 
 from layerwatch import vocabulary as V
-from layerwatch.alerts import Alert
-from layerwatch.engine import Engine
-from layerwatch.hooks import FailedForwardGuard, GradNormTaken, engine_step_hooks, is_compiling
+from layerwatch.health.alerts import Alert
+from layerwatch.engine.engine import Engine
+from layerwatch.guards.hooks import FailedForwardGuard, GradNormTaken, engine_step_hooks, is_compiling
 from layerwatch.options import AlertRules, SpikeRule, DEFAULT_STATS, options_from
 from layerwatch.probes import ModuleFilter
-from layerwatch.rerun import first_rows
+from layerwatch.engine.rerun import first_rows
 from layerwatch.schedule import ScheduleLike
 
 try:

@@ -1,6 +1,6 @@
 """``Inspector``: the front door for a plain PyTorch training loop.
 
-It holds an :class:`~layerwatch.engine.Engine` and drives its public protocol from
+It holds an :class:`~layerwatch.engine.engine.Engine` and drives its public protocol from
 ``step()`` and, when given the optimizer, from that optimizer's step hooks (from ``start()`` to ``finish()``; they do
 nothing on unsampled steps and inside a compiled ``optimizer.step``).
 """
@@ -14,12 +14,12 @@ from typing import Any, Callable, Collection, Optional, Sequence
 import torch
 from torch import nn
 
-from layerwatch import record as R
+from layerwatch.sinks import record as R
 from layerwatch import vocabulary as V
-from layerwatch.alerts import Alert
-from layerwatch.budget import Pacer
-from layerwatch.engine import Engine
-from layerwatch.hooks import engine_step_hooks
+from layerwatch.health.alerts import Alert
+from layerwatch.engine.budget import Pacer
+from layerwatch.engine.engine import Engine
+from layerwatch.guards.hooks import engine_step_hooks
 from layerwatch.options import AlertRules, SpikeRule, DEFAULT_STATS, Options, options_from
 from layerwatch.probes import ModuleFilter
 from layerwatch.schedule import Schedule, ScheduleLike
@@ -195,7 +195,7 @@ class Inspector:
 
     def track_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Count the steps of optimizers besides ``optimizer=`` (see
-        :meth:`~layerwatch.engine.Engine.track_optimizers`)."""
+        :meth:`~layerwatch.engine.engine.Engine.track_optimizers`)."""
         self._engine.track_optimizers(optimizers)
 
     def before_optimizer_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:

@@ -18,14 +18,14 @@ from typing import Any, Callable, Collection, ContextManager, Mapping, Optional,
 import torch
 from typing_extensions import override
 
-from layerwatch import record as R
+from layerwatch.sinks import record as R
 from layerwatch import vocabulary as V
-from layerwatch.alerts import Alert
-from layerwatch.engine import Engine
-from layerwatch.hooks import GradNormTaken
+from layerwatch.health.alerts import Alert
+from layerwatch.engine.engine import Engine
+from layerwatch.guards.hooks import GradNormTaken
 from layerwatch.options import AlertRules, SpikeRule, DEFAULT_STATS, options_from
 from layerwatch.probes import ModuleFilter
-from layerwatch.rerun import first_rows
+from layerwatch.engine.rerun import first_rows
 from layerwatch.schedule import ScheduleLike
 
 _PACKAGES = ("lightning.pytorch", "pytorch_lightning")

@@ -13,7 +13,7 @@ from typing import Any, Collection, Optional, Sequence
 
 from layerwatch import vocabulary as V
 from layerwatch import stats as S
-from layerwatch.budget import check_fraction
+from layerwatch.engine.budget import check_fraction
 from layerwatch.probes.selection import ModuleFilter, check_module_filter
 from layerwatch.schedule import Schedule, ScheduleLike, as_schedule, every_n_steps as every_n
 
@@ -63,7 +63,7 @@ class AlertRules:
         kurtosis_growth: The same for the kurtosis of an output's per-channel RMS: a few channels
             taking over (healthy runs of the zoo: at most 4.2x, GPT-2's output head learning its
             vocabulary's frequencies).
-        loss_window: Steps the loss is averaged over (:class:`~layerwatch.progress.LossProgress`).
+        loss_window: Steps the loss is averaged over (:class:`~layerwatch.health.progress.LossProgress`).
         learned: The share of its first mean the loss must shed before it is judged: before
             then there is no progress to give back.
         loss_rise: The share of its progress (first mean - lowest mean) the loss gives back that

@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from layerwatch.distributed import local, spread
-from layerwatch.hooks import is_compiling
+from layerwatch.distributed.sharding import local, spread
+from layerwatch.guards.hooks import is_compiling
 from layerwatch.probes.flex_attention import EAGER, FLEX, flex_rows
 
 

@@ -11,7 +11,7 @@ itself, asks it for both statistics and hands them to an opaque operator, :data:
 whose body gives them to the probe (its ``receiver``) as the call runs. The call's output is the
 kernel's, bitwise: it computes the same scores either way. Compiled code is never given the
 stand-in: the user's compiled FlexAttention is measured on the eager re-run
-(:mod:`~layerwatch.rerun`).
+(:mod:`~layerwatch.engine.rerun`).
 
 Per head (:func:`flex_rows`), over the batch and every query row with a key left:
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from layerwatch.hooks import is_compiling
+from layerwatch.guards.hooks import is_compiling
 
 
 def channel_kurtosis(h: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from layerwatch.distributed import named_modules
-from layerwatch.hooks import is_compiling
+from layerwatch.distributed.sharding import named_modules
+from layerwatch.guards.hooks import is_compiling
 
 
 def find_output_head(model: nn.Module, name: Optional[str]) -> Optional[tuple[str, nn.Module]]:

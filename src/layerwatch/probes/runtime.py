@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from layerwatch import stats as S
-from layerwatch.distributed import is_dtensor, local_tensors, spread, walk
-from layerwatch.hooks import ForwardHooks, detached, entered_by_its_own_hook, inlined_only, is_compiling, tensors_in
+from layerwatch.distributed.sharding import is_dtensor, local_tensors, spread, walk
+from layerwatch.guards.hooks import ForwardHooks, detached, entered_by_its_own_hook, inlined_only, is_compiling, tensors_in
 from layerwatch.probes.result import ModuleTrace, Offender, ProbeResult
 from layerwatch.probes.clocks import CudaClock, HostClock
 from layerwatch.probes.evidence import Evidence
@@ -23,8 +23,8 @@ from layerwatch.probes.saved import SavedBytes
 from layerwatch.probes.shards import LocalShards
 from layerwatch.probes.selection import probe_names
 from layerwatch.probes.weights import NonfiniteWeights, WeightCheck
-from layerwatch.zero import is_zero3_param
-from layerwatch.stages import in_shape_inference
+from layerwatch.measure.zero import is_zero3_param
+from layerwatch.distributed.stages import in_shape_inference
 
 
 class RuntimeProbe:

@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence, Union
 
 from torch import nn
 
-from layerwatch.distributed import named_modules, walk
+from layerwatch.distributed.sharding import named_modules, walk
 from layerwatch.vocabulary import ROOT
 
 

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from layerwatch.distributed import is_dtensor
+from layerwatch.distributed.sharding import is_dtensor
 
 
 class LocalShards:

@@ -9,16 +9,17 @@ import torch
 from torch import nn
 
 from layerwatch import stats as S
-from layerwatch.distributed import RankSync, is_writer_rank
-from layerwatch.failures import FailurePolicy
-from layerwatch.hooks import FailedForwardGuard
+from layerwatch.distributed.agreement import RankSync
+from layerwatch.distributed.sharding import is_writer_rank
+from layerwatch.guards.failures import FailurePolicy
+from layerwatch.guards.hooks import FailedForwardGuard
 from layerwatch.probes.transformer import TransformerProbes
 from layerwatch.probes.runtime import ProbeResult, RuntimeProbe
 from layerwatch.vocabulary import PROBE_FAMILIES
 from layerwatch.probes.selection import ModuleFilter, is_compiled, select_modules
 from layerwatch.probes.structure import StructureProbe
 from layerwatch.probes.weights import WeightCheck
-from layerwatch.table import Summary
+from layerwatch.table.summary import Summary
 
 IN_A_COMPILED_CALLER = (
     "layerwatch: the model runs inside compiled code (a torch.compile'd function calls it), so its hooks "
@@ -35,7 +36,7 @@ class StepProbes:
 
     Nothing of them runs inside compiled code. A model that runs compiled (:attr:`compiled`)
     gets no hook on its own forward; its sampled step is measured on an eager re-run of one
-    micro-batch (:mod:`~layerwatch.rerun`), which arms them with ``eager`` and ``forward_only``.
+    micro-batch (:mod:`~layerwatch.engine.rerun`), which arms them with ``eager`` and ``forward_only``.
     A model is known to run compiled when it holds compiled parts (``torch.compile(model)``,
     ``model.compile()``, each block compiled), when the caller says it compiles it
     (:meth:`start`), or once a sample shows that it ran inside compiled code (a compiled function
@@ -176,7 +177,7 @@ class StepProbes:
         """Remove the hooks; the layer table (when a whole forward was seen) and the runtime
         measurements (when no probe failed). ``trained``: the step computed gradients (so the
         model ran: hooks that saw nothing were traced by Dynamo). ``flattened``: FSDP1's record
-        of the parameters it flattened, for the table (:func:`~layerwatch.table.add_parameters`).
+        of the parameters it flattened, for the table (:func:`~layerwatch.table.summary.add_parameters`).
 
         With ``sync`` (a sharded run: every rank calls this on every sampled step), the ranks
         first agree that each one's probes are on, worked and saw the same spread tensors; only

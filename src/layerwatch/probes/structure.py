@@ -1,5 +1,5 @@
 """The "structure" family's probe: hooks on every module that record its calls, shapes and
-MACs for the layer table (:mod:`layerwatch.table`). :func:`~layerwatch.structure.summarize`
+MACs for the layer table (:mod:`layerwatch.table.summary`). :func:`~layerwatch.table.summarize.summarize`
 runs one forward under it; a sampled step arms it on the first forward it sees, so the
 table comes from the real batch with no extra forward."""
 
@@ -15,10 +15,10 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 from torch import nn
 
-from layerwatch.distributed import named_modules
-from layerwatch.flops import extra_flop_formulas
-from layerwatch.hooks import detached, entered_by_its_own_hook, is_compiling, tensors_in
-from layerwatch.table import Layer, Summary, add_parameters, describe
+from layerwatch.distributed.sharding import named_modules
+from layerwatch.table.flops import extra_flop_formulas
+from layerwatch.guards.hooks import detached, entered_by_its_own_hook, is_compiling, tensors_in
+from layerwatch.table.summary import Layer, Summary, add_parameters, describe
 
 
 class StructureProbe:
@@ -54,7 +54,7 @@ class StructureProbe:
 
     def summary(self, flattened: Optional[Mapping[str, tuple[int, torch.dtype, bool]]] = None) -> Summary:
         """The table of what was recorded, with the parameters as they are now (``flattened``:
-        FSDP1's record of those it flattened, see :func:`~layerwatch.table.add_parameters`)."""
+        FSDP1's record of those it flattened, see :func:`~layerwatch.table.summary.add_parameters`)."""
         model = self._model()
         if model is not None:
             add_parameters(model, self.layers, flattened)

@@ -2,7 +2,7 @@
 (:mod:`~layerwatch.probes.attention`), the output head's log Z (:mod:`~layerwatch.probes.logits`)
 and each block output's per-channel kurtosis (:mod:`~layerwatch.probes.kurtosis`), armed and
 taken together beside the runtime probe, on every eager forward that is measured: a sampled
-step's, or a compiled model's re-run (:mod:`~layerwatch.rerun`)."""
+step's, or a compiled model's re-run (:mod:`~layerwatch.engine.rerun`)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
 
-from layerwatch.distributed import RankSync, global_rank, innermost, is_writer_rank
-from layerwatch.failures import FailurePolicy
-from layerwatch.hooks import is_compiling
+from layerwatch.distributed.agreement import RankSync
+from layerwatch.distributed.sharding import global_rank, innermost, is_writer_rank
+from layerwatch.guards.failures import FailurePolicy
+from layerwatch.guards.hooks import is_compiling
 from layerwatch.probes.attention import AttentionProbe, combine_heads
 from layerwatch.probes.kurtosis import ChannelKurtosis
 from layerwatch.probes.logits import OutputLogits, find_output_head

@@ -7,7 +7,7 @@ reader, ``--load_fast`` and the Rust data server alike). The format is
 :mod:`layerwatch.vocabulary`'s; its reader is :mod:`layerwatch.tensorboard_plugin.metadata`.
 
 Every value of the step is here, including the ones that do not become TensorBoard cards
-(:class:`~layerwatch.record.CardFilter`).
+(:class:`~layerwatch.sinks.record.CardFilter`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from tensorboard.compat.proto import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
 
-from layerwatch import record as R
+from layerwatch.sinks import record as R
 from layerwatch import vocabulary as V
 from layerwatch.vocabulary import EVENTS, LAYOUT, PLUGIN_NAME, SERIES
 

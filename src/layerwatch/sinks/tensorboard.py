@@ -9,7 +9,7 @@ as the rest of what the writer holds; without the C CRC it goes through the writ
 ``add_event`` and is flushed, so its pure-Python CRC runs in the sampled step and not in the
 steps after it.
 
-Not every scalar becomes a card (:class:`~layerwatch.record.CardFilter`); all of them, with
+Not every scalar becomes a card (:class:`~layerwatch.sinks.record.CardFilter`); all of them, with
 the step's alerts, go into the same event as the LAYERWATCH tab's compact data
 (:mod:`layerwatch.sinks.plugin_data`).
 
@@ -30,7 +30,7 @@ from tensorboard.compat.proto.event_pb2 import Event
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard import summary as builders
 
-from layerwatch.record import CardFilter, StepRecord
+from layerwatch.sinks.record import CardFilter, StepRecord
 from layerwatch.sinks import events
 from layerwatch.sinks.plugin_data import PluginData
 from layerwatch.stats import Histogram

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from layerwatch.rankings import Table
+from layerwatch.reading.rankings import Table
 from layerwatch.vocabulary import EVENTS, LAYOUT, SERIES
 
 
@@ -137,7 +137,7 @@ class Reader:
         return list(rows), steps, matrix
 
     def table(self, key: str) -> Table:
-        """One series as a :class:`~layerwatch.rankings.Table` (NaN: no finite value)."""
+        """One series as a :class:`~layerwatch.reading.rankings.Table` (NaN: no finite value)."""
         names, steps, matrix = self.matrix(key)
         values = matrix.astype(np.float64)  # a factor of two float32 norms can pass float32's range
         return Table(names, np.asarray(steps, dtype=np.int64), np.where(np.isfinite(values), values, np.nan))

@@ -24,7 +24,7 @@ from tensorboard.data import provider
 from tensorboard.plugins import base_plugin
 from werkzeug import exceptions, wrappers
 
-from layerwatch import rankings
+from layerwatch.reading import rankings
 from layerwatch import vocabulary as V
 from layerwatch.tensorboard_plugin.metadata import Reader, decode
 from layerwatch.vocabulary import EVENTS, LAYOUT, PLUGIN_NAME, SERIES

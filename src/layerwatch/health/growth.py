@@ -1,5 +1,5 @@
 """Which layers grew most between two samples: the ranking that explains a loss spike
-(:meth:`~layerwatch.spikes.Spikes.explain`). Plain host arithmetic over a sample's rows and
+(:meth:`~layerwatch.health.spikes.Spikes.explain`). Plain host arithmetic over a sample's rows and
 probes, kept one sample back."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from layerwatch import record as R
+from layerwatch.sinks import record as R
 from layerwatch import stats as S
 from layerwatch.probes import ProbeResult
 from layerwatch.vocabulary import ROOT, parent

@@ -20,7 +20,7 @@ A run is a directory holding event files, named by its path relative to ``logdir
 for ``logdir`` itself), as TensorBoard names it. Several event files in one directory (a
 resumed run) read as one run: a step written twice keeps its later values.
 
-The files are read with the project's own record reader (:func:`layerwatch.report.records`), and
+The files are read with the project's own record reader (:func:`layerwatch.reading.report.records`), and
 for :func:`load` and :func:`load_alerts` only the values whose tag starts with
 ``layerwatch/`` are decoded: they are found in each record's bytes, so the cards and
 histograms around them cost a byte scan, not a parse. :func:`load_histograms` with
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable, Container, Iterable, Iterator, 
 import numpy as np
 
 from layerwatch import vocabulary as V
-from layerwatch.report import CARD_PREFIXES, ReportError, find_runs, records
+from layerwatch.reading.report import CARD_PREFIXES, ReportError, find_runs, records
 from layerwatch.tensorboard_plugin.metadata import Reader
 
 if TYPE_CHECKING:
@@ -157,7 +157,7 @@ def load_alerts(logdir: str | os.PathLike, runs: Runs = None) -> "pd.DataFrame":
                 for row in _alert_rows(step, kind, value):
                     found.setdefault(row)
         if not found and scan.alerts_text is not None:  # a log written before the tab's events
-            from layerwatch.alerts import parse_alerts_markdown
+            from layerwatch.health.alerts import parse_alerts_markdown
 
             for alert in parse_alerts_markdown(scan.alerts_text[1]):
                 found.setdefault((alert.step, alert.kind, alert.name, alert.message))

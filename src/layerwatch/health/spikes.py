@@ -18,18 +18,19 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from layerwatch import record as R
-from layerwatch.findings import Findings
-from layerwatch.alerts import Alert, HealthCheck
+from layerwatch.sinks import record as R
+from layerwatch.health.findings import Findings
+from layerwatch.health.alerts import Alert, HealthCheck
 from layerwatch import stats as S
-from layerwatch.distributed import Decision, is_dtensor, is_writer_rank, local
-from layerwatch.failures import FailurePolicy
-from layerwatch.output import Output
-from layerwatch.sentinel import to_host
-from layerwatch.growth import LayerGrowth
+from layerwatch.distributed.agreement import Decision
+from layerwatch.distributed.sharding import is_dtensor, is_writer_rank, local
+from layerwatch.guards.failures import FailurePolicy
+from layerwatch.engine.output import Output
+from layerwatch.faults.sentinel import to_host
+from layerwatch.health.growth import LayerGrowth
 from layerwatch.options import SpikeRule
 from layerwatch.probes import ProbeResult
-from layerwatch.progress import LOSS_LAYER, LossProgress
+from layerwatch.health.progress import LOSS_LAYER, LossProgress
 from layerwatch.vocabulary import GRAD_NORM_LEAD_UP, LOSS
 
 MOST_UNVOTED = 1024  # losses kept for the ranks' vote: a run whose vote stalls does not keep them all
@@ -240,7 +241,7 @@ class Spikes:
     the layers that grew most. With no ``rule``, nothing is judged. A failure is warned once and
     skipped.
 
-    Each loss judged also goes to ``progress`` (the health rules', :class:`~layerwatch.progress.LossProgress`):
+    Each loss judged also goes to ``progress`` (the health rules', :class:`~layerwatch.health.progress.LossProgress`):
     a loss that gave back ``AlertRules.loss_rise`` of what it had learned is a ``loss_rise``
     alert, said at the next sample written, and captured as a spike is."""
 
@@ -424,7 +425,7 @@ class Spikes:
     def explain(self, step: int, rows: S.HostRows, probes: Optional[ProbeResult] = None, replayed: bool = False) -> Findings:
         """At a sample written (rank 0): the spikes found since the last one, as findings: their
         ``spike`` alerts and events, each with the layers ranked by growth since they were last
-        sampled (:class:`~layerwatch.growth.LayerGrowth`: ``origin``, the modules whose output grew most beyond
+        sampled (:class:`~layerwatch.health.growth.LayerGrowth`: ``origin``, the modules whose output grew most beyond
         their input's, where ``probes`` saw the forward; ``layers``, whose gradient or update
         grew most), and the lead-ups to write (the window of values before each spike and its
         own, of the loss and of the gradient norm; the steps not written before). ``replayed``:

@@ -1,7 +1,7 @@
 """Where the records go: the TensorBoard sink, the sinks added, and Python's warnings and logging.
 
 :class:`Output` is rank 0's: it opens (or wraps) the writer, hands each
-:class:`~layerwatch.record.StepRecord` to every sink, and says new alerts once. A failed write
+:class:`~layerwatch.sinks.record.StepRecord` to every sink, and says new alerts once. A failed write
 stops all further writing (a full disk does not heal mid-run); a failing added sink is warned
 about and skipped.
 """
@@ -14,17 +14,17 @@ import time
 from typing import Any, Callable, Optional
 
 from torch import nn
-from layerwatch import record as R
-from layerwatch.findings import Findings
+from layerwatch.sinks import record as R
+from layerwatch.health.findings import Findings
 from layerwatch import stats as S
-from layerwatch.alerts import Alert
-from layerwatch.failures import FailurePolicy
-from layerwatch.hooks import Attachments
+from layerwatch.health.alerts import Alert
+from layerwatch.guards.failures import FailurePolicy
+from layerwatch.guards.hooks import Attachments
 from layerwatch.options import Options
-from layerwatch.placement import Placement
+from layerwatch.engine.placement import Placement
 from layerwatch.probes import ProbeResult, probe_name, select_modules
 from layerwatch.sinks.tensorboard import TensorBoardSink
-from layerwatch.table import Summary
+from layerwatch.table.summary import Summary
 
 logger = logging.getLogger("layerwatch")
 
@@ -91,7 +91,7 @@ class Output:
 
     def write_step(self, step: int, rows: S.HostRows, probes: Optional[ProbeResult], structure: Optional[Summary],
                    findings: Findings, options: Options, cost_s: float, interval: Optional[int], all_grads: bool) -> float:
-        """A sampled step's record (:func:`~layerwatch.record.build`) to every sink, and its new
+        """A sampled step's record (:func:`~layerwatch.sinks.record.build`) to every sink, and its new
         alerts said. Returns the seconds that took."""
         writing = time.perf_counter()
         rec = R.build(step, rows, probes, structure, findings, stats=options.stats, bins=options.bins,

@@ -1,8 +1,8 @@
 """``summarize(model, *args, **kwargs)``: the layer table of any model, from one forward.
 
-The table and its formats are :mod:`layerwatch.table`; the hooks that record the forward are
+The table and its formats are :mod:`layerwatch.table.summary`; the hooks that record the forward are
 :class:`~layerwatch.probes.structure.StructureProbe`; the MAC formulas beyond PyTorch's own
-are :mod:`layerwatch.flops`.
+are :mod:`layerwatch.table.flops`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from layerwatch.probes.structure import StructureProbe
-from layerwatch.table import Summary
+from layerwatch.table.summary import Summary
 
 
 def summarize(model: nn.Module, *args: Any, **kwargs: Any) -> Summary:

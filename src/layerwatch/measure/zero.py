@@ -34,9 +34,9 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from layerwatch.distributed import NamedTensors, is_writer_rank
-from layerwatch.failures import FailurePolicy
-from layerwatch.sentinel import Finding
+from layerwatch.distributed.sharding import NamedTensors, is_writer_rank
+from layerwatch.guards.failures import FailurePolicy
+from layerwatch.faults.sentinel import Finding
 
 
 def engine_of(model: nn.Module) -> Optional[nn.Module]:

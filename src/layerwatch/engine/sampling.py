@@ -3,8 +3,8 @@
 :class:`Sampling` answers one question a step, :meth:`Sampling.decide`: is this step sampled?
 A step is sampled when the schedule says so, or when a fault asked for it (:meth:`ask`). In a
 run whose ranks sample together (sharded, or pipeline stages) the ranks vote on it a step
-ahead (:class:`~layerwatch.distributed.StepVote`), rank 0's answer counting. Under the
-overhead budget the schedule is a :class:`~layerwatch.budget.Pacer`: rank 0 measures what each
+ahead (:class:`~layerwatch.distributed.agreement.StepVote`), rank 0's answer counting. Under the
+overhead budget the schedule is a :class:`~layerwatch.engine.budget.Pacer`: rank 0 measures what each
 sample cost (:meth:`cost`), chooses the interval, and every rank takes it from rank 0 at the
 steps the budget schedules (:meth:`share_interval`).
 """
@@ -16,13 +16,14 @@ import time
 from collections import deque
 from typing import Any, Optional, Protocol, Sequence
 
-from layerwatch.budget import Pacer
-from layerwatch.distributed import Ballot, Decision, RankSync, StepVote, is_writer_rank, world_size
-from layerwatch.failures import FailurePolicy
-from layerwatch.hooks import Attachments
+from layerwatch.engine.budget import Pacer
+from layerwatch.distributed.agreement import Ballot, Decision, RankSync, StepVote
+from layerwatch.distributed.sharding import is_writer_rank, world_size
+from layerwatch.guards.failures import FailurePolicy
+from layerwatch.guards.hooks import Attachments
 from layerwatch.options import Options
 from layerwatch.schedule import Schedule, every_n_steps
-from layerwatch.sentinel import Finding
+from layerwatch.faults.sentinel import Finding
 
 EXCESS_LIMIT = 2.0  # see Sampling.cost
 UNSHARED_INTERVAL = 50  # the interval of a distributed run whose ranks cannot share the budget's
@@ -31,7 +32,7 @@ SPREAD_EVERY = 8  # a single process weighs the sentinel's cost against its shar
 
 
 class VotedFindings(Protocol):
-    """The sentinel's side of the vote (:class:`~layerwatch.faults.Faults`)."""
+    """The sentinel's side of the vote (:class:`~layerwatch.faults.faults.Faults`)."""
 
     def unvoted(self) -> Optional[Finding]: ...  # this rank's finding the ranks have not voted on yet
 
@@ -39,7 +40,7 @@ class VotedFindings(Protocol):
 
 
 class VotedLosses(Protocol):
-    """The spike check's side of the vote (:class:`~layerwatch.spikes.Spikes`)."""
+    """The spike check's side of the vote (:class:`~layerwatch.health.spikes.Spikes`)."""
 
     def unvoted(self) -> Optional[tuple[int, float]]: ...  # this rank's oldest loss not voted on: its step, its value
 
@@ -272,7 +273,7 @@ class Sampling:
 
     def _spread_to(self, spread: Optional[int]) -> None:
         """Spread the sentinel's check over ``spread`` steps, when that is more (the sentinel
-        says what it checks then: :class:`~layerwatch.faults.Faults`); any spread at all says
+        says what it checks then: :class:`~layerwatch.faults.faults.Faults`); any spread at all says
         the budget measured the checks."""
         if spread is not None:
             self._checks_measured = True

@@ -8,7 +8,7 @@ a copy of the whole model so that it keeps the whole model's qualified names (to
 manual split: layers of other stages deleted from a ``ModuleDict``, the other top-level
 modules set to None). :func:`find_stages` tells, once, at ``start()``.
 
-Then every rank samples the same steps (the engine's :class:`~layerwatch.distributed.StepVote`,
+Then every rank samples the same steps (the engine's :class:`~layerwatch.distributed.agreement.StepVote`,
 as in a sharded run), measures its own stage alone (no collective), and at the end of each
 sampled step sends what it measured, as plain host data, to the writer (:meth:`Stages.gather`):
 the rows of its tensors, its probes' per-module result, and which of its parameters are
@@ -33,9 +33,10 @@ from dataclasses import dataclass, field
 from types import CodeType
 from typing import Any, Callable, Optional, Sequence
 
-from layerwatch.distributed import RankSync, is_writer_rank, world_size
+from layerwatch.distributed.agreement import RankSync
+from layerwatch.distributed.sharding import is_writer_rank, world_size
 
-from layerwatch.failures import FailurePolicy
+from layerwatch.guards.failures import FailurePolicy
 from layerwatch.probes.result import Offender, ProbeResult
 from layerwatch.stats.rows import HostRows
 

@@ -32,7 +32,7 @@ thresholds in :class:`AlertRules`:
   times the lowest of a window before; or its per-channel kurtosis ``kurtosis_growth`` times
   (:class:`ProbeTrends`).
 - ``loss_rise``: the loss gave back ``loss_rise`` of what it had learned
-  (:class:`~layerwatch.progress.LossProgress`, judged at every step by the spike check).
+  (:class:`~layerwatch.health.progress.LossProgress`, judged at every step by the spike check).
 
 The growth rules (``GROWTH_KINDS``) judge only once the loss has turned (given back
 ``loss_turned`` of its progress): attention that sharpens, logits that grow and updates that
@@ -51,12 +51,12 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
-from layerwatch.findings import Findings
+from layerwatch.health.findings import Findings
 from layerwatch import stats as S
-from layerwatch.failures import FailurePolicy
+from layerwatch.guards.failures import FailurePolicy
 from layerwatch.options import AlertRules
-from layerwatch.optimizer_state import EPS_BOUND, SEEN, UPDATE_SUMSQ, VALUES
-from layerwatch.progress import LossContext, LossProgress
+from layerwatch.measure.optimizer_state import EPS_BOUND, SEEN, UPDATE_SUMSQ, VALUES
+from layerwatch.health.progress import LossContext, LossProgress
 from layerwatch.vocabulary import ROOT, parent
 
 logger = logging.getLogger("layerwatch")
@@ -126,11 +126,11 @@ class HealthMonitor:
                 None when gradients are not read.
             trainable: Names of the parameters with ``requires_grad``.
             adam: Adam's state after the step, as pieces of names and rows
-                (:mod:`~layerwatch.optimizer_state`).
+                (:mod:`~layerwatch.measure.optimizer_state`).
             probes: The step's :class:`~layerwatch.probes.ProbeResult` (its attention, output
                 logits, activation rows and kurtosis), or None.
             loss: What the growth rules are told of the loss
-                (:meth:`~layerwatch.progress.LossProgress.context`): whether it has turned (they
+                (:meth:`~layerwatch.health.progress.LossProgress.context`): whether it has turned (they
                 judge only then), its progress in words (said in their alerts), the step of its
                 lowest mean (at each new lowest, growth is judged afresh from there); None: no
                 loss is known, and they judge at every sample, against the whole run.
@@ -458,7 +458,7 @@ class UpdateShape:
     tensors' coordinates pooled (a key projection's bias, whose gradient is rounding noise by
     construction, is ε-bound and sign-like alone, and says nothing of its layer).
 
-    - ``sign_like``: the layer's normalized update RMS (:mod:`~layerwatch.optimizer_state`),
+    - ``sign_like``: the layer's normalized update RMS (:mod:`~layerwatch.measure.optimizer_state`),
       its median over the last ``window`` samples, is at least ``sign_like_rms`` and at least
       ``sign_like_factor`` times the lowest median of a window before: updates that grew from
       noise-like (0.2-0.3) to sign-like (1), the state Molybog et al. (2023) find before Adam
@@ -659,7 +659,7 @@ class ProbeTrends:
 
 class HealthCheck:
     """The rules applied to each sampled step's rows: what they find, as
-    :class:`~layerwatch.record.Findings` for the record (never written into it)."""
+    :class:`~layerwatch.sinks.record.Findings` for the record (never written into it)."""
 
     def __init__(self, rules: AlertRules, failures: FailurePolicy) -> None:
         self.monitor = HealthMonitor(rules)

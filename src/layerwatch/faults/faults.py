@@ -2,10 +2,10 @@
 
 :class:`Faults` owns everything a NaN sets going:
 
-- the sentinel (:mod:`~layerwatch.sentinel`): its check is enqueued each step and read when it
+- the sentinel (:mod:`~layerwatch.faults.sentinel`): its check is enqueued each step and read when it
   has landed (:meth:`Faults.check`); what it finds is a fault unless the optimizer then skipped
   the step (a GradScaler's overflow);
-- the replay (:mod:`~layerwatch.replay`): a fault found before the optimizer step runs the
+- the replay (:mod:`~layerwatch.faults.replay`): a fault found before the optimizer step runs the
   step's batch again with every probe armed, to name the module that made it, the ranks of a
   DDP run agreeing first that each can, and sharing what they found;
 - in a run whose ranks vote (sharded, or pipeline stages), the finding rides on the vote
@@ -24,17 +24,18 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from layerwatch import record as R
-from layerwatch.alerts import Alert
-from layerwatch.distributed import Decision, Layout, RankSync, is_writer_rank, local, world_size
-from layerwatch.failures import FailurePolicy
+from layerwatch.sinks import record as R
+from layerwatch.health.alerts import Alert
+from layerwatch.distributed.agreement import Decision, RankSync
+from layerwatch.distributed.sharding import Layout, is_writer_rank, local, world_size
+from layerwatch.guards.failures import FailurePolicy
 from layerwatch.options import Options
-from layerwatch.output import Output
+from layerwatch.engine.output import Output
 from layerwatch.probes import Offender, ProbeResult, StepProbes
 from layerwatch.probes.selection import is_compiled
-from layerwatch.replay import MicroBatch, RngState, replay_until_named
-from layerwatch.sentinel import Finding, NonfiniteSentinel, StepCounter, nonfinite_names
-from layerwatch.zero import Zero
+from layerwatch.faults.replay import MicroBatch, RngState, replay_until_named
+from layerwatch.faults.sentinel import Finding, NonfiniteSentinel, StepCounter, nonfinite_names
+from layerwatch.measure.zero import Zero
 
 logger = logging.getLogger("layerwatch")
 
@@ -124,7 +125,7 @@ class Faults:
         optimizer step) runs each closure again, with every probe armed and fresh gradients,
         and calls ``backward()`` on what it returns (a loss tensor, or a mapping with a
         ``"loss"``), to name the module that made the NaN. RNG states, buffers, gradients and
-        module modes are restored after it (see :mod:`~layerwatch.replay`). Nothing is kept
+        module modes are restored after it (see :mod:`~layerwatch.faults.replay`). Nothing is kept
         past the step. Not taken when the ranks vote (``voting``): they agree on a finding a
         step later. ``keep``: kept whatever the sentinel does (a loss spike replays the step
         too: :meth:`replay_spike`)."""

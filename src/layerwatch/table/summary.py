@@ -1,7 +1,7 @@
 """The layer table: one row per module (:class:`LayerRow`), the :class:`Summary` of them, and
 its text, CSV, JSON and DataFrame formats. What fills it is recorded by
 :class:`~layerwatch.probes.structure.StructureProbe` (hooks on one forward) into a
-:class:`Layer` per module; :func:`~layerwatch.structure.summarize` runs that forward.
+:class:`Layer` per module; :func:`~layerwatch.table.summarize.summarize` runs that forward.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Iterator, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from layerwatch.distributed import clean_name
+from layerwatch.distributed.sharding import clean_name
 from layerwatch.vocabulary import parent
 
 DTYPES: dict[str, torch.dtype] = {
@@ -282,7 +282,7 @@ def add_parameters(model: nn.Module, layers: list[Layer],
     """Give each parameter tensor to the first module that holds it; later holders list it as tied.
 
     ``flattened``: FSDP1's record of the parameters it flattened (``(numel, dtype,
-    requires_grad)`` by clean name, :attr:`~layerwatch.distributed.Layout.flattened`). Such a
+    requires_grad)`` by clean name, :attr:`~layerwatch.distributed.sharding.Layout.flattened`). Such a
     parameter counts whole, where the module holds this rank's piece of it, or nothing at all
     (``use_orig_params=False``). A DeepSpeed ZeRO-3 parameter, an empty placeholder outside its
     module's forward, counts whole too (``ds_numel``).

@@ -19,13 +19,13 @@ interval); the front doors put it into their own state.
 
 ``before_optimizer_step`` and ``after_optimizer_step`` may be left out: ``end_step`` reads whatever the step has not
 read yet. Off-steps cost a schedule lookup (and the sentinel's fused check, when it is on). The data flow of a sampled
-step is one way: device rows (:mod:`~layerwatch.params`, :mod:`~layerwatch.probes`) -> one transfer per device -> a
-:class:`~layerwatch.record.StepRecord` -> the sinks.
+step is one way: device rows (:mod:`~layerwatch.measure.params`, :mod:`~layerwatch.probes`) -> one transfer per device -> a
+:class:`~layerwatch.sinks.record.StepRecord` -> the sinks.
 
-The engine coordinates; each decision has its own home: which steps are sampled (:mod:`~layerwatch.sampling`), what
-a sampled step reads (:mod:`~layerwatch.sample`), a compiled model's re-run (:mod:`~layerwatch.rerun`), what NaN/Inf
-gradients set going (:mod:`~layerwatch.faults`), where the records go (:mod:`~layerwatch.output`), where the
-parameters live (:mod:`~layerwatch.placement`).
+The engine coordinates; each decision has its own home: which steps are sampled (:mod:`~layerwatch.engine.sampling`), what
+a sampled step reads (:mod:`~layerwatch.measure.reads`), a compiled model's re-run (:mod:`~layerwatch.engine.rerun`), what NaN/Inf
+gradients set going (:mod:`~layerwatch.faults.faults`), where the records go (:mod:`~layerwatch.engine.output`), where the
+parameters live (:mod:`~layerwatch.engine.placement`).
 """
 
 from __future__ import annotations
@@ -39,27 +39,27 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from layerwatch import record as R
-from layerwatch.alerts import Alert, HealthCheck
-from layerwatch.budget import Pacer
-from layerwatch.distributed import Layout, is_writer_rank
-from layerwatch.failures import FailurePolicy
-from layerwatch.faults import Faults
-from layerwatch.hooks import Attachments, CollectorClock, claim
+from layerwatch.sinks import record as R
+from layerwatch.health.alerts import Alert, HealthCheck
+from layerwatch.engine.budget import Pacer
+from layerwatch.distributed.sharding import Layout, is_writer_rank
+from layerwatch.guards.failures import FailurePolicy
+from layerwatch.faults.faults import Faults
+from layerwatch.guards.hooks import Attachments, CollectorClock, claim
 from layerwatch.options import Options, writable_dir
-from layerwatch.output import Output
-from layerwatch.params import ParameterFamilies
+from layerwatch.engine.output import Output
+from layerwatch.measure.params import ParameterFamilies
 from layerwatch.probes import ProbeResult, StepProbes
-from layerwatch.rerun import Rerun, Rows
-from layerwatch.sample import Sample, SampleReads
-from layerwatch.sampling import Sampling
+from layerwatch.engine.rerun import Rerun, Rows
+from layerwatch.measure.reads import Sample, SampleReads
+from layerwatch.engine.sampling import Sampling
 from layerwatch.schedule import Schedule
-from layerwatch.spikes import Spikes
-from layerwatch.sentinel import StepCounter
-from layerwatch.placement import Placement, find_placement
-from layerwatch.stages import StagePart
-from layerwatch.table import Summary
-from layerwatch.zero import engine_of
+from layerwatch.health.spikes import Spikes
+from layerwatch.faults.sentinel import StepCounter
+from layerwatch.engine.placement import Placement, find_placement
+from layerwatch.distributed.stages import StagePart
+from layerwatch.table.summary import Summary
+from layerwatch.measure.zero import engine_of
 
 logger = logging.getLogger("layerwatch")
 logger.addHandler(logging.NullHandler())  # a library logs; the application decides where it goes
@@ -163,7 +163,7 @@ class Engine:
 
         ``deepspeed``: the DeepSpeed engine (or its ZeRO optimizer) that trains the model, when the model is not that
         engine itself. A ``DeepSpeedEngine`` given as the model is watched through the module it trains; with ZeRO,
-        every rank reads its partitions (:mod:`~layerwatch.zero`), the gradients in the step pre-hook of the optimizer
+        every rank reads its partitions (:mod:`~layerwatch.measure.zero`), the gradients in the step pre-hook of the optimizer
         DeepSpeed steps (:attr:`deepspeed_client`, which the front door hooks).
         """
         if self._state != "new":
@@ -234,11 +234,11 @@ class Engine:
         self._attached.handles += list(handles)
 
     def state_dict(self) -> dict[str, int]:
-        """What a resumed run needs to sample as this one would (:meth:`~layerwatch.sampling.Sampling.state_dict`)."""
+        """What a resumed run needs to sample as this one would (:meth:`~layerwatch.engine.sampling.Sampling.state_dict`)."""
         return self._sampling.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Go on with a saved :meth:`state_dict` (:meth:`~layerwatch.sampling.Sampling.load_state_dict`)."""
+        """Go on with a saved :meth:`state_dict` (:meth:`~layerwatch.engine.sampling.Sampling.load_state_dict`)."""
         self._sampling.load_state_dict(state)
 
     # ------------------------------------------------------------------ the step protocol
@@ -270,7 +270,7 @@ class Engine:
 
     def replay_with(self, closure: Callable[[], Any], rows: Optional[Rows] = None,
                     forward: Optional[Callable[[], Any]] = None) -> None:
-        """Let the open step be replayed (:meth:`Faults.offer <layerwatch.faults.Faults.offer>`): ``closure()``
+        """Let the open step be replayed (:meth:`Faults.offer <layerwatch.faults.faults.Faults.offer>`): ``closure()``
         computes the loss of this step's batch again (once per micro-batch), called before that forward. The door
         must call :meth:`before_optimizer_step` after the backward, only when the optimizer will step (a GradScaler's
         skipped step is no fault). It (or ``forward``, the forward alone) serves :meth:`rerun_with` too. Raises
@@ -283,7 +283,7 @@ class Engine:
 
     def rerun_with(self, closure: Callable[[], Any], rows: Optional[Rows] = None) -> None:
         """A forward of the open step's micro-batch (its result unused), before that forward: a compiled model's
-        sampled step is measured on the first, run again eagerly (:class:`~layerwatch.rerun.Rerun`); ``rows(n)``: the
+        sampled step is measured on the first, run again eagerly (:class:`~layerwatch.engine.rerun.Rerun`); ``rows(n)``: the
         same on its first ``n`` rows. For a door that cannot replay the step (:meth:`replay_with` offers it too)."""
         self._check_running("rerun_with")
         self._rerun.offer(closure, rows)

@@ -2,13 +2,13 @@
 the optimizer applies the step, leaving no trace.
 
 A front door hands the engine each micro-batch of the open step as a closure that computes its
-loss again (:meth:`~layerwatch.engine.Engine.replay_with`), before that micro-batch's forward;
+loss again (:meth:`~layerwatch.engine.engine.Engine.replay_with`), before that micro-batch's forward;
 the engine notes the RNG state it starts from (:class:`MicroBatch`). When the NaN sentinel
 finds non-finite gradients at that step, still before the optimizer step, the engine runs
 those micro-batches again in order (:func:`replay_until_named`), each from its own RNG state
 (the same dropout masks) and with fresh gradients, until one shows the first module that made
 a NaN or Inf. A compiled model's sampled step is run again too, forward only
-(:mod:`~layerwatch.rerun`), with the same care.
+(:mod:`~layerwatch.engine.rerun`), with the same care.
 
 What a replay leaves as it found it (:class:`SavedState`):
 

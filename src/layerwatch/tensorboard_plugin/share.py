@@ -5,7 +5,7 @@ One front end: the file runs the tab's own ``index.js``. Only where its data com
 differs: every request the page can make (each route, for each run, statistic and layer) is
 answered here, ahead of time, by the tab's own route functions over TensorBoard's own data
 provider, and the answers, exactly as the routes send them (status and JSON), are inlined in
-the page (:mod:`layerwatch.packing`). ``index.js`` answers its requests from them when the page
+the page (:mod:`layerwatch.tensorboard_plugin.packing`). ``index.js`` answers its requests from them when the page
 holds them (the ``#layerwatch-data`` element), and from the routes otherwise.
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 
 from layerwatch import __version__
 from layerwatch import vocabulary as V
-from layerwatch.packing import Float32Rows, pack
+from layerwatch.tensorboard_plugin.packing import Float32Rows, pack
 
 logger = logging.getLogger("layerwatch")
 DATA_ELEMENT_ID = "layerwatch-data"  # index.js reads the answers from the element with this id
@@ -99,7 +99,7 @@ def _shared(out: Path, runs: list[str], answers: dict[str, Any]) -> Shared:
 
 def _chosen_runs(logdir: str | os.PathLike, pattern: Optional[str]) -> list[str]:
     """The names of the runs under ``logdir`` that the glob ``pattern`` matches (all for None)."""
-    from layerwatch.report import ReportError, find_runs
+    from layerwatch.reading.report import ReportError, find_runs
 
     try:
         found = list(find_runs(logdir))
@@ -273,7 +273,7 @@ def _body(answer: Answer) -> dict[str, Any]:
 
 
 def _packable_heatmap(answer: Answer) -> Answer:
-    """The heatmap's base64 values as their rows (:class:`~layerwatch.packing.Float32Rows`), so
+    """The heatmap's base64 values as their rows (:class:`~layerwatch.tensorboard_plugin.packing.Float32Rows`), so
     that a row equal to a layer's series is stored once."""
     status, reason, body = answer
     if status != 200:

@@ -13,11 +13,11 @@ from typing import Optional, Sequence
 import numpy as np
 
 from layerwatch import stats as S
-from layerwatch.optimizer_state import spike_fractions, update_stats
-from layerwatch.findings import Findings
+from layerwatch.measure.optimizer_state import spike_fractions, update_stats
+from layerwatch.health.findings import Findings
 from layerwatch.probes.result import Offender, ProbeResult
 from layerwatch.stats import Histogram
-from layerwatch.table import Summary
+from layerwatch.table.summary import Summary
 from layerwatch.vocabulary import (
     ACTIVATION_KURTOSIS, ACTIVATION_OUTLIER, ADAM_SPIKE_FRAC, ALERTS, ATTENTION_ENTROPY, ATTENTION_HEAD_ENTROPY, ATTENTION_HEAD_LOGIT_MAX, ATTENTION_LOGIT_MAX, LOGSUMEXP_MAX, LOGSUMEXP_MEAN,
     TAB_ONLY_SERIES, FIRST_NONFINITE_STEP, FIRST_OFFENDER, GRAD_NORM, MACS_PER_STEP, MODULE_SCALARS,
@@ -115,7 +115,7 @@ def update_ratios(names: Sequence[str], deltas: np.ndarray, after_norms: np.ndar
 
 
 def _add_optimizer_state(rec: StepRecord, rows: S.HostRows) -> None:
-    """Adam's state per parameter (:mod:`~layerwatch.optimizer_state`): its series, less the NaN
+    """Adam's state per parameter (:mod:`~layerwatch.measure.optimizer_state`): its series, less the NaN
     of a tensor where nothing could be judged."""
     for names, family_rows in rows.get("adam", ()):
         for key, values in update_stats(family_rows).items():

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from layerwatch import vocabulary as V
-from layerwatch.distributed import is_writer_rank, local
+from layerwatch.distributed.sharding import is_writer_rank, local
 from layerwatch.stats.batched import to_device
 
 SPIKE_FACTOR = 5000.0  # SPAM (Huang et al. 2025): a coordinate's g² above this many times its v
@@ -97,9 +97,9 @@ def _nonzero(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 class AdamState:
-    """Reads the rows of :mod:`this module <layerwatch.optimizer_state>` for the parameters an
+    """Reads the rows of :mod:`this module <layerwatch.measure.optimizer_state>` for the parameters an
     optimizer steps, through the groups ``groups`` makes (:meth:`ParameterFamilies.groups
-    <layerwatch.params.ParameterFamilies.groups>`: by device, and sharded tensors by their
+    <layerwatch.measure.params.ParameterFamilies.groups>`: by device, and sharded tensors by their
     process group, checked to be the same on every rank)."""
 
     def __init__(self, groups: Callable[[Sequence[tuple[str, torch.Tensor]], str], list[Group]],

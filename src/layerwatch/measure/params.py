@@ -19,10 +19,9 @@ import torch
 from torch import nn
 
 from layerwatch import stats as S
-from layerwatch.distributed import (
-    Layout, NamedTensors, RankSync, fingerprint, is_writer_rank, local_tensors, norms, parameter_layout, this_ranks_groups,
-)
-from layerwatch.failures import FailurePolicy
+from layerwatch.distributed.agreement import RankSync, fingerprint
+from layerwatch.distributed.sharding import Layout, NamedTensors, is_writer_rank, local_tensors, norms, parameter_layout, this_ranks_groups
+from layerwatch.guards.failures import FailurePolicy
 from layerwatch.options import Options
 
 HISTOGRAM_VALUES = S.HISTOGRAM_VALUES
@@ -67,7 +66,7 @@ class ParameterFamilies:
         self.failures = failures
         self.workspace = S.Workspace()
         self.layout = Layout()  # how the parameters lie over the ranks (set by the engine at start)
-        self.zero: Any = None  # a DeepSpeed ZeRO run's pieces (layerwatch.zero.Zero), set by the engine at start
+        self.zero: Any = None  # a DeepSpeed ZeRO run's pieces (layerwatch.measure.zero.Zero), set by the engine at start
         self.sync: Optional[RankSync] = None  # where the ranks of a sharded run agree
         self._unmeasurable: set[tuple[str, str]] = set()  # (weights|gradients, name) whose statistics failed
         self.param_bytes = 0  # this rank's share of the model's parameters (see start_snapshots)
@@ -245,7 +244,7 @@ class ParameterFamilies:
         return [(names, rows) for names, rows in pieces if names]
 
     def groups(self, pairs: NamedTensors, what: str) -> list[tuple[Any, list[str], list[torch.Tensor]]]:
-        """:func:`~layerwatch.distributed.this_ranks_groups`, less the sharded groups whose
+        """:func:`~layerwatch.distributed.sharding.this_ranks_groups`, less the sharded groups whose
         tensors are not the same on every rank (said once; every rank leaves them out alike)."""
         if self.sync is None:
             return this_ranks_groups(pairs, self.failures.warn_once, self.layout)
@@ -288,5 +287,5 @@ class ParameterFamilies:
 
 def parameters(model: Optional[nn.Module]) -> list[tuple[str, nn.Parameter]]:
     """The model's named parameters that hold values, under clean names (none when the model
-    is gone); see :meth:`~layerwatch.distributed.Layout.parameters`."""
+    is gone); see :meth:`~layerwatch.distributed.sharding.Layout.parameters`."""
     return parameter_layout(model).parameters(model)

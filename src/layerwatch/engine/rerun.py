@@ -19,14 +19,14 @@ the optimizer step: :meth:`Rerun.before_optimizer_step`) (:func:`run_forward_aga
   masks, from the step's RNG state): nothing of the forward is kept but one module's outputs
   at a time and the probes' rows;
 - **leaving no trace**: the RNG states, buffers, module attributes and modes are saved before it
-  and put back after (:class:`~layerwatch.replay.SavedState`), and DDP's flags: the step's own
+  and put back after (:class:`~layerwatch.faults.replay.SavedState`), and DDP's flags: the step's own
   forward then draws and computes what it would have without it.
 
 Its time counts as the sample's, in the overhead budget's measure. A re-run that fails (out of
 memory, say) is said once and skipped: the step goes on as it would have.
 
 Where the micro-batch comes from: the front door's closure (:meth:`Engine.replay_with
-<layerwatch.engine.Engine.replay_with>`; Lightning's callback runs ``training_step`` again, the
+<layerwatch.engine.engine.Engine.replay_with>`; Lightning's callback runs ``training_step`` again, the
 Hugging Face callback the model on its kept inputs), or, where the model's own call runs eagerly
 around its compiled code (``torch.compile(model)``'s wrapper, a model whose blocks are compiled),
 a forward pre-hook on it that keeps the call's arguments, by reference (:class:`Inputs`); for
@@ -45,13 +45,13 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from layerwatch.distributed import innermost, is_writer_rank, world_size
-from layerwatch.failures import FailurePolicy
-from layerwatch.hooks import is_compiling
+from layerwatch.distributed.sharding import innermost, is_writer_rank, world_size
+from layerwatch.guards.failures import FailurePolicy
+from layerwatch.guards.hooks import is_compiling
 from layerwatch.probes import StepProbes
 from layerwatch.probes.flex_attention import DenseTooLarge
 from layerwatch.probes.selection import is_compiled
-from layerwatch.replay import SavedState, gradient_sync_off, replaying, run_eagerly
+from layerwatch.faults.replay import SavedState, gradient_sync_off, replaying, run_eagerly
 
 Rows = Callable[[int], Callable[[], Any]]  # the closure of a micro-batch's first n rows
 

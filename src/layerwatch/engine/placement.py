@@ -3,7 +3,7 @@ pipeline stages.
 
 :func:`find_placement` looks once, at the start of a run, on every rank at the same point
 (finding the stages is collective). What it finds decides how a sample is read
-(:class:`~layerwatch.distributed.Layout`, :class:`~layerwatch.zero.Zero`) and whether the ranks
+(:class:`~layerwatch.distributed.sharding.Layout`, :class:`~layerwatch.measure.zero.Zero`) and whether the ranks
 sample together (:attr:`Placement.together`).
 """
 
@@ -14,12 +14,12 @@ from typing import Any, Optional
 
 from torch import nn
 
-from layerwatch.distributed import Layout, is_writer_rank, parameter_layout, world_size
-from layerwatch.failures import FailurePolicy
+from layerwatch.distributed.sharding import Layout, is_writer_rank, parameter_layout, world_size
+from layerwatch.guards.failures import FailurePolicy
 from layerwatch.options import Options
 from layerwatch.probes import StepProbes, probe_name, select_modules
-from layerwatch.stages import Held, Stages, find_stages
-from layerwatch.zero import Zero, find_zero
+from layerwatch.distributed.stages import Held, Stages, find_stages
+from layerwatch.measure.zero import Zero, find_zero
 
 
 @dataclass

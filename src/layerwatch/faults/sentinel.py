@@ -44,8 +44,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from layerwatch.distributed import is_dtensor
-from layerwatch.hooks import is_compiling
+from layerwatch.distributed.sharding import is_dtensor
+from layerwatch.guards.hooks import is_compiling
 from layerwatch import stats as S
 
 

@@ -16,13 +16,13 @@ import numpy as np
 from torch import nn
 
 from layerwatch import stats as S
-from layerwatch.distributed import FAILED_NORM, is_writer_rank, local_tensors
-from layerwatch.failures import FailurePolicy
-from layerwatch.optimizer_state import AdamState, WIDTH, failed as adam_failed
+from layerwatch.distributed.sharding import FAILED_NORM, is_writer_rank, local_tensors
+from layerwatch.guards.failures import FailurePolicy
+from layerwatch.measure.optimizer_state import AdamState, WIDTH, failed as adam_failed
 from layerwatch.options import Options
-from layerwatch.params import ParameterFamilies, Piece, Snapshot
+from layerwatch.measure.params import ParameterFamilies, Piece, Snapshot
 from layerwatch.probes import ProbeResult
-from layerwatch.zero import Zero
+from layerwatch.measure.zero import Zero
 
 
 @dataclass
@@ -79,7 +79,7 @@ class Sample:
 
 
 class SampleReads:
-    """Reads the parameter families (:class:`~layerwatch.params.ParameterFamilies`) into a
+    """Reads the parameter families (:class:`~layerwatch.measure.params.ParameterFamilies`) into a
     :class:`Sample`, each parameter once, at the first point of the step where it is final."""
 
     def __init__(self, options: Options, failures: FailurePolicy, params: ParameterFamilies) -> None:

@@ -1,0 +1,2 @@
+"""The distributed layer: ranks, sharded tensors and their clean names (``sharding``), how the
+ranks agree (``agreement``), pipeline stages (``stages``)."""
