@@ -34,7 +34,7 @@ import logging
 import os
 import time
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -337,14 +337,14 @@ class Engine:
         structure, probes = self._probes.take(sync, sample.step, sample.trained(), self._placement.layout.flattened)
         probes = sample.replay or probes
         self._reads.rest(sample, [ref() for ref in self._faults.optimizers])
-        parts: list[Optional[StagePart]] = []  # every stage's measurements, on the writer
+        gathered: Union[StagePart, None, bool] = None  # every stage's measurements, on the writer; False: not gathered
         if stages is not None:  # every rank, whatever it measured: collective
-            self.failures.run("gather the pipeline stages' measurements", lambda: parts.append(stages.gather(
-                sample.step, lambda: self._reads.host_rows(sample), probes, sample.trainable)), sample.step)
-            probes = parts[0].probes if parts and parts[0] is not None else None
-        if is_writer_rank() and (stages is None or parts):
+            gathered = self.failures.run("gather the pipeline stages' measurements", lambda: stages.gather(
+                sample.step, lambda: self._reads.host_rows(sample), probes, sample.trainable), sample.step, otherwise=False)
+            probes = gathered.probes if isinstance(gathered, StagePart) else None
+        if is_writer_rank() and gathered is not False:
             self.failures.run("write the sampled step", lambda: self._write(sample, started, structure, probes,
-                                                                            parts[0] if parts else None), sample.step)
+                                                                            gathered or None), sample.step)
         self._collector.remove()
         self._sampling.close_sampled(sample.step)
         return sample.step

@@ -73,7 +73,7 @@ class Output:
     def write_with(self, action: Callable[[TensorBoardSink], None], what: str, step: int) -> None:
         """A write; a failed one stops all further writing (a full disk does not heal mid-run)."""
         sink = self.sink
-        if sink is not None and not self.failures.run(what, lambda: action(sink), step):
+        if sink is not None and not self.failures.run(what, lambda: action(sink) or True, step, otherwise=False):
             self._attached.sink = None
 
     def write_layout(self, model: nn.Module, placement: Placement, options: Options, step: int) -> None:

@@ -9,7 +9,7 @@ sample together (:attr:`Placement.together`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from torch import nn
@@ -42,16 +42,13 @@ def find_placement(model: Optional[nn.Module], within: Optional[nn.Module], deep
     """The :class:`Placement` of ``model``'s parameters on this rank (``within``: a module that
     wraps it; ``deepspeed``: the DeepSpeed engine that trains it). In a distributed run, call it
     on every rank at the same point."""
-    placement = Placement(Layout())
-    if model is not None and world_size() > 1:
-        zero: list[Optional[Zero]] = []
-        failures.run("find DeepSpeed ZeRO's partitions", lambda: zero.append(
-            find_zero(model, deepspeed, options.families, failures)), 0)
-        placement.zero = zero[0] if zero else None
-    placement.layout = parameter_layout(model, within, placement.zero)
-    if model is not None and world_size() > 1:  # every rank, at the same point: collective under pipelining
-        failures.run("find the pipeline stages (only rank 0's layers are measured)",
-                     lambda: _find_stages(placement, model, options, probes, failures), 0)
+    distributed = model is not None and world_size() > 1
+    zero = failures.run("find DeepSpeed ZeRO's partitions",
+                        lambda: find_zero(model, deepspeed, options.families, failures), 0) if distributed else None
+    layout = parameter_layout(model, within, zero)
+    stages = failures.run("find the pipeline stages (only rank 0's layers are measured)",  # every rank: collective
+                          lambda: _find_stages(layout, model, options, probes, failures), 0) if distributed else None
+    placement = Placement(replace(layout, staged=True) if stages is not None else layout, zero, stages)
     if placement.layout.flat_only and is_writer_rank():
         failures.warn(
             f"layerwatch: FSDP wraps {', '.join(placement.layout.flat_only)} with use_orig_params=False, so their "
@@ -62,17 +59,14 @@ def find_placement(model: Optional[nn.Module], within: Optional[nn.Module], deep
     return placement
 
 
-def _find_stages(placement: Placement, model: nn.Module, options: Options, probes: StepProbes,
-                 failures: FailurePolicy) -> None:
-    layout = placement.layout
+def _find_stages(layout: Layout, model: nn.Module, options: Options, probes: StepProbes,
+                 failures: FailurePolicy) -> Optional[Stages]:
     modules = tuple(probe_name(name) for name, _ in select_modules(model, options.modules))
-    held = Held(tuple(name for name, _ in layout.parameters(model)), modules, layout.sharded)
-    placement.stages = find_stages(held, failures)
-    if placement.stages is None:
-        return
-    layout.staged = True
-    if probes.structure_pending and is_writer_rank():
-        failures.warn("layerwatch: the model is split into pipeline stages, and each rank runs one stage's "
-                      "forward, so the layer table of the whole model is not recorded (layerwatch/structure); "
-                      "call layerwatch.summarize(model, batch) on the whole model before it is split")
-    probes.structure_pending = False
+    stages = find_stages(Held(tuple(name for name, _ in layout.parameters(model)), modules, layout.sharded), failures)
+    if stages is not None and probes.structure_pending:
+        if is_writer_rank():
+            failures.warn("layerwatch: the model is split into pipeline stages, and each rank runs one stage's "
+                          "forward, so the layer table of the whole model is not recorded (layerwatch/structure); "
+                          "call layerwatch.summarize(model, batch) on the whole model before it is split")
+        probes.forgo_layer_table()
+    return stages

@@ -97,7 +97,7 @@ class Sampling:
             self._interval_sync = self.sync
             if not together and not self.failures.run(
                     f"make the ranks' group for sharing the sampling interval (every {UNSHARED_INTERVAL} steps instead)",
-                    lambda: self._open_interval_sync(attached), 0):
+                    lambda: self._open_interval_sync(attached), 0, otherwise=False):
                 self.pacer, self.schedule = None, every_n_steps(UNSHARED_INTERVAL)
 
     def _open_vote(self, attached: Attachments) -> None:
@@ -105,9 +105,10 @@ class Sampling:
         self.vote = StepVote(self.sync)
         attached.removables.append(self.vote)  # waits for its ballot, then closes the group
 
-    def _open_interval_sync(self, attached: Attachments) -> None:
+    def _open_interval_sync(self, attached: Attachments) -> bool:
         self._interval_sync = RankSync(SHARE_TIMEOUT_S)
         attached.removables.append(self._interval_sync)
+        return True
 
     def close(self) -> None:
         """Forget the groups (closed with the engine's hooks)."""
@@ -252,9 +253,8 @@ class Sampling:
         spread, self._proposed_spread = self._proposed_spread, None
         sync = self._interval_sync
         if sync is not None:
-            shared: list[int] = []
-            if not self.failures.run("share the sampling interval",
-                                     lambda: shared.extend(sync.broadcast([proposed or 0, spread or 0])), step):
+            shared = self.failures.run("share the sampling interval", lambda: sync.broadcast([proposed or 0, spread or 0]), step)
+            if shared is None:
                 return
             proposed, spread = shared[0] or None, shared[1] or None
         self._spread_to(spread)

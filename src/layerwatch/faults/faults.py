@@ -261,12 +261,13 @@ class Faults:
         ran = [False]  # the replay ran to its end here (else its failure was warned about)
         started = time.perf_counter()
 
-        def run_again() -> None:
+        def run_again() -> bool:
             found[0] = self._run_again(model)
+            return True
 
         def replay_here() -> None:
             self.failures.run("report NaN/Inf gradients", lambda: self._on_nonfinite(finding, None), step)
-            ran[0] = self.failures.run(f"replay step {step}'s batch", run_again, step)
+            ran[0] = self.failures.run(f"replay step {step}'s batch", run_again, step, otherwise=False)
 
         def mine() -> Any:
             return None if found[0] is None else (found[0][0], found[0][1].offender.name, found[0][1].offender.phase)

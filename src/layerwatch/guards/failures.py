@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 import warnings
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Optional, TypeVar
 
 # Packages whose frames stand between a warning and the user's line; looked up when warning,
 # so none of them is imported for it.
@@ -42,6 +42,8 @@ def user_stacklevel() -> int:
     while frame.f_back is not None and frame.f_code.co_filename.startswith(internal):
         frame, level = frame.f_back, level + 1
     return level
+
+T = TypeVar("T")
 
 
 class FailurePolicy:
@@ -73,14 +75,13 @@ class FailurePolicy:
             self._warned.add(key)
             self.say(message)
 
-    def run(self, what: str, action: Callable[[], object], step: int) -> bool:
-        """Run ``action``; on an exception warn once (``could not <what>``) and return False."""
+    def run(self, what: str, action: Callable[[], T], step: int, otherwise: Optional[T] = None) -> Optional[T]:
+        """``action``'s value; on an exception, warned once (``could not <what>``), ``otherwise``."""
         try:
-            action()
+            return action()
         except Exception as e:  # an inspector must never break the training run
             self.failed(what, e, step)
-            return False
-        return True
+            return otherwise
 
     def failed(self, what: str, error: Exception, step: int) -> None:
         """``error`` stopped ``what`` at ``step``: warned once (``could not <what>``), as :meth:`run`

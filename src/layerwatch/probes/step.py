@@ -61,6 +61,11 @@ class StepProbes:
         self.workspace = S.Workspace()  # kept from one sampled step to the next
         self._cuda_events: list[Any] = []  # the runtime probes' clock marks on a GPU, idem
 
+    def forgo_layer_table(self) -> None:
+        """Record no layer table: the model is split into pipeline stages, and no rank runs the
+        whole model's forward."""
+        self.structure_pending = False
+
     def start(self, model: nn.Module, compiled_by_caller: bool = False) -> None:
         """When the run starts: whether the model runs compiled (it holds compiled parts, or
         ``compiled_by_caller``: the caller compiles it, as Lightning and the Hugging Face
