@@ -235,7 +235,7 @@ def test_the_cost_is_the_measured_time_until_three_unsampled_steps_are_seen(cloc
 
 def test_the_cost_counts_the_previous_writes_duration_in_the_measured_time(clock):
     sampling = fixed(1)
-    sampling.last_write_s = 0.3
+    sampling.wrote(0.3)
     cost_s, _ = sampled_step_cost(sampling, clock, step_s=50.0)
     assert cost_s == pytest.approx(0.5)
 

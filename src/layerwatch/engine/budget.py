@@ -102,6 +102,10 @@ class Pacer:
         every = "not chosen yet" if self.interval is None else f"every {self.interval} steps"
         return f"overhead_budget({self.budget:g}): {every}"
 
+    def resume(self, interval: int) -> None:
+        """Sample every ``interval`` steps, as the run this one resumes did."""
+        self.interval = interval
+
     def off_step(self, wall_s: float, own_s: float, checks_s: float = 0.0) -> None:
         """An unsampled step took ``wall_s`` from its start to the next step's, ``own_s`` of it
         in layerwatch, ``checks_s`` of that in the checks made every step."""

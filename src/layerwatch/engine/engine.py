@@ -107,7 +107,7 @@ class Engine:
         # What is attached to the user's objects lives apart from the engine and goes with it.
         self._attached = Attachments()
         self._collector = CollectorClock()
-        self._attached.removables += [self._probes, self._rerun, self._counter, self._collector]
+        self._attached.hold(self._probes, self._rerun, self._counter, self._collector)
         self._release = weakref.finalize(self, self._attached.release)
         self._output = Output(self._attached, self.failures, writer)
         self._sampling = Sampling(options, self.failures)
@@ -177,11 +177,10 @@ class Engine:
             claim(model, self, self.failures)
         self._placement = find_placement(model, within, deepspeed, self.options, self._probes, self.failures)
         layout, zero, stages = self._placement.layout, self._placement.zero, self._placement.stages
-        self._params.layout, self._params.zero = layout, zero
-        self._attached.removables += [] if stages is None else [stages]
+        self._attached.hold(*[] if stages is None else [stages])
         together = self._placement.together
         self._sampling.open_groups(together, self._attached, self._spikes)  # every rank, at the same point: collective
-        self._params.sync = self._sampling.sync if layout.sharded else None  # stages reduce nothing together
+        self._params.start(layout, zero, self._sampling.sync if layout.sharded else None)  # stages reduce nothing together
         if is_writer_rank():
             self._output.open(self.log_dir)
         self._faults.start(self._model, layout, zero, within, together, stages is not None)
@@ -213,7 +212,7 @@ class Engine:
         self._drop_sample()
         self._faults.close()
         self._sampling.close()  # its groups are closed with the hooks, below
-        self._params.sync = self._param_cache = None
+        self._param_cache = None
         self._params.release()
         self._probes.workspace.clear()
         self._output.close(self._step)
@@ -231,7 +230,7 @@ class Engine:
 
     def attach(self, handles: Sequence[Any]) -> None:
         """Hooks a front door put on the user's objects (with ``remove()``): removed at :meth:`finish`, or when collected."""
-        self._attached.handles += list(handles)
+        self._attached.hold_handles(handles)
 
     def state_dict(self) -> dict[str, int]:
         """What a resumed run needs to sample as this one would (:meth:`~layerwatch.engine.sampling.Sampling.state_dict`)."""
@@ -254,7 +253,7 @@ class Engine:
         self._step = step
         self._faults.open(step, self._sampling.sentinel_spread, self._sampling.checks_measured)
         if not self._sampling.decide(step, may_sample, self._faults):
-            self._sampling.own_s = time.perf_counter() - started
+            self._sampling.spent(time.perf_counter() - started)
             return False
         model = self._model()
         sample = self._sample = Sample(step, self._placement.layout.parameters(model), self._counter.count)
@@ -265,7 +264,7 @@ class Engine:
             self._probes.arm(model, params, step, writer=is_writer_rank())
             self._rerun.arm(step, params, writer=is_writer_rank())
             self._collector.attach()
-        sample.overhead_s += time.perf_counter() - started
+        sample.spent(time.perf_counter() - started)
         return True
 
     def replay_with(self, closure: Callable[[], Any], rows: Optional[Rows] = None,
@@ -300,12 +299,12 @@ class Engine:
         self._check_faults(before_optimizer_step=True)  # before each optimizer's step: a later one's gradients may be new
         sample = self._sample
         if sample is None:
-            self._sampling.own_s += time.perf_counter() - started
+            self._sampling.spent(time.perf_counter() - started)
             return
         if self._armed:  # a model found running compiled has its first micro-batch run again, with the step's weights
             self._rerun.before_optimizer_step(sample.step, sample.trained)
         self._reads.before_optimizer_step(sample, optimizer, self._placement.zero)
-        sample.overhead_s += time.perf_counter() - started
+        sample.spent(time.perf_counter() - started)
 
     def after_optimizer_step(self, optimizer: Optional[torch.optim.Optimizer] = None, *, stepped: Optional[bool] = None) -> None:
         """``optimizer`` (every optimizer when None) has stepped: measure the updates of its parameters and read their
@@ -318,7 +317,7 @@ class Engine:
             return
         started = time.perf_counter()
         self._reads.after_optimizer_step(sample, optimizer)
-        sample.overhead_s += time.perf_counter() - started
+        sample.spent(time.perf_counter() - started)
 
     def end_step(self) -> Optional[int]:
         """Close the open step: the sentinel's check, the loss's; a sampled step is read and written. Returns it, or None."""
@@ -331,7 +330,7 @@ class Engine:
             self._sampling.close_unsampled(self._step, entered, self._faults.check_s)
             return None
         started = time.perf_counter()
-        sample.overhead_s += self._probes.hook_seconds + self._rerun.close(sample.step)
+        sample.spent(self._probes.hook_seconds + self._rerun.close(sample.step))
         stages = self._placement.stages
         sync = None if stages is not None else self._sampling.sync  # a stage's probes combine nothing with other ranks'
         structure, probes = self._probes.take(sync, sample.step, sample.trained(), self._placement.layout.flattened)
@@ -378,8 +377,7 @@ class Engine:
         sample = self._sample = self._sample or Sample(self._step, self._parameters(), self._counter.count)
         self._param_cache = sample.params
         if replayed:
-            sample.replay, seconds = replayed
-            sample.overhead_s += seconds
+            sample.replayed(*replayed)
 
     def _write(self, sample: Sample, started: float, structure: Optional[Summary], probes: Optional[ProbeResult],
                stages: Optional[StagePart] = None) -> None:
@@ -396,5 +394,5 @@ class Engine:
         findings.offender, findings.spikes, findings.history = offender, spiked.spikes, spiked.history
         cost_s, interval = self._sampling.cost(sample.step, sample.overhead_s, started, self._collector.seconds, findings.alerts)
         self._samples_written += 1
-        self._sampling.last_write_s = self._output.write_step(sample.step, rows, probes, structure, findings, self.options,
-                                                              cost_s, interval, all_grads=stages is None or stages.complete)
+        self._sampling.wrote(self._output.write_step(sample.step, rows, probes, structure, findings, self.options,
+                                                              cost_s, interval, all_grads=stages is None or stages.complete))

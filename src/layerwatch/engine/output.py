@@ -49,14 +49,14 @@ class Output:
         """Write into the caller's writer (flushed, never closed), or else a ``SummaryWriter`` of
         our own on ``log_dir`` (its default ``runs/...`` when None), closed at :meth:`close`."""
         if self._writer is not None:
-            self._attached.sink = TensorBoardSink(self._writer, owns_writer=False)
+            self._attached.use_sink(TensorBoardSink(self._writer, owns_writer=False))
             return
 
         def open_writer() -> None:
             from torch.utils.tensorboard import SummaryWriter
 
             own = SummaryWriter(log_dir=None if log_dir is None else str(log_dir))
-            self._attached.sink = TensorBoardSink(own, owns_writer=True)
+            self._attached.use_sink(TensorBoardSink(own, owns_writer=True))
 
         self.failures.run("open the TensorBoard writer (nothing is written; training goes on)", open_writer, 0)
 
@@ -74,7 +74,7 @@ class Output:
         """A write; a failed one stops all further writing (a full disk does not heal mid-run)."""
         sink = self.sink
         if sink is not None and not self.failures.run(what, lambda: action(sink) or True, step, otherwise=False):
-            self._attached.sink = None
+            self._attached.use_sink(None)
 
     def write_layout(self, model: nn.Module, placement: Placement, options: Options, step: int) -> None:
         """The charts' layout (TensorBoard's custom scalars) of the model's parameters and
@@ -105,7 +105,7 @@ class Output:
         """Flush the writer, and close it when it is our own."""
         if self.sink is not None:
             self.write_with(lambda sink: sink.close(), "flush the writer", step)
-            self._attached.sink = None
+            self._attached.use_sink(None)
         self._writer = None
 
     def announce(self, step: int, alerts: list[Alert]) -> None:

@@ -103,11 +103,11 @@ class Sampling:
     def _open_vote(self, attached: Attachments) -> None:
         self.sync = RankSync()
         self.vote = StepVote(self.sync)
-        attached.removables.append(self.vote)  # waits for its ballot, then closes the group
+        attached.hold(self.vote)  # waits for its ballot, then closes the group
 
     def _open_interval_sync(self, attached: Attachments) -> bool:
         self._interval_sync = RankSync(SHARE_TIMEOUT_S)
-        attached.removables.append(self._interval_sync)
+        attached.hold(self._interval_sync)
         return True
 
     def close(self) -> None:
@@ -128,7 +128,16 @@ class Sampling:
             self.pacer.off_step(started - self.opened_at, self._last_off_own_s, self._last_off_checks_s)
         self.opened_at = started
         self._last_off_own_s = None
+        self.own_s = 0.0
         return started
+
+    def spent(self, seconds: float) -> None:
+        """layerwatch took ``seconds`` of the open step while it is unsampled (the pacer counts it)."""
+        self.own_s += seconds
+
+    def wrote(self, seconds: float) -> None:
+        """The last sample's record took ``seconds`` to write: counted in the next sample's cost."""
+        self.last_write_s = seconds
 
     def decide(self, step: int, may_sample: bool, findings: VotedFindings) -> bool:
         """Whether ``step`` is sampled: the schedule says so, or a fault asked for it. In a run
@@ -297,4 +306,4 @@ class Sampling:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"state['sample_interval'] must be an int >= 1, got {interval!r}")
         if self.pacer is not None:
-            self.pacer.interval = interval
+            self.pacer.resume(interval)

@@ -25,7 +25,7 @@ _FRAMEWORKS = ("torch", "lightning", "pytorch_lightning", "lightning_fabric", "t
 
 
 def _internal_dirs() -> tuple[str, ...]:
-    dirs = [os.path.dirname(__file__)]
+    dirs = [os.path.dirname(os.path.dirname(__file__))]  # the package, from guards/
     for name in _FRAMEWORKS:
         module = sys.modules.get(name)
         path = getattr(module, "__file__", None)

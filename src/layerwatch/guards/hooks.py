@@ -23,7 +23,7 @@ import inspect
 import sys
 import time
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -60,6 +60,18 @@ class Attachments:
         self.handles: list[Any] = []
         self.removables: list[Any] = []
         self.sink: Any = None
+
+    def hold(self, *removables: Any) -> None:
+        """Objects with a ``remove()``, removed at :meth:`release`."""
+        self.removables.extend(removables)
+
+    def hold_handles(self, handles: Sequence[Any]) -> None:
+        """Hook handles, removed at :meth:`release`."""
+        self.handles.extend(handles)
+
+    def use_sink(self, sink: Any) -> None:
+        """The sink closed at :meth:`release` (None: no sink, nothing written)."""
+        self.sink = sink
 
     def remove_hooks(self) -> None:
         handles, self.handles = self.handles, []

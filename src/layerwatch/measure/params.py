@@ -65,15 +65,21 @@ class ParameterFamilies:
         self.options = options
         self.failures = failures
         self.workspace = S.Workspace()
-        self.layout = Layout()  # how the parameters lie over the ranks (set by the engine at start)
-        self.zero: Any = None  # a DeepSpeed ZeRO run's pieces (layerwatch.measure.zero.Zero), set by the engine at start
+        self.layout = Layout()  # how the parameters lie over the ranks (given at start)
+        self.zero: Any = None  # a DeepSpeed ZeRO run's pieces (layerwatch.measure.zero.Zero), given at start
         self.sync: Optional[RankSync] = None  # where the ranks of a sharded run agree
         self._unmeasurable: set[tuple[str, str]] = set()  # (weights|gradients, name) whose statistics failed
         self.param_bytes = 0  # this rank's share of the model's parameters (see start_snapshots)
         self._held_bytes = 0  # what this step's snapshots hold so far
         self._estimating_since: Optional[int] = None  # the step since which snapshots are samples
 
+
+    def start(self, layout: Layout, zero: Any, sync: Optional[RankSync]) -> None:
+        """Where the parameters live (found at the run's start): their layout, a ZeRO run's
+        partitions, and the ranks' group a sharded run's reductions agree in (None: none)."""
+        self.layout, self.zero, self.sync = layout, zero, sync
     def release(self) -> None:
+        self.sync = None
         self.workspace.clear()
 
     def gradients(self, params: Sequence[tuple[str, nn.Parameter]], step: int) -> list[Piece]:

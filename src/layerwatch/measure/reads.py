@@ -67,6 +67,15 @@ class Sample:
             return steps_now != self.steps_before
         return None if self.before_calls == 0 else self.after_calls >= self.before_calls
 
+    def spent(self, seconds: float) -> None:
+        """layerwatch took ``seconds`` of this sampled step (its ``overhead_ms``)."""
+        self.overhead_s += seconds
+
+    def replayed(self, result: Any, seconds: float) -> None:
+        """The step was run again with every probe armed (a fault's replay): what the probes saw, and its time."""
+        self.replay = result
+        self.overhead_s += seconds
+
     def trained(self) -> bool:
         """Whether the step computed gradients (so the model ran)."""
         return any(p.grad is not None for _, p in self.params)
