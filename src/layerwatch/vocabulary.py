@@ -10,12 +10,40 @@ tab's series and ``layerwatch report``'s tables are keyed by it.
 
 from __future__ import annotations
 
+import enum
+
 ROOT = "(root)"  # the name layerwatch gives the model itself (named_modules() names it "")
 
-# The families (the ``families=`` option).
-TENSOR_FAMILIES = ("weights", "grads")
-PROBE_FAMILIES = ("latency", "memory", "activations", "nonfinite", "attention", "logits")
-FAMILIES = TENSOR_FAMILIES + ("updates", "optimizer", "structure") + PROBE_FAMILIES
+
+
+class Family(str, enum.Enum):
+    """A family of measurements (the ``families=`` option). A ``str`` enum: a family equals its
+    name (``Family.GRADS == "grads"``), so the families a user passes as strings work as they are."""
+
+    WEIGHTS = "weights"
+    GRADS = "grads"
+    UPDATES = "updates"
+    OPTIMIZER = "optimizer"
+    STRUCTURE = "structure"
+    LATENCY = "latency"
+    MEMORY = "memory"
+    ACTIVATIONS = "activations"
+    NONFINITE = "nonfinite"
+    ATTENTION = "attention"
+    LOGITS = "logits"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+# The families by kind, as their names (what tags are built from).
+TENSOR_FAMILIES = (Family.WEIGHTS.value, Family.GRADS.value)
+PROBE_FAMILIES = tuple(f.value for f in (Family.LATENCY, Family.MEMORY, Family.ACTIVATIONS, Family.NONFINITE, Family.ATTENTION,
+                                         Family.LOGITS))
+FAMILIES = TENSOR_FAMILIES + (Family.UPDATES.value, Family.OPTIMIZER.value, Family.STRUCTURE.value) + PROBE_FAMILIES
 
 # The per-tensor statistics (the ``stats=`` option): tagged <family>_<stat>/<name>.
 STATS = ("mean", "std", "min", "max", "norm", "zero_frac", "nonfinite")
