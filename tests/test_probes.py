@@ -12,6 +12,8 @@ from torch import nn
 
 from layerwatch import Inspector, at_steps
 from layerwatch.probes import RuntimeProbe, select_modules
+from layerwatch.probes.evidence import SpreadWork
+from layerwatch.probes.terms import ProbeTerms
 from models import (
     Amplifier, InPlaceCheckpointed, MLP, HiddenMiddle, Poison, SharedLayer, hook_count, tab_values, train, train_through_overflow_in_a_module,
     train_through_scaler_overflow,
@@ -639,3 +641,16 @@ def test_a_module_that_makes_a_nan_from_finite_weights_is_named_though_other_wei
             inspector.step()
     named = [a for a in inspector.alerts if a.kind == "nonfinite" and not a.message.startswith("NaN/Inf values")]
     assert [(a.step, a.name, a.message.split(": ")[0]) for a in named] == [(1, "spoil", "first offender")]
+
+
+@pytest.mark.parametrize("terms", [
+    ProbeTerms(False), ProbeTerms(True), ProbeTerms(True, True, SpreadWork(2, 1, 7, 3, 2**32 - 1), -1),
+    ProbeTerms(True, True, SpreadWork(), 123456), ProbeTerms(False, True, SpreadWork(0, 4, 0, 9, 5), 0),
+])
+def test_what_the_ranks_agree_on_is_one_vector_of_the_same_length_whatever_its_values(terms):
+    vector = terms.vector()
+    assert len(vector) == ProbeTerms.width() == 8  # every rank sends as many ints, or the all_reduce mismatches
+    assert all(type(v) is int for v in vector)
+    assert ProbeTerms.from_vector(vector) == terms
+    with pytest.raises(ValueError):
+        ProbeTerms.from_vector(vector[:-1])

@@ -22,7 +22,10 @@ the hooks nested in it, so the probes' work never counts as the model's. Times c
 from ``time.perf_counter_ns`` on the CPU and from CUDA events on a GPU.
 
 The parts, one module each: :mod:`~layerwatch.probes.selection` (which modules, under which
-names), :mod:`~layerwatch.probes.runtime` (the hooks and what they measured),
+names), :mod:`~layerwatch.probes.runtime` (the hooks),
+:mod:`~layerwatch.probes.calls` (what they record), :mod:`~layerwatch.probes.gradients` (its
+gradient hooks), :mod:`~layerwatch.probes.assembly` (what they measured, built from the record),
+:mod:`~layerwatch.probes.terms` (what the ranks agree on before they combine it),
 :mod:`~layerwatch.probes.outputs` (the NaN/Inf evidence and the outputs' values, kept on the
 device), :mod:`~layerwatch.probes.saved` (the bytes saved for backward),
 :mod:`~layerwatch.probes.clocks` (host clock or CUDA events) and

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -20,6 +20,18 @@ from layerwatch.distributed.agreement import fingerprint
 from layerwatch.distributed.sharding import local, local_tensors, spread
 from layerwatch.probes.outputs import FlagSlots, Outputs, nonfinite_sum
 from layerwatch.faults.sentinel import fused_norms
+
+
+class SpreadWork(NamedTuple):
+    """What :meth:`Evidence.combine` does with the other ranks: how many flags and rows of
+    spread tensors, and how they fall into process groups (in order). Every rank must hold
+    the same, or none may combine. All zero: nothing to combine (or nothing to say)."""
+
+    flag_groups: int = 0
+    row_groups: int = 0
+    flags: int = 0
+    rows: int = 0
+    layout: int = 0  # a fingerprint of the counts per group, in order
 
 
 class Evidence:
@@ -38,11 +50,11 @@ class Evidence:
         """Let go of the tensors seen (the hooks are removed)."""
         self._seen_ref, self._seen_key = {}, {}
 
-    def spread_work(self) -> list[int]:
+    def spread_work(self) -> SpreadWork:
         """How many flags and rows of spread tensors, per group and in order: what every rank
         must hold alike before :meth:`combine`."""
         flags, rows = self._slots.spread_counts, self._outputs.spread_counts
-        return [len(flags), len(rows), sum(flags), sum(rows), fingerprint([str(flags), str(rows)])]
+        return SpreadWork(len(flags), len(rows), sum(flags), sum(rows), fingerprint([str(flags), str(rows)]))
 
     def combine(self) -> None:
         """The flags of spread tensors combined with the other ranks' (collective)."""

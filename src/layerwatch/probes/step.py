@@ -3,6 +3,7 @@ transformer probes', on an eager forward: the step's own, or a compiled model's 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -13,11 +14,13 @@ from layerwatch.distributed.agreement import RankSync
 from layerwatch.distributed.sharding import is_writer_rank
 from layerwatch.guards.failures import FailurePolicy
 from layerwatch.guards.hooks import FailedForwardGuard
-from layerwatch.probes.transformer import TransformerProbes
-from layerwatch.probes.runtime import ProbeResult, RuntimeProbe
-from layerwatch.vocabulary import PROBE_FAMILIES
+from layerwatch.probes.result import ProbeResult
+from layerwatch.probes.runtime import RuntimeProbe
 from layerwatch.probes.selection import ModuleFilter, is_compiled, select_modules
 from layerwatch.probes.structure import StructureProbe
+from layerwatch.probes.terms import ProbeTerms
+from layerwatch.probes.transformer import TransformerProbes
+from layerwatch.vocabulary import PROBE_FAMILIES
 from layerwatch.probes.weights import WeightCheck
 from layerwatch.table.summary import Summary
 
@@ -30,9 +33,48 @@ IN_A_COMPILED_CALLER = (
 )
 
 
+@dataclass(frozen=True)
+class ProbesMode:
+    """What a run's probes do on its sampled steps: the one state of :class:`StepProbes`,
+    replaced (never changed in place) by the transitions below, each of which returns the
+    new mode. No transition goes back.
+
+    - ``table_pending``: the layer table is still to be recorded (on a whole forward, on the
+      rank that writes). Off once recorded, once its probe failed (:meth:`table_done`), or
+      for a model split into pipeline stages (:meth:`StepProbes.forgo_layer_table`).
+    - ``runtime_on``: the per-module families are on. Off (:meth:`runtime_off`) when no
+      module is selected, when a runtime probe failed, or when the ranks did not agree.
+    - ``compiled``: the model runs compiled, and its sampled steps are measured on an eager
+      re-run. Set when the run starts (:meth:`started`), or once a sample finds the model
+      running inside compiled code (:meth:`runs_compiled`).
+    """
+
+    table_pending: bool
+    runtime_on: bool
+    compiled: bool = False
+
+    def started(self, compiled: bool) -> "ProbesMode":
+        return replace(self, compiled=compiled)
+
+    def table_done(self) -> "ProbesMode":
+        return replace(self, table_pending=False)
+
+    def runtime_off(self) -> "ProbesMode":
+        return replace(self, runtime_on=False)
+
+    def runs_compiled(self) -> "ProbesMode":
+        return replace(self, compiled=True)
+
+
 class StepProbes:
     """The module hooks of a sampled step: the layer table (the first time), the runtime and
     transformer probes.
+
+    What they do from step to step is one state, :attr:`mode` (:class:`ProbesMode`, and its
+    transitions). Within a sampled step the probes are idle (none armed), armed by
+    :meth:`arm` (the hooks on the model), unhooked by :meth:`unhook` (a re-run is over: what
+    they measured is kept) and taken by :meth:`take` (idle again), or dropped by
+    :meth:`disarm`.
 
     Nothing of them runs inside compiled code. A model that runs compiled (:attr:`compiled`)
     gets no hook on its own forward; its sampled step is measured on an eager re-run of one
@@ -49,28 +91,43 @@ class StepProbes:
                  failures: FailurePolicy, output_head: Optional[str] = None) -> None:
         self.families, self.modules, self.bins, self.failures = families, modules, bins, failures
         self.zeros, self.centered = "zero_frac" in stats, "std" in stats
-        self.structure_pending = "structure" in families
-        self.runtime_on = any(family in families for family in PROBE_FAMILIES)
-        self.compiled = False  # the model runs compiled: measured on a re-run (see the class)
+        self.mode = ProbesMode(table_pending="structure" in families,
+                               runtime_on=any(family in families for family in PROBE_FAMILIES))
+        # The probes of the step armed (all None: idle)
         self._structure: Optional[StructureProbe] = None
         self._runtime: Optional[RuntimeProbe] = None
-        self._transformer = TransformerProbes(families, output_head, failures)  # attention, log Z, kurtosis
         self._weights: Optional[WeightCheck] = None  # the weights' NaN/Inf check of this step
         self._forward_guard: Optional[FailedForwardGuard] = None
+        self._transformer = TransformerProbes(families, output_head, failures)  # attention, log Z, kurtosis
         self._inert: list[Any] = []  # hooks kept, inert, on a model found running inside compiled code
         self.workspace = S.Workspace()  # kept from one sampled step to the next
         self._cuda_events: list[Any] = []  # the runtime probes' clock marks on a GPU, idem
 
+    @property
+    def structure_pending(self) -> bool:
+        """Whether the layer table is still to be recorded."""
+        return self.mode.table_pending
+
+    @property
+    def runtime_on(self) -> bool:
+        """Whether the per-module families are on."""
+        return self.mode.runtime_on
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the model runs compiled: measured on a re-run (see the class)."""
+        return self.mode.compiled
+
     def forgo_layer_table(self) -> None:
         """Record no layer table: the model is split into pipeline stages, and no rank runs the
         whole model's forward."""
-        self.structure_pending = False
+        self.mode = self.mode.table_done()
 
     def start(self, model: nn.Module, compiled_by_caller: bool = False) -> None:
         """When the run starts: whether the model runs compiled (it holds compiled parts, or
         ``compiled_by_caller``: the caller compiles it, as Lightning and the Hugging Face
         Trainer say)."""
-        self.compiled = compiled_by_caller or is_compiled(model)
+        self.mode = self.mode.started(compiled_by_caller or is_compiled(model))
 
     def arm(self, model: nn.Module, parameters: Sequence[nn.Parameter], step: int, writer: bool = True,
             structure: bool = True, eager: bool = False, forward_only: bool = False,
@@ -83,15 +140,16 @@ class StepProbes:
         ``dense_limit`` bytes of scores at most (:class:`~layerwatch.probes.attention.AttentionProbe`)."""
         if self._runtime is not None or self._structure is not None:  # a re-run's, kept for take(): a replay's now
             self.disarm()
-        if self.compiled and not eager:
+        mode = self.mode
+        if mode.compiled and not eager:
             return
         writer = writer and structure
-        runtime = self.runtime_on
-        if not ((self.structure_pending and writer) or runtime):
+        runtime = mode.runtime_on
+        if not ((mode.table_pending and writer) or runtime):
             return
         if runtime and "nonfinite" in self.families:  # before the forward: what its modules compute with
             self.failures.run("check the weights for NaN/Inf", lambda: self._check_weights(model, parameters), step)
-        if self.structure_pending and writer:
+        if mode.table_pending and writer:
             self.failures.run("record the layer table", lambda: self._arm_structure(model, forward_only), step)
         if runtime:
             self.failures.run("arm the runtime probes",
@@ -105,7 +163,7 @@ class StepProbes:
     def _selected(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         modules = select_modules(model, self.modules)
         if not modules:
-            self.runtime_on = False
+            self.mode = self.mode.runtime_off()
             self.failures.warn_once(
                 "no-modules", f"layerwatch: modules={list(self.modules or ())!r} matches no module of the model; "
                 "the per-module families are off",
@@ -189,42 +247,60 @@ class StepProbes:
         then do they combine them. Where they do not, every rank turns its probes off alike,
         so none waits for another at a later step either.
         """
-        weights = self._weights
-        structure, runtime = self._structure, self._runtime
-        together = False
-        if sync is not None:  # every rank, on every sampled step, whatever its own probes did
-            healthy = runtime is not None and runtime.error is None
-            checked = -1 if weights is None else weights.count  # the weights' check is combined too: the same on every rank
-            work = runtime.spread_work() + [checked] if healthy else [0] * 6
-            together = sync.same([int(self.runtime_on), int(healthy)] + work) and healthy
-            if not together and self.runtime_on:  # every rank alike: all turn them off
-                self.runtime_on = False
-                if runtime is None:
-                    self.failures.warn_once("fail:probes", "layerwatch: the runtime probes could not be armed; the per-module families are off")
-                elif runtime.error is None:
-                    runtime.error = RuntimeError("the runtime probes failed on another rank")
+        weights, structure, runtime = self._weights, self._structure, self._runtime
+        together = sync is not None and self._agree(sync, runtime, weights)
         if trained and self._ran_compiled():
             return self._keep_inert(sync, step)
         transformer = self._transformer.take(sync)
         self.disarm()
-        summary = result = None
-        if structure is not None:
-            if structure.error is not None:
-                self.structure_pending = False
-                self.failures.warn_once("fail:structure", f"layerwatch: could not record the layer table: {structure.error!r}; skipped")
-            elif structure.windows:
-                summary = structure.summary(flattened)
-                self.structure_pending = False
-        if runtime is not None:
-            if runtime.error is None:
-                try:
-                    result = _with_transformer(runtime.result(together, weights=weights), transformer)
-                except Exception as e:
-                    runtime.error = e
-            if runtime.error is not None:
-                self.runtime_on = False
-                self.failures.warn_once("fail:probes", f"layerwatch: a runtime probe failed: {runtime.error!r}; the per-module families are off")
+        summary = None if structure is None else self._table(structure, flattened)
+        result = None if runtime is None else self._result(runtime, together, weights, transformer)
         return summary, result
+
+    def _agree(self, sync: RankSync, runtime: Optional[RuntimeProbe], weights: Optional[WeightCheck]) -> bool:
+        """Every rank, on every sampled step, whatever its own probes did: whether they all
+        hold the same :class:`ProbeTerms` (one all_reduce) and worked. Where they do not, every
+        rank turns its probes off alike."""
+        healthy = runtime is not None and runtime.error is None
+        checked = -1 if weights is None else weights.count  # the weights' check is combined too: the same on every rank
+        runtime_on = self.mode.runtime_on
+        terms = ProbeTerms(runtime_on, True, runtime.spread_work(), checked) if healthy else ProbeTerms(runtime_on)
+        together = sync.same(terms.vector()) and healthy
+        if not together and runtime_on:  # every rank alike: all turn them off
+            self.mode = self.mode.runtime_off()
+            if runtime is None:
+                self.failures.warn_once("fail:probes", "layerwatch: the runtime probes could not be armed; the per-module families are off")
+            elif runtime.error is None:
+                runtime.fail(RuntimeError("the runtime probes failed on another rank"))
+        return together
+
+    def _table(self, structure: StructureProbe, flattened: Optional[Mapping[str, tuple[int, torch.dtype, bool]]]
+               ) -> Optional[Summary]:
+        """The layer table ``structure`` recorded, if it saw a whole forward (then, or when it
+        failed, the table is no longer pending)."""
+        if structure.error is not None:
+            self.mode = self.mode.table_done()
+            self.failures.warn_once("fail:structure", f"layerwatch: could not record the layer table: {structure.error!r}; skipped")
+        elif structure.windows:
+            summary = structure.summary(flattened)
+            self.mode = self.mode.table_done()
+            return summary
+        return None
+
+    def _result(self, runtime: RuntimeProbe, together: bool, weights: Optional[WeightCheck],
+                transformer: tuple[dict, Optional[tuple], dict]) -> Optional[ProbeResult]:
+        """What ``runtime`` measured, with the ``transformer`` probes' signals; None when a
+        probe failed (then the per-module families are off)."""
+        result = None
+        if runtime.error is None:
+            try:
+                result = runtime.result(together, weights=weights, transformer=transformer)
+            except Exception as e:
+                runtime.fail(e)
+        if runtime.error is not None:
+            self.mode = self.mode.runtime_off()
+            self.failures.warn_once("fail:probes", f"layerwatch: a runtime probe failed: {runtime.error!r}; the per-module families are off")
+        return result
 
     def found_compiled(self, step: int, trained: bool) -> bool:
         """Whether the step's forward, and the backward that ``trained`` says ran, went by this
@@ -240,7 +316,7 @@ class StepProbes:
         """Whether this step's hooks, armed on the step's own forward, saw none of it: Dynamo
         traced them (the model runs inside a compiled function)."""
         runtime, structure = self._runtime, self._structure
-        if self.compiled or (runtime is None and structure is None) or (runtime is not None and runtime.forward_only):
+        if self.mode.compiled or (runtime is None and structure is None) or (runtime is not None and runtime.forward_only):
             return False
         return (runtime is None or (runtime.error is None and not runtime.ran)) and \
             (structure is None or (structure.error is None and not structure.windows))
@@ -250,22 +326,14 @@ class StepProbes:
         and from now on the model is measured on re-runs."""
         for probe in (self._structure, self._runtime):
             if probe is not None:
-                probe.inert = True
+                probe.keep_inert()  # the runtime probe's gradient hooks go; none ran
                 self._inert.append(probe)
-        if self._runtime is not None:
-            self._runtime.remove(keep_module_hooks=True)  # its gradient hooks go; none ran
         self._transformer.take(sync, keep_module_hooks=True)
         if self._forward_guard is not None:  # compiled code is guarded on the model's forward too
             self._inert.append(self._forward_guard)
         self._structure = self._runtime = self._forward_guard = self._weights = None
-        self.compiled = True
+        self.mode = self.mode.runs_compiled()
         if is_writer_rank():
             self.failures.warn_once("compiled-caller", IN_A_COMPILED_CALLER.format(step=step))
         return None, None
 
-
-def _with_transformer(result: Optional[ProbeResult], transformer: tuple[dict, Optional[tuple], dict]) -> Optional[ProbeResult]:
-    """``result`` with :meth:`TransformerProbes.take`'s attention, output logits and kurtosis."""
-    if result is not None:
-        result.attention, result.logits, result.kurtosis = transformer
-    return result

@@ -75,6 +75,11 @@ class StructureProbe:
         else:
             action()
 
+    def keep_inert(self) -> None:
+        """Leave the hooks on the model, doing nothing, until :meth:`remove` (the model runs
+        inside compiled code, which was compiled with them: see StepProbes)."""
+        self.inert = True
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
