@@ -176,7 +176,7 @@ def test_close_stops_the_sentinel_and_drops_the_offered_batches():
     parts.faults.open(0)
     parts.faults.offer(lambda: parts.model(torch.ones(1, 3)).sum(), voting=False)
     parts.faults.close()
-    assert parts.faults.sentinel is None and parts.faults.micro_batches == []
+    assert parts.faults.sentinel is None and parts.faults.replay.micro_batches == []
     parts.poison_weight_gradient()
     assert end_step(parts, 1) == (None, [])
 
@@ -322,7 +322,7 @@ def test_a_weight_user_with_the_sentinel_off_says_so():
 
 def test_the_front_doors_replay_hint_replaces_the_replay_with_advice():
     parts = Parts()
-    parts.faults.replay_hint = "this loop clears the gradients before the step ends"
+    parts.faults.describe_replay(unreplayable="this loop clears the gradients before the step ends")
     parts.poison_weight_gradient()
     _, (message,) = end_step(parts, 5)
     assert message.endswith("(this loop clears the gradients before the step ends)")
@@ -353,15 +353,15 @@ def test_a_micro_batch_is_kept_only_when_the_sentinel_is_on_and_the_ranks_do_not
     closure = lambda: parts.model(torch.ones(1, 3)).sum()  # noqa: E731
     parts.faults.offer(closure, voting=False)
     parts.faults.offer(closure, voting=False)
-    assert [micro.closure for micro in parts.faults.micro_batches] == [closure, closure]
+    assert [micro.closure for micro in parts.faults.replay.micro_batches] == [closure, closure]
     parts.faults.offer(closure, voting=True)
-    assert len(parts.faults.micro_batches) == 2
+    assert len(parts.faults.replay.micro_batches) == 2
     parts.faults.open(1)  # a new step: the last one's micro-batches go
-    assert parts.faults.micro_batches == []
+    assert parts.faults.replay.micro_batches == []
     off = Parts(sentinel=False)
     off.faults.open(0)
     off.faults.offer(closure, voting=False)
-    assert off.faults.micro_batches == []
+    assert off.faults.replay.micro_batches == []
 
 
 def test_a_step_replayed_before_its_optimizer_step_names_the_module_that_made_the_nan():
@@ -438,7 +438,7 @@ def test_a_check_that_lands_later_is_not_waited_for_once_the_budget_spread_it(mo
     it before the optimizer step: a device sync a step. It is waited for only once the budget
     measured the checks within their share: not before it measured them, nor once it spread the
     check (the CPU's check costs no wait: it stays)."""
-    from layerwatch.faults.faults import spread_message
+    from layerwatch.faults.messages import spread_message
 
     watch, poll, polled = NonfiniteSentinel.watch, NonfiniteSentinel.poll, []
 
@@ -499,11 +499,11 @@ def test_the_sentinels_shares_are_made_again_only_for_other_tensors_or_a_new_spr
 
 
 def test_the_warning_says_which_gradients_the_flag_did_not_name():
-    from layerwatch.faults.faults import _where
+    from layerwatch.faults.messages import where_found
     from layerwatch.faults.sentinel import Finding
 
-    assert _where(Finding(3, ["a"], True, True)) == " in a"
-    assert _where(Finding(3, [], True, True, unnamed=True)) == " in this step's share of the gradients (its one flag names none)"
-    assert _where(Finding(3, ["a"], True, True, unnamed=True)) == (
+    assert where_found(Finding(3, ["a"], True, True)) == " in a"
+    assert where_found(Finding(3, [], True, True, unnamed=True)) == " in this step's share of the gradients (its one flag names none)"
+    assert where_found(Finding(3, ["a"], True, True, unnamed=True)) == (
         " in a and this step's share of the gradients (its one flag names none)")  # a norms group named a, a flag none
-    assert _where(Finding(3, [], True, True)) == " in gradients (shards, or a pipeline stage's) held by another rank"
+    assert where_found(Finding(3, [], True, True)) == " in gradients (shards, or a pipeline stage's) held by another rank"

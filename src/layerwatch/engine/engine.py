@@ -146,8 +146,7 @@ class Engine:
 
     def describe_replay(self, *, unreplayable: Optional[str] = None, differs: Optional[str] = None) -> None:
         """The front door's words of its replay: why a fault's step cannot be replayed, or what a replay runs differently."""
-        self._faults.replay_hint = self._faults.replay_hint if unreplayable is None else unreplayable
-        self._faults.replay_note = self._faults.replay_note if differs is None else differs
+        self._faults.describe_replay(unreplayable, differs)
 
     def start(self, *, within: Optional[nn.Module] = None, compiled_by_caller: bool = False,
               deepspeed: Any = None) -> "Engine":
@@ -222,7 +221,7 @@ class Engine:
     def track_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Count these optimizers' steps (a post-hook each, until :meth:`finish`): a skipped step (a GradScaler's) is no fault."""
         self._counter.track(optimizers)
-        self._faults.optimizers += [weakref.ref(optimizer) for optimizer in optimizers]
+        self._faults.track(optimizers)
 
     def add_sink(self, sink: Callable[[R.StepRecord], None]) -> None:
         """Also hand every record written (rank 0) to ``sink``."""
@@ -324,7 +323,7 @@ class Engine:
         self._check_running("end_step")
         entered = time.perf_counter()
         self._check_faults()
-        self._faults.micro_batches = []  # the step's batches are let go of
+        self._faults.let_go()  # the step's batches are let go of
         sample, self._sample = self._sample, None
         if sample is None:
             self._sampling.close_unsampled(self._step, entered, self._faults.check_s)
@@ -335,7 +334,7 @@ class Engine:
         sync = None if stages is not None else self._sampling.sync  # a stage's probes combine nothing with other ranks'
         structure, probes = self._probes.take(sync, sample.step, sample.trained(), self._placement.layout.flattened)
         probes = sample.replay or probes
-        self._reads.rest(sample, [ref() for ref in self._faults.optimizers])
+        self._reads.rest(sample, self._faults.tracked())
         gathered: Union[StagePart, None, bool] = None  # every stage's measurements, on the writer; False: not gathered
         if stages is not None:  # every rank, whatever it measured: collective
             gathered = self.failures.run("gather the pipeline stages' measurements", lambda: stages.gather(
