@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from layerwatch.health.alerts import Alert
+from layerwatch.health.alert import Alert
 from layerwatch.options import SpikeRule
 from layerwatch.health.spikes import ValueTap, SpikeDetector
 

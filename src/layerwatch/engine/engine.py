@@ -40,7 +40,8 @@ import torch
 from torch import nn
 
 from layerwatch.sinks import record as R
-from layerwatch.health.alerts import Alert, HealthCheck
+from layerwatch.health.alert import Alert
+from layerwatch.health.alerts import HealthCheck
 from layerwatch.engine.budget import Pacer
 from layerwatch.distributed.sharding import Layout, is_writer_rank
 from layerwatch.guards.failures import FailurePolicy
