@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
 from layerwatch.sinks import record as R
-from layerwatch.health.alerts import Alert
+from layerwatch.health.alert import Alert
 from layerwatch.distributed.sharding import Layout
 from layerwatch.guards.failures import FailurePolicy
 from layerwatch.guards.hooks import Attachments

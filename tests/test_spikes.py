@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from layerwatch.health.alerts import Alert
+from layerwatch.health.alert import Alert
 from layerwatch.options import SpikeRule
 from layerwatch.health.spikes import ValueTap, SpikeDetector
 
@@ -788,12 +788,13 @@ def test_spikes_explained_at_one_sample_are_alerts_of_their_own_steps():
     """On a GPU two spikes can land before the next sample: each is an alert at its own step,
     though the ranking (one a sample) names the same layer."""
     from layerwatch.health.alerts import HealthCheck
+    from layerwatch.health.findings import Findings
     from layerwatch.options import AlertRules
     from layerwatch.guards.failures import FailurePolicy
 
     health = HealthCheck(AlertRules(), FailurePolicy())
     found = [Alert("spike", "fc1", 60, "loss spike at step 60"), Alert("spike", "fc1", 62, "loss spike at step 62")]
-    findings = health.judge(64, {}, False, [], None, found)
+    findings = health.judge(64, {}, False, [], None, spiked=Findings(alerts=found))
     assert [(a.kind, a.name, a.step) for a in findings.alerts] == [("spike", "fc1", 60), ("spike", "fc1", 62)]
 
 

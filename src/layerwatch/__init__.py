@@ -6,7 +6,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from layerwatch.health.alerts import Alert
+    from layerwatch.health.alert import Alert
     from layerwatch.inspector import Inspector
     from layerwatch.lightning import InspectCallback
     from layerwatch.reading.notebook import load, load_alerts, load_histograms
@@ -26,7 +26,7 @@ _HOMES = {
     "summarize": "layerwatch.table.summarize",
     "Summary": "layerwatch.table.summary",
     "AlertRules": "layerwatch.options",
-    "Alert": "layerwatch.health.alerts",
+    "Alert": "layerwatch.health.alert",
     "SpikeRule": "layerwatch.options",
     "Schedule": "layerwatch.schedule",
     "every_n_steps": "layerwatch.schedule",

@@ -183,7 +183,7 @@ def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                         ("--every-nth", args.every_nth)):
         if value is not None:
             parser.error(f"argument {flag}: only with --html (it narrows the file written)")
-    from layerwatch.health.alerts import KINDS
+    from layerwatch.health.alert import KINDS
     from layerwatch.reading.report import ReportError, build_report, format_report, has_layerwatch_data
 
     fail_on: set[str] = set()

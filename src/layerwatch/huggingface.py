@@ -45,7 +45,7 @@ from torch import nn
 from typing_extensions import override
 
 from layerwatch import vocabulary as V
-from layerwatch.health.alerts import Alert
+from layerwatch.health.alert import Alert
 from layerwatch.engine.engine import Engine
 from layerwatch.guards.hooks import FailedForwardGuard, GradNormTaken, engine_step_hooks, is_compiling
 from layerwatch.options import AlertRules, SpikeRule, DEFAULT_STATS, options_from

@@ -16,7 +16,7 @@ from torch import nn
 
 from layerwatch.sinks import record as R
 from layerwatch import vocabulary as V
-from layerwatch.health.alerts import Alert
+from layerwatch.health.alert import Alert
 from layerwatch.engine.budget import Pacer
 from layerwatch.engine.engine import Engine
 from layerwatch.guards.hooks import engine_step_hooks

@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from layerwatch.sinks import record as R
 from layerwatch import vocabulary as V
-from layerwatch.health.alerts import Alert
+from layerwatch.health.alert import Alert
 from layerwatch.engine.engine import Engine
 from layerwatch.guards.hooks import GradNormTaken
 from layerwatch.options import AlertRules, SpikeRule, DEFAULT_STATS, options_from

@@ -40,7 +40,8 @@ import torch
 from torch import nn
 
 from layerwatch.sinks import record as R
-from layerwatch.health.alerts import Alert, HealthCheck
+from layerwatch.health.alert import Alert
+from layerwatch.health.alerts import HealthCheck, unjudged  # unjudged: the findings where no rules run
 from layerwatch.engine.budget import Pacer
 from layerwatch.distributed.sharding import Layout, is_writer_rank
 from layerwatch.guards.failures import FailurePolicy
@@ -385,12 +386,11 @@ class Engine:
         stage's rows, gathered already."""
         rows = self._reads.host_rows(sample) if stages is None else stages.rows
         stepped = sample.stepped(self._counter.count)
-        found, offender = self._faults.offender_alerts(sample.step, probes, stepped)
+        offender = self._faults.offender_alerts(sample.step, probes, stepped)
         spiked = self._spikes.explain(sample.step, rows, probes, replayed=sample.replay is not None)
-        findings = R.Findings(alerts=found + spiked.alerts) if self._health is None else self._health.judge(
+        findings = unjudged(offender, spiked) if self._health is None else self._health.judge(
             sample.step, rows, "grads" in self.options.families, sample.trainable() if stages is None else stages.trainable,
-            stepped, found + spiked.alerts, probes)
-        findings.offender, findings.spikes, findings.history = offender, spiked.spikes, spiked.history
+            stepped, probes, offender, spiked)
         cost_s, interval = self._sampling.cost(sample.step, sample.overhead_s, started, self._collector.seconds, findings.alerts)
         self._samples_written += 1
         self._sampling.wrote(self._output.write_step(sample.step, rows, probes, structure, findings, self.options,

@@ -17,7 +17,7 @@ from torch import nn
 from layerwatch.sinks import record as R
 from layerwatch.health.findings import Findings
 from layerwatch import stats as S
-from layerwatch.health.alerts import Alert
+from layerwatch.health.alert import Alert
 from layerwatch.guards.failures import FailurePolicy
 from layerwatch.guards.hooks import Attachments
 from layerwatch.options import Options

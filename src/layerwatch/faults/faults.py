@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from layerwatch.sinks import record as R
-from layerwatch.health.alerts import Alert
+from layerwatch.health.alert import Alert
 from layerwatch.distributed.agreement import Decision
 from layerwatch.distributed.sharding import Layout, is_writer_rank, local
 from layerwatch.guards.failures import FailurePolicy

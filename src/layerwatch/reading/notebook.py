@@ -157,7 +157,7 @@ def load_alerts(logdir: str | os.PathLike, runs: Runs = None) -> "pd.DataFrame":
                 for row in _alert_rows(step, kind, value):
                     found.setdefault(row)
         if not found and scan.alerts_text is not None:  # a log written before the tab's events
-            from layerwatch.health.alerts import parse_alerts_markdown
+            from layerwatch.health.alert import parse_alerts_markdown
 
             for alert in parse_alerts_markdown(scan.alerts_text[1]):
                 found.setdefault((alert.step, alert.kind, alert.name, alert.message))

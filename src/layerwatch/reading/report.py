@@ -164,7 +164,7 @@ def _read(files: list[Path]) -> _Run:
 
 
 def _summarize(name: str, run: _Run) -> dict[str, Any]:
-    from layerwatch.health.alerts import parse_alerts_markdown  # here: the rest of the report needs no torch
+    from layerwatch.health.alert import parse_alerts_markdown  # here: the rest of the report needs no torch
 
     alerts = [] if run.alerts_text is None else [a.as_dict() for a in parse_alerts_markdown(run.alerts_text[1])]
     spikes = sorted((spike for _, events in run.tab.events for spike in events.get("spikes", [])), key=lambda s: s["step"])
