@@ -34,14 +34,15 @@ import logging
 import os
 import time
 import weakref
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from layerwatch.sinks import record as R
 from layerwatch.health.alert import Alert
-from layerwatch.health.alerts import HealthCheck, unjudged  # unjudged: the findings where no rules run
+from layerwatch.health.alerts import HealthCheck
+from layerwatch.engine.closing import Closing
 from layerwatch.engine.budget import Pacer
 from layerwatch.distributed.sharding import Layout, is_writer_rank
 from layerwatch.guards.failures import FailurePolicy
@@ -50,7 +51,7 @@ from layerwatch.guards.hooks import Attachments, CollectorClock, claim
 from layerwatch.options import Options, writable_dir
 from layerwatch.engine.output import Output
 from layerwatch.measure.params import ParameterFamilies
-from layerwatch.probes import ProbeResult, StepProbes
+from layerwatch.probes import StepProbes
 from layerwatch.engine.rerun import Rerun, Rows
 from layerwatch.measure.reads import Sample, SampleReads
 from layerwatch.engine.sampling import Sampling
@@ -58,8 +59,6 @@ from layerwatch.schedule import Schedule
 from layerwatch.health.spikes import Spikes
 from layerwatch.faults.sentinel import StepCounter
 from layerwatch.engine.placement import Placement, find_placement
-from layerwatch.distributed.stages import StagePart
-from layerwatch.table.summary import Summary
 from layerwatch.measure.zero import engine_of
 
 logger = logging.getLogger("layerwatch")
@@ -95,7 +94,7 @@ class Engine:
         self.options, self.owner = options, owner
         self.log_dir = None if log_dir is None else writable_dir(log_dir)
         self._model = weakref.ref(model)
-        self._state, self._step, self._samples_written, self._armed = "new", 0, 0, False
+        self._state, self._step, self._armed = "new", 0, False
         self._sample: Optional[Sample] = None  # _armed: its hooks are on, from a sampled step's start to the next step's
         self.failures = FailurePolicy()
         self._params = ParameterFamilies(options, self.failures)
@@ -114,6 +113,8 @@ class Engine:
         self._sampling = Sampling(options, self.failures)
         self._faults = Faults(options, self.failures, self._probes, self._counter, self._output, self._sampling.ask)
         self._spikes = Spikes(options.spikes, self.failures, self._sampling.ask, self._output, self._health and self._health.progress)
+        self._closing = Closing(options, self.failures, self._probes, self._rerun, self._reads, self._faults, self._spikes,
+                                self._health, self._sampling, self._output, self._collector, self._counter)
         self._placement = Placement(Layout())  # where the parameters live: found at start()
         # The parameters as last walked (a walk costs per module: once, then at each sample).
         self._param_cache: Optional[list[tuple[str, nn.Parameter]]] = None
@@ -208,7 +209,7 @@ class Engine:
         if self._state == "running":
             self._spikes.close(self._step, self._health)  # the spikes found since the last sample
             if self._health is not None:
-                self._health.say_if_too_short(self._samples_written)
+                self._health.say_if_too_short(self._closing.written)
         self._drop_sample()
         self._faults.close()
         self._sampling.close()  # its groups are closed with the hooks, below
@@ -329,23 +330,7 @@ class Engine:
         if sample is None:
             self._sampling.close_unsampled(self._step, entered, self._faults.check_s)
             return None
-        started = time.perf_counter()
-        sample.spent(self._probes.hook_seconds + self._rerun.close(sample.step))
-        stages = self._placement.stages
-        sync = None if stages is not None else self._sampling.sync  # a stage's probes combine nothing with other ranks'
-        structure, probes = self._probes.take(sync, sample.step, sample.trained(), self._placement.layout.flattened)
-        probes = sample.replay or probes
-        self._reads.rest(sample, self._faults.tracked())
-        gathered: Union[StagePart, None, bool] = None  # every stage's measurements, on the writer; False: not gathered
-        if stages is not None:  # every rank, whatever it measured: collective
-            gathered = self.failures.run("gather the pipeline stages' measurements", lambda: stages.gather(
-                sample.step, lambda: self._reads.host_rows(sample), probes, sample.trainable), sample.step, otherwise=False)
-            probes = gathered.probes if isinstance(gathered, StagePart) else None
-        if is_writer_rank() and gathered is not False:
-            self.failures.run("write the sampled step", lambda: self._write(sample, started, structure, probes,
-                                                                            gathered or None), sample.step)
-        self._collector.remove()
-        self._sampling.close_sampled(sample.step)
+        self._closing.close(sample, self._placement)
         return sample.step
 
     def _check_running(self, what: str) -> None:
@@ -378,20 +363,3 @@ class Engine:
         self._param_cache = sample.params
         if replayed:
             sample.replayed(*replayed)
-
-    def _write(self, sample: Sample, started: float, structure: Optional[Summary], probes: Optional[ProbeResult],
-               stages: Optional[StagePart] = None) -> None:
-        """Rank 0: the step's rows to the host, what they and the probes say, then its record to the sinks, built and
-        written after the step's cost is taken (both count in the next sample's: :meth:`Sampling.cost`). ``stages``: every
-        stage's rows, gathered already."""
-        rows = self._reads.host_rows(sample) if stages is None else stages.rows
-        stepped = sample.stepped(self._counter.count)
-        offender = self._faults.offender_alerts(sample.step, probes, stepped)
-        spiked = self._spikes.explain(sample.step, rows, probes, replayed=sample.replay is not None)
-        findings = unjudged(offender, spiked) if self._health is None else self._health.judge(
-            sample.step, rows, "grads" in self.options.families, sample.trainable() if stages is None else stages.trainable,
-            stepped, probes, offender, spiked)
-        cost_s, interval = self._sampling.cost(sample.step, sample.overhead_s, started, self._collector.seconds, findings.alerts)
-        self._samples_written += 1
-        self._sampling.wrote(self._output.write_step(sample.step, rows, probes, structure, findings, self.options,
-                                                              cost_s, interval, all_grads=stages is None or stages.complete))
