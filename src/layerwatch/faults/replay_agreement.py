@@ -26,6 +26,7 @@ from layerwatch.guards.failures import FailurePolicy
 from layerwatch.options import Options
 from layerwatch.probes import Offender, ProbeResult, StepProbes
 from layerwatch.probes.selection import is_compiled
+from layerwatch.vocabulary import Family
 
 REPLAY_GATHER_TIMEOUT_S = 300.0  # how long the ranks of a DDP run wait for each other's replay
 
@@ -128,7 +129,7 @@ class StepReplay:
         unseeable = _unseeable(model)
         if unseeable:
             self.hint = messages.COMPILED_HINT
-        can = (model is not None and not unseeable and "nonfinite" in self.options.families
+        can = (model is not None and not unseeable and Family.NONFINITE in self.options.families
                and self._probes.runtime_on
                and not self._probes.sees_nonfinite)  # sees it: sampled, saw it happen
         if not can:

@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from torch import nn
 
+from layerwatch.vocabulary import Family
 from layerwatch import stats as S
 from layerwatch.distributed.sharding import FAILED_NORM, is_writer_rank, local_tensors
 from layerwatch.guards.failures import FailurePolicy
@@ -107,11 +108,11 @@ class SampleReads:
             return
         sample.before_calls += 1
         self._gradients(sample, params)
-        if "optimizer" in self.families and zero is None and optimizer is not None:
+        if Family.OPTIMIZER in self.families and zero is None and optimizer is not None:
             sample.optimizers.append(optimizer)
             self.failures.run("read the optimizer's state", lambda: sample.adam_spikes.extend(
                 self.adam.before_step(optimizer, params)), sample.step)
-        if "updates" in self.families:
+        if Family.UPDATES in self.families:
             key = None if optimizer is None else id(optimizer)
             self.failures.run("snapshot weights for update ratios", lambda: self._snapshot(sample, params, key), sample.step)
 
@@ -139,14 +140,14 @@ class SampleReads:
         self._weights(sample, sample.unread(sample.weights_read, None))
         optimizers = sample.optimizers or [optimizer for optimizer in tracked if optimizer is not None]
         self._optimizer_state(sample, optimizers)
-        if "optimizer" in self.families and not optimizers and self.params.zero is None and is_writer_rank():
+        if Family.OPTIMIZER in self.families and not optimizers and self.params.zero is None and is_writer_rank():
             self.failures.say_once("no-optimizer", (
                 "layerwatch: Adam's state (adam_update_rms, adam_eps_frac, adam_spike_frac) is read where the "
                 "optimizer is known: pass optimizer= to the Inspector"))
 
     def _optimizer_state(self, sample: Sample, optimizers: list[Any]) -> None:
         """Adam's state after the step, of the parameters of ``optimizers`` not read yet."""
-        if "optimizer" not in self.families:
+        if Family.OPTIMIZER not in self.families:
             return
         if self.params.zero is not None:
             if is_writer_rank():
@@ -160,11 +161,11 @@ class SampleReads:
                     self.adam.after_step(optimizer, params)), sample.step)
 
     def _gradients(self, sample: Sample, params: list[tuple[str, nn.Parameter]]) -> None:
-        if params and "grads" in self.families:
+        if params and Family.GRADS in self.families:
             self.failures.run("read gradients", lambda: sample.grads.extend(self.params.gradients(params, sample.step)), sample.step)
 
     def _weights(self, sample: Sample, params: list[tuple[str, nn.Parameter]]) -> None:
-        if params and "weights" in self.families:
+        if params and Family.WEIGHTS in self.families:
             self.failures.run("read weights", lambda: sample.weights.extend(self.params.weights(params)), sample.step)
 
     def _snapshot(self, sample: Sample, params: list[tuple[str, nn.Parameter]], key: Optional[int]) -> None:
@@ -174,7 +175,7 @@ class SampleReads:
         sample.snapshots.append((key, self.params.snapshot(params, sample.step, f"snapshot{len(sample.snapshots)}.")))
 
     def _updates(self, sample: Sample, snapshot: Snapshot) -> None:
-        pieces = self.params.updates(snapshot, sample.params, weight_norms="weights" not in self.families)
+        pieces = self.params.updates(snapshot, sample.params, weight_norms=Family.WEIGHTS not in self.families)
         (sample.update_estimate if snapshot.estimated else sample.update).extend(pieces)
 
     def host_rows(self, sample: Sample) -> S.HostRows:

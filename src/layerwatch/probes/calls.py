@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Sequence
+from layerwatch.vocabulary import Family
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class Measures:
 
     @classmethod
     def of(cls, families: Sequence[str], forward_only: bool, cuda: bool) -> "Measures":
-        return cls("latency" in families, "memory" in families, "activations" in families, "nonfinite" in families,
+        return cls(Family.LATENCY in families, Family.MEMORY in families, Family.ACTIVATIONS in families, Family.NONFINITE in families,
                    forward_only, cuda)
 
     @property

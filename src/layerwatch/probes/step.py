@@ -23,6 +23,7 @@ from layerwatch.probes.transformer import TransformerProbes
 from layerwatch.vocabulary import PROBE_FAMILIES
 from layerwatch.probes.weights import WeightCheck
 from layerwatch.table.summary import Summary
+from layerwatch.vocabulary import Family
 
 IN_A_COMPILED_CALLER = (
     "layerwatch: the model runs inside compiled code (a torch.compile'd function calls it), so its hooks "
@@ -91,7 +92,7 @@ class StepProbes:
                  failures: FailurePolicy, output_head: Optional[str] = None) -> None:
         self.families, self.modules, self.bins, self.failures = families, modules, bins, failures
         self.zeros, self.centered = "zero_frac" in stats, "std" in stats
-        self.mode = ProbesMode(table_pending="structure" in families,
+        self.mode = ProbesMode(table_pending=Family.STRUCTURE in families,
                                runtime_on=any(family in families for family in PROBE_FAMILIES))
         # The probes of the step armed (all None: idle)
         self._structure: Optional[StructureProbe] = None
@@ -147,7 +148,7 @@ class StepProbes:
         runtime = mode.runtime_on
         if not ((mode.table_pending and writer) or runtime):
             return
-        if runtime and "nonfinite" in self.families:  # before the forward: what its modules compute with
+        if runtime and Family.NONFINITE in self.families:  # before the forward: what its modules compute with
             self.failures.run("check the weights for NaN/Inf", lambda: self._check_weights(model, parameters), step)
         if mode.table_pending and writer:
             self.failures.run("record the layer table", lambda: self._arm_structure(model, forward_only), step)
@@ -185,7 +186,7 @@ class StepProbes:
             return
         families = self.families
         if self._structure is not None:  # FlopCounterMode slows every op of this step: its times would mislead
-            families = tuple(f for f in families if f != "latency")
+            families = tuple(f for f in families if f != Family.LATENCY)
         runtime = self._runtime = RuntimeProbe(
             modules, families=families, bins=self.bins, zeros=self.zeros, centered=self.centered, parameters=parameters,
             workspace=self.workspace, cuda_events=self._cuda_events, forward_only=forward_only,
@@ -202,7 +203,7 @@ class StepProbes:
     def sees_nonfinite(self) -> bool:
         """Whether this step's runtime probes are armed and flag NaN/Inf."""
         runtime = self._runtime
-        return runtime is not None and not runtime.forward_only and "nonfinite" in self.families
+        return runtime is not None and not runtime.forward_only and Family.NONFINITE in self.families
 
     @property
     def hook_seconds(self) -> float:

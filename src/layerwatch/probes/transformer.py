@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
 
+from layerwatch.vocabulary import Family
 from layerwatch.distributed.agreement import RankSync
 from layerwatch.distributed.sharding import global_rank, innermost, is_writer_rank
 from layerwatch.guards.failures import FailurePolicy
@@ -41,8 +42,8 @@ class TransformerProbes:
     """
 
     def __init__(self, families: Sequence[str], output_head: Optional[str], failures: FailurePolicy) -> None:
-        self.attention_on, self.logits_on = "attention" in families, "logits" in families
-        self.kurtosis_on = "activations" in families
+        self.attention_on, self.logits_on = Family.ATTENTION in families, Family.LOGITS in families
+        self.kurtosis_on = Family.ACTIVATIONS in families
         self.output_head, self.failures = output_head, failures
         self._armed: Optional[object] = None  # this arming's token (see arm)
         self._attention: Optional[AttentionProbe] = None

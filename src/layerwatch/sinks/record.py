@@ -25,6 +25,7 @@ from layerwatch.vocabulary import (
     ROOT, RUN_WIDE, SAMPLE_INTERVAL, STRUCTURE, TENSOR_FAMILIES, head_name, histogram_tag, module_prefix, nonfinite_total_tag,
     stat_prefix, update_ratio_tag,
 )
+from layerwatch.vocabulary import Family
 
 @dataclass
 class StepRecord:
@@ -268,9 +269,9 @@ def custom_scalars_layout(
     for family in TENSOR_FAMILIES:
         if family in families:
             series += [(stat_prefix(family, stat), param_names) for stat in stats if stat != "nonfinite"]
-    if "updates" in families:
+    if Family.UPDATES in families:
         series.append((update_ratio_tag(""), param_names))
-    if "latency" in families:
+    if Family.LATENCY in families:
         series += [(module_prefix("fwd_ms"), module_names), (module_prefix("bwd_ms"), module_names)]
     layout: dict[str, dict[str, list]] = {}
     for prefix, names in series:

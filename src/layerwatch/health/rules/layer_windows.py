@@ -17,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
+from layerwatch.vocabulary import Family
 from layerwatch import stats as S
 from layerwatch.health.rules.rule import Finding, Rule, Seen
 from layerwatch.options import AlertRules
@@ -50,7 +51,7 @@ class LayerWindows(Rule):
 
     def __init__(self, rules: AlertRules, family: str) -> None:
         self.rules, self.family = rules, family
-        self.factor = rules.weight_factor if family == "weights" else rules.grad_factor
+        self.factor = rules.weight_factor if family == Family.WEIGHTS else rules.grad_factor
         self._index: dict[str, int] = {}
         self._names: list[str] = []  # of the layers
         self._of_param = np.zeros(0, dtype=int)  # parameter index -> layer index (-1: not yet)
@@ -64,7 +65,7 @@ class LayerWindows(Rule):
         self._peak_at = np.zeros(size, dtype=int)  # the step that window ended at
 
     def observe(self, seen: Seen) -> list[Finding]:
-        tensors = seen.weights if self.family == "weights" else seen.grads
+        tensors = seen.weights if self.family == Family.WEIGHTS else seen.grads
         if tensors is None:
             return []
         finite = tensors.rows.finite  # the nonfinite alert speaks for the others
@@ -95,7 +96,7 @@ class LayerWindows(Rule):
         before, now = np.median(self._rms[:w, judged], axis=0), np.median(self._rms[w:, judged], axis=0)
         peak = np.fmax(self._rms_peak[judged], before)
         self._rms_peak[judged] = np.fmax(peak, now)
-        if self.family == "weights":
+        if self.family == Family.WEIGHTS:
             return self._weights(judged, before, now)
         share_before, share_now = np.median(self._share[:w, judged], axis=0), np.median(self._share[w:, judged], axis=0)
         raised = share_before > self._share_peak[judged]
@@ -134,8 +135,8 @@ class LayerWindows(Rule):
         return found
 
     def _say(self, index: int, how: str, ratio: float, before: float, now: float) -> str:
-        option = "weight_factor" if self.family == "weights" else "grad_factor"
-        what = "weights" if self.family == "weights" else "gradient"
+        option = "weight_factor" if self.family == Family.WEIGHTS else "grad_factor"
+        what = "weights" if self.family == Family.WEIGHTS else "gradient"
         return (f"{what} of layer {self._names[index] or ROOT} {how} {ratio:.3g}x over the last {self.rules.window} samples "
                 f"(median RMS per value {before:.3g} -> {now:.3g}; AlertRules.{option} is {self.factor:g}): ")
 

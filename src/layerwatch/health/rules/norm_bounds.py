@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from layerwatch.vocabulary import Family
 from layerwatch.health.rules.rule import Finding, Rule, Seen, owner
 from layerwatch.options import AlertRules
 
@@ -20,12 +21,12 @@ class NormBounds(Rule):
 
     def __init__(self, rules: AlertRules, family: str) -> None:
         self.family = family
-        weights = family == "weights"
+        weights = family == Family.WEIGHTS
         self.bounds = rules.weight_norm_bounds if weights else rules.grad_norm_bounds
         self.label, self.option = ("weight", "weight_norm_bounds") if weights else ("gradient", "grad_norm_bounds")
 
     def observe(self, seen: Seen) -> list[Finding]:
-        tensors = seen.weights if self.family == "weights" else seen.grads
+        tensors = seen.weights if self.family == Family.WEIGHTS else seen.grads
         if tensors is None:
             return []
         finite = tensors.rows.finite  # the nonfinite alert speaks for the others
