@@ -44,7 +44,8 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from layerwatch.stats.rows import HIST, MAX, MAX_BINS, MIN, host_reads_free, row_width
+from layerwatch.stats.host import host_reads_free
+from layerwatch.stats.rows import HIST, MAX, MAX_BINS, MIN, row_width
 
 
 def grid(mn: torch.Tensor, mx: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
