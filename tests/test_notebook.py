@@ -15,7 +15,7 @@ from layerwatch import InspectCallback, Inspector  # noqa: E402
 from layerwatch.reading import notebook  # noqa: E402
 from layerwatch.cli import main  # noqa: E402
 from layerwatch.reading.notebook import ALERT_COLUMNS, HISTOGRAM_COLUMNS, SCALAR_COLUMNS  # noqa: E402
-from layerwatch.tensorboard_plugin.metadata import Reader  # noqa: E402
+from layerwatch.reading.events import Reader  # noqa: E402
 from models import MLP, LitMLP, make_trainer, train  # noqa: E402
 
 INJECTED = 25
