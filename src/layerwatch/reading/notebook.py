@@ -124,7 +124,7 @@ def load_histograms(logdir: str | os.PathLike, runs: Runs = None, *, tensors: Te
             message lists some).
     """
     pd = _pandas()
-    chosen, at = _TensorFilter.of(tensors), _chosen_steps(steps)
+    chosen, at = _TensorFilter.of(tensors), chosen_steps(steps)
     frames = []
     for name, files in _select(logdir, runs).items():
         latest: dict[tuple[str, int], tuple[float, Any]] = {}
@@ -375,7 +375,7 @@ def _is_glob(text: str) -> bool:
     return any(c in text for c in "*?[")
 
 
-def _chosen_steps(steps: Steps) -> Optional[Container[int]]:
+def chosen_steps(steps: Steps) -> Optional[Container[int]]:
     """The steps ``steps=`` chooses (see :func:`load_histograms`), as a set or a range (a
     slice's open end runs to ``sys.maxsize``); None for every step.
 
