@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader  # noqa: E402
 
 from layerwatch import Inspector  # noqa: E402
-from layerwatch.tensorboard_plugin import metadata  # noqa: E402
+from layerwatch.reading import events as metadata  # noqa: E402
 
 CLOCKED_PREFIXES = ("fwd_ms/", "bwd_ms/", "layerwatch/overhead_ms", "layerwatch/memory/", "memory/")
 CLOCKED_SERIES = ("fwd_ms", "bwd_ms")

@@ -419,7 +419,7 @@ def tab_values(acc) -> dict[str, dict[int, float]]:
     """Every per-layer value in the LAYERWATCH tab's data of a run (an ``EventAccumulator``
     read with ``tensors: 0``): ``{"activation_bytes/fc1": {step: value}}``. It holds the
     series that are not TensorBoard cards too (bytes; NaN/Inf counts of healthy layers)."""
-    from layerwatch.tensorboard_plugin.metadata import Reader
+    from layerwatch.reading.events import Reader
 
     reader = Reader()
     for tag in acc.Tags()["tensors"]:

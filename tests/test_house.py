@@ -144,7 +144,6 @@ def test_import_layerwatch_loads_no_submodule():
         assert not imported(PACKAGE, True, node), f"layerwatch/__init__.py imports at run time: {ast.unparse(node)}"
 
 
-@pytest.mark.xfail(strict=True, reason="until the split commit")
 def test_no_private_name_is_imported_across_modules():
     private = []
     for name, (path, package) in MODULES.items():

@@ -15,7 +15,7 @@ from layerwatch import InspectCallback, Inspector  # noqa: E402
 from layerwatch.reading import notebook  # noqa: E402
 from layerwatch.cli import main  # noqa: E402
 from layerwatch.reading.notebook import ALERT_COLUMNS, HISTOGRAM_COLUMNS, SCALAR_COLUMNS  # noqa: E402
-from layerwatch.tensorboard_plugin.metadata import Reader  # noqa: E402
+from layerwatch.reading.events import Reader  # noqa: E402
 from models import MLP, LitMLP, make_trainer, train  # noqa: E402
 
 INJECTED = 25
@@ -264,8 +264,10 @@ def test_steps_take_a_list_a_range_or_a_slice_and_combine_with_tensors(filtered_
 
 
 def test_records_of_other_steps_and_values_of_other_tensors_are_not_parsed(filtered_run, monkeypatch):
+    from layerwatch.reading import events
+
     parsed = []
-    whole = notebook._event
+    whole = events.event
 
     def counting(data):
         event = whole(data)
@@ -275,7 +277,7 @@ def test_records_of_other_steps_and_values_of_other_tensors_are_not_parsed(filte
     def histograms_parsed() -> set:
         return {(e.step, v.tag.partition("/")[0]) for e in parsed for v in e.summary.value if v.HasField("histo")}
 
-    monkeypatch.setattr(notebook, "_event", counting)
+    monkeypatch.setattr(events, "event", counting)
     assert set(layerwatch.load_histograms(filtered_run, steps=[2, 3]).step) == {2, 3}
     # A record of another step is passed over by its head. Protobuf leaves a step of 0 out of an
     # event (layerwatch writes it), so the other writer's step 0 is parsed to learn its step.

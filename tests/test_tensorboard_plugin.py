@@ -126,7 +126,7 @@ def tab_reader(records, wall_times=None):
     from tensorboard.compat.proto.summary_pb2 import Summary
 
     from layerwatch.sinks.plugin_data import PluginData
-    from layerwatch.tensorboard_plugin.metadata import LAYOUT, Reader
+    from layerwatch.reading.events import LAYOUT, Reader
 
     plugin, reader, layouts = PluginData(), Reader(), 0
     for i, record in enumerate(records):
@@ -154,7 +154,7 @@ def test_a_layer_that_comes_and_goes_reads_minus_inf_and_writes_the_layout_once_
 def test_a_run_resumed_into_the_same_directory_reads_each_step_with_its_own_layout():
     from layerwatch.sinks.record import StepRecord
     from layerwatch.sinks.plugin_data import PluginData
-    from layerwatch.tensorboard_plugin.metadata import Reader
+    from layerwatch.reading.events import Reader
     from tensorboard.compat.proto.summary_pb2 import Summary
 
     first = [StepRecord(0, scalars={"g/a": 1.0, "g/b": 2.0}), StepRecord(30, scalars={"g/a": 3.0, "g/c": 4.0, "g/b": 5.0})]
@@ -285,7 +285,7 @@ def test_a_12_layer_transformer_keeps_under_1200_cards_at_the_defaults(tmp_path)
 def test_the_tab_forgets_the_points_of_a_run_deleted_from_the_log_directory():
     from types import SimpleNamespace
 
-    from layerwatch.tensorboard_plugin.metadata import SERIES
+    from layerwatch.reading.events import SERIES
     from layerwatch.tensorboard_plugin.plugin import LayerwatchPlugin
 
     tag, meta = SERIES + "norm", SimpleNamespace(max_step=4, max_wall_time=1.0)

@@ -212,7 +212,7 @@ def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def _share(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``report --html``: the runs as one HTML file; exits 2 naming what is wrong, with no file written."""
-    from layerwatch.reading.notebook import _chosen_steps
+    from layerwatch.reading.notebook import chosen_steps
     from layerwatch.tensorboard_plugin.share import Narrowing, ShareError, write_html
 
     for flag, value in (("--json", args.json), ("--fail-on", args.fail_on)):
@@ -221,7 +221,7 @@ def _share(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.stats == []:
         parser.error("argument --stats: expected statistic keys, e.g. grads_norm,fwd_ms")
     try:
-        steps = _chosen_steps(args.steps)
+        steps = chosen_steps(args.steps)
     except (TypeError, ValueError) as e:
         parser.error(f"argument --steps: {e}")
     try:

@@ -130,11 +130,24 @@ def run_demo(steps: int = 8000, log_dir: str = "runs/layerwatch-demo", every: in
     L.seed_everything(0, verbose=False)
     loader = DataLoader(make_data(20_000), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(0))
     logger = TensorBoardLogger(log_dir, name="demo")
-    trainer = L.Trainer(
+    trainer = _trainer(steps, every, len(loader), logger, callback)
+    started = time.perf_counter()
+    trainer.fit(DemoModule(inject_nan=inject_nan, inject_spike=inject_spike), loader)
+    run_dir = Path(logger.log_dir)
+    print(f"\nlayerwatch demo: {steps} steps in {time.perf_counter() - started:.0f} s; TensorBoard logs in {run_dir.resolve()}")
+    _say_what_was_found(callback, every, inject_nan, inject_spike)
+    print(f"view them with:\n  tensorboard --logdir {log_dir}\n(the LAYERWATCH tab shows every layer at every "
+          f"sampled step)\nor summarize them (alerts, extreme norms) with:\n  layerwatch report {log_dir}")
+    return run_dir
+
+
+def _trainer(steps: int, every: int, batches: int, logger: TensorBoardLogger, callback: InspectCallback) -> "L.Trainer":
+    """The demo's Trainer: ``steps`` optimizer steps on the CPU, of ``batches`` an epoch."""
+    return L.Trainer(
         max_steps=steps,
         # max_steps ends the run; the epochs it spans only name the last one in the progress
         # bar ("Epoch 50/50", not Lightning's "Epoch 50/-2" for an unbounded run).
-        max_epochs=math.ceil(steps / len(loader)),
+        max_epochs=math.ceil(steps / batches),
         accelerator="cpu",
         devices=1,
         logger=logger,
@@ -143,10 +156,11 @@ def run_demo(steps: int = 8000, log_dir: str = "runs/layerwatch-demo", every: in
         enable_checkpointing=False,
         enable_model_summary=False,
     )
-    started = time.perf_counter()
-    trainer.fit(DemoModule(inject_nan=inject_nan, inject_spike=inject_spike), loader)
-    run_dir = Path(logger.log_dir)
-    print(f"\nlayerwatch demo: {steps} steps in {time.perf_counter() - started:.0f} s; TensorBoard logs in {run_dir.resolve()}")
+
+
+def _say_what_was_found(callback: InspectCallback, every: int, inject_nan: Optional[int],
+                        inject_spike: Optional[int]) -> None:
+    """What layerwatch found of the faults injected (a NaN, a spike), and where it shows."""
     if inject_nan is not None:
         found = next((a.message for a in callback.alerts if a.message.startswith("first offender")),
                      "first offender: none found")
@@ -159,6 +173,3 @@ def run_demo(steps: int = 8000, log_dir: str = "runs/layerwatch-demo", every: in
                      "no spike found at that step")
         print(f"the loss was made to spike at step {inject_spike} by layer {FAULT} (its output times {SPIKE_SCALE:g}); "
               f"layerwatch: {found}. See the LAYERWATCH tab's spike mark, layerwatch/loss and `layerwatch report`")
-    print(f"view them with:\n  tensorboard --logdir {log_dir}\n(the LAYERWATCH tab shows every layer at every "
-          f"sampled step)\nor summarize them (alerts, extreme norms) with:\n  layerwatch report {log_dir}")
-    return run_dir

@@ -200,19 +200,42 @@ def validate_options(
 
     The keyword arguments and their defaults are those of :class:`~layerwatch.Inspector`.
     """
+    chosen, budget = _schedule_or_budget(every_n_steps, schedule, overhead_budget)
+    _check_switches(histograms, histogram_bins, alerts, sentinel, spikes, output_head, memory_budget)
+    return Options(
+        schedule=chosen,
+        budget=budget,
+        families=_check_choice("families", families, V.FAMILIES),
+        stats=_check_choice("stats", stats, V.STATS),
+        bins=histogram_bins if histograms else 0,
+        rules=AlertRules() if alerts is True else alerts or None,
+        modules=check_module_filter(modules),
+        sentinel=sentinel,
+        memory_budget=memory_budget,
+        spikes=SpikeRule() if spikes is True else spikes or None,
+        output_head=output_head,
+    )
+
+
+def _schedule_or_budget(every_n_steps: Optional[int], schedule: Optional[ScheduleLike],
+                        overhead_budget: Optional[float]) -> tuple[Optional[Schedule], Optional[float]]:
+    """The schedule chosen, or else the overhead budget (the default's when none is given): one of them."""
     given = {name: value for name, value in
              (("every_n_steps", every_n_steps), ("schedule", schedule), ("overhead_budget", overhead_budget))
              if value is not None}
     if len(given) > 1:
         raise ValueError(f"pass one of every_n_steps, schedule and overhead_budget, not several (got "
                          f"{', '.join(f'{name}={value!r}' for name, value in given.items())})")
-    chosen, budget = None, None
     if schedule is not None:
-        chosen = as_schedule(schedule)
-    elif every_n_steps is not None:
-        chosen = every_n(every_n_steps)
-    else:
-        budget = check_fraction("overhead_budget", DEFAULT_OVERHEAD_BUDGET if overhead_budget is None else overhead_budget)
+        return as_schedule(schedule), None
+    if every_n_steps is not None:
+        return every_n(every_n_steps), None
+    return None, check_fraction("overhead_budget", DEFAULT_OVERHEAD_BUDGET if overhead_budget is None else overhead_budget)
+
+
+def _check_switches(histograms: bool, histogram_bins: int, alerts: AlertRules | bool, sentinel: bool,
+                    spikes: SpikeRule | bool, output_head: Optional[str], memory_budget: Optional[int | float]) -> None:
+    """Check the options taken as given (the switches, the rules, the bins, the head, the memory budget)."""
     if not isinstance(histograms, bool):
         raise TypeError(f"histograms must be a bool, got {histograms!r}")
     if isinstance(histogram_bins, bool) or not isinstance(histogram_bins, int) or not 2 <= histogram_bins <= S.MAX_BINS:
@@ -228,19 +251,6 @@ def validate_options(
     if memory_budget is not None and not _memory_budget_ok(memory_budget):
         raise ValueError("memory_budget must be an int of bytes >= 0 or a finite float > 0 (a share of the parameters' "
                          f"bytes), got {memory_budget!r}")
-    return Options(
-        schedule=chosen,
-        budget=budget,
-        families=_check_choice("families", families, V.FAMILIES),
-        stats=_check_choice("stats", stats, V.STATS),
-        bins=histogram_bins if histograms else 0,
-        rules=AlertRules() if alerts is True else alerts or None,
-        modules=check_module_filter(modules),
-        sentinel=sentinel,
-        memory_budget=memory_budget,
-        spikes=SpikeRule() if spikes is True else spikes or None,
-        output_head=output_head,
-    )
 
 
 def options_from(arguments: dict[str, Any]) -> Options:

@@ -107,7 +107,7 @@ TAB_ONLY_SERIES = BYTE_SERIES + ADAM_SERIES + (ATTENTION_HEAD_LOGIT_MAX, ATTENTI
                                                    ACTIVATION_KURTOSIS)  # too many for cards
 NONFINITE_SERIES = ("weights_nonfinite", "grads_nonfinite", "activations_nonfinite", NONFINITE)
 
-# The LAYERWATCH tab's data (written by sinks/plugin_data.py, read by tensorboard_plugin/metadata.py):
+# The LAYERWATCH tab's data (written by sinks/plugin_data.py, read by reading/events.py):
 # tensors owned by the plugin PLUGIN_NAME, at each sampled step.
 PLUGIN_NAME = "layerwatch"
 SERIES = "layerwatch/series/"  # + a series key: float32 [n], one value per layer of the layout's names

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import array
 import math
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -95,8 +94,9 @@ Check = tuple[torch.Tensor, list[str], Optional[list[torch.nn.Parameter]], bool]
 
 class NonfiniteSentinel:
     def __init__(self) -> None:
-        self._pending: deque[tuple[int, list[tuple[list[str], Any, bool]], list[tuple[torch.Tensor, Any]], Optional[bool]]]
-        self._pending = deque()
+        # the checks enqueued, not yet read: [step, what each keeps (names, a flag's parameters, certain),
+        # their host copies, stepped], read once the copies landed
+        self._pending = S.Landings()
         self._shares: list[list[Piece]] = []
         self._plans: list[Optional[list[Group]]] = []  # per share, when it is whole plain gradients
         self._free: list[bool] = []  # per share: whether the host reads all its checks at once (the CPU's)
@@ -214,30 +214,22 @@ class NonfiniteSentinel:
             kept = self._kept
             hits = [check for check in checks if _hit(check, kept)]
             if hits:  # a flag's gradients are at hand: their peaks name them
-                self._pending.append((step, *_landed([_named(*check) for check in hits]), stepped))
+                self._pending.add(*_landed(step, [_named(*check) for check in hits], stepped))
                 for t, _, params, _ in hits:
                     if params is not None:
                         t.zero_()
             return
-        self._pending.append((step, *_landed(checks), stepped))
+        self._pending.add(*_landed(step, checks, stepped))
 
     def poll(self, wait: bool = False, at_hand: Optional[int] = None) -> list[Finding]:
         """The checks that have landed, oldest first, that found a NaN or Inf. With ``wait``,
         every check enqueued so far: on a GPU the host waits for them (a device sync).
         ``at_hand``: the step whose gradients are still those checked (a flag's are named)."""
         found = []
-        while self._pending:
-            step, kept, copies, stepped = self._pending[0]
-            if wait:
-                for _, event in copies:
-                    if event is not None:
-                        event.synchronize()
-            elif any(event is not None and not event.query() for _, event in copies):
-                break
-            self._pending.popleft()
+        for step, kept, copies, stepped in self._pending.landed(wait):
             names: list[str] = []
             nan = unnamed = False
-            for (host, _), (group, params, certain) in zip(copies, kept):
+            for host, (group, params, certain) in zip(copies, kept):
                 values = host.tolist()  # a landed host copy: reading it waits for nothing
                 if params is not None:  # a flag: set when some value of the group's is NaN or Inf
                     if values[0]:
@@ -256,9 +248,9 @@ class NonfiniteSentinel:
     def settle(self, step: int, stepped: Optional[bool]) -> None:
         """Whether the optimizer stepped, for the checks of ``step`` enqueued before it knew
         (before the optimizer step: a GradScaler may still skip it)."""
-        if self._pending:
-            self._pending = deque((s, kept, copies, stepped if s == step and was is None else was)
-                                  for s, kept, copies, was in self._pending)
+        for entry in self._pending:
+            if entry[0] == step and entry[3] is None:
+                entry[3] = stepped
 
     def clear(self) -> None:
         self._pending.clear()
@@ -351,22 +343,12 @@ def _offenders(names: list[str], params: list[torch.nn.Parameter]) -> list[str]:
     return [present[i] for i, v in enumerate(peaks.tolist()) if not math.isfinite(v)]
 
 
-def _landed(checks: list[Check]) -> tuple[list[tuple[list[str], Any, bool]], list[tuple[torch.Tensor, Any]]]:
-    """What a pending check keeps (names, a flag's parameters, certain), and its copies to the host
-    with the events that say they landed (None: landed already)."""
-    return [(names, params, certain) for _, names, params, certain in checks], [to_host(t) for t, _, _, _ in checks]
-
-
-def to_host(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """A copy of ``t`` on the host, and the event that says it landed (None: landed already): on
-    a GPU a non-blocking copy into pinned memory, nothing waiting for it."""
-    if t.device.type != "cuda":  # the CPU's (or another device's, whose copy waits: none gets here today)
-        return t.to("cpu", copy=True), None
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)  # on the current stream of the check's device
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(t.device))  # that stream, even off the current device
-    return host, event
+def _landed(step: int, checks: list[Check], stepped: Optional[bool]) -> tuple[list, list[Any]]:
+    """A pending entry of ``step``'s checks: [step, what each keeps (names, a flag's parameters,
+    certain), their copies on the host, stepped], and the events that say the copies landed."""
+    copies = [S.to_host_nonblocking(t) for t, _, _, _ in checks]
+    kept = [(names, params, certain) for _, names, params, certain in checks]
+    return [step, kept, [host for host, _ in copies], stepped], [event for _, event in copies]
 
 
 def _by_device_and_dtype(tensors: Sequence[torch.Tensor]) -> list[list[int]]:

@@ -27,7 +27,6 @@ from layerwatch.distributed.agreement import Decision
 from layerwatch.distributed.sharding import is_dtensor, is_writer_rank, local
 from layerwatch.guards.failures import FailurePolicy
 from layerwatch.engine.output import Output
-from layerwatch.faults.sentinel import to_host
 from layerwatch.health.growth import LayerGrowth
 from layerwatch.options import SpikeRule
 from layerwatch.probes import ProbeResult
@@ -136,9 +135,9 @@ class ValueTap:
 
     def __init__(self, what: str = "loss", norms: bool = False) -> None:
         self.what, self.norms = what, norms  # what: in words, for what it says; norms: see landed()
-        # offered, not given out by landed(), per step in order: [step, its values (floats read, or host copies),
-        # its copies' events or None: no copy]
-        self.pending: deque[list] = deque()
+        # offered, not given out by landed(), per step in order: [step, its values (floats read, or host copies)],
+        # read once its copies landed
+        self.pending = S.Landings()
         self._given = -1  # the last step given out by landed()
         self.offered = False  # a value was ever offered
 
@@ -166,19 +165,19 @@ class ValueTap:
             elif value.device.type not in ("cuda", "cpu"):  # (the CPU: a test taking the accelerator's way)
                 raise Unreadable(f"a {self.what} on {value.device} is not judged: its host copy would wait for the device")
             else:
-                read, event = to_host(value.detach().reshape(1) if one else value.detach().float().mean().reshape(1))
+                read, event = S.to_host_nonblocking(value.detach().reshape(1) if one else value.detach().float().mean().reshape(1))
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             read = value
         else:
             raise TypeError(f"a {self.what} must be a tensor or a number, got {type(value).__name__}")
         pending = self.pending
         self.offered = True
-        if not pending or pending[-1][0] != step:
-            pending.append([step, [], None])
-        entry = pending[-1]
-        entry[1].append(read)
+        if not pending or pending.last[0][0] != step:
+            pending.add([step, []])
+        (_, values), events = pending.last
+        values.append(read)
         if not isinstance(read, (int, float)):  # a host copy: read once landed (its event None: landed already)
-            entry[2] = (entry[2] or []) + [event]
+            events.append(event)
 
     def landed(self, closed: float, wait: bool = False) -> list[tuple[int, float, int]]:
         """Each step up to ``closed`` whose values have all landed, oldest first (a step waits for
@@ -186,18 +185,9 @@ class ValueTap:
         norm of them all, as of several optimizers' disjoint parameters) and which of them was
         the largest (its index). ``wait``: the host waits for them to land (at the end of a run)."""
         out = []
-        pending = self.pending
-        while pending and pending[0][0] <= closed:
-            step, values, events = pending[0]
-            if events is not None:
-                if wait:
-                    for event in events:
-                        if event is not None:
-                            event.synchronize()
-                elif not all(event is None or event.query() for event in events):
-                    break
+        for step, values in self.pending.landed(wait, until=lambda kept: kept[0] <= closed):
+            if not all(isinstance(v, (int, float)) for v in values):  # host copies among them
                 values = [float(v) if isinstance(v, (int, float)) else v.tolist()[0] for v in values]  # landed: no wait
-            pending.popleft()
             self._given = step
             if len(values) == 1:
                 out.append((step, float(values[0]), 0))

@@ -20,7 +20,7 @@ A run is a directory holding event files, named by its path relative to ``logdir
 for ``logdir`` itself), as TensorBoard names it. Several event files in one directory (a
 resumed run) read as one run: a step written twice keeps its later values.
 
-The files are read with the project's own record reader (:func:`layerwatch.reading.report.records`), and
+The files are read with the project's own record reader (:mod:`layerwatch.reading.events`), and
 for :func:`load` and :func:`load_alerts` only the values whose tag starts with
 ``layerwatch/`` are decoded: they are found in each record's bytes, so the cards and
 histograms around them cost a byte scan, not a parse. :func:`load_histograms` with
@@ -33,19 +33,18 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-import struct
 import sys
-import warnings
 from dataclasses import dataclass, field
 from numbers import Integral
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Container, Iterable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Container, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
 from layerwatch import vocabulary as V
-from layerwatch.reading.report import CARD_PREFIXES, ReportError, find_runs, records
-from layerwatch.tensorboard_plugin.metadata import Reader
+from layerwatch.reading import events as E
+from layerwatch.reading.events import Reader, ReportError, find_runs
+from layerwatch.reading.report import CARD_PREFIXES
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -60,7 +59,6 @@ Steps = Union[Iterable[int], range, slice, None]
 _MARK = V.RUN_WIDE.encode()
 # The tag prefixes of layerwatch's histograms: weights/, grads/, activations/.
 _HISTOGRAM_MARKS = tuple(V.histogram_tag(family, "").encode() for family in (*V.TENSOR_FAMILIES, "activations"))
-_WALL_TIME = struct.Struct("<d")  # Event.wall_time: a little-endian double
 
 
 def load(logdir: str | os.PathLike, runs: Runs = None) -> "pd.DataFrame":
@@ -126,12 +124,12 @@ def load_histograms(logdir: str | os.PathLike, runs: Runs = None, *, tensors: Te
             message lists some).
     """
     pd = _pandas()
-    chosen, at = _TensorFilter.of(tensors), _chosen_steps(steps)
+    chosen, at = _TensorFilter.of(tensors), chosen_steps(steps)
     frames = []
     for name, files in _select(logdir, runs).items():
         latest: dict[tuple[str, int], tuple[float, Any]] = {}
-        with _Cut() as cut:
-            for data in _records(files, cut):
+        with E.Cut() as cut:
+            for data in E.records_of(files, cut):
                 for wall, step, value in _histograms(data, chosen, at):
                     _keep_later(latest, (value.tag, step), wall, value.histo)
         if latest:
@@ -195,7 +193,7 @@ class _Scan:
 
 def _scan_runs(logdir: str | os.PathLike, runs: Runs) -> dict[str, _Scan]:
     scans = {}
-    with _Cut() as cut:
+    with E.Cut() as cut:
         for name, files in _select(logdir, runs).items():
             scans[name] = _scan(files, cut)
     if not any(scan.layerwatch for scan in scans.values()):
@@ -203,26 +201,26 @@ def _scan_runs(logdir: str | os.PathLike, runs: Runs) -> dict[str, _Scan]:
     return {name: scan for name, scan in scans.items() if scan.layerwatch}
 
 
-def _scan(files: list[Path], cut: "_Cut") -> _Scan:
+def _scan(files: list[Path], cut: E.Cut) -> _Scan:
     """The tab's data, the run-wide scalars and the alerts of one run, decoding only the values
     whose tag starts with ``layerwatch/`` (and, in a log without the tab's data, its cards)."""
     from tensorboard.compat.proto.summary_pb2 import Summary
 
     scan = _Scan()
-    for data in _records(files, cut):
-        head = _head(data)
+    for data in E.records_of(files, cut):
+        head = E.head(data)
         if head is None:  # not the layout this reader expects: parse it all
-            event = _event(data)
+            event = E.event(data)
             values: Iterable[Any] = event.summary.value
             wall, step = event.wall_time, event.step
         else:
             wall, step = head
-            values = [Summary.Value.FromString(data[start:end]) for _, start, end in _values(data, (_MARK,))]
+            values = [Summary.Value.FromString(data[start:end]) for _, start, end in E.values(data, (_MARK,))]
         for value in values:
             _keep(scan, wall, step, value)
     if not scan.tab.keys():  # a log written before the tab existed: its cards, parsed whole
-        for data in _records(files, cut):
-            event = _event(data)
+        for data in E.records_of(files, cut):
+            event = E.event(data)
             for value in event.summary.value:
                 if value.WhichOneof("value") == "simple_value" and value.tag.startswith(CARD_PREFIXES) \
                         and not value.tag.startswith(V.RUN_WIDE):
@@ -253,12 +251,12 @@ def _histograms(data: bytes, tensors: Optional["_TensorFilter"], steps: Optional
                 ) -> Iterator[tuple[float, int, Any]]:
     """``(wall_time, step, Summary.Value)`` of each chosen histogram of one record. A record of
     a step not in ``steps`` is passed over by its head; with ``tensors``, only the values whose
-    tag it chooses are parsed, found by :func:`_values`."""
-    head = _head(data)
+    tag it chooses are parsed, found by :func:`~layerwatch.reading.events.values`."""
+    head = E.head(data)
     if head is not None and steps is not None and head[1] not in steps:
         return
     if head is None or tensors is None:  # every writer's histograms, or a layout of its own: parse it all
-        event = _event(data)
+        event = E.event(data)
         if steps is None or event.step in steps:
             for value in event.summary.value:
                 if value.HasField("histo") and (tensors is None or tensors.chooses(value.tag.encode())):
@@ -267,7 +265,7 @@ def _histograms(data: bytes, tensors: Optional["_TensorFilter"], steps: Optional
     from tensorboard.compat.proto.summary_pb2 import Summary
 
     wall, step = head
-    for _, start, end in _values(data, tensors.marks, tensors.chooses):
+    for _, start, end in E.values(data, tensors.marks, tensors.chooses):
         value = Summary.Value.FromString(data[start:end])
         if value.HasField("histo"):
             yield wall, step, value
@@ -278,111 +276,6 @@ def _keep_later(kept: dict[Any, tuple[float, Any]], key: Any, wall: float, value
     written twice (a resumed run) keeps its later values."""
     if key not in kept or kept[key][0] <= wall:
         kept[key] = (wall, value)
-
-
-def _head(data: bytes) -> Optional[tuple[float, int]]:
-    """``(wall_time, step)`` of an ``Event`` written as TensorBoard's writers and layerwatch's
-    write it (field 1, a double, then field 2, a varint); None for any other layout."""
-    if len(data) < 11 or data[0] != 0x09 or data[9] != 0x10:
-        return None
-    (wall,) = _WALL_TIME.unpack_from(data, 1)
-    step, shift, i = 0, 0, 10
-    while i < len(data):
-        byte = data[i]
-        step |= (byte & 0x7F) << shift
-        i += 1
-        if byte < 0x80:
-            return wall, step
-        shift += 7
-    return None
-
-
-def _values(data: bytes, marks: tuple[bytes, ...], wanted: Optional[Callable[[bytes], bool]] = None
-            ) -> Iterator[tuple[bytes, int, int]]:
-    """The tag, and where its serialized ``Summary.Value`` starts and ends in ``data``, of each
-    value of an event whose tag starts with one of ``marks`` (and, with ``wanted``, that it
-    wants): found by a byte scan for each mark, then checked against the bytes before it
-    (``Value``'s key and length, the tag's key and length). An unwanted tag is passed over on
-    its own bytes, before that check."""
-    for mark in marks:
-        at = data.find(mark)
-        while at >= 0:
-            # A key then a one-byte length before the mark: the only tag the check could confirm.
-            if wanted is not None and at >= 2 and data[at - 2] == 0x0A and not wanted(data[at:at + data[at - 1]]):
-                at = data.find(mark, at + 1)
-                continue
-            piece = _value_at(data, at)
-            if piece is None:
-                at = data.find(mark, at + 1)
-                continue
-            start, tag_end, end = piece
-            if wanted is None or wanted(data[at:tag_end]):
-                yield data[at:tag_end], start, end
-            at = data.find(mark, end)
-
-
-def _value_at(data: bytes, tag_at: int) -> Optional[tuple[int, int, int]]:
-    """The ``Summary.Value`` whose tag starts at ``tag_at``: where the value starts, where its
-    tag ends and where the value ends; None when the bytes before it are not a value's key,
-    length, tag key and tag length."""
-    for tag_len_size in (1, 2):
-        tag_key = tag_at - tag_len_size - 1
-        if tag_key < 0 or data[tag_key] != 0x0A:
-            continue
-        tag_len = _varint(data, tag_key + 1, tag_at)
-        if tag_len is None:
-            continue
-        for len_size in (1, 2, 3, 4):
-            key = tag_key - len_size - 1  # Summary.value: field 1, length-delimited (in Event.summary)
-            if key < 0 or data[key] != 0x0A:
-                continue
-            length = _varint(data, key + 1, tag_key)
-            if length is not None and tag_at + tag_len <= tag_key + length <= len(data):
-                return tag_key, tag_at + tag_len, tag_key + length
-    return None
-
-
-def _varint(data: bytes, start: int, end: int) -> Optional[int]:
-    """The varint that fills ``data[start:end]`` exactly, or None."""
-    value, shift = 0, 0
-    for i in range(start, end):
-        byte = data[i]
-        if (byte < 0x80) != (i == end - 1):
-            return None
-        value |= (byte & 0x7F) << shift
-        shift += 7
-    return value if end > start else None
-
-
-def _event(data: bytes) -> Any:
-    from tensorboard.compat.proto.event_pb2 import Event
-
-    return Event.FromString(data)
-
-
-def _records(files: list[Path], cut: "_Cut") -> Iterator[bytes]:
-    for path in files:
-        for _, data in records(path, on_cut=cut.note):
-            yield data
-
-
-class _Cut:
-    """Collects the files cut short within one call, and says so once."""
-
-    def __init__(self) -> None:
-        self.paths: list[str] = []
-
-    def note(self, path: Path, at: int) -> None:
-        self.paths.append(f"{path} (at byte {at})")
-
-    def __enter__(self) -> "_Cut":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.paths and exc[0] is None:
-            warnings.warn(f"layerwatch.load: {len(self.paths)} event file(s) end in a record cut short (a run still "
-                          f"being written, or killed); read up to there: {', '.join(sorted(set(self.paths)))}",
-                          RuntimeWarning, stacklevel=3)
 
 
 def _select(logdir: str | os.PathLike, runs: Runs) -> dict[str, list[Path]]:
@@ -482,7 +375,7 @@ def _is_glob(text: str) -> bool:
     return any(c in text for c in "*?[")
 
 
-def _chosen_steps(steps: Steps) -> Optional[Container[int]]:
+def chosen_steps(steps: Steps) -> Optional[Container[int]]:
     """The steps ``steps=`` chooses (see :func:`load_histograms`), as a set or a range (a
     slice's open end runs to ``sys.maxsize``); None for every step.
 

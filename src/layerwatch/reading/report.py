@@ -5,27 +5,23 @@ fastest-changing weight and gradient norms, and (when the runtime probes wrote t
 slowest layers and the largest memory. A run without any of layerwatch's tags says so. The
 text form and the JSON form are documented in ``docs/alerts.md``.
 
-Event files are TFRecord files of TensorBoard ``Event`` protos. Each record is parsed with
-TensorBoard's own proto and its length checksum is verified with TensorBoard's own CRC.
-The checksum of each record's data is not verified: TensorBoard's reader does that in pure
-Python at about 8 s per 100 MB (the histograms are most of the bytes), and a damaged record
-fails to parse anyway. A record cut short (a run still writing) ends the file.
+The event files are read by :mod:`layerwatch.reading.events`: each record parsed whole, with
+TensorBoard's own proto.
 """
 
 from __future__ import annotations
 
 import os
-import struct
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 
+from layerwatch.reading import events as E
 from layerwatch.reading import rankings
+from layerwatch.reading.events import Reader, ReportError, find_runs
 from layerwatch import vocabulary as V
-from layerwatch.tensorboard_plugin.metadata import Reader
 
 _NORMS = {family: V.series_key(family, "norm") for family in V.TENSOR_FAMILIES}  # series keys
 _NONFINITE = tuple(V.series_key(family, "nonfinite") for family in V.TENSOR_FAMILIES)
@@ -47,10 +43,6 @@ OTHER_TAGS_SHOWN = 5
 NAME_WIDTH = 60  # longer layer names lose their middle
 
 
-class ReportError(Exception):
-    """The log directory cannot be reported on (missing, empty, unreadable)."""
-
-
 @dataclass
 class _Run:
     scalars: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # the cards read
@@ -58,23 +50,6 @@ class _Run:
     alerts_text: Optional[tuple[int, str]] = None  # (step, table) of the latest alerts table
     layerwatch: bool = False  # some tag is one of layerwatch's
     other_tags: set[str] = field(default_factory=set)  # the tags seen before the first of layerwatch's
-
-
-def find_runs(logdir: str | os.PathLike) -> dict[str, list[Path]]:
-    """Run name (directory relative to ``logdir``, ``"."`` for itself) -> its event files."""
-    root = Path(logdir)
-    if not root.exists():
-        raise ReportError(f"log directory {str(root)!r} does not exist")
-    if not root.is_dir():
-        raise ReportError(f"{str(root)!r} is not a directory")
-    runs: dict[str, list[Path]] = {}
-    for directory, _, files in sorted(os.walk(root)):
-        events = sorted(Path(directory, f) for f in files if "tfevents" in f)
-        if events:
-            runs[Path(directory).relative_to(root).as_posix()] = events
-    if not runs:
-        raise ReportError(f"no TensorBoard event files under {str(root)!r}")
-    return runs
 
 
 def has_layerwatch_data(report: dict[str, Any]) -> bool:
@@ -97,51 +72,10 @@ def build_report(logdir: str | os.PathLike) -> dict[str, Any]:
     return {"logdir": str(logdir), "alerts": alerts, "runs": runs}
 
 
-def records(path: Path, on_cut: Optional[Callable[[Path, int], None]] = None) -> Iterator[tuple[int, bytes]]:
-    """The records of one event file (TFRecord: each an ``Event``'s bytes) and the byte each
-    starts at, in order. A record
-    cut short (a run still being written, or killed) ends the file: ``on_cut(path, offset)``
-    is told. A length whose checksum fails ends it too, with a warning."""
-    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
-
-    with open(path, "rb") as f:
-        while True:
-            header = f.read(12)  # uint64 length, uint32 masked CRC of the length
-            if not header:
-                return
-            if len(header) < 12:
-                if on_cut is not None:
-                    on_cut(path, f.tell() - len(header))
-                return
-            length, length_crc = struct.unpack("<QI", header)
-            if masked_crc32c(header[:8]) != length_crc:
-                warnings.warn(f"layerwatch: {path} is damaged after {f.tell() - 12} bytes; read up to there")
-                return
-            start = f.tell() - 12
-            data = f.read(length)
-            if len(f.read(4)) < 4 or len(data) < length:
-                if on_cut is not None:
-                    on_cut(path, start)
-                return
-            yield start, data
-
-
-def _events(path: Path) -> Iterator[Any]:
-    """The ``Event`` protos of one event file, in order (a damaged record skipped)."""
-    from google.protobuf.message import DecodeError
-    from tensorboard.compat.proto.event_pb2 import Event
-
-    for start, data in records(path):
-        try:
-            yield Event.FromString(data)
-        except DecodeError:
-            warnings.warn(f"layerwatch report: {path} has a damaged record at byte {start}; skipped")
-
-
 def _read(files: list[Path]) -> _Run:
     run = _Run()
     for path in files:
-        for event in _events(path):
+        for event in E.events(path):
             if not event.HasField("summary"):
                 continue
             step = event.step
@@ -240,52 +174,73 @@ def format_report(report: dict[str, Any]) -> str:
         steps = run["steps"]
         covered = f"steps {steps['first']}..{steps['last']}, {steps['samples']} sampled" if steps else "no samples"
         lines += ["", f"== {run['run']}: {covered}"]
-        lines.append(f"Alerts ({len(run['alerts'])}):" if run["alerts"] else "Alerts: none")
-        lines += [f"  step {a['step']:<8} {a['kind']:<10} {a['name']}: {a['message']}" for a in run["alerts"]]
-        lines.append(f"Loss spikes ({len(run['spikes'])}):" if run["spikes"] else "Loss spikes: none")
-        for spike in run["spikes"]:
-            grew = ", ".join(f"{g['layer']} ({g['what']} {_factor(g['factor'])})" for g in spike["layers"][:3])
-            began = spike["origin"][0] if spike["origin"] else None
-            how = "replayed" if spike["replayed"] else f"measured at step {spike['sampled_at']}"
-            against = (f"{_factor(spike['value'] / spike['mean'])} the geometric mean {_number(spike['mean'])} of "
-                       f"{spike['over']} steps, z = {_number(spike['z'])} on its logarithm" if spike.get("scale") == "log"
-                       else f"z = {_number(spike['z'])} over the mean {_number(spike['mean'])} of {spike['over']} steps")
-            lines.append(f"  step {spike['step']:<8} {spike['what']} {_number(spike['value'])}, {against}; {how}"
-                         + (f"; began at {began['layer']} (output {_factor(began['factor'])} its input's)" if began else "")
-                         + (f"; grew most: {grew}" if grew else ""))
-        nonfinite = run["first_nonfinite"]
-        lines.append(
-            f"First non-finite: step {nonfinite['step']} in {', '.join(nonfinite['tensors'][:6])}"
-            + (f" and {len(nonfinite['tensors']) - 6} more" if len(nonfinite["tensors"]) > 6 else "")
-            if nonfinite
-            else "First non-finite: none"
-        )
-        before = f", before step {run['norms_until_step']}" if run["norms_until_step"] is not None else ""
-        for family, label in (("weights", "weight"), ("grads", "gradient")):
-            norms = run[family]
-            if norms["largest"]:
-                lines.append(f"Largest {label} norms (last sample{before}):")
-                lines += _table([[row["name"], _number(row["value"]), f"(step {row['step']})"]
-                                 for row in norms["largest"]])
-            if norms["fastest_changing"]:
-                lines.append(f"Fastest-changing {label} norms (first to last sample{before}):")
-                lines += _table([[row["name"], _number(row["first"]), "->", _number(row["last"]),
-                                  _factor(row["factor"]), f"(steps {row['from_step']}..{row['to_step']})"]
-                                 for row in norms["fastest_changing"]])
-        slowest = ("Slowest leaf layers (median fwd of the eager re-run: the model is compiled)" if run.get("rerun")
-                   else "Slowest leaf layers (median fwd + bwd)")
-        for key, label, unit, tags in (
-            ("slowest", slowest, "ms", "fwd_ms/, bwd_ms/"),
-            ("largest_memory", "Largest memory, leaf layers (median bytes)", "bytes", "activation_bytes/, saved_bytes/"),
-        ):
-            rows = run[key]
-            if rows:
-                lines.append(f"{label}:")
-                show = _ms if unit == "ms" else _bytes
-                lines += _table([[row["name"], show(row[unit]), ""] for row in rows])
-            else:
-                lines.append(f"{label}: not in this log (no {tags} tags)")
+        lines += _alert_lines(run) + _spike_lines(run) + [_nonfinite_line(run)] + _norm_lines(run) + _cost_lines(run)
     return "\n".join(lines)
+
+
+def _alert_lines(run: dict[str, Any]) -> list[str]:
+    lines = [f"Alerts ({len(run['alerts'])}):" if run["alerts"] else "Alerts: none"]
+    return lines + [f"  step {a['step']:<8} {a['kind']:<10} {a['name']}: {a['message']}" for a in run["alerts"]]
+
+
+def _spike_lines(run: dict[str, Any]) -> list[str]:
+    lines = [f"Loss spikes ({len(run['spikes'])}):" if run["spikes"] else "Loss spikes: none"]
+    for spike in run["spikes"]:
+        grew = ", ".join(f"{g['layer']} ({g['what']} {_factor(g['factor'])})" for g in spike["layers"][:3])
+        began = spike["origin"][0] if spike["origin"] else None
+        how = "replayed" if spike["replayed"] else f"measured at step {spike['sampled_at']}"
+        against = (f"{_factor(spike['value'] / spike['mean'])} the geometric mean {_number(spike['mean'])} of "
+                   f"{spike['over']} steps, z = {_number(spike['z'])} on its logarithm" if spike.get("scale") == "log"
+                   else f"z = {_number(spike['z'])} over the mean {_number(spike['mean'])} of {spike['over']} steps")
+        lines.append(f"  step {spike['step']:<8} {spike['what']} {_number(spike['value'])}, {against}; {how}"
+                     + (f"; began at {began['layer']} (output {_factor(began['factor'])} its input's)" if began else "")
+                     + (f"; grew most: {grew}" if grew else ""))
+    return lines
+
+
+def _nonfinite_line(run: dict[str, Any]) -> str:
+    nonfinite = run["first_nonfinite"]
+    if not nonfinite:
+        return "First non-finite: none"
+    return (f"First non-finite: step {nonfinite['step']} in {', '.join(nonfinite['tensors'][:6])}"
+            + (f" and {len(nonfinite['tensors']) - 6} more" if len(nonfinite["tensors"]) > 6 else ""))
+
+
+def _norm_lines(run: dict[str, Any]) -> list[str]:
+    """The largest and the fastest-changing weight and gradient norms."""
+    lines = []
+    before = f", before step {run['norms_until_step']}" if run["norms_until_step"] is not None else ""
+    for family, label in (("weights", "weight"), ("grads", "gradient")):
+        norms = run[family]
+        if norms["largest"]:
+            lines.append(f"Largest {label} norms (last sample{before}):")
+            lines += _table([[row["name"], _number(row["value"]), f"(step {row['step']})"]
+                             for row in norms["largest"]])
+        if norms["fastest_changing"]:
+            lines.append(f"Fastest-changing {label} norms (first to last sample{before}):")
+            lines += _table([[row["name"], _number(row["first"]), "->", _number(row["last"]),
+                              _factor(row["factor"]), f"(steps {row['from_step']}..{row['to_step']})"]
+                             for row in norms["fastest_changing"]])
+    return lines
+
+
+def _cost_lines(run: dict[str, Any]) -> list[str]:
+    """The slowest layers and the largest memory, or what the log lacks for them."""
+    lines = []
+    slowest = ("Slowest leaf layers (median fwd of the eager re-run: the model is compiled)" if run.get("rerun")
+               else "Slowest leaf layers (median fwd + bwd)")
+    for key, label, unit, tags in (
+        ("slowest", slowest, "ms", "fwd_ms/, bwd_ms/"),
+        ("largest_memory", "Largest memory, leaf layers (median bytes)", "bytes", "activation_bytes/, saved_bytes/"),
+    ):
+        rows = run[key]
+        if rows:
+            lines.append(f"{label}:")
+            show = _ms if unit == "ms" else _bytes
+            lines += _table([[row["name"], show(row[unit]), ""] for row in rows])
+        else:
+            lines.append(f"{label}: not in this log (no {tags} tags)")
+    return lines
 
 
 def _table(rows: list[list[str]]) -> list[str]:

@@ -4,7 +4,7 @@ A model of 1,000 layers writes thousands of scalar tags; listing and reading the
 is what makes TensorBoard slow on such runs. So each sampled step also writes a few tensors
 owned by the ``layerwatch`` plugin, which TensorBoard's data provider reads (the Python
 reader, ``--load_fast`` and the Rust data server alike). The format is
-:mod:`layerwatch.vocabulary`'s; its reader is :mod:`layerwatch.tensorboard_plugin.metadata`.
+:mod:`layerwatch.vocabulary`'s; its reader is :mod:`layerwatch.reading.events`.
 
 Every value of the step is here, including the ones that do not become TensorBoard cards
 (:class:`~layerwatch.sinks.record.CardFilter`).

@@ -44,7 +44,8 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from layerwatch.stats.rows import HIST, MAX, MAX_BINS, MIN, host_reads_free, row_width
+from layerwatch.stats.host import host_reads_free
+from layerwatch.stats.rows import HIST, MAX, MAX_BINS, MIN, row_width
 
 
 def grid(mn: torch.Tensor, mx: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -87,7 +88,7 @@ def reduce(
     with torch.no_grad():
         if not fast:
             flat = [as_real_values(t) for t in tensors]
-            return torch.stack([_reduce_generic(t, bins, zeros, centered, histogram_values=histogram_values) for t in flat])
+            return torch.stack([reduce_generic(t, bins, zeros, centered, histogram_values=histogram_values) for t in flat])
         if any([t.is_complex() for t in tensors]):  # a list: no Python frame per tensor
             tensors = [torch.view_as_real(t.resolve_conj()) if t.is_complex() else t for t in tensors]
         present = [i for i, t in enumerate(tensors) if t.numel()]
@@ -111,7 +112,7 @@ def as_real_values(t: torch.Tensor) -> torch.Tensor:
     return flat if flat.dtype == torch.float32 else flat.float()
 
 
-def _reduce_generic(
+def reduce_generic(
     t: torch.Tensor,
     bins: int,
     zeros: bool,

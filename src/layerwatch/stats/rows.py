@@ -5,8 +5,8 @@ packed float64 row per tensor, laid out by the column constants below. Statistic
 the *finite* values; the count of NaN/Inf values is a column of its own, so a NaN never
 poisons a histogram or a mean. Histogram bins sit on a grid of width ``scale`` around
 ``anchor`` (see :mod:`~layerwatch.stats.batched`). :class:`Rows` is the one reader of the
-columns by name; :func:`histograms` and :func:`scalar_stats` turn rows into what is logged,
-:func:`to_host` brings rows to the host in one transfer per device.
+columns by name; :func:`histograms` and :func:`scalar_stats` turn rows into what is logged
+(:mod:`~layerwatch.stats.host` brings them to the host).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
-import torch
 
 # Columns of a packed row.
 HostRows = dict[str, list[tuple[list[str], np.ndarray]]]  # family -> its pieces' names and rows, on the host
@@ -37,13 +36,6 @@ HIST = 11  # then bins + 2 bucket counts: spill-low, 1..bins, spill-high
 # rest of a sampled step on the 400-tensor benchmark.
 HISTOGRAM_VALUES = 1 << 14
 MAX_BINS = 254  # the largest histogram_bins (the option's documented range)
-
-
-def host_reads_free(device: torch.device) -> bool:
-    """Whether the host reads a value on ``device`` without waiting for it (the CPU): code that
-    reads one where that is free, and masks instead elsewhere, asks this, so a test can take the
-    accelerator's way on the CPU."""
-    return device.type == "cpu"
 
 
 def row_width(bins: int) -> int:
@@ -223,16 +215,3 @@ def scalar_stats(rows: np.ndarray, stats: Sequence[str]) -> dict[str, np.ndarray
             "nonfinite": lambda: nonfinite,
         }
         return {name: derived[name]() for name in stats}
-
-
-def to_host(pieces: Sequence[torch.Tensor]) -> list[np.ndarray]:
-    """Bring float64 device tensors to the host in one transfer per device, in order."""
-    by_device: dict[torch.device, list[int]] = {}
-    for i, piece in enumerate(pieces):
-        by_device.setdefault(piece.device, []).append(i)
-    out: list[np.ndarray] = [np.empty(0)] * len(pieces)
-    for indices in by_device.values():
-        flat = torch.cat([pieces[i].reshape(-1).to(torch.float64) for i in indices]).cpu().numpy()
-        for i, part in zip(indices, np.split(flat, np.cumsum([pieces[i].numel() for i in indices])[:-1])):
-            out[i] = part
-    return out

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from layerwatch.stats.batched import _reduce_generic, as_real_values, prime_stride
+from layerwatch.stats.batched import reduce_generic, as_real_values, prime_stride
 from layerwatch.stats.rows import CENTERED_SUMSQ, COUNT, HIST, MAX, MIN, NONFINITE, SCALE, SUM, SUMSQ, ZEROS, row_width
 
 
@@ -40,7 +40,7 @@ def shard_statistics(flat: torch.Tensor, zeros: bool, centered: bool = False) ->
     """The first ``HIST`` columns of the row of ``flat`` (no grid), with masked ops: exact for
     any values, nothing read on the host. What :func:`combine_shards` adds up."""
     with torch.no_grad():
-        return _reduce_generic(flat, 0, zeros, centered)[:HIST]
+        return reduce_generic(flat, 0, zeros, centered)[:HIST]
 
 
 def combine_shards(heads: Optional[torch.Tensor], samples: Sequence[torch.Tensor], n: int, group: Any, bins: int,
@@ -75,7 +75,7 @@ def combine_shards(heads: Optional[torch.Tensor], samples: Sequence[torch.Tensor
             rows[:, :HIST] = heads
             rows[:, MIN], rows[:, MAX] = extremes[:n], -extremes[n:]
             for i, values in enumerate(samples if bins else []):
-                row = _reduce_generic(values, bins, False, False, (rows[i, MIN].to(values.dtype), rows[i, MAX].to(values.dtype)))
+                row = reduce_generic(values, bins, False, False, (rows[i, MIN].to(values.dtype), rows[i, MAX].to(values.dtype)))
                 rows[i, SCALE:] = row[SCALE:]
                 rows[i, HIST:] *= heads[i, COUNT] / row[COUNT].clamp(min=1)  # a sample stands for every value
             between = heads[:, SUM] ** 2 / heads[:, COUNT].clamp(min=1)

@@ -1,7 +1,7 @@
 """The LAYERWATCH tab's backend: JSON routes over TensorBoard's data provider.
 
 Everything is read through the data provider (so the Python reader, ``--load_fast`` and the
-Rust data server all work): the tab's own compact tensors (:mod:`.metadata`) for the
+Rust data server all work): the tab's own compact tensors (:mod:`layerwatch.reading.events`) for the
 heatmaps, rankings and markers, and the histograms plugin's data for a layer's histograms.
 A run's series are read once per change of the run (TensorBoard reports each tag's last step
 and wall time) and kept.
@@ -26,7 +26,7 @@ from werkzeug import exceptions, wrappers
 
 from layerwatch.reading import rankings
 from layerwatch import vocabulary as V
-from layerwatch.tensorboard_plugin.metadata import Reader, decode
+from layerwatch.reading.events import Reader, decode
 from layerwatch.vocabulary import EVENTS, LAYOUT, PLUGIN_NAME, SERIES
 
 logger = logging.getLogger("layerwatch")

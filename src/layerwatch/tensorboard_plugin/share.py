@@ -99,7 +99,7 @@ def _shared(out: Path, runs: list[str], answers: dict[str, Any]) -> Shared:
 
 def _chosen_runs(logdir: str | os.PathLike, pattern: Optional[str]) -> list[str]:
     """The names of the runs under ``logdir`` that the glob ``pattern`` matches (all for None)."""
-    from layerwatch.reading.report import ReportError, find_runs
+    from layerwatch.reading.events import ReportError, find_runs
 
     try:
         found = list(find_runs(logdir))
