@@ -44,7 +44,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import Clock  # noqa: E402

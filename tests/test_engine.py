@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from layerwatch import probes
 from layerwatch.engine.engine import Engine
 from layerwatch.options import validate_options
 from models import MLP, HiddenMiddle, Sluggish, hook_count

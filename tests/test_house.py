@@ -163,14 +163,12 @@ def sizes() -> list[tuple[int, str, str]]:
     return found
 
 
-@pytest.mark.xfail(strict=True, reason="until the split commit")
 def test_no_class_over_300_lines():
     long = [f"{name}.{node.name}: {lines}" for lines, name, node in sizes()
             if isinstance(node, ast.ClassDef) and lines > LONGEST_CLASS]
     assert not long
 
 
-@pytest.mark.xfail(strict=True, reason="until the split commit")
 def test_no_function_over_60_lines():
     long = [f"{name}.{node.name}: {lines}" for lines, name, node in sizes()
             if not isinstance(node, ast.ClassDef) and lines > LONGEST_FUNCTION and (name, node.name) != ARGPARSE_TABLE]

@@ -12,7 +12,6 @@ pd = pytest.importorskip("pandas")
 
 import layerwatch  # noqa: E402
 from layerwatch import InspectCallback, Inspector  # noqa: E402
-from layerwatch.reading import notebook  # noqa: E402
 from layerwatch.cli import main  # noqa: E402
 from layerwatch.reading.notebook import ALERT_COLUMNS, HISTOGRAM_COLUMNS, SCALAR_COLUMNS  # noqa: E402
 from layerwatch.reading.events import Reader  # noqa: E402
