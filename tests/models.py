@@ -819,6 +819,15 @@ def causal(score, batch, head, query, key):
     return torch.where(query >= key, score, float("-inf"))
 
 
+def min_entropy_heads(q, k):
+    """Causal attention's every row, in float64: ``[heads, 2]``, each head's largest logit and
+    its rows' mean min-entropy (logsumexp − max)."""
+    logits = q.double() @ k.double().transpose(-2, -1) * q.shape[-1] ** -0.5
+    logits = logits.masked_fill(~torch.ones(logits.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    top, lse = logits.amax(-1), logits.logsumexp(-1)  # (batch, heads, queries)
+    return torch.stack([top.amax((0, 2)), (lse - top).mean((0, 2))], 1)
+
+
 class SdpaAttention(nn.Module):
     """Causal attention through ``F.scaled_dot_product_attention``, or with ``flex`` through
     FlexAttention (causal by a score_mod)."""

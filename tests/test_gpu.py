@@ -434,8 +434,8 @@ def test_flex_attention_on_cuda_gets_the_kernels_own_statistics_and_the_run_is_u
     logit and mean min-entropy, the losses bitwise those without layerwatch (head size 32, 128
     query rows). Eager: the stand-in in torch's own compiled call (Triton's main kernel, not its
     decoding one); compiled with Inductor: on the re-run, whose eager call returns both."""
-    from test_flex_attention import min_entropy_heads
-    from models import SdpaLM, lm_step, tab_values
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from models import SdpaLM, lm_step, min_entropy_heads, tab_values
 
     def train(log_dir, seen=None):
         torch._dynamo.reset()
