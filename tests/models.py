@@ -504,6 +504,20 @@ def compile_as(model: nn.Module, how: str, backend) -> nn.Module:
     return model
 
 
+def train_step(loss_of, opt: torch.optim.Optimizer, inspector=None, replay: bool = False) -> str:
+    """One optimizer step of ``loss_of()`` (given to ``replay_with`` first with ``replay``), then
+    ``inspector.step()``: its loss, exactly."""
+    if inspector is not None and replay:
+        inspector.replay_with(loss_of)
+    loss = loss_of()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if inspector is not None:
+        inspector.step()
+    return repr(loss.item())
+
+
 # ------------------------------------------------------------------------------- the replay's faults
 
 FAULT_STEP = 7

@@ -80,7 +80,7 @@ def inspector_run(log_dir, device="cpu", mode=None) -> dict:
     """AdamW steps of the compiled Llama (``torch.compile(model, mode=mode)``) under
     ``torch.autocast`` in bfloat16, the Inspector at its defaults when there is a ``log_dir``."""
     from layerwatch import Inspector
-    from test_compile import train_step
+    from models import train_step
 
     fresh_counts()
     model = llama().to(device)
