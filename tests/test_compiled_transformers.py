@@ -100,7 +100,7 @@ def inspector_run(log_dir, device="cpu", mode=None) -> dict:
 
 def trainer_run(callbacks, out, device="cpu") -> dict:
     """The Hugging Face Trainer with ``torch_compile=True, bf16=True`` on the Llama."""
-    from test_huggingface import Tokens
+    from hf_models import Tokens
 
     fresh_counts()
     model = llama()
@@ -132,7 +132,7 @@ def test_the_inspector_on_a_compiled_llama_in_bfloat16_leaves_its_run_as_it_was(
 
 def test_the_hugging_face_callback_under_torch_compile_and_bf16_leaves_the_run_as_it_was(tmp_path, events):
     from layerwatch.huggingface import InspectTrainerCallback
-    from test_huggingface import event_dirs
+    from hf_models import event_dirs
 
     plain = trainer_run([], tmp_path / "plain")
     watched = trainer_run([InspectTrainerCallback()], tmp_path / "watched")

@@ -363,7 +363,7 @@ def test_a_compiled_llama_in_bfloat16_on_cuda_on_the_callbacks_trains_bitwise_as
         measured(events(tmp_path / "watched" / "tb" / "version_0"), prefix="llama.")
     else:
         from layerwatch.huggingface import InspectTrainerCallback
-        from test_huggingface import event_dirs
+        from hf_models import event_dirs
 
         same_training(trainer_run([InspectTrainerCallback()], tmp_path / "watched", "cuda"), trainer_run([], tmp_path / "plain", "cuda"))
         (run,) = event_dirs(tmp_path / "watched")
