@@ -344,7 +344,7 @@ def test_a_compiled_llama_in_bfloat16_on_cuda_trains_bitwise_as_without_layerwat
     split in two would contract its multiply-adds otherwise; and under CUDA graphs, whose
     replays the eager re-run runs between."""
     pytest.importorskip("transformers")
-    from test_compiled_transformers import inspector_run, measured, same_training
+    from compiled_runs import inspector_run, measured, same_training
 
     same_training(inspector_run(tmp_path, "cuda", mode), inspector_run(None, "cuda", mode))
     measured(events(tmp_path))
@@ -354,7 +354,7 @@ def test_a_compiled_llama_in_bfloat16_on_cuda_trains_bitwise_as_without_layerwat
 def test_a_compiled_llama_in_bfloat16_on_cuda_on_the_callbacks_trains_bitwise_as_without_them(tmp_path, events,
                                                                                            deterministic, door):
     pytest.importorskip("transformers")
-    from test_compiled_transformers import lightning_run, measured, same_training, trainer_run
+    from compiled_runs import lightning_run, measured, same_training, trainer_run
 
     if door == "Lightning":
         from layerwatch import InspectCallback
