@@ -10,6 +10,8 @@ from event_logs import read_events
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
+pytest.register_assert_rewrite("compiled_runs")
+
 
 @pytest.fixture
 def benchmarks(monkeypatch):
@@ -33,3 +35,16 @@ def browser():
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         yield browser
         browser.close()
+
+
+@pytest.fixture(scope="module")
+def demo_logs(tmp_path_factory):
+    """The demo's run, its NaN at step ``INJECT`` and its loss spike at ``SPIKE`` (``browser_runs``),
+    written once per test file."""
+    from browser_runs import INJECT, SPIKE
+    from layerwatch.demo import run_demo
+
+    logdir = tmp_path_factory.mktemp("demo")
+    with pytest.warns(RuntimeWarning):
+        run_demo(steps=200, log_dir=str(logdir), every=10, inject_nan=INJECT, batch=32, inject_spike=SPIKE)
+    return logdir

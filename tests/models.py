@@ -504,6 +504,20 @@ def compile_as(model: nn.Module, how: str, backend) -> nn.Module:
     return model
 
 
+def train_step(loss_of, opt: torch.optim.Optimizer, inspector=None, replay: bool = False) -> str:
+    """One optimizer step of ``loss_of()`` (given to ``replay_with`` first with ``replay``), then
+    ``inspector.step()``: its loss, exactly."""
+    if inspector is not None and replay:
+        inspector.replay_with(loss_of)
+    loss = loss_of()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if inspector is not None:
+        inspector.step()
+    return repr(loss.item())
+
+
 # ------------------------------------------------------------------------------- the replay's faults
 
 FAULT_STEP = 7
@@ -817,6 +831,15 @@ def __getattr__(name: str):
 def causal(score, batch, head, query, key):
     """A FlexAttention score_mod: causal attention."""
     return torch.where(query >= key, score, float("-inf"))
+
+
+def min_entropy_heads(q, k):
+    """Causal attention's every row, in float64: ``[heads, 2]``, each head's largest logit and
+    its rows' mean min-entropy (logsumexp − max)."""
+    logits = q.double() @ k.double().transpose(-2, -1) * q.shape[-1] ** -0.5
+    logits = logits.masked_fill(~torch.ones(logits.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    top, lse = logits.amax(-1), logits.logsumexp(-1)  # (batch, heads, queries)
+    return torch.stack([top.amax((0, 2)), (lse - top).mean((0, 2))], 1)
 
 
 class SdpaAttention(nn.Module):

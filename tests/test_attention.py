@@ -320,13 +320,11 @@ def tensor_parallel_worker(rank: int, world: int, out: str, flex: bool = False) 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from models import SdpaAttention
+    from models import SdpaAttention, min_entropy_heads
 
     stats = causal_stats
     if flex:
         import torch.nn.attention.flex_attention as FA
-
-        from test_flex_attention import min_entropy_heads
 
         FA._validate_device, stats = lambda query, key, value: None, min_entropy_heads
     mesh = init_device_mesh("cpu", (world,))

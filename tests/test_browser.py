@@ -10,27 +10,12 @@ import shutil
 import numpy as np
 import pytest
 
+from browser_runs import INJECT, SPIKE
 from tb_server import open_tab, serve
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on the PATH (apt-get install chromium)")
-
-INJECT = 183  # the demo's NaN, from encoder.fault, between samples: found by replaying step 183
-# The demo's loss spike, from encoder.fault too, between samples: replayed at step 166. Not
-# earlier: while the loss still falls 50 times over the window (its first 40 steps), a spike
-# stands fewer than 6 deviations of the window's logarithm above it.
-SPIKE = 166
-
-
-@pytest.fixture(scope="module")
-def demo_logs(tmp_path_factory):
-    from layerwatch.demo import run_demo
-
-    logdir = tmp_path_factory.mktemp("demo")
-    with pytest.warns(RuntimeWarning):
-        run_demo(steps=200, log_dir=str(logdir), every=10, inject_nan=INJECT, batch=32, inject_spike=SPIKE)
-    return logdir
 
 
 @pytest.fixture(scope="module")

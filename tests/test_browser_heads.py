@@ -5,39 +5,17 @@ and a module's heads x steps in its layer detail. Skipped when no chromium is in
 from __future__ import annotations
 
 import shutil
-import warnings
 
 import pytest
-import torch
 
-from layerwatch import Inspector
-from models import SdpaAttention, SdpaLM, lm_step
+from browser_runs import EVERY, HEADS, STEPS, train
 from tb_server import open_tab, serve
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on the PATH (apt-get install chromium)")
 
-HEADS = 4
-STEPS, EVERY = 24, 2  # sampled at 0, 2, ..., 22; the attention from the first sample on
 RUN = "sdpa"
-
-
-def train(log_dir, steps=STEPS, every=EVERY, heads=HEADS, width=32):
-    """SdpaLM with ``heads`` heads per block, trained under an Inspector."""
-    torch.manual_seed(0)
-    model = SdpaLM(d=width)
-    for block in model.blocks:
-        block.attn = SdpaAttention(width, heads=heads)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # too few samples for the trend rules
-        with Inspector(model, log_dir=log_dir, every_n_steps=every, optimizer=opt) as inspector:
-            for _ in range(steps):
-                ids = torch.randint(0, 32, (8, 16), generator=generator)
-                lm_step(model, opt, ids)
-                inspector.step()
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from torch import nn
 from layerwatch import Inspector, summarize
 from layerwatch.vocabulary import FAMILIES
 from models import (MLP, BatchNormNet, Chain, GradientSpoiler, ReadsOnHost, SdpaLM, Spoiler, TinyTransformer, compile_as,
-                    hook_count, layerwatch_messages, run_state, same_state, tab_values)
+                    hook_count, layerwatch_messages, run_state, same_state, tab_values, train_step)
 
 dynamo = pytest.importorskip("torch._dynamo")
 from torch._dynamo.utils import counters  # noqa: E402
@@ -85,20 +85,6 @@ def lm_run(log_dir, *, how="torch.compile(model)", dtype="float32", backend="ind
     assert hook_count(model, opt) == 0
     return {"losses": losses, "state": [t.clone() for t in model.state_dict().values()], "dynamo": dynamo_counts(),
             "graph_code": [graph.code for graph in counter.graphs], "said": layerwatch_messages(seen), "alerts": alerts}
-
-
-def train_step(loss_of, opt: torch.optim.Optimizer, inspector=None, replay: bool = False) -> str:
-    """One optimizer step of ``loss_of()`` (given to ``replay_with`` first with ``replay``), then
-    ``inspector.step()``: its loss, exactly."""
-    if inspector is not None and replay:
-        inspector.replay_with(loss_of)
-    loss = loss_of()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    if inspector is not None:
-        inspector.step()
-    return repr(loss.item())
 
 
 def same_run(watched: dict, plain: dict, inputs_in_any_order: bool = False) -> None:

@@ -217,7 +217,7 @@ def hf_worker(rank: int, world: int, out: str, stage: int, persistence: bool) ->
     defaults and every 2 steps; rank 0 records the losses and the callbacks' alerts."""
     on_gloo()
     import transformers
-    from test_huggingface import Tokens, tiny
+    from hf_models import Tokens, tiny
 
     from layerwatch.huggingface import InspectTrainerCallback
 

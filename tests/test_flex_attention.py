@@ -18,7 +18,7 @@ from torch import nn
 
 from layerwatch import Inspector
 from layerwatch.probes.flex_attention import flex_rows
-from models import SdpaLM, lm_step, tab_values
+from models import SdpaLM, lm_step, min_entropy_heads, tab_values
 
 FA = pytest.importorskip("torch.nn.attention.flex_attention")
 
@@ -32,15 +32,6 @@ def cpu_training(monkeypatch):
             refusal(query, key, value)
 
     monkeypatch.setattr(FA, "_validate_device", lifted)
-
-
-def min_entropy_heads(q, k):
-    """Causal attention's every row, in float64: ``[heads, 2]``, each head's largest logit and
-    its rows' mean min-entropy (logsumexp − max)."""
-    logits = q.double() @ k.double().transpose(-2, -1) * q.shape[-1] ** -0.5
-    logits = logits.masked_fill(~torch.ones(logits.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
-    top, lse = logits.amax(-1), logits.logsumexp(-1)  # (batch, heads, queries)
-    return torch.stack([top.amax((0, 2)), (lse - top).mean((0, 2))], 1)
 
 
 def test_the_rows_statistics_are_each_heads_largest_logit_and_mean_min_entropy():

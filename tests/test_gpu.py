@@ -344,7 +344,7 @@ def test_a_compiled_llama_in_bfloat16_on_cuda_trains_bitwise_as_without_layerwat
     split in two would contract its multiply-adds otherwise; and under CUDA graphs, whose
     replays the eager re-run runs between."""
     pytest.importorskip("transformers")
-    from test_compiled_transformers import inspector_run, measured, same_training
+    from compiled_runs import inspector_run, measured, same_training
 
     same_training(inspector_run(tmp_path, "cuda", mode), inspector_run(None, "cuda", mode))
     measured(events(tmp_path))
@@ -354,7 +354,7 @@ def test_a_compiled_llama_in_bfloat16_on_cuda_trains_bitwise_as_without_layerwat
 def test_a_compiled_llama_in_bfloat16_on_cuda_on_the_callbacks_trains_bitwise_as_without_them(tmp_path, events,
                                                                                            deterministic, door):
     pytest.importorskip("transformers")
-    from test_compiled_transformers import lightning_run, measured, same_training, trainer_run
+    from compiled_runs import lightning_run, measured, same_training, trainer_run
 
     if door == "Lightning":
         from layerwatch import InspectCallback
@@ -363,7 +363,7 @@ def test_a_compiled_llama_in_bfloat16_on_cuda_on_the_callbacks_trains_bitwise_as
         measured(events(tmp_path / "watched" / "tb" / "version_0"), prefix="llama.")
     else:
         from layerwatch.huggingface import InspectTrainerCallback
-        from test_huggingface import event_dirs
+        from hf_models import event_dirs
 
         same_training(trainer_run([InspectTrainerCallback()], tmp_path / "watched", "cuda"), trainer_run([], tmp_path / "plain", "cuda"))
         (run,) = event_dirs(tmp_path / "watched")
@@ -434,8 +434,8 @@ def test_flex_attention_on_cuda_gets_the_kernels_own_statistics_and_the_run_is_u
     logit and mean min-entropy, the losses bitwise those without layerwatch (head size 32, 128
     query rows). Eager: the stand-in in torch's own compiled call (Triton's main kernel, not its
     decoding one); compiled with Inductor: on the re-run, whose eager call returns both."""
-    from test_flex_attention import min_entropy_heads
-    from models import SdpaLM, lm_step, tab_values
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from models import SdpaLM, lm_step, min_entropy_heads, tab_values
 
     def train(log_dir, seen=None):
         torch._dynamo.reset()

@@ -166,7 +166,7 @@ def test_an_unsampled_step_makes_the_host_wait_nowhere_on_every_front_door(tmp_p
         else:
             transformers = pytest.importorskip("transformers")
             from layerwatch.huggingface import InspectTrainerCallback
-            from test_huggingface import tiny, train
+            from hf_models import tiny, train
 
             callback = InspectTrainerCallback()
             original = type(callback).on_train_begin

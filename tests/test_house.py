@@ -184,7 +184,6 @@ def test_the_folders_are_the_architecture():
     assert all(f"`{folder}/`" in drawn for folder in FOLDERS), "docs/architecture.md has a line for each folder"
 
 
-@pytest.mark.xfail(strict=False, reason="until the tests' helpers move")
 @pytest.mark.parametrize("path", sorted((ROOT / "tests").rglob("*.py")), ids=lambda path: path.name)
 def test_no_test_module_imports_another(path):
     tests = {other.stem for other in (ROOT / "tests").rglob("test_*.py")}

@@ -9,12 +9,13 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
-from test_browser import INJECT, SPIKE, demo_logs  # noqa: F401 (a fixture)
-from test_browser_heads import HEADS, train
+from browser_runs import HEADS, INJECT, SPIKE, train
 from torch.utils.tensorboard import SummaryWriter
 
 from layerwatch.cli import main
 from layerwatch.tensorboard_plugin.packing import unpack
+
+pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 
 ATTENTION_RUN = "sdpa"
 DEMO_RUN = "demo/version_0"
@@ -22,7 +23,7 @@ VIEWPORT = {"width": 1400, "height": 900}
 
 
 @pytest.fixture(scope="module")
-def logdir(demo_logs):  # noqa: F811 (the fixture imported above)
+def logdir(demo_logs):
     train(demo_logs / ATTENTION_RUN)
     return demo_logs
 

@@ -334,7 +334,7 @@ def test_the_trainer_finds_a_spike_in_the_models_loss_and_samples_the_next_steps
 
     transformers = pytest.importorskip("transformers")
     from layerwatch.huggingface import InspectTrainerCallback
-    from test_huggingface import Tokens, event_dirs, tiny
+    from hf_models import Tokens, event_dirs, tiny
 
     runs = {}
     for name, spikes in (("spiked", True), ("off", False)):
@@ -559,7 +559,7 @@ def _trainer_amplified(root, amplify=-1e3, spikes=True, compiled=False, gradient
 
     transformers = pytest.importorskip("transformers")
     from layerwatch.huggingface import InspectTrainerCallback
-    from test_huggingface import SEQ, VOCAB, tiny
+    from hf_models import SEQ, VOCAB, tiny
 
     class Counting(torch.utils.data.Dataset):  # learnable: each token is the one before it plus one
         def __len__(self):
@@ -613,7 +613,7 @@ def test_the_trainer_judges_its_own_gradient_norm_and_names_the_layer_whose_grad
     spike, = [a for a in _spike_alerts(alerts) if a.step == SPIKE_STEP]
     assert spike.message.startswith(f"gradient norm spike at step {SPIKE_STEP}: "), spike.message
     assert spike.name == "transformer.h.0.mlp.c_fc" and "began at" not in spike.message, spike.message
-    from test_huggingface import event_dirs
+    from hf_models import event_dirs
 
     lead_up = {s.step for d in event_dirs(tmp_path) for acc in [events(d)]
                if "layerwatch/grad_norm_lead_up" in acc.Tags()["scalars"] for s in acc.Scalars("layerwatch/grad_norm_lead_up")}
