@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import WORKLOADS  # noqa: E402
 
 from layerwatch import Inspector  # noqa: E402
-from layerwatch.faults.sentinel import NonfiniteSentinel, fused_norms  # noqa: E402
+from layerwatch.faults.sentinel import NonfiniteSentinel
+from layerwatch.stats.norms import fused_norms  # noqa: E402
 
 
 def host_us(action: Callable[[], object], iters: int, sync: Callable[[], None]) -> float:

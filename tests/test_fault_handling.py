@@ -39,7 +39,7 @@ class Parts:
         if log_dir is not None:
             self.output.open(log_dir)
         self.asked: list[int] = []
-        self.faults = Faults(self.options, self.failures, self.probes, self.counter, self.output,
+        self.faults = Faults(self.options, self.failures, self.probes, self.counter, self.output.write_fault,
                              lambda: self.asked.append(1))
         torch.manual_seed(0)
         self.model = nn.Linear(3, 2) if model is None else model

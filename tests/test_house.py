@@ -22,6 +22,10 @@ TOP = {"__init__", "__main__", "cli", "demo", "inspector", "lightning", "hugging
        "vocabulary"}
 FOLDERS = {"engine", "measure", "faults", "probes", "stats", "health", "sinks", "distributed", "table", "reading",
            "tensorboard_plugin", "guards"}
+# From the top down: each imports only what is below it (docs/architecture.md's table of folders). The
+# public face and the doors (the rest of TOP) stand above them all.
+LAYERS = ["tensorboard_plugin/", "reading/", "engine/", "sinks/", "faults/", "health/", "measure/", "options", "probes/",
+          "table/", "distributed/", "stats/", "guards/", "schedule", "vocabulary"]
 
 
 def modules() -> dict[str, tuple[Path, bool]]:
@@ -173,6 +177,21 @@ def test_no_function_over_60_lines():
     long = [f"{name}.{node.name}: {lines}" for lines, name, node in sizes()
             if not isinstance(node, ast.ClassDef) and lines > LONGEST_FUNCTION and (name, node.name) != ARGPARSE_TABLE]
     assert not long
+
+
+def place(module: str) -> str:
+    """A module's folder (``engine/``), or its own name at the top of the package (``options``)."""
+    parts = module.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and MODULES[module][1]):
+        return parts[1] + "/"
+    return parts[1] if len(parts) == 2 else "__init__"
+
+
+def test_each_folder_imports_only_the_folders_below_it():
+    upward = sorted(f"{module} imports {other}" for module, others in import_graph().items() for other in others
+                    if place(module) in LAYERS and place(other) != place(module) and other != PACKAGE  # its version only
+                    and (place(other) not in LAYERS or LAYERS.index(place(other)) < LAYERS.index(place(module))))
+    assert not upward
 
 
 def test_the_folders_are_the_architecture():

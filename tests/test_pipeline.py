@@ -250,7 +250,7 @@ def test_stages_that_do_not_keep_the_whole_models_names_are_said_and_rank_0s_lay
 ])
 def test_the_pipelines_first_offender(stages, expected):
     from layerwatch.probes import Offender, ProbeResult
-    from layerwatch.distributed.stages import first_offender
+    from layerwatch.engine.stages import first_offender
 
     results = [None if found == "missing" else ProbeResult([], None if found is None else Offender(found[1], found[0]))
                for found in stages]

@@ -8,6 +8,7 @@ from torch import nn
 
 from layerwatch import Inspector, at_steps
 from layerwatch.faults import sentinel as sentinel_module
+from layerwatch.stats import norms as fused
 from layerwatch.faults.sentinel import NonfiniteSentinel
 
 
@@ -150,8 +151,8 @@ def test_an_unsampled_step_checks_a_bounded_share_and_makes_the_same_calls_for_1
 
     normed: list[int] = []
     flagged: list[int] = []
-    norms, flag = sentinel_module._norms, torch._amp_foreach_non_finite_check_and_unscale_
-    monkeypatch.setattr(sentinel_module, "_norms", lambda tensors, *a: normed.append(len(tensors)) or norms(tensors, *a))
+    norms, flag = fused.stacked_norms, torch._amp_foreach_non_finite_check_and_unscale_
+    monkeypatch.setattr(fused, "stacked_norms", lambda tensors, *a: normed.append(len(tensors)) or norms(tensors, *a))
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_",
                         lambda tensors, *a: flagged.append(len(tensors)) or flag(tensors, *a))
 
@@ -283,8 +284,8 @@ def test_a_frozen_parameter_is_not_watched_and_its_share_keeps_the_fused_flag(mo
     sentinel.watch(named, lambda t: t)
     assert [name for share in sentinel._shares for name, _, _ in share] == ["p0", "p2"]
     normed = []
-    norms = sentinel_module._norms
-    monkeypatch.setattr(sentinel_module, "_norms", lambda t, *a: normed.append(len(t)) or norms(t, *a))
+    norms = fused.stacked_norms
+    monkeypatch.setattr(fused, "stacked_norms", lambda t, *a: normed.append(len(t)) or norms(t, *a))
     gradients([named[0], named[2]], [[0.0, 1.0], [float("nan"), 0.0]])
     sentinel.check_next(1, True)
     assert normed == []  # the flag, not the norms

@@ -804,17 +804,17 @@ def test_a_spike_found_as_the_run_ends_is_written_then_unranked():
     from layerwatch.guards.failures import FailurePolicy
     from layerwatch.health.spikes import Spikes
 
-    class Sink:
+    from layerwatch.sinks import record as R
+
+    class Sink:  # Output.write_findings: the record built as the output builds it, the alerts said
         records, announced = [], []
 
-        def emit(self, rec, step):
-            self.records.append(rec)
-
-        def announce(self, step, alerts):
+        def write_findings(self, step, findings, alerts):
+            self.records.append(R.build(step, findings=findings))
             self.announced += alerts
 
     sink = Sink()
-    spikes = Spikes(SpikeRule(warmup=8, window=16), FailurePolicy(), lambda: None, sink)
+    spikes = Spikes(SpikeRule(warmup=8, window=16), FailurePolicy(), lambda: None, sink.write_findings)
     rng = random.Random(4)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

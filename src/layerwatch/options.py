@@ -13,7 +13,6 @@ from typing import Any, Collection, Optional, Sequence
 
 from layerwatch import vocabulary as V
 from layerwatch import stats as S
-from layerwatch.engine.budget import check_fraction
 from layerwatch.probes.selection import ModuleFilter, check_module_filter
 from layerwatch.schedule import Schedule, ScheduleLike, as_schedule, every_n_steps as every_n
 
@@ -149,6 +148,13 @@ class SpikeRule:
                 raise ValueError(f"SpikeRule.{name} must be an int >= {least}, got {value!r}")
         if self.warmup > self.window:
             raise ValueError(f"SpikeRule.warmup must be at most the window ({self.window}), got {self.warmup!r}")
+
+
+def check_fraction(name: str, value: object) -> float:
+    """``value`` as a float in (0, 1]; ValueError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be a number in (0, 1] (0.01 is 1% of the training time), got {value!r}")
+    return float(value)
 
 
 DEFAULT_OVERHEAD_BUDGET = 0.01  # the schedule when neither every_n_steps nor schedule is given

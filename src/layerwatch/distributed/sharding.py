@@ -358,3 +358,9 @@ def norms(tensors: Optional[list[torch.Tensor]], group: Any = None, count: int =
     squares = torch.cat([squares, squares.new_full((1,), failed)])
     dist.all_reduce(squares, group=group)
     return torch.where(squares[-1] > 0, FAILED_NORM, squares[:-1].sqrt())
+
+
+def is_zero3_param(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a ZeRO-3 parameter: outside its module's forward and backward an empty
+    placeholder, which no hook may be put on."""
+    return hasattr(p, "ds_id")

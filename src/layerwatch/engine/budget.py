@@ -41,6 +41,8 @@ import statistics
 from collections import deque
 from typing import Optional
 
+from layerwatch.options import check_fraction
+
 MAX_INTERVAL = 10_000  # sampling less often than this is not worth a budget: say so instead
 HEADROOM = 0.8  # overhead_ms reads within 20% of a sample's measured cost: plan for 80% of the budget
 FIRST_BASE_SHARE = 0.1  # the least share of a first sample's time taken as the base step
@@ -50,13 +52,6 @@ MAX_SPREAD = 1024  # the most steps the per-step checks are spread over (a share
 CHECKS_FLOOR_S = 50e-6  # per-step checks cheaper than this are kept whole: spreading them saves little, loses a replay
 EXTRA_SPAN = 10_000  # the steps an unscheduled sample's cost is spread over
 HOLD_STEPS = 1000  # after an incident, the steps the interval does not grow for
-
-
-def check_fraction(name: str, value: object) -> float:
-    """``value`` as a float in (0, 1]; ValueError naming ``name`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ValueError(f"{name} must be a number in (0, 1] (0.01 is 1% of the training time), got {value!r}")
-    return float(value)
 
 
 def grid_value(index: int) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from layerwatch.distributed.sharding import is_writer_rank
-from layerwatch.distributed.stages import StagePart
+from layerwatch.engine.stages import StagePart
 from layerwatch.engine.output import Output
 from layerwatch.engine.placement import Placement
 from layerwatch.engine.rerun import Rerun

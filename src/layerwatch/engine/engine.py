@@ -111,8 +111,9 @@ class Engine:
         self._release = weakref.finalize(self, self._attached.release)
         self._output = Output(self._attached, self.failures, writer)
         self._sampling = Sampling(options, self.failures)
-        self._faults = Faults(options, self.failures, self._probes, self._counter, self._output, self._sampling.ask)
-        self._spikes = Spikes(options.spikes, self.failures, self._sampling.ask, self._output, self._health and self._health.progress)
+        self._faults = Faults(options, self.failures, self._probes, self._counter, self._output.write_fault, self._sampling.ask)
+        self._spikes = Spikes(options.spikes, self.failures, self._sampling.ask, self._output.write_findings,
+                              self._health and self._health.progress)
         self._closing = Closing(options, self.failures, self._probes, self._rerun, self._reads, self._faults, self._spikes,
                                 self._health, self._sampling, self._output, self._collector, self._counter)
         self._placement = Placement(Layout())  # where the parameters live: found at start()

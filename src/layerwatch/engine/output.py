@@ -108,6 +108,15 @@ class Output:
             self._attached.use_sink(None)
         self._writer = None
 
+    def write_fault(self, fault_step: int, step: int) -> None:
+        """The first step whose gradients were non-finite (found between samples), to every sink at once."""
+        self.emit(R.build(fault_step, first_nonfinite_step=fault_step), step)
+
+    def write_findings(self, step: int, findings: Findings, alerts: list[Alert]) -> None:
+        """What was found between samples (the last loss spikes) to every sink, and its new ``alerts`` said."""
+        self.emit(R.build(step, findings=findings), step)
+        self.announce(step, alerts)
+
     def announce(self, step: int, alerts: list[Alert]) -> None:
         """New alerts to Python logging, one record each, and to warnings, one per step."""
         for alert in alerts:

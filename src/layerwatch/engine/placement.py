@@ -18,7 +18,7 @@ from layerwatch.distributed.sharding import Layout, is_writer_rank, parameter_la
 from layerwatch.guards.failures import FailurePolicy
 from layerwatch.options import Options
 from layerwatch.probes import StepProbes, probe_name, select_modules
-from layerwatch.distributed.stages import Held, Stages, find_stages
+from layerwatch.engine.stages import Held, Stages, find_stages
 from layerwatch.measure.zero import Zero, find_zero
 
 

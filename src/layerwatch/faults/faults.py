@@ -23,13 +23,11 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from layerwatch.sinks import record as R
 from layerwatch.health.alert import Alert
 from layerwatch.distributed.agreement import Decision
 from layerwatch.distributed.sharding import Layout, is_writer_rank, local
 from layerwatch.guards.failures import FailurePolicy
 from layerwatch.options import Options
-from layerwatch.engine.output import Output
 from layerwatch.probes import Offender, ProbeResult, StepProbes
 from layerwatch.faults import messages
 from layerwatch.faults.replay_agreement import StepReplay
@@ -49,15 +47,15 @@ class Faults:
         failures: Where a failure is warned about.
         probes: The engine's probes: a replay arms them all.
         counter: The optimizers' step count, whether a step was skipped.
-        output: Rank 0's sinks: a finding's record goes there at once.
+        write_fault: Writes a fault's first step to rank 0's sinks at once (``Output.write_fault``).
         ask_sample: Asks for the next step to be sampled.
     """
 
     def __init__(self, options: Options, failures: FailurePolicy, probes: StepProbes, counter: StepCounter,
-                 output: Output, ask_sample: Callable[[], None]) -> None:
+                 write_fault: Callable[[int, int], None], ask_sample: Callable[[], None]) -> None:
         self.options = options
         self.failures = failures
-        self._probes, self._counter, self._output, self._ask_sample = probes, counter, output, ask_sample
+        self._probes, self._counter, self._write_fault, self._ask_sample = probes, counter, write_fault, ask_sample
         self.replay = StepReplay(options, failures, probes)  # the open step's batches, and their replay
         self.sentinel: Optional[NonfiniteSentinel] = None
         self._zero: Optional[Zero] = None
@@ -177,7 +175,7 @@ class Faults:
         if before_optimizer_step and not replayable:
             return None
         findings = sentinel.poll(wait=replayable, at_hand=step if replayable else None)
-        skipped = None if before_optimizer_step or self._zero is None else self._zero.skipped_finding(step)
+        skipped = None if before_optimizer_step or self._zero is None else _skipped_by_deepspeed(self._zero, step)
         findings += [skipped] if skipped is not None else []
         for finding in findings:
             if finding.stepped is False:
@@ -241,10 +239,9 @@ class Faults:
         self._reported = finding
         if not is_writer_rank():
             return
-        rec = R.build(finding.step, first_nonfinite_step=finding.step)
         message = messages.nonfinite_message(finding, sampled_step, self.step, self._probes.sees_nonfinite,
                                              self.replay.fault_before, self._unreplayed())
-        self._output.emit(rec, self.step)
+        self._write_fault(finding.step, self.step)
         logger.warning("layerwatch: %s", message)
         self.failures.warn(f"layerwatch: {message}")
 
@@ -280,3 +277,12 @@ def _watched_key(params: Params) -> list[tuple[Any, ...]]:
     frozen, its device and dtype. A sample walks the parameters again; where this is the same,
     the shares need not be made again (their work is per tensor)."""
     return [(n, id(p), p.requires_grad, p.device, p.dtype) for n, p in params]
+
+
+def _skipped_by_deepspeed(zero: Zero, step: int) -> Optional[Finding]:
+    """A finding when DeepSpeed skipped ``step``, its averaged gradients not finite: a fault in fp32
+    and bf16; under fp16's dynamic loss scale an expected overflow (not a fault)."""
+    expected = zero.skipped()
+    if expected is None:
+        return None
+    return Finding(step, [], not expected, True, seen_by="DeepSpeed found their norm not finite and skipped the step")

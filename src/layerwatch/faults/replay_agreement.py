@@ -21,7 +21,7 @@ from layerwatch.distributed.agreement import RankSync
 from layerwatch.distributed.sharding import Layout, is_writer_rank, local, world_size
 from layerwatch.faults import messages
 from layerwatch.faults.replay import MicroBatch, RngState, replay_until_named
-from layerwatch.faults.sentinel import nonfinite_names
+from layerwatch.stats.norms import nonfinite_names
 from layerwatch.guards.failures import FailurePolicy
 from layerwatch.options import Options
 from layerwatch.probes import Offender, ProbeResult, StepProbes

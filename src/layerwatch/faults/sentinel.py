@@ -46,6 +46,7 @@ import torch
 from layerwatch.distributed.sharding import is_dtensor
 from layerwatch.guards.hooks import is_compiling
 from layerwatch import stats as S
+from layerwatch.stats import norms as N  # as a module: a test counts its calls
 
 
 @dataclass
@@ -156,7 +157,7 @@ class NonfiniteSentinel:
                 for params, names, ones, kept in plan:
                     grads = [p.grad for p in params]
                     if ones is None:  # a dtype the kernel does not take
-                        checks.append((_norms(grads), names, None, False))
+                        checks.append((N.stacked_norms(grads), names, None, False))
                         continue
                     # The loss scaler's kernel at an inverse scale of 1.0 (``ones``) writes every value back as it
                     # was and sets the flag on a NaN or Inf; a flag kept between steps (read at once), else a fresh one
@@ -179,7 +180,7 @@ class NonfiniteSentinel:
         """Enqueue the check of ``step``'s gradients."""
         if not named_grads:
             return
-        groups = fused_norms([grad for _, grad in named_grads])
+        groups = N.fused_norms([grad for _, grad in named_grads])
         free = all(S.host_reads_free(peaks.device) for _, peaks in groups)
         checks: list[Check] = [(peaks, [named_grads[i][0] for i in indices], None, False) for indices, peaks in groups]
         self._enqueue(step, checks, stepped, free)
@@ -193,7 +194,7 @@ class NonfiniteSentinel:
             return None
         params = [p for _, p, _ in share]
         plan: list[Group] = []
-        for indices in _by_device_and_dtype(params):
+        for indices in N.device_dtype_groups(params):
             group, device = [params[i] for i in indices], params[indices[0]].device
             ones = kept = None
             if _flagged(group[0]):
@@ -349,37 +350,3 @@ def _landed(step: int, checks: list[Check], stepped: Optional[bool]) -> tuple[li
     copies = [S.to_host_nonblocking(t) for t, _, _, _ in checks]
     kept = [(names, params, certain) for _, names, params, certain in checks]
     return [step, kept, [host for host, _ in copies], stepped], [event for _, event in copies]
-
-
-def _by_device_and_dtype(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
-    """The indices of ``tensors``, grouped by device and dtype (one fused norm each)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    return list(groups.values())
-
-
-def _norms(tensors: list[torch.Tensor], ord: int = 2) -> torch.Tensor:
-    """The ``ord``-norms of ``tensors`` of one device and dtype, accumulated in float32 at
-    least, as one float32 tensor: one ``torch._foreach_norm``."""
-    dtype = None if tensors[0].element_size() >= 4 or tensors[0].is_complex() else torch.float32
-    with torch.no_grad():
-        return torch.stack(torch._foreach_norm(tensors, ord, dtype=dtype)).float()
-
-
-def fused_norms(tensors: Sequence[torch.Tensor], ord: int = 2) -> list[tuple[list[int], torch.Tensor]]:
-    """The ``ord``-norms of ``tensors``, one ``torch._foreach_norm`` per device and dtype,
-    accumulated in float32 at least: per group, the indices of its tensors and their norms
-    (float32, on its device). A norm is NaN or Inf when a value is, and when finite values
-    overflow float32: past ~1.8e19 for ``ord=2``, past ~3.4e38 (their sum) for ``ord=1``."""
-    return [(indices, _norms([tensors[i] for i in indices], ord)) for indices in _by_device_and_dtype(tensors)]
-
-
-def nonfinite_names(named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
-    """The names of the tensors that hold a NaN or Inf: one fused pass (:func:`fused_norms`),
-    whose float32 sums also read as non-finite past ~1.8e19."""
-    named = [(name, t.detach()) for name, t in named if t.numel() > 0]
-    out = []
-    for indices, norms in fused_norms([t for _, t in named]):
-        out += [named[indices[i]][0] for i in (~torch.isfinite(norms)).nonzero().flatten().tolist()]
-    return out

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from layerwatch.sinks import record as R
+from layerwatch.measure.params import update_ratios
 from layerwatch import stats as S
 from layerwatch.probes import ProbeResult
 from layerwatch.vocabulary import ROOT, parent
@@ -104,5 +104,5 @@ def _per_parameter(rows: S.HostRows) -> dict[tuple[str, str], float]:
     out = {("gradient", name): float(norm) for names, r in rows.get("grads", ()) for name, norm in zip(names, S.Rows(r).norm)}
     weights = {name: norm for names, r in rows.get("weights", ()) for name, norm in zip(names, S.Rows(r).norm)}
     for names, (deltas, after) in rows.get("update", ()):
-        out.update(zip([("update", name) for name in names], R.update_ratios(names, deltas, after, weights).tolist()))
+        out.update(zip([("update", name) for name in names], update_ratios(names, deltas, after, weights).tolist()))
     return out

@@ -18,7 +18,6 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from layerwatch.sinks import record as R
 from layerwatch.health.findings import Findings
 from layerwatch.health.alert import Alert
 from layerwatch.health.alerts import HealthCheck
@@ -26,7 +25,6 @@ from layerwatch import stats as S
 from layerwatch.distributed.agreement import Decision
 from layerwatch.distributed.sharding import is_dtensor, is_writer_rank, local
 from layerwatch.guards.failures import FailurePolicy
-from layerwatch.engine.output import Output
 from layerwatch.health.growth import LayerGrowth
 from layerwatch.options import SpikeRule
 from layerwatch.probes import ProbeResult
@@ -237,8 +235,10 @@ class Spikes:
     alert, said at the next sample written, and captured as a spike is."""
 
     def __init__(self, rule: Optional[SpikeRule], failures: FailurePolicy, ask: Callable[[], None],
-                 output: Optional[Output] = None, progress: Optional[LossProgress] = None) -> None:
-        self.rule, self._failures, self._ask, self._output, self._progress = rule, failures, ask, output, progress
+                 write_findings: Optional[Callable[[int, Findings, list[Alert]], None]] = None,
+                 progress: Optional[LossProgress] = None) -> None:
+        self.rule, self._failures, self._ask, self._progress = rule, failures, ask, progress
+        self._write_findings = write_findings  # Output.write_findings: the spikes found since the last sample, at the end
         self._risen: list[Alert] = []  # loss_rise alerts found since the last sample written
         self._signals = {} if rule is None else {what: _Signal(rule, what) for what in SIGNALS}  # none: off
         self._capture_left = 0
@@ -320,13 +320,12 @@ class Spikes:
             for what, signal in self._signals.items():
                 if what != "loss" or self._voted is None:
                     self._observe(signal, signal.tap.landed(math.inf, wait=True), step, ended=True)
-            if not (self._unwritten or self._risen) or self._output is None:
+            if not (self._unwritten or self._risen) or self._write_findings is None:
                 return
             findings = self.explain(step, {})
             alerts = findings.alerts if health is None else [
                 new for a in findings.alerts for new in health.monitor.report(a.kind, a.name, a.step, a.message)]
-            self._output.emit(R.build(step, findings=findings), step)
-            self._output.announce(step, alerts)
+            self._write_findings(step, findings, alerts)
         except Exception as e:  # an inspector must never break the training run
             self._failures.failed("write the last loss spikes", e, step)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -295,3 +296,14 @@ def parameters(model: Optional[nn.Module]) -> list[tuple[str, nn.Parameter]]:
     """The model's named parameters that hold values, under clean names (none when the model
     is gone); see :meth:`~layerwatch.distributed.sharding.Layout.parameters`."""
     return parameter_layout(model).parameters(model)
+
+
+def update_ratios(names: Sequence[str], deltas: np.ndarray, after_norms: np.ndarray, weight_norms: dict[str, float]) -> np.ndarray:
+    """‖Δw‖ / ‖w‖ of each parameter, ``w`` the weights after the step: 0 where the step did
+    not change them, 1 where it set them to zero (never inf: a weight that was zero before the
+    step, as BatchNorm biases and LoRA's B start, has a finite ratio). ‖w‖ comes from the
+    weights' own rows where they were read (``weight_norms``, by name), else from the
+    snapshot's ``after_norms`` (an estimate's: both norms of the same strided sample)."""
+    norms = np.array([weight_norms.get(name, np.nan) for name in names]) if weight_norms else after_norms
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(deltas == 0, 0.0, np.where(norms == 0, 1.0, deltas / norms))

@@ -34,9 +34,8 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from layerwatch.distributed.sharding import NamedTensors, is_writer_rank
+from layerwatch.distributed.sharding import NamedTensors, is_writer_rank, is_zero3_param
 from layerwatch.guards.failures import FailurePolicy
-from layerwatch.faults.sentinel import Finding
 
 
 def engine_of(model: nn.Module) -> Optional[nn.Module]:
@@ -64,12 +63,6 @@ def find_zero(model: nn.Module, deepspeed: Any, families: Sequence[str], failure
             "NaN/Inf, in DeepSpeed's partitions",
         )
     return zero
-
-
-def is_zero3_param(p: torch.Tensor) -> bool:
-    """Whether ``p`` is a ZeRO-3 parameter: outside its module's forward and backward an empty
-    placeholder, which no hook may be put on."""
-    return hasattr(p, "ds_id")
 
 
 class Zero:
@@ -132,14 +125,14 @@ class Zero:
         group = self.stepping()
         return [] if group is None else [(name, p) for name, p in params if self._group_of.get(id(p)) == group]
 
-    def skipped_finding(self, step: int) -> Optional[Finding]:
-        """A finding when DeepSpeed skipped this step, its averaged gradients not finite (its own
-        flag: the client optimizer never ran, nor its hooks). A fault in fp32 and bf16; under
-        fp16's dynamic loss scale an expected overflow, ``stepped=False`` like a GradScaler's."""
+    def skipped(self) -> Optional[bool]:
+        """Whether DeepSpeed skipped this step, its averaged gradients not finite (its own flag:
+        the client optimizer never ran, nor its hooks): None when it did not; False where that is
+        a fault (fp32, bf16); True where it is expected (fp16's dynamic loss scale's overflow,
+        ``stepped=False`` like a GradScaler's)."""
         if not getattr(self.optimizer, "overflow", False):
             return None
-        expected = bool(getattr(self.optimizer, "dynamic_loss_scale", False))
-        return Finding(step, [], not expected, True, seen_by="DeepSpeed found their norm not finite and skipped the step")
+        return bool(getattr(self.optimizer, "dynamic_loss_scale", False))
 
     # ------------------------------------------------------------------ pieces
 

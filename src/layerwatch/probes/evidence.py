@@ -19,7 +19,7 @@ from layerwatch import stats as S
 from layerwatch.distributed.agreement import fingerprint
 from layerwatch.distributed.sharding import local, local_tensors, spread
 from layerwatch.probes.outputs import FlagSlots, Outputs, nonfinite_sum
-from layerwatch.faults.sentinel import fused_norms
+from layerwatch.stats.norms import fused_norms
 
 
 class SpreadWork(NamedTuple):
@@ -102,7 +102,7 @@ class Evidence:
 
     def flag_together(self, tensors: list[torch.Tensor]) -> list[int]:
         """Flag entries, one per device and dtype, that say whether any of ``tensors`` has a NaN
-        or Inf: the sum of their fused norms (:func:`~layerwatch.faults.sentinel.fused_norms`). An L2
+        or Inf: the sum of their fused norms (:func:`~layerwatch.stats.norms.fused_norms`). An L2
         norm overflows float32 from ~1.8e19 (a GradScaler's first steps reach that), an L1 norm
         only from ~3.4e38 but is twice as slow on the CPU: there the L2 norm goes first, and a
         group whose L2 norm is not finite is measured again in L1 (reading it is no sync)."""

@@ -26,8 +26,8 @@ from layerwatch.probes.saved import SavedBytes
 from layerwatch.probes.shards import LocalShards
 from layerwatch.probes.selection import probe_names
 from layerwatch.probes.weights import NonfiniteWeights, WeightCheck
-from layerwatch.measure.zero import is_zero3_param
-from layerwatch.distributed.stages import in_shape_inference
+from layerwatch.distributed.sharding import is_zero3_param
+from layerwatch.distributed.pipelining import in_shape_inference
 
 
 class RuntimeProbe:

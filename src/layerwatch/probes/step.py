@@ -17,7 +17,7 @@ from layerwatch.guards.hooks import FailedForwardGuard
 from layerwatch.probes.result import ProbeResult
 from layerwatch.probes.runtime import RuntimeProbe
 from layerwatch.probes.selection import ModuleFilter, is_compiled, select_modules
-from layerwatch.probes.structure import StructureProbe
+from layerwatch.table.recording import StructureProbe
 from layerwatch.probes.terms import ProbeTerms
 from layerwatch.probes.transformer import TransformerProbes
 from layerwatch.vocabulary import PROBE_FAMILIES

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from layerwatch.distributed.sharding import clean_name, local_tensors
-from layerwatch.faults.sentinel import fused_norms
+from layerwatch.stats.norms import fused_norms
 from layerwatch.vocabulary import ROOT, parent
 
 
@@ -88,7 +88,7 @@ class WeightCheck:
 
 
 def _checkable_norms(tensors: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
-    """:func:`~layerwatch.faults.sentinel.fused_norms` of ``tensors``; where that fails (a tensor
+    """:func:`~layerwatch.stats.norms.fused_norms` of ``tensors``; where that fails (a tensor
     subclass without reductions), of each tensor alone, leaving out those it fails for: they are
     not checked (the weights family says once that it cannot read them)."""
     try:

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from layerwatch import stats as S
+from layerwatch.measure.params import update_ratios
 from layerwatch.measure.optimizer_state import spike_fractions, update_stats
 from layerwatch.health.findings import Findings
 from layerwatch.probes.result import Offender, ProbeResult
@@ -102,17 +103,6 @@ def build(
     if first_nonfinite_step is not None:
         rec.scalars[FIRST_NONFINITE_STEP] = first_nonfinite_step
     return rec
-
-
-def update_ratios(names: Sequence[str], deltas: np.ndarray, after_norms: np.ndarray, weight_norms: dict[str, float]) -> np.ndarray:
-    """‖Δw‖ / ‖w‖ of each parameter, ``w`` the weights after the step: 0 where the step did
-    not change them, 1 where it set them to zero (never inf: a weight that was zero before the
-    step, as BatchNorm biases and LoRA's B start, has a finite ratio). ‖w‖ comes from the
-    weights' own rows where they were read (``weight_norms``, by name), else from the
-    snapshot's ``after_norms`` (an estimate's: both norms of the same strided sample)."""
-    norms = np.array([weight_norms.get(name, np.nan) for name in names]) if weight_norms else after_norms
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(deltas == 0, 0.0, np.where(norms == 0, 1.0, deltas / norms))
 
 
 def _add_optimizer_state(rec: StepRecord, rows: S.HostRows) -> None:

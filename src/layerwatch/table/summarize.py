@@ -1,7 +1,7 @@
 """``summarize(model, *args, **kwargs)``: the layer table of any model, from one forward.
 
 The table and its formats are :mod:`layerwatch.table.summary`; the hooks that record the forward are
-:class:`~layerwatch.probes.structure.StructureProbe`; the MAC formulas beyond PyTorch's own
+:class:`~layerwatch.table.recording.StructureProbe`; the MAC formulas beyond PyTorch's own
 are :mod:`layerwatch.table.flops`.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerwatch.probes.structure import StructureProbe
+from layerwatch.table.recording import StructureProbe
 from layerwatch.table.summary import Summary
 
 

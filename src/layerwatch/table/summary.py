@@ -1,6 +1,6 @@
 """The layer table: one row per module (:class:`LayerRow`), the :class:`Summary` of them, and
 its text, CSV, JSON and DataFrame formats. What fills it is recorded by
-:class:`~layerwatch.probes.structure.StructureProbe` (hooks on one forward) into a
+:class:`~layerwatch.table.recording.StructureProbe` (hooks on one forward) into a
 :class:`Layer` per module; :func:`~layerwatch.table.summarize.summarize` runs that forward.
 """
 

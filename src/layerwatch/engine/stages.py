@@ -20,20 +20,19 @@ part failed sends a part that says so.
 A module present on several stages (the model itself, and any container that is cut) runs a
 different part of the model on each, so its per-module values are no one module's: they are
 left out. Pipelining's first step runs each stage's forward once more on made-up inputs, to
-infer the shapes it sends (:func:`in_shape_inference`): the runtime probes do not count it.
+infer the shapes it sends (:func:`~layerwatch.distributed.pipelining.in_shape_inference`): the runtime probes do not count it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import pickle
 import sys
 from dataclasses import dataclass, field
-from types import CodeType
 from typing import Any, Callable, Optional, Sequence
 
 from layerwatch.distributed.agreement import RankSync
+from layerwatch.distributed.pipelining import PIPELINING
 from layerwatch.distributed.sharding import is_writer_rank, world_size
 
 from layerwatch.guards.failures import FailurePolicy
@@ -41,38 +40,6 @@ from layerwatch.probes.result import Offender, ProbeResult
 from layerwatch.stats.rows import HostRows
 
 EXCHANGE_TIMEOUT_S = 300.0  # how long a rank waits for the others at the start, or at a sampled step's exchange
-PIPELINING = "torch.distributed.pipelining"
-STAGE_MODULE = "torch.distributed.pipelining.stage"
-# What pipelining runs before the first micro-batch to infer the shapes a stage sends and
-# receives: torch 2.13's forward and backward metadata inference, and the forward on meta
-# tensors of earlier versions.
-SHAPE_INFERENCE = ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference")
-
-
-@functools.cache
-def _inference_code() -> frozenset[CodeType]:
-    """The code objects of pipelining's shape inference (its stage module is loaded)."""
-    stage = sys.modules[STAGE_MODULE]
-    return frozenset(
-        function.__code__ for cls in vars(stage).values() if isinstance(cls, type)
-        for name in SHAPE_INFERENCE for function in [vars(cls).get(name)] if hasattr(function, "__code__")
-    )
-
-
-def in_shape_inference() -> bool:
-    """Whether the caller runs inside a pipeline stage's shape inference: the stage's forward
-    on inputs made up from their shapes (empty tensors: any values, NaN included), run once
-    before its first micro-batch, whose time, calls and values are no step's. A dictionary
-    lookup when pipelining is not loaded."""
-    if STAGE_MODULE not in sys.modules:
-        return False
-    codes = _inference_code()
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code in codes:
-            return True
-        frame = frame.f_back
-    return False
 
 
 @dataclass
