@@ -94,7 +94,7 @@ class Engine:
         self.options, self.owner = options, owner
         self.log_dir = None if log_dir is None else writable_dir(log_dir)
         self._model = weakref.ref(model)
-        self._state, self._step, self._armed = "new", 0, False
+        self._state, self._step, self._armed, self._own_s = "new", 0, False, 0.0
         self._sample: Optional[Sample] = None  # _armed: its hooks are on, from a sampled step's start to the next step's
         self.failures = FailurePolicy()
         self._params = ParameterFamilies(options, self.failures)
@@ -255,7 +255,7 @@ class Engine:
         self._step = step
         self._faults.open(step, self._sampling.sentinel_spread, self._sampling.checks_measured)
         if not self._sampling.decide(step, may_sample, self._faults):
-            self._sampling.spent(time.perf_counter() - started)
+            self._own_s = time.perf_counter() - started  # layerwatch's time in the open step, unsampled
             return False
         model = self._model()
         sample = self._sample = Sample(step, self._placement.layout.parameters(model), self._counter.count)
@@ -301,7 +301,7 @@ class Engine:
         self._check_faults(before_optimizer_step=True)  # before each optimizer's step: a later one's gradients may be new
         sample = self._sample
         if sample is None:
-            self._sampling.spent(time.perf_counter() - started)
+            self._own_s += time.perf_counter() - started
             return
         if self._armed:  # a model found running compiled has its first micro-batch run again, with the step's weights
             self._rerun.before_optimizer_step(sample.step, sample.trained)
@@ -326,10 +326,9 @@ class Engine:
         self._check_running("end_step")
         entered = time.perf_counter()
         self._check_faults()
-        self._faults.let_go()  # the step's batches are let go of
         sample, self._sample = self._sample, None
         if sample is None:
-            self._sampling.close_unsampled(self._step, entered, self._faults.check_s)
+            self._sampling.close_unsampled(self._step, entered, self._faults.check_s, self._own_s)
             return None
         self._closing.close(sample, self._placement)
         return sample.step

@@ -74,7 +74,6 @@ class Sampling:
         self._forced = False  # a fault asked for a sample
         self._forced_sent = False  # in the ballot last sent
         self._checked = False  # the schedule's first call (its check) was made
-        self.own_s = 0.0  # layerwatch's time in the open step, while it is unsampled
         self._last_off_own_s: Optional[float] = None  # the previous step's, when it was unsampled
         self._last_off_checks_s = 0.0  # of which the sentinel's
         # Wall time of the open step since open(), and of recent unsampled steps: a sampled
@@ -128,12 +127,7 @@ class Sampling:
             self.pacer.off_step(started - self.opened_at, self._last_off_own_s, self._last_off_checks_s)
         self.opened_at = started
         self._last_off_own_s = None
-        self.own_s = 0.0
         return started
-
-    def spent(self, seconds: float) -> None:
-        """layerwatch took ``seconds`` of the open step while it is unsampled (the pacer counts it)."""
-        self.own_s += seconds
 
     def wrote(self, seconds: float) -> None:
         """The last sample's record took ``seconds`` to write: counted in the next sample's cost."""
@@ -196,15 +190,15 @@ class Sampling:
         self._checked = True
         return answer
 
-    def close_unsampled(self, step: int, entered: float, checks_s: float) -> None:
+    def close_unsampled(self, step: int, entered: float, checks_s: float, own_s: float = 0.0) -> None:
         """An unsampled step ends (its end began at ``entered``; ``checks_s``: the sentinel's
-        time in it): its wall time is a neighbour's for :meth:`cost`; the pacer's steps share
-        the interval."""
+        time in it; ``own_s``: layerwatch's time in it before its end): its wall time is a
+        neighbour's for :meth:`cost`; the pacer's steps share the interval."""
         self._off_steps.append(time.perf_counter() - self.opened_at)
         if self.pacer is not None:
             if self.pacer(step):
                 self.share_interval(step)
-            self._last_off_own_s = self.own_s + time.perf_counter() - entered
+            self._last_off_own_s = own_s + time.perf_counter() - entered
             self._last_off_checks_s = checks_s
             if self._interval_sync is None and step % SPREAD_EVERY == 0:  # no other rank to agree with: now
                 self._spread_to(self.pacer.spread_for(self.sentinel_spread))

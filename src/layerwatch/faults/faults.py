@@ -104,14 +104,11 @@ class Faults:
         """Step ``step`` opens; the sentinel's check is spread over ``spread`` steps; ``measured``:
         the overhead budget has measured the checks (or there is no budget)."""
         self.step, self._measured = step, measured
-        self.replay.let_go()
+        if self.replay.micro_batches:  # left by a step that did not end
+            self.replay.let_go()
         self._checked, self.check_s = False, 0.0
         if spread != self._spread:
             self._spread, self._watching, self._watched = spread, None, None  # shares made anew at the next check
-
-    def let_go(self) -> None:
-        """The open step ends: its micro-batches are let go of."""
-        self.replay.let_go()
 
     def offer(self, closure: Callable[[], Any], voting: bool, keep: bool = False) -> None:
         """The open step may be replayed: ``closure()`` computes the loss of this step's batch
@@ -144,15 +141,20 @@ class Faults:
         does), so this step's check is enqueued here. When the step can be replayed it is read
         at once (on a GPU, a sync) and a finding replays it: the optimizer steps after this (a
         door offers no replay where a GradScaler may skip the step). At the end of the step, a
-        step not checked before is checked now, and the checks that have landed are read."""
+        step not checked before is checked now, the checks that have landed are read, and the
+        step's micro-batches are let go of."""
         sentinel = self.sentinel
-        if sentinel is None:
-            return None
-        started = time.perf_counter()
         try:
-            return self._check(sentinel, params, before_optimizer_step)
+            if sentinel is None:
+                return None
+            started = time.perf_counter()
+            try:
+                return self._check(sentinel, params, before_optimizer_step)
+            finally:
+                self.check_s += time.perf_counter() - started
         finally:
-            self.check_s += time.perf_counter() - started
+            if not before_optimizer_step and self.replay.micro_batches:  # the step ends: its batches are let go of
+                self.replay.let_go()
 
     def _check(self, sentinel: NonfiniteSentinel, params: Callable[[], Params],
                before_optimizer_step: bool) -> Optional[tuple[ProbeResult, float]]:

@@ -249,9 +249,9 @@ class NonfiniteSentinel:
     def settle(self, step: int, stepped: Optional[bool]) -> None:
         """Whether the optimizer stepped, for the checks of ``step`` enqueued before it knew
         (before the optimizer step: a GradScaler may still skip it)."""
-        for entry in self._pending:
-            if entry[0] == step and entry[3] is None:
-                entry[3] = stepped
+        for kept, _ in self._pending.entries:
+            if kept[0] == step and kept[3] is None:
+                kept[3] = stepped
 
     def clear(self) -> None:
         self._pending.clear()

@@ -170,9 +170,9 @@ class ValueTap:
             raise TypeError(f"a {self.what} must be a tensor or a number, got {type(value).__name__}")
         pending = self.pending
         self.offered = True
-        if not pending or pending.last[0][0] != step:
+        if not pending.entries or pending.entries[-1][0][0] != step:
             pending.add([step, []])
-        (_, values), events = pending.last
+        (_, values), events = pending.entries[-1]
         values.append(read)
         if not isinstance(read, (int, float)):  # a host copy: read once landed (its event None: landed already)
             events.append(event)
@@ -183,7 +183,7 @@ class ValueTap:
         norm of them all, as of several optimizers' disjoint parameters) and which of them was
         the largest (its index). ``wait``: the host waits for them to land (at the end of a run)."""
         out = []
-        for step, values in self.pending.landed(wait, until=lambda kept: kept[0] <= closed):
+        for step, values in self.pending.landed(wait, through=closed):
             if not all(isinstance(v, (int, float)) for v in values):  # host copies among them
                 values = [float(v) if isinstance(v, (int, float)) else v.tolist()[0] for v in values]  # landed: no wait
             self._given = step
@@ -294,7 +294,7 @@ class Spikes:
         now, losses = None, ()
         try:
             for what, signal in self._signals.items():
-                landed = signal.tap.landed(step) if signal.tap.pending else ()
+                landed = signal.tap.landed(step) if signal.tap.pending.entries else ()
                 if not landed:
                     continue
                 if what == "loss":

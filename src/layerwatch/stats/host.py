@@ -10,8 +10,9 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -52,57 +53,45 @@ def to_host_nonblocking(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
 def has_landed(events: Sequence[Any], wait: bool = False) -> bool:
     """Whether the copies behind ``events`` (None: landed already) have landed, asked in order
     and no further than the first that has not; ``wait``: the host waits for each (a sync)."""
-    if wait:
-        for event in events:
-            if event is not None:
+    for event in events:
+        if event is not None:
+            if wait:
                 event.synchronize()
-        return True
-    return all(event is None or event.query() for event in events)
+            elif not event.query():
+                return False
+    return True
 
 
 class Landings:
-    """Host copies read once they have landed, in the order they were started: each entry is
-    what its owner keeps (its copies among it) and the events of its copies. Nothing waits on
-    the device unless asked to (``wait``)."""
+    """Host copies read once they have landed, in the order they were started, a step's at a
+    time: each entry is what its owner keeps of a step (a list whose first item is the step, its
+    copies among the rest) and the events of its copies. Nothing waits on the device unless asked
+    to (``wait``). The owners read :attr:`entries` as it is (an unsampled step's path makes no
+    call it can spare)."""
 
     __slots__ = ("entries",)
 
     def __init__(self) -> None:
-        self.entries: deque[tuple[Any, list[Any]]] = deque()  # (what the owner keeps, its copies' events)
+        self.entries: deque[tuple[list, list[Any]]] = deque()  # ([step, ...what the owner keeps], its copies' events)
 
-    def __bool__(self) -> bool:
-        return bool(self.entries)
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def __iter__(self) -> Iterator[Any]:
-        """What each entry not yet taken keeps, oldest first."""
-        return (kept for kept, _ in self.entries)
-
-    def add(self, kept: Any, events: Optional[list[Any]] = None) -> tuple[Any, list[Any]]:
-        """A new entry, last: ``kept`` and its copies' ``events`` (more may be added to its list)."""
+    def add(self, kept: list, events: Optional[list[Any]] = None) -> tuple[list, list[Any]]:
+        """A new entry, last: ``kept`` (``kept[0]``: its step) and its copies' ``events`` (more may be added to the list)."""
         entry = (kept, [] if events is None else events)
         self.entries.append(entry)
         return entry
 
-    @property
-    def last(self) -> tuple[Any, list[Any]]:
-        return self.entries[-1]
-
-    def landed(self, wait: bool = False, until: Optional[Callable[[Any], bool]] = None) -> Iterator[Any]:
-        """What each entry keeps whose copies have landed, oldest first, taken off as it is given;
-        it stops at the first entry that has not landed (or that ``until`` refuses, asked first).
-        ``wait``: the host waits for each entry's copies (a device sync)."""
-        entries = self.entries
+    def landed(self, wait: bool = False, through: float = math.inf) -> list:
+        """What each entry keeps whose copies have landed, oldest first, taken off: up to the first
+        entry that has not landed or whose step is past ``through``. ``wait``: the host waits for
+        each entry's copies (a device sync)."""
+        out, entries = [], self.entries
         while entries:
             kept, events = entries[0]
-            if until is not None and not until(kept):
-                break
-            if not has_landed(events, wait):
+            if kept[0] > through or not has_landed(events, wait):
                 break
             entries.popleft()
-            yield kept
+            out.append(kept)
+        return out
 
     def clear(self) -> None:
         self.entries.clear()
