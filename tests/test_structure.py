@@ -463,7 +463,7 @@ def test_a_compiled_models_re_run_keeps_no_batch_and_leaves_the_model_and_its_ge
 
 
 def test_a_failing_table_probe_is_warned_once_and_training_goes_on(tmp_path, monkeypatch):
-    from layerwatch.probes import structure
+    from layerwatch.table import recording as structure
 
     def broken(*args, **kwargs):
         raise ValueError("no shapes today")
