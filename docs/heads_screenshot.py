@@ -1,5 +1,5 @@
 """The picture of the tab's per-head view (docs/img/layer-view-heads.png): an SdpaLM of 8 heads
-a block, trained 80 steps and sampled every 2 (tests/test_browser_heads.py's run, larger), its
+a block, trained 80 steps and sampled every 2 (tests/tensorboard_plugin/test_browser_heads.py's run, larger), its
 second attention module clicked, with the heads folded in the heatmap of the per-head entropy.
 Called by docs/screenshots.sh:
 
@@ -15,7 +15,7 @@ from playwright.sync_api import sync_playwright
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tb_server import open_tab, serve  # noqa: E402
-from test_browser_heads import RUN, train  # noqa: E402
+from browser_runs import RUN, train  # noqa: E402
 
 out = sys.argv[1]
 STEPS, EVERY = 80, 2

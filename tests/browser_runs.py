@@ -18,6 +18,7 @@ INJECT = 183  # the demo's NaN, from encoder.fault, between samples: found by re
 SPIKE = 166
 
 HEADS = 4
+RUN = "sdpa"  # the heads' run, as the tab lists it
 STEPS, EVERY = 24, 2  # sampled at 0, 2, ..., 22; the attention from the first sample on
 
 

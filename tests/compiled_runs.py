@@ -1,4 +1,4 @@
-"""The compiled Llama of tests/test_compiled_transformers.py (and, on CUDA, tests/test_gpu.py):
+"""The compiled Llama of tests/engine/test_compiled_transformers.py (and, on CUDA, tests/test_gpu.py):
 transformers' ``LlamaForCausalLM`` at a small size, compiled and computing in bfloat16, trained
 through each front door with and without layerwatch, and the checks that the two runs are the
 same. Importing it skips the test file or test that imports it without transformers, Lightning

@@ -340,7 +340,7 @@ def deterministic(monkeypatch):
 
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["default", "reduce-overhead (CUDA graphs)"])
 def test_a_compiled_llama_in_bfloat16_on_cuda_trains_bitwise_as_without_layerwatch(tmp_path, events, deterministic, mode):
-    """The CPU's test on CUDA (tests/test_compiled_transformers.py): Triton's kernels, where a kernel
+    """The CPU's test on CUDA (tests/engine/test_compiled_transformers.py): Triton's kernels, where a kernel
     split in two would contract its multiply-adds otherwise; and under CUDA graphs, whose
     replays the eager re-run runs between."""
     pytest.importorskip("transformers")

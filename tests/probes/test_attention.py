@@ -236,7 +236,7 @@ def test_a_logit_above_the_level_alerts_at_once(tmp_path):
 def test_a_compiled_models_attention_comes_from_its_re_run_with_eagers_values_and_torchs_functions_back(tmp_path, events):
     """A compiled model's attention is measured on the eager re-run of each sampled step (the
     wrapper stands in for that forward alone: torch's functions are back after, and compiled code
-    never sees it; tests/test_logits.py compares its values with eager's). torch's
+    never sees it; tests/probes/test_logits.py compares its values with eager's). torch's
     TransformerEncoder, whose MultiheadAttention Dynamo keeps as one node: each call measured once
     a sampled step, with eager's values, under eager's name."""
     torch._dynamo.reset()
@@ -316,7 +316,7 @@ def train_watched(model: nn.Module, rank: int, out: str, batch_seed, whole_weigh
 def tensor_parallel_worker(rank: int, world: int, out: str, flex: bool = False) -> None:
     """SdpaLM with 4 heads per attention, its q, k and v column-wise and o row-wise over the two
     ranks (each computes 2 heads), the same batch on both; with ``flex``, its attention through
-    FlexAttention (torch's CPU refusal of gradients lifted, as tests/test_flex_attention.py does)."""
+    FlexAttention (torch's CPU refusal of gradients lifted, as tests/probes/test_flex_attention.py does)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 

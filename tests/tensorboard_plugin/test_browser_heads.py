@@ -8,14 +8,12 @@ import shutil
 
 import pytest
 
-from browser_runs import EVERY, HEADS, STEPS, train
+from browser_runs import EVERY, HEADS, RUN, STEPS, train
 from tb_server import open_tab, serve
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on the PATH (apt-get install chromium)")
-
-RUN = "sdpa"
 
 
 @pytest.fixture(scope="module")

@@ -73,7 +73,7 @@ def test_nothing_is_left_at_interpreter_exit(tmp_path):
     script = textwrap.dedent(f"""
         import sys, weakref, torch
         sys.path.insert(0, {str(tmp_path.parent)!r})
-        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
+        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parents[1])!r})
         from models import MLP, hook_count, train
         from layerwatch import Inspector
 

@@ -138,7 +138,7 @@ def test_a_writer_failing_mid_run_prints_no_thread_traceback(tmp_path):
 
     script = textwrap.dedent(f"""
         import shutil, sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path.insert(0, {str(Path(__file__).parents[1])!r})
         from models import MLP, train
         from layerwatch import Inspector
 
