@@ -1,5 +1,5 @@
 """The health rules, one small module each, every one a :class:`~layerwatch.health.rules.rule.Rule`:
-given what a sampled step shows (``Seen``), the rules it finds broken (``Finding``).
+given what a sampled step shows (``Seen``), the rules it finds broken (``Broken``).
 
 - ``nonfinite`` (:mod:`.nonfinite`): NaN or Inf in the weights or gradients;
 - ``exploding`` / ``vanishing``: a tensor's norm outside its absolute bounds (:mod:`.norm_bounds`),
@@ -19,12 +19,12 @@ from layerwatch.health.rules.layer_windows import LayerWindows
 from layerwatch.health.rules.nonfinite import NonFinite
 from layerwatch.health.rules.norm_bounds import NormBounds
 from layerwatch.health.rules.probe_trends import ProbeTrends
-from layerwatch.health.rules.rule import Finding, Rule, Seen, Tensors
+from layerwatch.health.rules.rule import Broken, Rule, Seen, Tensors
 from layerwatch.health.rules.stuck import Stuck
 from layerwatch.health.rules.update_shape import UpdateShape
 from layerwatch.options import AlertRules
 
-__all__ = ["Finding", "Rule", "Seen", "Tensors", "every_rule"]
+__all__ = ["Broken", "Rule", "Seen", "Tensors", "every_rule"]
 
 
 def every_rule(rules: AlertRules) -> list[Rule]:

@@ -19,7 +19,7 @@ import numpy as np
 
 from layerwatch.vocabulary import Family
 from layerwatch import stats as S
-from layerwatch.health.rules.rule import Finding, Rule, Seen
+from layerwatch.health.rules.rule import Broken, Rule, Seen
 from layerwatch.options import AlertRules
 from layerwatch.vocabulary import ROOT, parent
 
@@ -64,7 +64,7 @@ class LayerWindows(Rule):
         self._share_peak = np.zeros(size)  # the highest median share of a window before the current one
         self._peak_at = np.zeros(size, dtype=int)  # the step that window ended at
 
-    def observe(self, seen: Seen) -> list[Finding]:
+    def observe(self, seen: Seen) -> list[Broken]:
         tensors = seen.weights if self.family == Family.WEIGHTS else seen.grads
         if tensors is None:
             return []
@@ -73,7 +73,7 @@ class LayerWindows(Rule):
             return []
         return self._judge(seen.step, tensors.slots[finite], seen.names, tensors.rows[finite])
 
-    def _judge(self, step: int, params: np.ndarray, names: Sequence[str], rows: S.Rows) -> list[Finding]:
+    def _judge(self, step: int, params: np.ndarray, names: Sequence[str], rows: S.Rows) -> list[Broken]:
         """Each rule broken at this sample, given the finite rows of the parameters ``params``
         (indices into ``names``)."""
         idx = self._layers_of(params, names)
@@ -105,28 +105,28 @@ class LayerWindows(Rule):
         top = self._names[present[np.argmax(rms)]]
         return self._gradients(judged, before, now, peak, share_now, top, largest)
 
-    def _weights(self, judged: np.ndarray, before: np.ndarray, now: np.ndarray) -> list[Finding]:
+    def _weights(self, judged: np.ndarray, before: np.ndarray, now: np.ndarray) -> list[Broken]:
         found = []
         with np.errstate(divide="ignore", invalid="ignore"):
             for i in np.flatnonzero(now > self.factor * before):
-                found.append(Finding("exploding", self._names[judged[i]], self._say(judged[i], "grew", now[i] / before[i], before[i], now[i]) +
+                found.append(Broken("exploding", self._names[judged[i]], self._say(judged[i], "grew", now[i] / before[i], before[i], now[i]) +
                               "is the learning rate too high, or weight decay off?"))
             for i in np.flatnonzero((now * self.factor < before) & (now > 0)):
-                found.append(Finding("vanishing", self._names[judged[i]], self._say(judged[i], "shrank", before[i] / now[i], before[i], now[i]) +
+                found.append(Broken("vanishing", self._names[judged[i]], self._say(judged[i], "shrank", before[i] / now[i], before[i], now[i]) +
                               "is weight decay too strong?"))
         return found
 
     def _gradients(self, judged: np.ndarray, before: np.ndarray, now: np.ndarray, peak: np.ndarray, share_now: np.ndarray,
-                   top: str, largest: float) -> list[Finding]:
+                   top: str, largest: float) -> list[Broken]:
         found, w = [], self.rules.window
         share_peak = self._share_peak[judged]
         with np.errstate(divide="ignore", invalid="ignore"):
             for i in np.flatnonzero((now > self.factor * before) & (now > peak)):
-                found.append(Finding("exploding", self._names[judged[i]], self._say(judged[i], "grew", now[i] / before[i], before[i], now[i]) +
+                found.append(Broken("exploding", self._names[judged[i]], self._say(judged[i], "grew", now[i] / before[i], before[i], now[i]) +
                               "above any level before: is the learning rate too high, or a layer without normalization?"))
             for i in np.flatnonzero((share_now * self.factor < share_peak) & (share_now > 0)):
                 layer = self._names[judged[i]]
-                found.append(Finding("vanishing", layer, (
+                found.append(Broken("vanishing", layer, (
                     f"gradient of layer {layer or ROOT} fell to {share_now[i]:.3g} of the largest layer's over the last {w} "
                     f"samples (median; RMS per value, now {now[i]:.3g}, {top or ROOT}'s {largest:.3g}): "
                     f"{share_peak[i] / share_now[i]:.3g}x below the {share_peak[i]:.3g} it had over the {w} samples to step "

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from layerwatch.health.rules.rule import Finding, Rule, Seen, owner
+from layerwatch.health.rules.rule import Broken, Rule, Seen, owner
 from layerwatch.vocabulary import parent
 
 
 class NonFinite(Rule):
     """NaN/Inf in the weights' or the gradients' rows."""
 
-    def observe(self, seen: Seen) -> list[Finding]:
+    def observe(self, seen: Seen) -> list[Broken]:
         found: dict[str, list[str]] = {}  # layer -> what holds NaN/Inf, gradients first
         first_param: dict[str, str] = {}
         for what, tensors in (("gradients", seen.grads), ("weights", seen.weights)):
@@ -28,6 +28,6 @@ class NonFinite(Rule):
                 name = seen.names[tensors.slots[i]]
                 found.setdefault(parent(name), []).append(f"{what} of {name} ({int(counts[i]):,})")
                 first_param.setdefault(parent(name), name)
-        return [Finding("nonfinite", owner(first_param[layer]), "NaN/Inf values in " + ", ".join(parts[:3]) +
+        return [Broken("nonfinite", owner(first_param[layer]), "NaN/Inf values in " + ", ".join(parts[:3]) +
                         (f" and {len(parts) - 3} more" if len(parts) > 3 else ""))
                 for layer, parts in found.items()]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from layerwatch.vocabulary import Family
-from layerwatch.health.rules.rule import Finding, Rule, Seen, owner
+from layerwatch.health.rules.rule import Broken, Rule, Seen, owner
 from layerwatch.options import AlertRules
 
 
@@ -25,7 +25,7 @@ class NormBounds(Rule):
         self.bounds = rules.weight_norm_bounds if weights else rules.grad_norm_bounds
         self.label, self.option = ("weight", "weight_norm_bounds") if weights else ("gradient", "grad_norm_bounds")
 
-    def observe(self, seen: Seen) -> list[Finding]:
+    def observe(self, seen: Seen) -> list[Broken]:
         tensors = seen.weights if self.family == Family.WEIGHTS else seen.grads
         if tensors is None:
             return []
@@ -35,10 +35,10 @@ class NormBounds(Rule):
         found = []
         for i in np.flatnonzero(norms > high) if high is not None else ():
             name = seen.names[idx[i]]
-            found.append(Finding("exploding", owner(name), f"{self.label} norm of {name} is {norms[i]:.3g}, above the "
+            found.append(Broken("exploding", owner(name), f"{self.label} norm of {name} is {norms[i]:.3g}, above the "
                                  f"bound {high:g} (AlertRules.{self.option})"))
         for i in np.flatnonzero(norms < low) if low is not None else ():
             name = seen.names[idx[i]]
-            found.append(Finding("vanishing", owner(name), f"{self.label} norm of {name} is {norms[i]:.3g}, below the "
+            found.append(Broken("vanishing", owner(name), f"{self.label} norm of {name} is {norms[i]:.3g}, below the "
                                  f"bound {low:g} (AlertRules.{self.option})"))
         return found

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from layerwatch import stats as S
-from layerwatch.health.rules.rule import Finding, Rule, Seen
+from layerwatch.health.rules.rule import Broken, Rule, Seen
 from layerwatch.health.rules.windows import Windows
 from layerwatch.options import AlertRules
 
@@ -55,7 +55,7 @@ class ProbeTrends(Rule):
         for windows in (self._logits, self._entropy, self._outliers, self._kurtosis):
             windows.restart()
 
-    def observe(self, seen: Seen) -> list[Finding]:
+    def observe(self, seen: Seen) -> list[Broken]:
         """Each rule broken by the step's :class:`~layerwatch.probes.ProbeResult`; the growth rules
         only where the loss has turned (their windows are kept all the same)."""
         probes = seen.probes
@@ -64,7 +64,7 @@ class ProbeTrends(Rule):
         return self._outliers_found(probes, seen.turned) + self._drift(probes, seen.turned) + \
             self._attention(probes, seen.turned)
 
-    def _outliers_found(self, probes: Any, turned: bool) -> list[Finding]:
+    def _outliers_found(self, probes: Any, turned: bool) -> list[Broken]:
         found, rules = [], self.rules
         for values, windows, factor, what, option in (
                 (outliers_of(probes), self._outliers, rules.outlier_growth, "max|h| / RMS(h)", "outlier_growth"),
@@ -74,14 +74,14 @@ class ProbeTrends(Rule):
                 trend = windows.add(layer, value)
                 if turned and trend is not None and trend[1] >= factor * trend[2] > 0:
                     _, now, lowest, _ = trend
-                    found.append(Finding("outlier_growth", layer, (
+                    found.append(Broken("outlier_growth", layer, (
                         f"the output of {layer} grew outliers: {what} {lowest:.3g} -> {now:.3g} (medians of {rules.window} "
                         f"samples, {now / lowest:.3g}x its lowest window; AlertRules.{option} is {factor:g}): a few "
                         "values or channels dwarf the rest, as outlier features and massive activations do (Sun et al. "
                         "2024) before they break low-precision training or the loss")))
         return found
 
-    def _drift(self, probes: Any, turned: bool) -> list[Finding]:
+    def _drift(self, probes: Any, turned: bool) -> list[Broken]:
         rules = self.rules
         if probes.logits is None:
             return []
@@ -93,18 +93,18 @@ class ProbeTrends(Rule):
         now = trend[1]
         if not (turned and abs(now - first) > rules.logit_drift):
             return []
-        return [Finding("logit_drift", head, (
+        return [Broken("logit_drift", head, (
             f"the output head {head}'s log Z (logsumexp of a token's logits, mean) drifted from {first:.3g} to "
             f"{now:.3g} nats (medians of {rules.window} samples; AlertRules.logit_drift is {rules.logit_drift:g}): "
             "the softmax and the loss do not see it, and it comes before divergence late in training. "
             "A z-loss (PaLM: 1e-4 (log Z)^2)?"))]
 
-    def _attention(self, probes: Any, turned: bool) -> list[Finding]:
+    def _attention(self, probes: Any, turned: bool) -> list[Broken]:
         found, rules = [], self.rules
         for layer, heads in probes.attention.items():
             logit = float(np.nanmax(heads[:, 0])) if np.isfinite(heads[:, 0]).any() else float("nan")
             if logit >= rules.attention_logit_level:
-                found.append(Finding("attention_logits", layer, (
+                found.append(Broken("attention_logits", layer, (
                     f"largest attention logit of layer {layer} is {logit:.4g}, at or above {rules.attention_logit_level:g} "
                     f"(AlertRules.attention_logit_level; Kimi K2's QK-Clip and Megatron clip there): attention turns one-hot, "
                     "then training diverges (Dehghani et al. 2023). QK-norm, or a lower learning rate?")))
@@ -112,7 +112,7 @@ class ProbeTrends(Rule):
             if trend is not None:
                 _, now, lowest, _ = trend
                 if turned and now >= rules.attention_logit_level / 10 and now >= rules.attention_logit_growth * lowest > 0:
-                    found.append(Finding("attention_logits", layer, (
+                    found.append(Broken("attention_logits", layer, (
                         f"largest attention logit of layer {layer} grew {now / lowest:.3g}x over its lowest window: "
                         f"{lowest:.3g} -> {now:.3g} (median of {rules.window} samples; AlertRules.attention_logit_growth is "
                         f"{rules.attention_logit_growth:g}): logit growth comes before one-hot attention and divergence "
@@ -123,7 +123,7 @@ class ProbeTrends(Rule):
             if trend is not None:
                 _, now, _, highest = trend
                 if turned and now < rules.entropy_collapse * highest:
-                    found.append(Finding("entropy_collapse", layer, (
+                    found.append(Broken("entropy_collapse", layer, (
                         f"attention entropy of layer {layer} collapsed to {now:.3g} nats (its lowest head, median of "
                         f"{rules.window} samples), {now / highest if highest else 0:.2g} of the {highest:.3g} it had (AlertRules."
                         f"entropy_collapse is {rules.entropy_collapse:g}): a head attends to one key, which comes with "

@@ -1,5 +1,5 @@
 """The one shape of a health rule: given what a sampled step shows (:class:`Seen`), the rules it
-finds broken (:class:`Finding`), each in words a person understands.
+finds broken (:class:`Broken`), each in words a person understands.
 
 :class:`~layerwatch.health.alerts.HealthMonitor` asks its rules in turn, at every sample, and
 raises each ``(kind, layer)`` they find once. A rule keeps what it needs of the past itself;
@@ -18,7 +18,7 @@ from layerwatch import stats as S
 from layerwatch.vocabulary import parent
 
 
-class Finding(NamedTuple):
+class Broken(NamedTuple):
     """A rule broken: its alert's kind, the layer it names, and its message."""
 
     kind: str
@@ -53,7 +53,7 @@ class Rule(Protocol):
     """A health rule. Those of :mod:`layerwatch.health.rules` subclass it, and so take its
     :meth:`restart`, which keeps their state."""
 
-    def observe(self, seen: Seen) -> list[Finding]:
+    def observe(self, seen: Seen) -> list[Broken]:
         """The rules broken at this sample, in the order they are to be raised."""
         ...
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from layerwatch import stats as S
-from layerwatch.health.rules.rule import Finding, Rule, Seen, grown, owner
+from layerwatch.health.rules.rule import Broken, Rule, Seen, grown, owner
 from layerwatch.options import AlertRules
 
 
@@ -26,7 +26,7 @@ class Stuck(Rule):
         self._last_weights = np.full((0, S.FINGERPRINT_WIDTH), np.nan)
         self._moved = np.zeros(0, dtype=bool)  # the weights changed between two samples, ever
 
-    def observe(self, seen: Seen) -> list[Finding]:
+    def observe(self, seen: Seen) -> list[Broken]:
         size = len(seen.names)
         self._unchanged, self._no_grad = grown(self._unchanged, size, 0), grown(self._no_grad, size, 0)
         self._last_weights, self._moved = grown(self._last_weights, size, np.nan), grown(self._moved, size, False)
@@ -36,18 +36,18 @@ class Stuck(Rule):
             found = self._no_gradient(seen, moving_grad)
         return found + self._unmoved(seen, moving_grad)
 
-    def _no_gradient(self, seen: Seen, moving_grad: np.ndarray) -> list[Finding]:
+    def _no_gradient(self, seen: Seen, moving_grad: np.ndarray) -> list[Broken]:
         n, t_idx = self.rules.stuck_samples, seen.trainable
         g_idx, g_rows = seen.grads
         has_grad = np.zeros(len(seen.names), dtype=bool)
         has_grad[g_idx] = True
         moving_grad[g_idx] = ~g_rows.all_zero & g_rows.finite
         self._no_grad[t_idx] = np.where(has_grad[t_idx], 0, self._no_grad[t_idx] + 1)
-        return [Finding("stuck", owner(name), f"{name} is trainable but has had no gradient for {n} samples "
+        return [Broken("stuck", owner(name), f"{name} is trainable but has had no gradient for {n} samples "
                         f"(AlertRules.stuck_samples is {n}): does the loss use it, or is its path detached?")
                 for name in (seen.names[i] for i in t_idx[self._no_grad[t_idx] >= n])]
 
-    def _unmoved(self, seen: Seen, moving_grad: np.ndarray) -> list[Finding]:
+    def _unmoved(self, seen: Seen, moving_grad: np.ndarray) -> list[Broken]:
         n = self.rules.stuck_samples
         w_idx, w_rows = seen.weights
         trainable = np.zeros(len(seen.names), dtype=bool)
@@ -59,6 +59,6 @@ class Stuck(Rule):
         counted = same & moving_grad[w_idx] & trainable[w_idx] & ~self._moved[w_idx]
         self._unchanged[w_idx] = np.where(counted, self._unchanged[w_idx] + 1, 0)
         self._last_weights[w_idx] = fingerprint
-        return [Finding("stuck", owner(name), f"{name} has a gradient but has not changed in {n} samples, nor ever "
+        return [Broken("stuck", owner(name), f"{name} has a gradient but has not changed in {n} samples, nor ever "
                         f"before (AlertRules.stuck_samples is {n}): is it in the optimizer, with a learning rate above 0?")
                 for name in (seen.names[i] for i in w_idx[self._unchanged[w_idx] >= n])]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from layerwatch.health.rules.rule import Finding, Rule, Seen
+from layerwatch.health.rules.rule import Broken, Rule, Seen
 from layerwatch.health.rules.windows import Windows
 from layerwatch.measure.optimizer_state import EPS_BOUND, SEEN, UPDATE_SUMSQ, VALUES
 from layerwatch.options import AlertRules
@@ -48,7 +48,7 @@ class UpdateShape(Rule):
         """Judge growth afresh from here (:meth:`Windows.restart`)."""
         self._rms.restart()
 
-    def observe(self, seen: Seen) -> list[Finding]:
+    def observe(self, seen: Seen) -> list[Broken]:
         """Each rule broken, given Adam's rows read after the step; ``sign_like`` only where the
         loss has turned."""
         if not seen.adam:
@@ -56,7 +56,7 @@ class UpdateShape(Rule):
         names = [name for names, _ in seen.adam for name in names]
         return self._judge(names, np.concatenate([rows for _, rows in seen.adam]), seen.turned)
 
-    def _judge(self, names: list[str], rows: np.ndarray, turned: bool) -> list[Finding]:
+    def _judge(self, names: list[str], rows: np.ndarray, turned: bool) -> list[Broken]:
         idx = np.array([self._slot(name) for name in names], dtype=int)
         size = len(self._layers)
         sums = {col: np.bincount(idx, rows[:, col], minlength=size) for col in (UPDATE_SUMSQ, VALUES, EPS_BOUND, SEEN)}
@@ -70,7 +70,7 @@ class UpdateShape(Rule):
             if trend is not None:
                 _, now, lowest, _ = trend
                 if turned and now >= self.rules.sign_like_rms and now >= self.rules.sign_like_factor * lowest:
-                    found.append(Finding("sign_like", self._layers[i], (
+                    found.append(Broken("sign_like", self._layers[i], (
                         f"Adam's updates of layer {layer} turned sign-like: normalized update RMS {now:.2f} over the last "
                         f"{w} samples (median), {now / lowest:.3g}x its lowest window's {lowest:.2f} (AlertRules."
                         f"sign_like_rms is {self.rules.sign_like_rms:g}, sign_like_factor {self.rules.sign_like_factor:g}): "
@@ -79,7 +79,7 @@ class UpdateShape(Rule):
             bound = bool(sums[SEEN][i] > 0 and share[i] > self.rules.eps_bound_frac)
             self._eps_run[i] = self._eps_run[i] + 1 if bound else 0
             if self._eps_run[i] >= w:
-                found.append(Finding("eps_bound", self._layers[i], (
+                found.append(Broken("eps_bound", self._layers[i], (
                     f"{share[i]:.0%} of layer {layer}'s coordinates with a gradient have √v̂ below 10x Adam's eps, at {w} "
                     f"samples in a row (AlertRules.eps_bound_frac is {self.rules.eps_bound_frac:g}): eps, not the gradient, "
                     "sets their steps and they barely move. Lower eps (OLMo 2 went from 1e-5 to 1e-8), or scale the loss up?")))
