@@ -189,7 +189,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         # Every rank gets an engine: each takes part in the reductions of sharded parameters
         # (FSDP); only rank 0 reads replicated ones and writes.
         self._engine = Engine(pl_module, self._options, **target)
-        self._engine.failures.around_warning = _progress_bar_pause(trainer)
+        self._engine.failures.pause_with(_progress_bar_pause(trainer))
         self._alerts = self._engine.alerts  # the monitor's own list: it outlives the engine
         if others:
             self._engine.add_sink(lambda rec: _log_run_wide(others, rec))

@@ -7,7 +7,7 @@ failure happens) and left out; training goes on unchanged.
 Every warning of a run goes through :meth:`FailurePolicy.warn` (and every line of news through
 :meth:`FailurePolicy.say`), which points it at the
 user's own line (the first frame outside layerwatch and the frameworks that call it), and
-prints it inside ``around_warning``: a front door sets that to pause a progress bar.
+prints it inside ``around_warning``: a front door gives one (:meth:`FailurePolicy.pause_with`) to pause a progress bar.
 """
 
 from __future__ import annotations
@@ -50,6 +50,10 @@ class FailurePolicy:
     def __init__(self) -> None:
         self._warned: set[str] = set()
         self.around_warning: Callable[[], ContextManager[object]] = contextlib.nullcontext
+
+    def pause_with(self, around: Callable[[], ContextManager[object]]) -> None:
+        """Say every warning and line inside ``around()`` (a front door's: a progress bar paused)."""
+        self.around_warning = around
 
     def warn(self, message: str) -> None:
         """A ``RuntimeWarning`` pointing at the user's line."""
