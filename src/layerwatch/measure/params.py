@@ -13,7 +13,7 @@ estimates (``update_ratio_estimate/<param>``), said once; they are exact again o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -51,6 +51,20 @@ def free_memory(device: torch.device) -> Optional[int]:
     free, total = torch.cuda.mem_get_info(device)
     unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return int(free + unused - CUDA_MARGIN * total)
+
+
+class ShardedTerms(NamedTuple):
+    """What the ranks of a sharded run agree on before they reduce a family's sharded tensors
+    together: whether this rank failed to list them, how many groups and tensors it holds, and a
+    fingerprint of their names. Sent as one vector of four ints, whatever the values."""
+
+    failed: bool
+    groups: int
+    tensors: int
+    fingerprint: int
+
+    def vector(self) -> list[int]:
+        return [int(self.failed), self.groups, self.tensors, self.fingerprint]
 
 
 class ParameterFamilies:
@@ -261,7 +275,7 @@ class ParameterFamilies:
             groups, error = [], e
         sharded = [names for group, names, _ in groups if group is not None]
         every = [name for names in sharded for name in names]
-        agreed = self.sync.same([int(error is not None), len(sharded), len(every), fingerprint(every)])
+        agreed = self.sync.same(ShardedTerms(error is not None, len(sharded), len(every), fingerprint(every)).vector())
         if error is not None:
             raise error
         if agreed:
