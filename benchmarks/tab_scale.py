@@ -33,7 +33,7 @@ def write_run(logdir: Path, layers: int, samples: int) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     from layerwatch.sinks.record import StepRecord
-    from layerwatch.sinks import events
+    from layerwatch.sinks import event_file as events
     from layerwatch.sinks.plugin_data import PluginData
 
     rng = np.random.default_rng(0)

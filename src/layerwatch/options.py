@@ -1,5 +1,7 @@
 """The one validated options object shared by every front door (``Inspector``,
-``InspectCallback``): each option is checked once, with a message that names the bad value."""
+``InspectCallback``, ``InspectTrainerCallback``): each option is checked once, with a message that
+names the bad value. The rules' thresholds live here too (:class:`AlertRules`, :class:`SpikeRule`),
+below the rules that read them, and the check of a fraction (:func:`check_fraction`)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ class AlertRules:
     examples, the demo and tiny configurations of BERT, RoBERTa, DistilBERT, ViT, GPT-2, Llama
     and T5, whose per-batch gradient norms swing by up to ~500x between windows of samples:
     gradients get a loose factor, weights a tight one. The window rules judge a layer by the
-    RMS of all its values (:class:`LayerWindows`).
+    RMS of all its values (:class:`~layerwatch.health.rules.layer_windows.LayerWindows`).
 
     Args:
         window: Samples per window for ``exploding``/``vanishing`` (compares the medians of

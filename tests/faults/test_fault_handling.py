@@ -176,7 +176,7 @@ def test_close_stops_the_sentinel_and_drops_the_offered_batches():
     parts.faults.open(0)
     parts.faults.offer(lambda: parts.model(torch.ones(1, 3)).sum(), voting=False)
     parts.faults.close()
-    assert parts.faults.sentinel is None and parts.faults.replay.micro_batches == []
+    assert parts.faults.sentinel is None and parts.faults.step_replay.micro_batches == []
     parts.poison_weight_gradient()
     assert end_step(parts, 1) == (None, [])
 
@@ -353,15 +353,15 @@ def test_a_micro_batch_is_kept_only_when_the_sentinel_is_on_and_the_ranks_do_not
     closure = lambda: parts.model(torch.ones(1, 3)).sum()  # noqa: E731
     parts.faults.offer(closure, voting=False)
     parts.faults.offer(closure, voting=False)
-    assert [micro.closure for micro in parts.faults.replay.micro_batches] == [closure, closure]
+    assert [micro.closure for micro in parts.faults.step_replay.micro_batches] == [closure, closure]
     parts.faults.offer(closure, voting=True)
-    assert len(parts.faults.replay.micro_batches) == 2
+    assert len(parts.faults.step_replay.micro_batches) == 2
     parts.faults.open(1)  # a new step: the last one's micro-batches go
-    assert parts.faults.replay.micro_batches == []
+    assert parts.faults.step_replay.micro_batches == []
     off = Parts(sentinel=False)
     off.faults.open(0)
     off.faults.offer(closure, voting=False)
-    assert off.faults.replay.micro_batches == []
+    assert off.faults.step_replay.micro_batches == []
 
 
 def test_a_step_replayed_before_its_optimizer_step_names_the_module_that_made_the_nan():

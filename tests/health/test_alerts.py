@@ -14,7 +14,7 @@ from torch.utils.tensorboard import SummaryWriter
 from layerwatch import AlertRules, Inspector, InspectCallback
 from layerwatch import stats as S
 from layerwatch.health.alert import Alert, alerts_markdown, parse_alerts_markdown
-from layerwatch.health.alerts import HealthMonitor
+from layerwatch.health.check import HealthMonitor
 from layerwatch.cli import main
 from models import MLP, FourBranches, train, train_branches
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from layerwatch import Inspector
-from layerwatch.health.alerts import HealthMonitor
+from layerwatch.health.check import HealthMonitor
 from layerwatch.options import AlertRules
 from layerwatch.probes import ProbeResult
 from layerwatch.health.progress import LossProgress

@@ -787,7 +787,7 @@ def test_a_loss_on_a_device_the_host_cannot_read_freely_turns_the_check_off_said
 def test_spikes_explained_at_one_sample_are_alerts_of_their_own_steps():
     """On a GPU two spikes can land before the next sample: each is an alert at its own step,
     though the ranking (one a sample) names the same layer."""
-    from layerwatch.health.alerts import HealthCheck
+    from layerwatch.health.check import HealthCheck
     from layerwatch.health.findings import Findings
     from layerwatch.options import AlertRules
     from layerwatch.guards.failures import FailurePolicy

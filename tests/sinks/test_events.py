@@ -8,7 +8,7 @@ from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c a
 from torch.utils.tensorboard import SummaryWriter
 
 from layerwatch.sinks.record import StepRecord
-from layerwatch.sinks import events
+from layerwatch.sinks import event_file as events
 from layerwatch.sinks.tensorboard import TensorBoardSink
 
 pytestmark = pytest.mark.skipif(not events.AVAILABLE, reason="no C CRC32C package installed")

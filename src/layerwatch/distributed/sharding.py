@@ -238,7 +238,7 @@ class Layout:
     pieces: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     flattened: dict[str, tuple[int, torch.dtype, bool]] = field(default_factory=dict)
     flat_only: list[str] = field(default_factory=list)
-    staged: bool = False  # pipeline stages (stages.py): each rank holds parameters no other stage has, and measures them
+    staged: bool = False  # pipeline stages (engine/stages.py): each rank holds parameters no other stage has, and measures them
 
     def parameters(self, model: Optional[nn.Module]) -> list[tuple[str, nn.Parameter]]:
         """The model's named parameters that hold values, under clean names; an FSDP1

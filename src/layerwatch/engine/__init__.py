@@ -1,6 +1,7 @@
 """The engine and its parts: the step protocol (``engine.Engine``), which steps are sampled
-(``sampling``, ``budget``), where parameters live (``placement``), a compiled model's eager re-run
-(``rerun``), where the records go (``output``).
+(``sampling``, ``budget``), where parameters live (``placement``) and pipeline stages'
+measurements sent to rank 0 (``stages``), a compiled model's eager re-run (``rerun``), a sampled
+step's close (``closing``), where the records go (``output``).
 
 ``layerwatch.engine.engine.Engine`` is read lazily: importing a part does not import the engine."""
 

@@ -98,7 +98,8 @@ class Pacer:
         return f"overhead_budget({self.budget:g}): {every}"
 
     def resume(self, interval: int) -> None:
-        """Sample every ``interval`` steps, as the run this one resumes did."""
+        """Sample every ``interval`` steps from now: the interval the run this one resumes had, or
+        the one rank 0 shared."""
         self.interval = interval
 
     def off_step(self, wall_s: float, own_s: float, checks_s: float = 0.0) -> None:

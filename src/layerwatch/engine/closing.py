@@ -18,7 +18,7 @@ from layerwatch.faults.faults import Faults
 from layerwatch.faults.sentinel import StepCounter
 from layerwatch.guards.failures import FailurePolicy
 from layerwatch.guards.hooks import CollectorClock
-from layerwatch.health.alerts import HealthCheck
+from layerwatch.health.check import HealthCheck
 from layerwatch.health.findings import unjudged
 from layerwatch.health.spikes import Spikes
 from layerwatch.measure.reads import Sample, SampleReads
@@ -73,11 +73,11 @@ class Closing:
         stage's rows, gathered already."""
         rows = self.reads.host_rows(sample) if stages is None else stages.rows
         stepped = sample.stepped(self.counter.count)
-        offender = self.faults.offender_alerts(sample.step, probes, stepped)
+        offender_alerts = self.faults.offender_alerts(sample.step, probes, stepped)
         spiked = self.spikes.explain(sample.step, rows, probes, replayed=sample.replay is not None)
-        findings = unjudged(offender, spiked) if self.health is None else self.health.judge(
+        findings = unjudged(offender_alerts, spiked) if self.health is None else self.health.judge(
             sample.step, rows, Family.GRADS in self.options.families,
-            sample.trainable() if stages is None else stages.trainable, stepped, probes, offender, spiked)
+            sample.trainable() if stages is None else stages.trainable, stepped, probes, offender_alerts, spiked)
         cost_s, interval = self.sampling.cost(sample.step, sample.overhead_s, started, self.collector.seconds, findings.alerts)
         self.written += 1
         self.sampling.wrote(self.output.write_step(sample.step, rows, probes, structure, findings, self.options,

@@ -41,7 +41,7 @@ from torch import nn
 
 from layerwatch.sinks import record as R
 from layerwatch.health.alert import Alert
-from layerwatch.health.alerts import HealthCheck
+from layerwatch.health.check import HealthCheck
 from layerwatch.engine.closing import Closing
 from layerwatch.engine.budget import Pacer
 from layerwatch.distributed.sharding import Layout, is_writer_rank

@@ -264,7 +264,8 @@ class Sampling:
         pacer = self.pacer
         if proposed is None or proposed == pacer.interval:
             return
-        previous, pacer.interval = pacer.interval, proposed
+        previous = pacer.interval
+        pacer.resume(proposed)
         if is_writer_rank():
             self.failures.say(pacer.message(previous))
 

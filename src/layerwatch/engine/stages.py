@@ -137,9 +137,8 @@ class Stages:
         ``trainable()`` parameters' names to the writer. Nothing raises before the exchange's
         collectives are issued. Returns, on the writer, every stage's measurements merged (its
         own alone where the exchange failed, said once); None elsewhere."""
-        own: list[tuple[HostRows, list[str]]] = []
-        self._failures.run("read this stage's tensors to the host", lambda: own.append((rows(), trainable())), step)
-        part = StagePart(own[0][0], probes, own[0][1]) if own else StagePart(None, probes)
+        own = self._failures.run("read this stage's tensors to the host", lambda: (rows(), trainable()), step)
+        part = StagePart(own[0], probes, own[1]) if own is not None else StagePart(None, probes)
         parts = self._exchange(part, step)
         if not is_writer_rank():
             return None

@@ -5,7 +5,7 @@
 - the sentinel (:mod:`~layerwatch.faults.sentinel`): its check is enqueued each step and read when it
   has landed (:meth:`Faults.check`); what it finds is a fault unless the optimizer then skipped
   the step (a GradScaler's overflow);
-- a fault found before the optimizer step is replayed (:class:`~layerwatch.faults.replay_agreement.StepReplay`:
+- a fault found before the optimizer step is replayed (:class:`~layerwatch.faults.step_replay.StepReplay`:
   the step's batch run again with every probe armed, to name the module that made it, the ranks
   of a DDP run agreeing first that each can, and sharing what they found);
 - in a run whose ranks vote (sharded, or pipeline stages), the finding rides on the vote
@@ -30,7 +30,7 @@ from layerwatch.guards.failures import FailurePolicy
 from layerwatch.options import Options
 from layerwatch.probes import Offender, ProbeResult, StepProbes
 from layerwatch.faults import messages
-from layerwatch.faults.replay_agreement import StepReplay
+from layerwatch.faults.step_replay import StepReplay
 from layerwatch.faults.sentinel import Finding, NonfiniteSentinel, StepCounter
 from layerwatch.measure.zero import Zero
 
@@ -56,7 +56,7 @@ class Faults:
         self.options = options
         self.failures = failures
         self._probes, self._counter, self._write_fault, self._ask_sample = probes, counter, write_fault, ask_sample
-        self.replay = StepReplay(options, failures, probes)  # the open step's batches, and their replay
+        self.step_replay = StepReplay(options, failures, probes)  # the open step's batches, and their replay
         self.sentinel: Optional[NonfiniteSentinel] = None
         self._zero: Optional[Zero] = None
         self._voting = False  # the ranks vote on each step: a finding waits for the vote
@@ -80,32 +80,32 @@ class Faults:
         """The run's model (weakly held), where its parameters live, the module it is wrapped in,
         and whether its ranks vote (``staged``: they are pipeline stages)."""
         self._zero, self._voting = zero, voting
-        self.replay.start(model, layout, within, messages.voting_hint(staged) if voting else None)
+        self.step_replay.start(model, layout, within, messages.voting_hint(staged) if voting else None)
         if self.options.sentinel:  # every rank: its shards, or (DDP) the same gradients, so the same findings
             self.sentinel = NonfiniteSentinel()
 
     def describe_replay(self, unreplayable: Optional[str] = None, differs: Optional[str] = None) -> None:
         """The front door's words of its replay: why a fault's step cannot be replayed, what a replay runs differently."""
-        self.replay.describe(unreplayable, differs)
+        self.step_replay.describe(unreplayable, differs)
 
     def track(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """A replay puts these optimizers' gradients back too."""
-        self.replay.track(optimizers)
+        self.step_replay.track(optimizers)
 
     def tracked(self) -> list[Optional[torch.optim.Optimizer]]:
         """The optimizers tracked (None: one gone)."""
-        return self.replay.tracked()
+        return self.step_replay.tracked()
 
     def close(self) -> None:
         self.sentinel, self._watching, self._watched = None, None, None
-        self.replay.close()
+        self.step_replay.close()
 
     def open(self, step: int, spread: int = 1, measured: bool = True) -> None:
         """Step ``step`` opens; the sentinel's check is spread over ``spread`` steps; ``measured``:
         the overhead budget has measured the checks (or there is no budget)."""
         self.step, self._measured = step, measured
-        if self.replay.micro_batches:  # left by a step that did not end
-            self.replay.let_go()
+        if self.step_replay.micro_batches:  # left by a step that did not end
+            self.step_replay.let_go()
         self._checked, self.check_s = False, 0.0
         if spread != self._spread:
             self._spread, self._watching, self._watched = spread, None, None  # shares made anew at the next check
@@ -124,11 +124,11 @@ class Faults:
         step later. ``keep``: kept whatever the sentinel does (a loss spike replays the step
         too: :meth:`replay_spike`)."""
         if (self.sentinel is not None or keep) and not voting:
-            self.replay.offer(closure)
+            self.step_replay.offer(closure)
 
     def replay_spike(self, index: int) -> Optional[tuple[ProbeResult, float]]:
         """Run micro-batch ``index`` of the open step again with every probe armed (see :meth:`StepReplay.spike`)."""
-        return self.replay.spike(self.step, index)
+        return self.step_replay.spike(self.step, index)
 
     # ------------------------------------------------------------------ the sentinel
     def check(self, params: Callable[[], Params], before_optimizer_step: bool = False) -> Optional[tuple[ProbeResult, float]]:
@@ -153,8 +153,8 @@ class Faults:
             finally:
                 self.check_s += time.perf_counter() - started
         finally:
-            if not before_optimizer_step and self.replay.micro_batches:  # the step ends: its batches are let go of
-                self.replay.let_go()
+            if not before_optimizer_step and self.step_replay.micro_batches:  # the step ends: its batches are let go of
+                self.step_replay.let_go()
 
     def _check(self, sentinel: NonfiniteSentinel, params: Callable[[], Params],
                before_optimizer_step: bool) -> Optional[tuple[ProbeResult, float]]:
@@ -162,7 +162,7 @@ class Faults:
         # Waiting for a check that lands later is a device sync a step: only once the budget measured the checks
         # within their share (it measures the waits too from then on, and spreads the check when they cost more).
         may_wait = sentinel.lands_later is False or (self._measured and self._spread == 1)
-        replayable = before_optimizer_step and bool(self.replay.micro_batches) and may_wait
+        replayable = before_optimizer_step and bool(self.step_replay.micro_batches) and may_wait
         if before_optimizer_step:
             stepped: Optional[bool] = True if replayable else None  # else settled at the end of the step
         else:
@@ -188,7 +188,7 @@ class Faults:
                 return None
             self.sentinel = None  # before the replay: nothing in it checks again
             if replayable and finding.step == step:
-                replayed = self.replay.replay(step, lambda: self._on_nonfinite(finding, None))
+                replayed = self.step_replay.replay(step, lambda: self._on_nonfinite(finding, None))
                 if replayed is not None:
                     return replayed
             self.fault_step = finding.step
@@ -242,7 +242,7 @@ class Faults:
         if not is_writer_rank():
             return
         message = messages.nonfinite_message(finding, sampled_step, self.step, self._probes.sees_nonfinite,
-                                             self.replay.fault_before, self._unreplayed())
+                                             self.step_replay.fault_before, self._unreplayed())
         self._write_fault(finding.step, self.step)
         logger.warning("layerwatch: %s", message)
         self.failures.warn(f"layerwatch: {message}")
@@ -260,10 +260,10 @@ class Faults:
         self._offender_found = True  # raised before the rules, whose alert on the same layer says less
         named = None
         if offender is None:
-            message = messages.weight_user(step, user, probes.nonfinite_weights, self.fault_step, self.replay.fault_before,
+            message = messages.weight_user(step, user, probes.nonfinite_weights, self.fault_step, self.step_replay.fault_before,
                                            self.options.sentinel, self._unreplayed())
         elif offender.replayed_from is None and self.fault_step is not None and step > self.fault_step:
-            message = messages.after_fault(step, offender, self.fault_step, self.replay.fault_before, self._unreplayed())
+            message = messages.after_fault(step, offender, self.fault_step, self.step_replay.fault_before, self._unreplayed())
         else:
             named = offender
             message = messages.first_offender(step, offender)
@@ -271,7 +271,7 @@ class Faults:
 
     def _unreplayed(self) -> str:
         """Why the fault's step was not replayed: the front door's words, or what the engine knows."""
-        return messages.unreplayed(self.replay.hint, self.replay.offered)
+        return messages.unreplayed(self.step_replay.hint, self.step_replay.offered)
 
 
 def _watched_key(params: Params) -> list[tuple[Any, ...]]:
@@ -284,7 +284,7 @@ def _watched_key(params: Params) -> list[tuple[Any, ...]]:
 def _skipped_by_deepspeed(zero: Zero, step: int) -> Optional[Finding]:
     """A finding when DeepSpeed skipped ``step``, its averaged gradients not finite: a fault in fp32
     and bf16; under fp16's dynamic loss scale an expected overflow (not a fault)."""
-    expected = zero.skipped()
+    expected = zero.skip_expected()
     if expected is None:
         return None
     return Finding(step, [], not expected, True, seen_by="DeepSpeed found their norm not finite and skipped the step")

@@ -1,6 +1,6 @@
 """What is said of a fault: pure functions from a finding (and what they need, passed in) to
 its text. Nothing here warns, logs or writes: :class:`~layerwatch.faults.faults.Faults` and
-:class:`~layerwatch.faults.replay_agreement.StepReplay` say what these return.
+:class:`~layerwatch.faults.step_replay.StepReplay` say what these return.
 
 - the finding's warning (:func:`nonfinite_message`), and where its NaN/Inf was (:func:`where_found`);
 - why its step was not replayed (:func:`unreplayed`, and the hints the replay leaves behind);
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from layerwatch.faults.sentinel import Finding
-from layerwatch.probes import Offender
+from layerwatch.probes.result import Offender
 
 
 def nonfinite_message(finding: Finding, sampled_step: Optional[int], step: int, sees_nonfinite: bool,

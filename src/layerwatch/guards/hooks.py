@@ -324,36 +324,3 @@ def tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from tensors_in(getattr(obj, f.name, None), depth + 1)
-
-
-def with_first_replaced(obj: Any, test: Callable[[torch.Tensor], bool],
-                        replace: Callable[[torch.Tensor], torch.Tensor]) -> tuple[Any, bool]:
-    """``obj`` with its first tensor that passes ``test`` replaced by ``replace(tensor)``
-    wherever it occurs (a module called as ``attn(x, x, x)`` still sees one tensor three
-    times), and whether one was. Only tuples, lists and plain dicts are looked into and
-    rebuilt around it (not a dataclass, a named tuple or a dict subclass)."""
-    for tensor in _rebuildable_tensors(obj):
-        if test(tensor):
-            return _replaced(obj, tensor, replace(tensor)), True
-    return obj, False
-
-
-def _rebuildable_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        for item in obj:
-            yield from _rebuildable_tensors(item)
-    elif type(obj) is dict:
-        for item in obj.values():
-            yield from _rebuildable_tensors(item)
-
-
-def _replaced(obj: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return new if obj is old else obj
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(_replaced(item, old, new) for item in obj)
-    if type(obj) is dict:
-        return {key: _replaced(item, old, new) for key, item in obj.items()}
-    return obj

@@ -1,6 +1,6 @@
 """An alert, the kinds there are, and the Markdown table they are written as.
 
-What the health rules (:mod:`layerwatch.health.alerts`, :mod:`layerwatch.health.rules`), the first
+What the health rules (:mod:`layerwatch.health.check`, :mod:`layerwatch.health.rules`), the first
 offender and the spike check say: one :class:`Alert` each. No torch: ``layerwatch report`` reads
 the table back (:func:`parse_alerts_markdown`) without it.
 """

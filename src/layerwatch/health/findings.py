@@ -1,5 +1,5 @@
 """What was concluded about one sampled step, complete when its maker returns it: the health
-rules' alerts, the first offender, the spikes explained. Made by ``alerts.HealthCheck.judge``, or
+rules' alerts, the first offender, the spikes explained. Made by ``check.HealthCheck.judge``, or
 by :func:`unjudged` where no rules run; read by ``record.build``."""
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ class Findings:
 OffenderAlerts = tuple[Sequence, Optional[Offender]]  # Faults.offender_alerts: its alerts (once a run), the offender named
 
 
-def unjudged(offender: OffenderAlerts = ((), None), spiked: Optional[Findings] = None) -> Findings:
+def unjudged(offender_alerts: OffenderAlerts = ((), None), spiked: Optional[Findings] = None) -> Findings:
     """The findings of a sampled step as they came, no health rules run: the first offender's
     alerts and the spikes' (``spiked``: :meth:`~layerwatch.health.spikes.Spikes.explain`'s, the
     spikes found since the last sample with their lead-ups), the offender, the spikes."""
-    found, named = offender
+    found, named = offender_alerts
     spiked = spiked or Findings()
     return Findings(alerts=[*found, *spiked.alerts], offender=named, spikes=spiked.spikes, history=spiked.history)

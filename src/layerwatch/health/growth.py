@@ -101,8 +101,8 @@ def _outputs(probes: Optional[ProbeResult]) -> list[tuple[str, float]]:
 
 def _per_parameter(rows: S.HostRows) -> dict[tuple[str, str], float]:
     """Each parameter's gradient norm and update ratio in ``rows``, keyed ``("gradient", name)``, ``("update", name)``."""
-    out = {("gradient", name): float(norm) for names, r in rows.get("grads", ()) for name, norm in zip(names, S.Rows(r).norm)}
-    weights = {name: norm for names, r in rows.get("weights", ()) for name, norm in zip(names, S.Rows(r).norm)}
-    for names, (deltas, after) in rows.get("update", ()):
+    out = {("gradient", name): float(norm) for names, r in rows.get(S.GRAD_ROWS, ()) for name, norm in zip(names, S.Rows(r).norm)}
+    weights = {name: norm for names, r in rows.get(S.WEIGHT_ROWS, ()) for name, norm in zip(names, S.Rows(r).norm)}
+    for names, (deltas, after) in rows.get(S.UPDATE_ROWS, ()):
         out.update(zip([("update", name) for name in names], update_ratios(names, deltas, after, weights).tolist()))
     return out

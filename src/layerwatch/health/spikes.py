@@ -20,7 +20,7 @@ import torch
 
 from layerwatch.health.findings import Findings
 from layerwatch.health.alert import Alert
-from layerwatch.health.alerts import HealthCheck
+from layerwatch.health.check import HealthCheck
 from layerwatch import stats as S
 from layerwatch.distributed.agreement import Decision
 from layerwatch.distributed.sharding import is_dtensor, is_writer_rank, local

@@ -31,6 +31,7 @@ from torch import nn
 
 from layerwatch import vocabulary as V
 from layerwatch.distributed.sharding import is_writer_rank, local
+from layerwatch import stats as S
 from layerwatch.stats.batched import to_device
 
 SPIKE_FACTOR = 5000.0  # SPAM (Huang et al. 2025): a coordinate's g² above this many times its v
@@ -40,7 +41,7 @@ EPS_FACTOR = 10.0  # ε-bound: √v̂ below this many times ε
 # of either is above 0 where a rank could not read its part of a sharded tensor.
 UPDATE_SUMSQ, VALUES, EPS_BOUND, SEEN, FAILED = range(5)
 SPIKES, JUDGED, _ = range(3)
-WIDTH = {"adam": 5, "adam_spikes": 3}  # the families of a sample's rows these make
+WIDTH = {S.ADAM_ROWS: 5, S.ADAM_SPIKE_ROWS: 3}  # the families of a sample's rows these make
 
 Group = tuple[Any, list[str], list[torch.Tensor]]  # (process group or None, names, tensors)
 
@@ -120,11 +121,11 @@ class AdamState:
     def before_step(self, optimizer: Any, params: Sequence[tuple[str, nn.Parameter]]) -> list[tuple[list[str], torch.Tensor]]:
         """Rows ``[SPIKES, JUDGED, FAILED]`` of the parameters ``optimizer`` is about to step, their
         gradients final and their ``v`` still the last step's."""
-        return self._read(optimizer, params, "adam_spikes", self._spikes)
+        return self._read(optimizer, params, S.ADAM_SPIKE_ROWS, self._spikes)
 
     def after_step(self, optimizer: Any, params: Sequence[tuple[str, nn.Parameter]]) -> list[tuple[list[str], torch.Tensor]]:
         """Rows ``[UPDATE_SUMSQ, VALUES, EPS_BOUND, SEEN, FAILED]`` of the parameters ``optimizer`` has stepped."""
-        return self._read(optimizer, params, "adam", self._update)
+        return self._read(optimizer, params, S.ADAM_ROWS, self._update)
 
     def _read(self, optimizer: Any, params: Sequence[tuple[str, nn.Parameter]], family: str,
               measure: Callable[[list[dict], list[dict], list[Optional[torch.Tensor]]], torch.Tensor]
@@ -134,7 +135,7 @@ class AdamState:
         adam = self._adam(optimizer)
         if adam is None:
             return []
-        graded = family == "adam_spikes"
+        graded = family == S.ADAM_SPIKE_ROWS
         found = {name: p for name, p in params if "exp_avg_sq" in adam.state.get(p, ()) and (p.grad is not None or not graded)}
         settings = {id(p): g for g in adam.param_groups for p in g["params"]} if found else {}
         pieces = []

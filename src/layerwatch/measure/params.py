@@ -88,11 +88,11 @@ class ParameterFamilies:
         self._held_bytes = 0  # what this step's snapshots hold so far
         self._estimating_since: Optional[int] = None  # the step since which snapshots are samples
 
-
     def start(self, layout: Layout, zero: Any, sync: Optional[RankSync]) -> None:
         """Where the parameters live (found at the run's start): their layout, a ZeRO run's
         partitions, and the ranks' group a sharded run's reductions agree in (None: none)."""
         self.layout, self.zero, self.sync = layout, zero, sync
+
     def release(self) -> None:
         self.sync = None
         self.workspace.clear()

@@ -47,7 +47,7 @@ class Sample:
     grads_read: set[int] = field(default_factory=set)  # id() of the parameters read so far
     weights_read: set[int] = field(default_factory=set)
     snapshots: list[tuple[Optional[int], Snapshot]] = field(default_factory=list)  # (id of the optimizer, ...)
-    replay: Optional[ProbeResult] = None  # what the probes saw on the step's batch run again (replay.py)
+    replay: Optional[ProbeResult] = None  # what the probes saw on the step's batch run again (faults/replay.py)
 
     def unread(self, read: set[int], optimizer: Any,
                keep: Optional[list[tuple[str, nn.Parameter]]] = None) -> list[tuple[str, nn.Parameter]]:
@@ -181,11 +181,12 @@ class SampleReads:
     def host_rows(self, sample: Sample) -> S.HostRows:
         """The families' rows, on the host in one transfer per device, less the rows a rank
         could not help measure."""
-        families = {"grads": sample.grads, "weights": sample.weights, "update": sample.update,
-                    "update_estimate": sample.update_estimate, "adam": sample.adam, "adam_spikes": sample.adam_spikes}
+        families = {S.GRAD_ROWS: sample.grads, S.WEIGHT_ROWS: sample.weights, S.UPDATE_ROWS: sample.update,
+                    S.ESTIMATED_UPDATE_ROWS: sample.update_estimate, S.ADAM_ROWS: sample.adam,
+                    S.ADAM_SPIKE_ROWS: sample.adam_spikes}
         arrays = iter(S.to_host([rows for pieces in families.values() for _, rows in pieces]))
         return {
-            family: [self._measured(family, names, next(arrays).reshape(2 if family.startswith("update") else len(names), -1),
+            family: [self._measured(family, names, next(arrays).reshape(2 if family in (S.UPDATE_ROWS, S.ESTIMATED_UPDATE_ROWS) else len(names), -1),
                                     sample.step) for names, _ in pieces]
             for family, pieces in families.items() if pieces or family not in WIDTH
         }
@@ -193,7 +194,7 @@ class SampleReads:
     def _measured(self, family: str, names: list[str], rows: np.ndarray, step: int) -> tuple[list[str], np.ndarray]:
         """``names`` and their rows (update pieces: their two rows of columns) less the sharded
         tensors a rank could not help measure, or snapshot (said once)."""
-        update = family.startswith("update")  # update and update_estimate: two rows of columns
+        update = family in (S.UPDATE_ROWS, S.ESTIMATED_UPDATE_ROWS)  # update and update_estimate: two rows of columns
         failed = rows[0] == FAILED_NORM if update else adam_failed(rows) if family in WIDTH else S.Rows(rows).failed
         if not failed.any():
             return names, rows

@@ -36,6 +36,7 @@ from torch import nn
 
 from layerwatch.distributed.sharding import NamedTensors, is_writer_rank, is_zero3_param
 from layerwatch.guards.failures import FailurePolicy
+from layerwatch.vocabulary import Family
 
 
 def engine_of(model: nn.Module) -> Optional[nn.Module]:
@@ -54,7 +55,7 @@ def find_zero(model: nn.Module, deepspeed: Any, families: Sequence[str], failure
         if is_writer_rank():
             failures.warn_once("no-grads", f"layerwatch: {e}; until then its gradients and update ratios are not measured")
         return None
-    if zero is not None and zero.stage == 3 and {"latency", "nonfinite"} & set(families) and is_writer_rank():
+    if zero is not None and zero.stage == 3 and {Family.LATENCY, Family.NONFINITE} & set(families) and is_writer_rank():
         failures.warn_once(
             "zero3-hooks",
             "layerwatch: under DeepSpeed ZeRO-3 a parameter is an empty placeholder outside its module's forward and "
@@ -125,11 +126,11 @@ class Zero:
         group = self.stepping()
         return [] if group is None else [(name, p) for name, p in params if self._group_of.get(id(p)) == group]
 
-    def skipped(self) -> Optional[bool]:
-        """Whether DeepSpeed skipped this step, its averaged gradients not finite (its own flag:
-        the client optimizer never ran, nor its hooks): None when it did not; False where that is
-        a fault (fp32, bf16); True where it is expected (fp16's dynamic loss scale's overflow,
-        ``stepped=False`` like a GradScaler's)."""
+    def skip_expected(self) -> Optional[bool]:
+        """Whether the step DeepSpeed skipped, its averaged gradients not finite (its own flag: the
+        client optimizer never ran, nor its hooks), was expected: None when it did not skip; True
+        under fp16's dynamic loss scale (an overflow, ``stepped=False`` like a GradScaler's);
+        False where the skip is a fault (fp32, bf16)."""
         if not getattr(self.optimizer, "overflow", False):
             return None
         return bool(getattr(self.optimizer, "dynamic_loss_scale", False))

@@ -17,7 +17,7 @@ from layerwatch.vocabulary import Family
 @dataclass(frozen=True)
 class Measures:
     """Which families the hooks record. ``forward_only``: a compiled model's eager re-run
-    (rerun.py), one forward with autograd off, recorded; nothing of a backward, of the bytes
+    (engine/rerun.py), one forward with autograd off, recorded; nothing of a backward, of the bytes
     saved for it or of the allocator's growth (a forward without autograd frees what a
     training forward keeps): those stay None, never 0. ``cuda``: the model is on a GPU
     (timed with events, its allocator read)."""

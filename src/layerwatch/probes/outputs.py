@@ -259,13 +259,9 @@ def nonfinite_sum(t: torch.Tensor) -> torch.Tensor:
     return t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum()
 
 
-def is_float(t: torch.Tensor) -> bool:
-    """A dense floating (or complex) tensor: one whose values can be NaN and can be reduced."""
-    return bool(floats([t]))
-
-
 def floats(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """The :func:`is_float` tensors of ``tensors`` (one call for all of them)."""
+    """The dense floating (or complex) tensors of ``tensors``: those whose values can be NaN and
+    can be reduced (one call for all of them)."""
     strided = torch.strided
     return [t for t in tensors if t.layout == strided and (t.is_floating_point() or t.is_complex())]
 

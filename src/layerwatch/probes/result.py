@@ -32,7 +32,7 @@ class Offender:
 
     name: str
     phase: str  # "forward" or "backward"
-    replayed_from: Optional[int] = None  # found by running this step's batch again (see replay.py)
+    replayed_from: Optional[int] = None  # found by running this step's batch again (see faults/replay.py)
     replayed_what: str = ""  # which part of it, when not all: "micro-batch 2 of 4", "rank 1's batch"
 
     def describe(self, step: int) -> str:
@@ -55,4 +55,4 @@ class ProbeResult:
     attention: dict = field(default_factory=dict)  # module -> [heads, 2]: largest logit, entropy (probes/attention.py)
     logits: Optional[tuple] = None  # (the output head, [mean, max] of log Z) (probes/logits.py)
     kurtosis: dict = field(default_factory=dict)  # module -> its output's per-channel kurtosis (probes/kurtosis.py)
-    rerun: bool = False  # measured on a compiled model's eager, forward-only re-run (rerun.py)
+    rerun: bool = False  # measured on a compiled model's eager, forward-only re-run (engine/rerun.py)

@@ -20,10 +20,9 @@ from layerwatch.probes.selection import ModuleFilter, is_compiled, select_module
 from layerwatch.table.recording import StructureProbe
 from layerwatch.probes.terms import ProbeTerms
 from layerwatch.probes.transformer import TransformerProbes
-from layerwatch.vocabulary import PROBE_FAMILIES
 from layerwatch.probes.weights import WeightCheck
 from layerwatch.table.summary import Summary
-from layerwatch.vocabulary import Family
+from layerwatch.vocabulary import PROBE_FAMILIES, Family
 
 IN_A_COMPILED_CALLER = (
     "layerwatch: the model runs inside compiled code (a torch.compile'd function calls it), so its hooks "
@@ -38,7 +37,7 @@ IN_A_COMPILED_CALLER = (
 class ProbesMode:
     """What a run's probes do on its sampled steps: the one state of :class:`StepProbes`,
     replaced (never changed in place) by the transitions below, each of which returns the
-    new mode. No transition goes back.
+    new mode.
 
     - ``table_pending``: the layer table is still to be recorded (on a whole forward, on the
       rank that writes). Off once recorded, once its probe failed (:meth:`table_done`), or

@@ -40,7 +40,7 @@ class StepRecord:
     offender: Optional[Offender] = None  # the first offender, at the step it was found
     spikes: list = field(default_factory=list)  # the loss spikes found since the last sample (events/spikes)
     history: dict = field(default_factory=dict)  # tag -> [(step, value)] of steps before this one, written before it
-    rerun: bool = False  # the per-module values are of a compiled model's eager re-run (rerun.py)
+    rerun: bool = False  # the per-module values are of a compiled model's eager re-run (engine/rerun.py)
 
 
 def build(
@@ -69,12 +69,12 @@ def build(
     for family in TENSOR_FAMILIES:
         for names, family_rows in rows.get(family, ()):
             _add_tensor_family(rec, family, names, family_rows, stats, bins)
-    if rows.get("grads") and all_grads:
-        rec.scalars[GRAD_NORM] = S.Rows(np.concatenate([r for _, r in rows["grads"]])).total_norm()
-    weight_norms = {} if not rows.get("update") else {  # the weights' own norms, for the exact ratios
-        name: norm for names, r in rows.get("weights", ()) for name, norm in zip(names, S.Rows(r).norm)
+    if rows.get(S.GRAD_ROWS) and all_grads:
+        rec.scalars[GRAD_NORM] = S.Rows(np.concatenate([r for _, r in rows[S.GRAD_ROWS]])).total_norm()
+    weight_norms = {} if not rows.get(S.UPDATE_ROWS) else {  # the weights' own norms, for the exact ratios
+        name: norm for names, r in rows.get(S.WEIGHT_ROWS, ()) for name, norm in zip(names, S.Rows(r).norm)
     }
-    for family, estimated in (("update", False), ("update_estimate", True)):
+    for family, estimated in ((S.UPDATE_ROWS, False), (S.ESTIMATED_UPDATE_ROWS, True)):
         for names, (deltas, after_norms) in rows.get(family, ()):
             ratios = update_ratios(names, deltas, after_norms, {} if estimated else weight_norms)
             prefix = update_ratio_tag("", estimated)
@@ -108,10 +108,10 @@ def build(
 def _add_optimizer_state(rec: StepRecord, rows: S.HostRows) -> None:
     """Adam's state per parameter (:mod:`~layerwatch.measure.optimizer_state`): its series, less the NaN
     of a tensor where nothing could be judged."""
-    for names, family_rows in rows.get("adam", ()):
+    for names, family_rows in rows.get(S.ADAM_ROWS, ()):
         for key, values in update_stats(family_rows).items():
             rec.scalars.update([(f"{key}/{name}", value) for name, value in zip(names, values.tolist()) if value == value])
-    for names, family_rows in rows.get("adam_spikes", ()):
+    for names, family_rows in rows.get(S.ADAM_SPIKE_ROWS, ()):
         values = spike_fractions(family_rows).tolist()
         rec.scalars.update([(f"{ADAM_SPIKE_FRAC}/{name}", value) for name, value in zip(names, values) if value == value])
 

@@ -4,7 +4,7 @@ Each step's scalars, histograms and texts are encoded here as one ``Summary`` (b
 thousands of proto objects: protobuf's upb runtime calls ``malloc_trim(0)`` after every
 10,000 freed arena blocks, which hands a CPU training step's cached memory back to the OS
 and makes the next step pay for it in page faults). The event is appended to the writer's
-own event file with a C CRC32C (:mod:`layerwatch.sinks.events`), so it lands in the same run
+own event file with a C CRC32C (:mod:`layerwatch.sinks.event_file`), so it lands in the same run
 as the rest of what the writer holds; without the C CRC it goes through the writer's
 ``add_event`` and is flushed, so its pure-Python CRC runs in the sampled step and not in the
 steps after it.
@@ -31,7 +31,7 @@ from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard import summary as builders
 
 from layerwatch.sinks.record import CardFilter, StepRecord
-from layerwatch.sinks import events
+from layerwatch.sinks import event_file as events
 from layerwatch.sinks.plugin_data import PluginData
 from layerwatch.stats import Histogram
 

@@ -1,4 +1,4 @@
-"""Device values brought to the host: the one home of every copy there.
+"""Device values brought to the host: the transfers of rows and the copies read once landed.
 
 - :func:`to_host`: blocking, one transfer per device, for a sampled step's rows;
 - :func:`to_host_nonblocking`: one tensor's copy started, nothing waiting for it (on a GPU a

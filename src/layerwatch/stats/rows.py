@@ -17,6 +17,11 @@ import numpy as np
 
 # Columns of a packed row.
 HostRows = dict[str, list[tuple[list[str], np.ndarray]]]  # family -> its pieces' names and rows, on the host
+# The families of HostRows: a tensor's stats rows (the weights', the gradients': vocabulary.Family's names), two rows
+# of an update snapshot (the difference norms, the norms after; exact or from strided samples), Adam's state.
+WEIGHT_ROWS, GRAD_ROWS = "weights", "grads"
+UPDATE_ROWS, ESTIMATED_UPDATE_ROWS = "update", "update_estimate"
+ADAM_ROWS, ADAM_SPIKE_ROWS = "adam", "adam_spikes"
 
 COUNT = 0  # finite values
 NONFINITE = 1  # NaN or Inf values

@@ -356,7 +356,7 @@ def _histogram_owners(tag: str) -> list[str]:
     and for a parameter's (not an activation's) the module that owns it (``(root)`` for a
     top-level parameter)."""
     family, _, of = tag.partition("/")
-    if family == "activations":
+    if family == V.Family.ACTIVATIONS:
         return [of]
     module, dot, _ = of.rpartition(".")
     return [of, module if dot else V.ROOT]

@@ -23,11 +23,13 @@ from layerwatch.health.rules.rule import Broken, Rule, Seen, Tensors
 from layerwatch.health.rules.stuck import Stuck
 from layerwatch.health.rules.update_shape import UpdateShape
 from layerwatch.options import AlertRules
+from layerwatch.vocabulary import Family
 
 __all__ = ["Broken", "Rule", "Seen", "Tensors", "every_rule"]
 
 
 def every_rule(rules: AlertRules) -> list[Rule]:
     """The rules with ``rules``' thresholds, in the order a step's alerts are raised."""
-    return [NonFinite(), NormBounds(rules, "weights"), LayerWindows(rules, "weights"), NormBounds(rules, "grads"),
-            LayerWindows(rules, "grads"), Dead(rules), Stuck(rules), UpdateShape(rules), ProbeTrends(rules)]
+    return [NonFinite(), NormBounds(rules, Family.WEIGHTS), LayerWindows(rules, Family.WEIGHTS),
+            NormBounds(rules, Family.GRADS), LayerWindows(rules, Family.GRADS), Dead(rules), Stuck(rules), UpdateShape(rules),
+            ProbeTrends(rules)]

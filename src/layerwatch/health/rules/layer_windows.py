@@ -17,11 +17,10 @@ from typing import Sequence
 
 import numpy as np
 
-from layerwatch.vocabulary import Family
 from layerwatch import stats as S
 from layerwatch.health.rules.rule import Broken, Rule, Seen
 from layerwatch.options import AlertRules
-from layerwatch.vocabulary import ROOT, parent
+from layerwatch.vocabulary import ROOT, Family, parent
 
 
 class LayerWindows(Rule):
@@ -49,7 +48,7 @@ class LayerWindows(Rule):
     A layer at exactly zero is the ``dead`` rule's.
     """
 
-    def __init__(self, rules: AlertRules, family: str) -> None:
+    def __init__(self, rules: AlertRules, family: Family) -> None:
         self.rules, self.family = rules, family
         self.factor = rules.weight_factor if family == Family.WEIGHTS else rules.grad_factor
         self._index: dict[str, int] = {}

@@ -17,9 +17,9 @@ from layerwatch.options import AlertRules
 
 
 class NormBounds(Rule):
-    """The absolute norm bounds of one family: ``"weights"`` or ``"grads"``."""
+    """The absolute norm bounds of one family: the weights or the gradients."""
 
-    def __init__(self, rules: AlertRules, family: str) -> None:
+    def __init__(self, rules: AlertRules, family: Family) -> None:
         self.family = family
         weights = family == Family.WEIGHTS
         self.bounds = rules.weight_norm_bounds if weights else rules.grad_norm_bounds

@@ -1,7 +1,7 @@
 """The one shape of a health rule: given what a sampled step shows (:class:`Seen`), the rules it
 finds broken (:class:`Broken`), each in words a person understands.
 
-:class:`~layerwatch.health.alerts.HealthMonitor` asks its rules in turn, at every sample, and
+:class:`~layerwatch.health.check.HealthMonitor` asks its rules in turn, at every sample, and
 raises each ``(kind, layer)`` they find once. A rule keeps what it needs of the past itself;
 when the loss reaches a new lowest it is told to :meth:`Rule.restart` (the growth rules judge
 afresh from there; the others keep their state).

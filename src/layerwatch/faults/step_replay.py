@@ -95,7 +95,7 @@ class StepReplay:
 
     def replay(self, step: int, report: Callable[[], None]) -> Optional[tuple[ProbeResult, float]]:
         """Run open step ``step``'s micro-batches again with every probe armed, before its optimizer
-        step (see replay.py); ``report()`` says the finding first. Returns what the probes saw, with
+        step (see faults/replay.py); ``report()`` says the finding first. Returns what the probes saw, with
         the module named, and the seconds it took; None when no module was named.
 
         In a DDP run every rank gets here at the same step (they check the same synchronized
@@ -164,7 +164,7 @@ class StepReplay:
             self.failures.warn(messages.replay_fruitless(step, ran, self.note))
 
     def _run_again(self, model: nn.Module, step: int, only: Optional[int] = None) -> Named:
-        """The micro-batches replayed until one's probes name an offender (replay.py): its index
+        """The micro-batches replayed until one's probes name an offender (faults/replay.py): its index
         and their result; None when none did (``only``: that micro-batch alone, and its result)."""
         within = self._within()
         beyond = [p for optimizer in self.tracked() if optimizer is not None

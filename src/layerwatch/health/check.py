@@ -178,24 +178,24 @@ class HealthCheck:
         trainable: Sequence[str],
         stepped: Optional[bool],
         probes: Any = None,
-        offender: OffenderAlerts = ((), None),
+        offender_alerts: OffenderAlerts = ((), None),
         spiked: Optional[Findings] = None,
     ) -> Findings:
-        """The findings of ``step``, whole: the alerts found outside the rules raised first (the
-        first ``offender``'s, from :meth:`~layerwatch.faults.faults.Faults.offender_alerts`, then the
-        ``spiked`` findings' of :meth:`~layerwatch.health.spikes.Spikes.explain`), then the rules' on
-        the weights' and gradients' rows, Adam's state and the ``probes``' result
+        """The findings of ``step``, whole: the alerts found outside the rules raised first (the first
+        offender's, ``offender_alerts`` from :meth:`~layerwatch.faults.faults.Faults.offender_alerts`,
+        then the ``spiked`` findings' of :meth:`~layerwatch.health.spikes.Spikes.explain`), then the
+        rules' on the weights' and gradients' rows, Adam's state and the ``probes``' result
         (:class:`~layerwatch.probes.ProbeResult`: attention, output logits); with the offender, the
         spikes and their lead-ups. ``stepped`` is False when the optimizer skipped the step (None:
         not known)."""
         def by_name(family: str) -> dict[str, np.ndarray]:
             return {name: row for names, family_rows in rows.get(family, ()) for name, row in zip(names, family_rows)}
 
-        found = unjudged(offender, spiked)
+        found = unjudged(offender_alerts, spiked)
         new: list[Alert] = []
         for alert in found.alerts:
             new += self.monitor.report(alert.kind, alert.name, alert.step, alert.message)  # a spike's step is its own
-        grads = by_name("grads") if grads_read else None
+        grads = by_name(S.GRAD_ROWS) if grads_read else None
         if grads and S.Rows.stack(list(grads.values())).all_zero.all():
             self.failures.warn_once(
                 "zero-grads",
@@ -213,8 +213,8 @@ class HealthCheck:
                 "a GradScaler overflow skip, not reported as a model fault (layerwatch/optimizer_skipped)",
             )
             grads = None
-        new += self.monitor.observe(step, weights=by_name("weights"), grads=grads, trainable=trainable,
-                                    adam=rows.get("adam", ()), probes=probes, loss=self.progress.context())
+        new += self.monitor.observe(step, weights=by_name(S.WEIGHT_ROWS), grads=grads, trainable=trainable,
+                                    adam=rows.get(S.ADAM_ROWS, ()), probes=probes, loss=self.progress.context())
         return replace(found, alerts=new, alert_count=len(self.monitor.alerts),
                        alert_table=alerts_markdown(self.monitor.alerts) if new else None, optimizer_skipped=skipped)
 
