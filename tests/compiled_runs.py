@@ -39,21 +39,31 @@ def dynamo_counts() -> dict:
             "graph_breaks": sum(counters["graph_break"].values())}
 
 
-def same_training(watched: dict, plain: dict) -> None:
-    differing = [k for k, (a, b) in enumerate(zip(watched["weights"], plain["weights"])) if not torch.equal(a, b)]
-    assert not differing, f"final weights differ: parameters {differing}"  # bitwise (checked first: the training result)
-    steps = [k for k, (a, b) in enumerate(zip(watched["losses"], plain["losses"])) if a != b]
-    assert not steps, f"losses differ at steps {steps}: {watched['losses']} != {plain['losses']}"  # bitwise
-    assert watched["dynamo"] == plain["dynamo"]  # the same graphs, no recompile, no graph break more
-    assert plain["dynamo"]["graphs"] >= 1
+def training_gaps(watched: dict, plain: dict) -> dict:
+    """What tells two runs' training apart, bitwise: the parameters whose final weights differ, the
+    steps whose losses differ, and Dynamo's counts (graphs, recompiles, graph breaks) where they do.
+    Empty when the runs trained alike."""
+    gaps: dict = {}
+    weights = [k for k, (a, b) in enumerate(zip(watched["weights"], plain["weights"])) if not torch.equal(a, b)]
+    losses = [k for k, (a, b) in enumerate(zip(watched["losses"], plain["losses"])) if a != b]
+    if weights:
+        gaps["final weights of parameters"] = weights
+    if losses:
+        gaps["losses at steps"] = losses
+    if watched["dynamo"] != plain["dynamo"]:
+        gaps["dynamo counts"] = (watched["dynamo"], plain["dynamo"])
+    return gaps
 
 
-def measured(acc, sampled=(0, 1), prefix="") -> None:
-    for tag in ("activations_norm/model.layers.0.self_attn.q_proj", "activations_norm/model.layers.1.mlp",
-                "activations_norm/lm_head", "attention_logit_max/model.layers.0.self_attn",
-                "attention_entropy/model.layers.1.self_attn", "logsumexp_mean/lm_head"):
-        tag = tag.replace("/", f"/{prefix}", 1)
-        assert [e.step for e in acc.Scalars(tag)] == list(sampled), tag
+MEASURED = ("activations_norm/model.layers.0.self_attn.q_proj", "activations_norm/model.layers.1.mlp",
+            "activations_norm/lm_head", "attention_logit_max/model.layers.0.self_attn",
+            "attention_entropy/model.layers.1.self_attn", "logsumexp_mean/lm_head")  # the re-run's families
+
+
+def sampled_steps(acc, prefix: str = "") -> dict[str, list[int]]:
+    """The steps each tag of :data:`MEASURED` was written at (``prefix``: the model's own name
+    before its modules', as a LightningModule holding it spells them)."""
+    return {tag: [e.step for e in acc.Scalars(tag.replace("/", f"/{prefix}", 1))] for tag in MEASURED}
 
 
 def inspector_run(log_dir, device="cpu", mode=None) -> dict:

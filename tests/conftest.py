@@ -10,8 +10,6 @@ from event_logs import read_events
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
-pytest.register_assert_rewrite("compiled_runs")
-
 
 @pytest.fixture
 def benchmarks(monkeypatch):

@@ -344,30 +344,33 @@ def test_a_compiled_llama_in_bfloat16_on_cuda_trains_bitwise_as_without_layerwat
     split in two would contract its multiply-adds otherwise; and under CUDA graphs, whose
     replays the eager re-run runs between."""
     pytest.importorskip("transformers")
-    from compiled_runs import inspector_run, measured, same_training
+    from compiled_runs import MEASURED, inspector_run, sampled_steps, training_gaps
 
-    same_training(inspector_run(tmp_path, "cuda", mode), inspector_run(None, "cuda", mode))
-    measured(events(tmp_path))
+    watched, plain = inspector_run(tmp_path, "cuda", mode), inspector_run(None, "cuda", mode)
+    assert training_gaps(watched, plain) == {} and plain["dynamo"]["graphs"] >= 1
+    assert sampled_steps(events(tmp_path)) == dict.fromkeys(MEASURED, [0, 1])
 
 
 @pytest.mark.parametrize("door", ["Lightning", "Hugging Face"])
 def test_a_compiled_llama_in_bfloat16_on_cuda_on_the_callbacks_trains_bitwise_as_without_them(tmp_path, events,
                                                                                            deterministic, door):
     pytest.importorskip("transformers")
-    from compiled_runs import lightning_run, measured, same_training, trainer_run
+    from compiled_runs import MEASURED, lightning_run, sampled_steps, trainer_run, training_gaps
 
     if door == "Lightning":
         from layerwatch import InspectCallback
 
-        same_training(lightning_run([InspectCallback()], tmp_path / "watched", "cuda"), lightning_run([], tmp_path / "plain", "cuda"))
-        measured(events(tmp_path / "watched" / "tb" / "version_0"), prefix="llama.")
+        watched, plain = lightning_run([InspectCallback()], tmp_path / "watched", "cuda"), lightning_run([], tmp_path / "plain", "cuda")
+        assert training_gaps(watched, plain) == {} and plain["dynamo"]["graphs"] >= 1
+        assert sampled_steps(events(tmp_path / "watched" / "tb" / "version_0"), prefix="llama.") == dict.fromkeys(MEASURED, [0, 1])
     else:
         from layerwatch.huggingface import InspectTrainerCallback
         from hf_models import event_dirs
 
-        same_training(trainer_run([InspectTrainerCallback()], tmp_path / "watched", "cuda"), trainer_run([], tmp_path / "plain", "cuda"))
+        watched, plain = trainer_run([InspectTrainerCallback()], tmp_path / "watched", "cuda"), trainer_run([], tmp_path / "plain", "cuda")
+        assert training_gaps(watched, plain) == {} and plain["dynamo"]["graphs"] >= 1
         (run,) = event_dirs(tmp_path / "watched")
-        measured(events(run), sampled=(1, 2))
+        assert sampled_steps(events(run)) == dict.fromkeys(MEASURED, [1, 2])
 
 
 def test_a_compiled_models_re_run_on_cuda_adds_no_more_than_a_module_to_the_peak(tmp_path):
