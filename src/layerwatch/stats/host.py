@@ -74,11 +74,9 @@ class Landings:
     def __init__(self) -> None:
         self.entries: deque[tuple[list, list[Any]]] = deque()  # ([step, ...what the owner keeps], its copies' events)
 
-    def add(self, kept: list, events: Optional[list[Any]] = None) -> tuple[list, list[Any]]:
+    def add(self, kept: list, events: Optional[list[Any]] = None) -> None:
         """A new entry, last: ``kept`` (``kept[0]``: its step) and its copies' ``events`` (more may be added to the list)."""
-        entry = (kept, [] if events is None else events)
-        self.entries.append(entry)
-        return entry
+        self.entries.append((kept, [] if events is None else events))
 
     def landed(self, wait: bool = False, through: float = math.inf) -> list:
         """What each entry keeps whose copies have landed, oldest first, taken off: up to the first
