@@ -37,7 +37,7 @@ import functools
 import os
 import sys
 import weakref
-from typing import Any, Callable, Collection, Optional, Sequence
+from typing import Any, Callable, Collection, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -89,7 +89,7 @@ class InspectTrainerCallback(TrainerCallback):
 
     Args: the options of :class:`~layerwatch.Inspector` (``every_n_steps``, ``schedule``,
         ``overhead_budget``, ``families``, ``stats``, ``histograms``, ``histogram_bins``,
-        ``alerts``, ``modules``, ``sentinel``, ``memory_budget``, ``output_head``, ``spikes``: the loss the model's outputs
+        ``alerts``, ``modules``, ``sentinel``, ``memory_budget``, ``output_head``, ``moe_routers``, ``spikes``: the loss the model's outputs
         hold and the gradient norm the Trainer computes each step, before clipping), with the
         same meaning and checks, and:
 
@@ -130,6 +130,7 @@ class InspectTrainerCallback(TrainerCallback):
         memory_budget: Optional[int | float] = None,
         spikes: SpikeRule | bool = True,
         output_head: Optional[str] = None,
+        moe_routers: Optional[Mapping[str, Any]] = None,
         replay: bool = True,
     ) -> None:
         if not isinstance(replay, bool):

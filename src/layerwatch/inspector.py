@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any, Callable, Collection, Optional, Sequence
+from typing import Any, Callable, Collection, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -109,6 +109,13 @@ class Inspector:
         output_head: The module whose output is the model's logits (as ``named_modules()`` names
             it: ``"lm_head"``), for ``logsumexp_mean/<head>`` and ``logsumexp_max/<head>``.
             Default: the module Hugging Face's ``get_output_embeddings()`` returns.
+        moe_routers: The routers of a custom Mixture-of-Experts model, for the ``moe`` family
+            (transformers' MoE models need none: their routers are found). A mapping of module
+            names or glob patterns (``"layers.*.moe.gate"``) to ``top_k`` (each token goes to the
+            ``top_k`` experts of largest logit) or to ``{"top_k": 2, "capacity_factor": 1.25}``
+            (each expert takes at most ``ceil(1.25 * tokens * top_k / experts)`` tokens of a call:
+            ``moe_dropped`` counts the rest). Each named module's output, or its first element,
+            is the router logits ``[..., experts]``. See ``docs/moe.md``.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer,
@@ -138,6 +145,7 @@ class Inspector:
         memory_budget: Optional[int | float] = None,
         spikes: SpikeRule | bool = True,
         output_head: Optional[str] = None,
+        moe_routers: Optional[Mapping[str, Any]] = None,
     ) -> None:
         self._deepspeed = None  # a DeepSpeed ZeRO optimizer given as optimizer=: the engine reads its partitions
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):

@@ -104,6 +104,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
             replayed, before its optimizer step), or after the step under a GradScaler; and on
             the gradient norm Lightning clips at (``gradient_clip_val``), before clipping.
         output_head: As :class:`~layerwatch.Inspector`'s: the module whose output is the logits.
+        moe_routers: As :class:`~layerwatch.Inspector`'s: a custom MoE's routers.
         replay: On the sentinel's first hit, and at a loss spike found before its step's
             optimizer step (on the CPU), run that step's batch again (``training_step``,
             then backward) with every probe armed, before the optimizer step, so the first
@@ -147,6 +148,7 @@ class InspectCallback(_callback_bases[0]):  # type: ignore[misc, valid-type]
         memory_budget: Optional[int | float] = None,
         spikes: SpikeRule | bool = True,
         output_head: Optional[str] = None,
+        moe_routers: Optional[Mapping[str, Any]] = None,
         replay: bool | Callable[[Any, Any, int], Any] = True,
     ) -> None:
         super().__init__()

@@ -11,10 +11,11 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Optional, Sequence
+from typing import Any, Collection, Mapping, Optional, Sequence
 
 from layerwatch import vocabulary as V
 from layerwatch import stats as S
+from layerwatch.probes.routers import RouterSpec, check_routers
 from layerwatch.probes.selection import ModuleFilter, check_module_filter
 from layerwatch.schedule import Schedule, ScheduleLike, as_schedule, every_n_steps as every_n
 
@@ -178,6 +179,7 @@ class Options:
     memory_budget: Optional[int | float]  # bytes (int) or a share of the parameters' bytes (float); None: no limit
     spikes: Optional[SpikeRule] = None  # None: no loss spike detection
     output_head: Optional[str] = None  # the module whose output is the logits; None: Hugging Face's get_output_embeddings()
+    moe_routers: Optional[tuple[RouterSpec, ...]] = None  # a custom MoE's routers; transformers' are found without
 
     @property
     def zeros(self) -> bool:
@@ -203,6 +205,7 @@ def validate_options(
     memory_budget: Optional[int | float] = None,
     spikes: SpikeRule | bool = True,
     output_head: Optional[str] = None,
+    moe_routers: Optional[Mapping[str, Any]] = None,
 ) -> Options:
     """Check every option; raises with a message that names the bad value.
 
@@ -222,6 +225,7 @@ def validate_options(
         memory_budget=memory_budget,
         spikes=SpikeRule() if spikes is True else spikes or None,
         output_head=output_head,
+        moe_routers=check_routers(moe_routers),
     )
 
 

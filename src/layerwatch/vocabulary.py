@@ -31,6 +31,7 @@ class Family(str, enum.Enum):
     NONFINITE = "nonfinite"
     ATTENTION = "attention"
     LOGITS = "logits"
+    MOE = "moe"
 
     def __str__(self) -> str:
         return self.value
@@ -42,7 +43,7 @@ class Family(str, enum.Enum):
 # The families by kind, as their names (what tags are built from).
 TENSOR_FAMILIES = (Family.WEIGHTS.value, Family.GRADS.value)
 PROBE_FAMILIES = tuple(f.value for f in (Family.LATENCY, Family.MEMORY, Family.ACTIVATIONS, Family.NONFINITE, Family.ATTENTION,
-                                         Family.LOGITS))
+                                         Family.LOGITS, Family.MOE))
 FAMILIES = TENSOR_FAMILIES + (Family.UPDATES.value, Family.OPTIMIZER.value, Family.STRUCTURE.value) + PROBE_FAMILIES
 
 # The per-tensor statistics (the ``stats=`` option): tagged <family>_<stat>/<name>.
@@ -97,14 +98,29 @@ ATTENTION_HEAD_ENTROPY = "attention_head_entropy"
 LOGSUMEXP_MEAN = "logsumexp_mean"
 LOGSUMEXP_MAX = "logsumexp_max"
 
+# Per Mixture-of-Experts router (the "moe" family; probes/routers.py), tagged <series>/<router>, the
+# router module's name; the per-expert series as rows <router>#<expert> of their own (expert_name).
+MOE_TOKENS = "moe_tokens"  # per expert: tokens routed to it at the step (exact, summed over micro-batches and ranks)
+MOE_IMBALANCE = "moe_imbalance"  # max over experts of tokens / mean tokens (1: balanced; E/k, its largest: k experts take every token)
+MOE_DEAD = "moe_dead"  # experts that got no token at the step
+MOE_ENTROPY = "moe_entropy"  # mean over tokens of the entropy of softmax(router logits), nats
+MOE_MARGIN = "moe_margin"  # mean over tokens of the top-1 margin: the first routing probability less the second
+MOE_ROUTER_Z = "moe_router_z"  # mean over tokens of logsumexp(router logits)
+MOE_ROUTER_Z_MAX = "moe_router_z_max"  # its largest
+MOE_DROPPED = "moe_dropped"  # tokens a capacity limit dropped (a router declared with a capacity factor)
+MOE_BIAS = "moe_bias"  # per expert: the aux-free balancing bias (DeepSeek's e_score_correction_bias)
+MOE_EXPERT_SERIES = (MOE_TOKENS, MOE_BIAS)
+MOE_SERIES = (MOE_TOKENS, MOE_IMBALANCE, MOE_DEAD, MOE_ENTROPY, MOE_MARGIN, MOE_ROUTER_Z, MOE_ROUTER_Z_MAX, MOE_DROPPED,
+              MOE_BIAS)
+
 # Per module output (the "activations" family): max|h| / RMS(h), outlier features' mark.
 ACTIVATION_OUTLIER = "activations_outlier"
 ACTIVATION_KURTOSIS = "activations_kurtosis"  # mean(s⁴) / mean(s²)² of its per-channel RMS s (eager forwards)
 
 # Per-layer series kept out of TensorBoard's cards (see record.CardFilter); the LAYERWATCH tab has them.
 BYTE_SERIES = (ACTIVATION_BYTES, SAVED_BYTES)
-TAB_ONLY_SERIES = BYTE_SERIES + ADAM_SERIES + (ATTENTION_HEAD_LOGIT_MAX, ATTENTION_HEAD_ENTROPY, ACTIVATION_OUTLIER,
-                                                   ACTIVATION_KURTOSIS)  # too many for cards
+TAB_ONLY_SERIES = BYTE_SERIES + ADAM_SERIES + MOE_EXPERT_SERIES + (
+    ATTENTION_HEAD_LOGIT_MAX, ATTENTION_HEAD_ENTROPY, ACTIVATION_OUTLIER, ACTIVATION_KURTOSIS)  # too many for cards
 NONFINITE_SERIES = ("weights_nonfinite", "grads_nonfinite", "activations_nonfinite", NONFINITE)
 
 # The LAYERWATCH tab's data (written by sinks/plugin_data.py, read by reading/events.py):
@@ -147,6 +163,18 @@ def nonfinite_total_tag(family: str) -> str:
 def head_name(module: str, head: int) -> str:
     """The tab's row of one attention head: ``transformer.h.0.attn#3``."""
     return f"{module}#{head}"
+
+
+def expert_name(router: str, expert: int) -> str:
+    """The row of one expert of a router in the per-expert series (``moe_tokens``, ``moe_bias``):
+    ``model.layers.0.mlp.gate#5``; the same form as an attention head's (:func:`head_name`)."""
+    return head_name(router, expert)
+
+
+def expert_param_name(param: str, expert: int) -> str:
+    """The row of one expert's slice of a fused expert parameter (``[experts, ...]``) in the
+    weights', gradients' and update ratios' series: ``model.layers.0.mlp.experts.gate_up_proj[5]``."""
+    return f"{param}[{expert}]"
 
 
 def parent(name: str) -> str:

@@ -100,7 +100,7 @@ class Engine:
         self._params = ParameterFamilies(options, self.failures)
         self._reads = SampleReads(options, self.failures, self._params)
         self._probes = StepProbes(options.families, options.modules, options.stats, options.bins, self.failures,
-                                  output_head=options.output_head)
+                                  output_head=options.output_head, moe_routers=options.moe_routers)
         self._rerun = Rerun(self._probes, self.failures)  # a compiled model's sampled step, run again eagerly
         self._health = None if options.rules is None else HealthCheck(options.rules, self.failures)
         self._counter = StepCounter()

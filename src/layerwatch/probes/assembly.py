@@ -12,11 +12,8 @@ import numpy as np
 
 from layerwatch import stats as S
 from layerwatch.probes.calls import CallLog, Measures
-from layerwatch.probes.result import ModuleTrace, Offender, ProbeResult
+from layerwatch.probes.result import ModuleTrace, Offender, ProbeResult, Signals
 from layerwatch.probes.weights import NonfiniteWeights
-
-# TransformerProbes.take's: attention (module -> [heads, 2]), output logits, kurtosis
-Signals = tuple[dict, Optional[tuple], dict]
 
 
 def assemble(log: CallLog, names: Sequence[str], measures: Measures, *, saved_bytes: Sequence[int], marks: Any,
@@ -36,9 +33,10 @@ def assemble(log: CallLog, names: Sequence[str], measures: Measures, *, saved_by
     offender = user = None
     if measures.nonfinite:
         offender, user = _offenders(traces, log, nonfinite, run, used)
-    attention, logits, kurtosis = ({}, None, {}) if transformer is None else transformer
-    return ProbeResult([t for t in traces if t.calls], offender, user, used.names, attention=attention,
-                       logits=logits, kurtosis=kurtosis, rerun=measures.forward_only)
+    signals = transformer or Signals()
+    return ProbeResult([t for t in traces if t.calls], offender, user, used.names, attention=signals.attention,
+                       logits=signals.logits, kurtosis=signals.kurtosis, routers=signals.routers,
+                       rerun=measures.forward_only)
 
 
 def _traces(log: CallLog, names: Sequence[str], measures: Measures, saved_bytes: Sequence[int]) -> list[ModuleTrace]:

@@ -5,7 +5,7 @@ reader: the record, the stages, the replay and the rules read it; nothing here i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -55,4 +55,50 @@ class ProbeResult:
     attention: dict = field(default_factory=dict)  # module -> [heads, 2]: largest logit, entropy (probes/attention.py)
     logits: Optional[tuple] = None  # (the output head, [mean, max] of log Z) (probes/logits.py)
     kurtosis: dict = field(default_factory=dict)  # module -> its output's per-channel kurtosis (probes/kurtosis.py)
+    routers: dict = field(default_factory=dict)  # router module -> its RouterLoad (probes/routers.py)
     rerun: bool = False  # measured on a compiled model's eager, forward-only re-run (engine/rerun.py)
+
+
+@dataclass
+class RouterLoad:
+    """One Mixture-of-Experts router's routing on a sampled step (host values; probes/routers.py),
+    summed over the step's micro-batches and, in a data-parallel run, over the ranks."""
+
+    tokens: np.ndarray  # [experts] tokens routed to each expert (each token counts once per expert it is sent to)
+    entropy: Optional[float] = None  # mean over tokens of the entropy of softmax(logits), nats; None: no logits seen
+    margin: Optional[float] = None  # mean over tokens of the first routing probability less the second
+    z_mean: Optional[float] = None  # mean over tokens of logsumexp(logits)
+    z_max: Optional[float] = None  # its largest
+    dropped: Optional[int] = None  # tokens a capacity limit dropped; None: the router has no capacity limit
+    bias: Optional[np.ndarray] = None  # [experts] the aux-free balancing bias, where the router has one
+
+    @property
+    def imbalance(self) -> float:
+        """max over experts of tokens / mean tokens (1: balanced); NaN when no token was routed."""
+        return imbalance(self.tokens)
+
+    @property
+    def dead(self) -> int:
+        """How many experts got no token."""
+        return int((self.tokens == 0).sum())
+
+
+def imbalance(tokens: np.ndarray) -> float:
+    """max / mean of the tokens per expert (1: balanced); NaN when none was routed."""
+    mean = float(tokens.mean()) if tokens.size else 0.0
+    return float(tokens.max()) / mean if mean > 0 else float("nan")
+
+
+def shares(tokens: np.ndarray) -> np.ndarray:
+    """Each expert's share of the routed tokens (they sum to 1); NaN when none was routed."""
+    total = float(tokens.sum())
+    return tokens / total if total > 0 else np.full(tokens.shape, np.nan)
+
+
+class Signals(NamedTuple):
+    """What the transformer probes measured on a sampled step (TransformerProbes.take), on the host."""
+
+    attention: dict = {}  # module -> [heads, 2]: largest logit, entropy
+    logits: Optional[tuple] = None  # (the output head, [mean, max] of log Z)
+    kurtosis: dict = {}  # module -> its output's per-channel kurtosis
+    routers: dict = {}  # router module -> RouterLoad

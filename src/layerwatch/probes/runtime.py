@@ -15,13 +15,13 @@ from torch import nn
 from layerwatch import stats as S
 from layerwatch.distributed.sharding import is_dtensor, local_tensors, spread
 from layerwatch.guards.hooks import ForwardHooks, detached, entered_by_its_own_hook, inlined_only, is_compiling, tensors_in
-from layerwatch.probes.assembly import Signals, assemble
+from layerwatch.probes.assembly import assemble
 from layerwatch.probes.calls import CallLog, Measures
 from layerwatch.probes.clocks import CudaClock, HostClock
 from layerwatch.probes.evidence import Evidence, SpreadWork
 from layerwatch.probes.gradients import gradients_of, on_gradients
 from layerwatch.probes.outputs import floats
-from layerwatch.probes.result import ProbeResult
+from layerwatch.probes.result import ProbeResult, Signals
 from layerwatch.probes.saved import SavedBytes
 from layerwatch.probes.shards import LocalShards
 from layerwatch.probes.selection import probe_names

@@ -14,7 +14,8 @@ from layerwatch.distributed.agreement import RankSync
 from layerwatch.distributed.sharding import is_writer_rank
 from layerwatch.guards.failures import FailurePolicy
 from layerwatch.guards.hooks import FailedForwardGuard
-from layerwatch.probes.result import ProbeResult
+from layerwatch.probes.result import ProbeResult, Signals
+from layerwatch.probes.routers import RouterSpec
 from layerwatch.probes.runtime import RuntimeProbe
 from layerwatch.probes.selection import ModuleFilter, is_compiled, select_modules
 from layerwatch.table.recording import StructureProbe
@@ -88,7 +89,8 @@ class StepProbes:
     """
 
     def __init__(self, families: Sequence[str], modules: Optional[ModuleFilter], stats: Sequence[str], bins: int,
-                 failures: FailurePolicy, output_head: Optional[str] = None) -> None:
+                 failures: FailurePolicy, output_head: Optional[str] = None,
+                 moe_routers: Optional[Sequence[RouterSpec]] = None) -> None:
         self.families, self.modules, self.bins, self.failures = families, modules, bins, failures
         self.zeros, self.centered = "zero_frac" in stats, "std" in stats
         self.mode = ProbesMode(table_pending=Family.STRUCTURE in families,
@@ -98,7 +100,7 @@ class StepProbes:
         self._runtime: Optional[RuntimeProbe] = None
         self._weights: Optional[WeightCheck] = None  # the weights' NaN/Inf check of this step
         self._forward_guard: Optional[FailedForwardGuard] = None
-        self._transformer = TransformerProbes(families, output_head, failures)  # attention, log Z, kurtosis
+        self._transformer = TransformerProbes(families, output_head, failures, moe_routers)  # attention, log Z, kurtosis, routers
         self._inert: list[Any] = []  # hooks kept, inert, on a model found running inside compiled code
         self.workspace = S.Workspace()  # kept from one sampled step to the next
         self._cuda_events: list[Any] = []  # the runtime probes' clock marks on a GPU, idem
@@ -288,7 +290,7 @@ class StepProbes:
         return None
 
     def _result(self, runtime: RuntimeProbe, together: bool, weights: Optional[WeightCheck],
-                transformer: tuple[dict, Optional[tuple], dict]) -> Optional[ProbeResult]:
+                transformer: Signals) -> Optional[ProbeResult]:
         """What ``runtime`` measured, with the ``transformer`` probes' signals; None when a
         probe failed (then the per-module families are off)."""
         result = None

@@ -1,6 +1,7 @@
 """The transformer signals of one sampled step's forward: each attention call's heads
-(:mod:`~layerwatch.probes.attention`), the output head's log Z (:mod:`~layerwatch.probes.logits`)
-and each block output's per-channel kurtosis (:mod:`~layerwatch.probes.kurtosis`), armed and
+(:mod:`~layerwatch.probes.attention`), the output head's log Z (:mod:`~layerwatch.probes.logits`),
+each block output's per-channel kurtosis (:mod:`~layerwatch.probes.kurtosis`) and each
+Mixture-of-Experts router's routing (:mod:`~layerwatch.probes.routers`), armed and
 taken together beside the runtime probe, on every eager forward that is measured: a sampled
 step's, or a compiled model's re-run (:mod:`~layerwatch.engine.rerun`)."""
 
@@ -19,6 +20,8 @@ from layerwatch.guards.hooks import is_compiling
 from layerwatch.probes.attention import AttentionProbe, combine_heads
 from layerwatch.probes.kurtosis import ChannelKurtosis
 from layerwatch.probes.logits import OutputLogits, find_output_head
+from layerwatch.probes.result import Signals
+from layerwatch.probes.routers import Router, RouterProbe, RouterSpec, combine, disagree, find_routers
 from layerwatch.probes.selection import probe_names
 from layerwatch.stats import to_host
 
@@ -41,14 +44,17 @@ class TransformerProbes:
     work out of the modules' time: the re-run holds no more than one module's outputs at a time.
     """
 
-    def __init__(self, families: Sequence[str], output_head: Optional[str], failures: FailurePolicy) -> None:
+    def __init__(self, families: Sequence[str], output_head: Optional[str], failures: FailurePolicy,
+                 moe_routers: Optional[Sequence[RouterSpec]] = None) -> None:
         self.attention_on, self.logits_on = Family.ATTENTION in families, Family.LOGITS in families
-        self.kurtosis_on = Family.ACTIVATIONS in families
-        self.output_head, self.failures = output_head, failures
+        self.kurtosis_on, self.moe_on = Family.ACTIVATIONS in families, Family.MOE in families
+        self.output_head, self.failures, self.moe_routers = output_head, failures, moe_routers
         self._armed: Optional[object] = None  # this arming's token (see arm)
         self._attention: Optional[AttentionProbe] = None
         self._logits: Optional[OutputLogits] = None
         self._kurtosis: Optional[ChannelKurtosis] = None
+        self._routers: Optional[RouterProbe] = None
+        self._found: Optional[tuple[int, list[Router]]] = None  # (the model's id, its routers): found once
         self._handles: list[Any] = []
         self._inert: list[Any] = []  # hooks and probes kept, inert (see remove)
         self._depth = 0
@@ -73,6 +79,10 @@ class TransformerProbes:
             # _modules, not children(): a generator a module would cost a 1,000-layer chain's sample 3 calls a layer
             self._kurtosis.hook([(name, module) for name, (_, module) in zip(names, modules) if module._modules],
                                 self._measured_now)
+        routers = self._find_routers(model) if self.moe_on else []
+        if routers:
+            self._routers = RouterProbe(routers)
+            self._routers.hook(self._measured_now)
         self._depth = 0
         self._armed = armed = object()  # hooks of an earlier arming, kept inert, are not this one's
         entries = [model] + [module for module in model._modules.values() if module is not None and module._modules]
@@ -80,6 +90,15 @@ class TransformerProbes:
         self._handles = [handle for module in entries
                          for handle in (module.register_forward_pre_hook(begins),
                                         module.register_forward_hook(ends, always_call=True))]
+
+    def _find_routers(self, model: nn.Module) -> list[Router]:
+        if self._found is None or self._found[0] != id(model):
+            routers = find_routers(model, self.moe_routers)
+            if self.moe_routers and not any(r.experts is None for r in routers):
+                self.failures.warn_once("no-moe-routers", f"layerwatch: moe_routers={[s.pattern for s in self.moe_routers]!r} "
+                                        "names no module of the model; those routers are not measured")
+            self._found = (id(model), routers)
+        return self._found[1]
 
     def _measured_now(self, probe: Any) -> None:
         """After a hook kept an output: with ``aside`` (the re-run), measured at once, outside the modules' time."""
@@ -102,7 +121,7 @@ class TransformerProbes:
         self._depth = 0
         if self._attention is not None:
             self._attention.stop()
-        for probe in (self._attention, self._logits, self._kurtosis):
+        for probe in (self._attention, self._logits, self._kurtosis, self._routers):
             if probe is not None:
                 probe.flush()
 
@@ -119,7 +138,7 @@ class TransformerProbes:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        for probe in (self._attention, self._logits, self._kurtosis):
+        for probe in (self._attention, self._logits, self._kurtosis, self._routers):
             if probe is not None:
                 probe.remove()
 
@@ -128,15 +147,16 @@ class TransformerProbes:
         see StepProbes)."""
         self._armed = None
         if keep_module_hooks:
-            self._inert += self._handles + [probe for probe in (self._logits, self._kurtosis) if probe is not None]
+            self._inert += self._handles + [probe for probe in (self._logits, self._kurtosis, self._routers)
+                                            if probe is not None]
         else:
             for handle in self._handles:
                 handle.remove()
         self._handles = []
-        for probe in (self._attention, self._logits, self._kurtosis):
+        for probe in (self._attention, self._logits, self._kurtosis, self._routers):
             if probe is not None:
                 probe.remove(keep_module_hooks)
-        self._attention = self._logits = self._kurtosis = None
+        self._attention = self._logits = self._kurtosis = self._routers = None
 
     def release(self) -> None:
         """Remove the hooks kept inert too (the run is over)."""
@@ -145,22 +165,24 @@ class TransformerProbes:
             kept.remove()
         self._inert = []
 
-    def take(self, sync: Optional[RankSync] = None, keep_module_hooks: bool = False
-             ) -> tuple[dict[str, Any], Optional[tuple[str, Any]], dict[str, float]]:
-        """The step's attention (module -> ``[heads, 2]``), output logits (the head, ``[mean, max]``
-        of log Z) and kurtosis (module -> its output's), brought to the host together (one
+    def take(self, sync: Optional[RankSync] = None, keep_module_hooks: bool = False) -> Signals:
+        """The step's :class:`~layerwatch.probes.result.Signals`: attention (module -> ``[heads,
+        2]``), output logits (the head, ``[mean, max]`` of log Z), kurtosis (module -> its
+        output's) and routers (router -> ``RouterLoad``), brought to the host together (one
         transfer per device).
 
         With ``sync`` (a sharded run: every rank calls this at every sampled step) the ranks
-        exchange their attention (one gather of host values, every rank, whatever its own
-        probe did), and a module whose heads are split over ranks (tensor parallel) gets every
-        rank's heads, in order; one whose ranks do not all have it is left out, said once. Each
-        rank's other values are its own, as its activations' are (data parallel ranks: its
-        micro-batch)."""
-        attention, logits, kurtosis = self._attention, self._logits, self._kurtosis
+        exchange their attention and their routers' counts (one gather of host values, every
+        rank, whatever its own probes did). A module whose heads are split over ranks (tensor
+        parallel) gets every rank's heads, in order; one whose ranks do not all have it is left
+        out, said once. A router's counts and sums are added over the ranks by expert (each data
+        parallel rank routes its own batch). Each rank's other values are its own, as its
+        activations' are (data parallel ranks: its micro-batch)."""
+        attention, logits, kurtosis, routers = self._attention, self._logits, self._kurtosis, self._routers
         self.remove(keep_module_hooks)  # keeps what each measured; on_device() measures what is left
-        taken = [(probe, probe.on_device()) for probe in (attention, logits, kurtosis) if probe is not None]
-        for probe, what in ((attention, "attention"), (logits, "the output logits")):
+        probes = (attention, logits, kurtosis, routers)
+        taken = [(probe, probe.on_device()) for probe in probes if probe is not None]
+        for probe, what in ((attention, "attention"), (logits, "the output logits"), (routers, "the MoE routers")):
             if probe is not None and probe.error is not None:
                 self.failures.warn_once(f"fail:{what}", f"layerwatch: could not measure {what}: {probe.error!r}; skipped")
         if attention is not None and attention.unmeasured and is_writer_rank():
@@ -169,19 +191,29 @@ class TransformerProbes:
                                    "inference only in torch 2.13): its calls' attention is not measured")
         taken = [(probe, values) for probe, values in taken if values is not None]
         found = {id(probe): probe.from_host(values) for (probe, _), values in zip(taken, to_host([v for _, v in taken]))}
-        heads = found.get(id(attention), {})
-        if sync is not None and self.attention_on:
-            heads = self._gather_heads(sync, heads, attention)
+        heads, routed = found.get(id(attention), {}), found.get(id(routers))
+        if sync is not None and (self.attention_on or self.moe_on):
+            heads, parts = self._gather(sync, heads, attention, routed, routers)
         else:
-            heads = {name: values[:, :2] for name, values in heads.items()}
-        return heads, found.get(id(logits)), found.get(id(kurtosis), {})
+            heads, parts = {name: values[:, :2] for name, values in heads.items()}, [routed]
+        return Signals(heads, found.get(id(logits)), found.get(id(kurtosis), {}), combine(parts))
 
-    def _gather_heads(self, sync: RankSync, heads: dict[str, Any], attention: Optional[AttentionProbe]) -> dict[str, Any]:
-        mine = None if attention is None or attention.error is not None else {
+    def _gather(self, sync: RankSync, heads: dict[str, Any], attention: Optional[AttentionProbe],
+                routed: Optional[dict], routers: Optional[RouterProbe]) -> tuple[dict[str, Any], list]:
+        """Every rank's attention heads and routers' counts, in one gather: the heads combined,
+        and each rank's routers (for :func:`~layerwatch.probes.routers.combine`)."""
+        mine_heads = None if attention is None or attention.error is not None else {
             name: (attention.split.get(name), values) for name, values in heads.items()}
-        parts = sync.all(mine)
-        combined, left_out = combine_heads(parts, global_rank())
+        mine_routed = None if routers is None or routers.error is not None else routed
+        parts = sync.all((mine_heads, mine_routed))
+        combined, left_out = combine_heads([heads for heads, _ in parts], global_rank())
         if left_out and is_writer_rank():
             self.failures.say_once("attention-ranks", "layerwatch: the attention of " + ", ".join(left_out[:3])
                                    + " is split over ranks that did not all measure it; left out")
-        return combined
+        routed_parts = [routed for _, routed in parts]
+        split = disagree(routed_parts)
+        if split and is_writer_rank():
+            self.failures.say_once("moe-expert-parallel", "layerwatch: the ranks count a different number of experts "
+                                   "for " + ", ".join(split[:3]) + " (expert parallel: each rank holds some experts); "
+                                   "their routers are logged as the first rank measured them")
+        return combined, routed_parts

@@ -16,7 +16,7 @@ from layerwatch import stats as S
 from layerwatch.measure.params import update_ratios
 from layerwatch.measure.optimizer_state import spike_fractions, update_stats
 from layerwatch.health.findings import Findings
-from layerwatch.probes.result import Offender, ProbeResult
+from layerwatch.probes.result import Offender, ProbeResult, RouterLoad
 from layerwatch.stats import Histogram
 from layerwatch.table.summary import Summary
 from layerwatch.vocabulary import (
@@ -26,7 +26,10 @@ from layerwatch.vocabulary import (
     ROOT, RUN_WIDE, SAMPLE_INTERVAL, STRUCTURE, TENSOR_FAMILIES, head_name, histogram_tag, module_prefix, nonfinite_total_tag,
     stat_prefix, update_ratio_tag,
 )
-from layerwatch.vocabulary import Family
+from layerwatch.vocabulary import (
+    MOE_BIAS, MOE_DEAD, MOE_DROPPED, MOE_ENTROPY, MOE_IMBALANCE, MOE_MARGIN, MOE_ROUTER_Z, MOE_ROUTER_Z_MAX, MOE_TOKENS,
+    Family, expert_name,
+)
 
 @dataclass
 class StepRecord:
@@ -144,6 +147,8 @@ def _add_probes(rec: StepRecord, result: ProbeResult, stats: Sequence[str], bins
     for name, heads in result.attention.items():
         _add_attention(rec, name, heads)
     rec.scalars.update([(f"{ACTIVATION_KURTOSIS}/{name}", value) for name, value in result.kurtosis.items()])
+    for name, load in result.routers.items():
+        _add_router(rec, name, load)
     if result.logits is not None:
         head, (mean, largest) = result.logits
         rec.scalars[f"{LOGSUMEXP_MEAN}/{head}"], rec.scalars[f"{LOGSUMEXP_MAX}/{head}"] = float(mean), float(largest)
@@ -162,6 +167,22 @@ def _add_attention(rec: StepRecord, name: str, heads: np.ndarray) -> None:
     for h, (logit, entropy) in enumerate(heads.tolist()):
         rec.scalars[f"{ATTENTION_HEAD_LOGIT_MAX}/{head_name(name, h)}"] = logit
         rec.scalars[f"{ATTENTION_HEAD_ENTROPY}/{head_name(name, h)}"] = entropy
+
+
+def _add_router(rec: StepRecord, name: str, load: RouterLoad) -> None:
+    """A router's step: each expert's tokens (and bias) as a row of its own, the rest per router."""
+    experts = range(load.tokens.shape[0])
+    rec.scalars.update([(f"{MOE_TOKENS}/{expert_name(name, e)}", float(n)) for e, n in zip(experts, load.tokens.tolist())])
+    if load.bias is not None:
+        rec.scalars.update([(f"{MOE_BIAS}/{expert_name(name, e)}", b) for e, b in zip(experts, load.bias.tolist())])
+    imbalance = load.imbalance
+    if imbalance == imbalance:
+        rec.scalars[f"{MOE_IMBALANCE}/{name}"] = imbalance
+    rec.scalars[f"{MOE_DEAD}/{name}"] = float(load.dead)
+    for series, value in ((MOE_ENTROPY, load.entropy), (MOE_MARGIN, load.margin), (MOE_ROUTER_Z, load.z_mean),
+                          (MOE_ROUTER_Z_MAX, load.z_max), (MOE_DROPPED, load.dropped)):
+        if value is not None:
+            rec.scalars[f"{series}/{name}"] = float(value)
 
 
 def _add_tensor_family(rec: StepRecord, family: str, names: Sequence[str], rows: np.ndarray, stats: Sequence[str], bins: int) -> None:

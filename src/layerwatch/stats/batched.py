@@ -629,7 +629,7 @@ class _Batch:
         index = self.workspace.get(self.device, wave.offsets.dtype, wave.samples, "index").view(sample.shape)
         index.copy_(q)
         index.add_(wave.offsets)
-        self.counts += _bincount(index.view(-1), self.counts.numel())
+        self.counts += bincount(index.view(-1), self.counts.numel())
 
     def _finish(self, rows: _Partials) -> torch.Tensor:
         """Per-tensor rows from the rows' own sums: sums combined, the sums of squared deviations
@@ -683,7 +683,7 @@ def to_device(values: list | torch.Tensor, dtype: torch.dtype, device: torch.dev
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _bincount(index: torch.Tensor, size: int) -> torch.Tensor:
+def bincount(index: torch.Tensor, size: int) -> torch.Tensor:
     """Counts of each value in ``[0, size)``; on an accelerator without a host sync."""
     if host_reads_free(index.device):
         return torch.bincount(index, minlength=size)
