@@ -49,3 +49,31 @@ def train(model, out, callbacks=(), *, report_to=("tensorboard",), **kwargs):
 
 def event_dirs(root):
     return sorted({p.parent for p in root.rglob("events.out.tfevents.*")})
+
+
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
+
+
+def tiny_moe(family: str, experts: int = 4, top_k: int = 2, vocab: int = 64, seed: int = 0) -> nn.Module:
+    """A tiny transformers MoE causal LM of ``family`` (MOE_FAMILIES): 2 layers, hidden 32, ``experts`` routed experts."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_experts_per_tok=top_k)
+    T = transformers
+    if family == "mixtral":
+        return T.MixtralForCausalLM(T.MixtralConfig(num_local_experts=experts, **common))
+    if family == "qwen2_moe":
+        return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(num_experts=experts, moe_intermediate_size=16,
+                                                      shared_expert_intermediate_size=16, **common))
+    if family == "qwen3_moe":
+        return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(num_experts=experts, moe_intermediate_size=16, **common))
+    if family == "olmoe":
+        return T.OlmoeForCausalLM(T.OlmoeConfig(num_experts=experts, eos_token_id=None, pad_token_id=None, **common))
+    if family == "deepseek_v3":
+        common.update(num_key_value_heads=4)
+        return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+            n_routed_experts=experts, moe_intermediate_size=16, first_k_dense_replace=0, n_group=1, topk_group=1,
+            kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, **common))
+    if family == "gpt_oss":
+        return T.GptOssForCausalLM(T.GptOssConfig(num_local_experts=experts, layer_types=["full_attention"] * 2, **common))
+    raise ValueError(f"unknown MoE family {family!r}")
