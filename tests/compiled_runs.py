@@ -66,14 +66,15 @@ def sampled_steps(acc, prefix: str = "") -> dict[str, list[int]]:
     return {tag: [e.step for e in acc.Scalars(tag.replace("/", f"/{prefix}", 1))] for tag in MEASURED}
 
 
-def inspector_run(log_dir, device="cpu", mode=None) -> dict:
-    """AdamW steps of the compiled Llama (``torch.compile(model, mode=mode)``) under
-    ``torch.autocast`` in bfloat16, the Inspector at its defaults when there is a ``log_dir``."""
+def inspector_run(log_dir, device="cpu", mode=None, make=llama) -> dict:
+    """AdamW steps of the compiled Llama (or the model ``make()`` builds; ``torch.compile(model,
+    mode=mode)``) under ``torch.autocast`` in bfloat16, the Inspector at its defaults when there
+    is a ``log_dir``."""
     from layerwatch import Inspector
     from models import train_step
 
     fresh_counts()
-    model = llama().to(device)
+    model = make().to(device)
     compiled = torch.compile(model, mode=mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     inspector = None if log_dir is None else Inspector(compiled, log_dir=log_dir, optimizer=opt).start()

@@ -21,7 +21,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("lightning.pytorch")
 dynamo = pytest.importorskip("torch._dynamo")
-from compiled_runs import MEASURED, inspector_run, lightning_run, sampled_steps, trainer_run, training_gaps  # noqa: E402
+import layerwatch  # noqa: E402
+from compiled_runs import MEASURED, SEQ, inspector_run, lightning_run, sampled_steps, trainer_run, training_gaps  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -57,3 +58,19 @@ def test_lightnings_callback_on_a_compiled_module_in_bf16_mixed_leaves_the_run_a
     watched = lightning_run([InspectCallback()], tmp_path / "watched")
     assert training_gaps(watched, plain) == {} and plain["dynamo"]["graphs"] >= 1
     assert sampled_steps(events(tmp_path / "watched" / "tb" / "version_0"), prefix="llama.") == dict.fromkeys(MEASURED, [0, 1])
+
+
+def test_a_compiled_mixtral_gets_its_routers_from_the_re_run_and_compiles_as_without(tmp_path, events):
+    """The moe family through the eager re-run: the compiled step runs the one graph a plain run
+    compiles (no break, no recompile: measured once against a run without layerwatch, which
+    trains bitwise the same; ``benchmarks/moe.py --compiled`` checks that), and each sampled
+    step's routers are logged."""
+    from hf_models import tiny_moe
+
+    watched = inspector_run(tmp_path, make=lambda: tiny_moe("mixtral", vocab=256))
+    assert watched["dynamo"] == {"graphs": 1, "recompiles": 0, "graph_breaks": 0}
+    acc = events(tmp_path)
+    for tag in ("moe_imbalance/model.layers.0.mlp.gate", "moe_entropy/model.layers.1.mlp.gate"):
+        assert [e.step for e in acc.Scalars(tag)] == [0, 1]
+    tokens = layerwatch.load(tmp_path).query("series == 'moe_tokens'")  # the tab's series, not cards
+    assert tokens.groupby("step").value.sum().to_dict() == {0: 2 * 2 * SEQ * 2, 1: 2 * 2 * SEQ * 2}  # layers x tokens x k
