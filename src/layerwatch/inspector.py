@@ -63,9 +63,10 @@ class Inspector:
             weights just after it, and ``update_ratio/<param>`` is logged, by its step
             hooks (until :meth:`finish`; they return at once on unsampled steps). A
             compiled ``optimizer.step`` runs no hook: then gradients and weights are read
-            in :meth:`step` and no update ratio is logged. Under DeepSpeed ZeRO, watch the
-            engine (``Inspector(engine)``: the optimizer it steps is hooked for you), or pass
-            ``optimizer=engine.optimizer``.
+            in :meth:`step` and no update ratio is logged. Under DeepSpeed ZeRO, pass your own
+            optimizer, the one given to ``deepspeed.initialize``: it leads to DeepSpeed's
+            partitions, where the gradients it steps with are read (``engine.optimizer`` works too).
+            Or watch the engine (``Inspector(engine)``: the optimizer it steps is hooked for you).
         families: Which families to log (all by default). Per parameter: ``"weights"``,
             ``"grads"``, ``"updates"``. Once: ``"structure"``, the layer table
             (``layerwatch/structure``) and the parameter and MAC counts, from the forward
@@ -220,8 +221,8 @@ class Inspector:
         engine = self._engine
         if engine.state != "new":
             raise RuntimeError(f"start() called on an inspector that is {engine.state}")
-        engine.start(deepspeed=self._deepspeed)
         optimizer = self._optimizer() if self._optimizer is not None else None
+        engine.start(deepspeed=self._deepspeed, optimizer=optimizer)  # ZeRO-1/2: DeepSpeed's client leads to its partitions
         optimizer = optimizer or engine.deepspeed_client  # DeepSpeed ZeRO's gradients exist in its step alone
         if optimizer is not None:
             if self.options.sentinel:  # told apart: a GradScaler's skipped step

@@ -77,11 +77,13 @@ def zero_config(stage: int, persistence: bool = True) -> dict:
 
 
 def zero_worker(rank: int, world: int, out: str, stage: int, persistence: bool, watch: str, nan_at: int,
-                compiled: bool = False) -> None:
-    """Train ``mlp()`` under DeepSpeed twice, without and with an Inspector (``watch``: of the
-    engine, of its module with ``optimizer=engine.optimizer``, or of its module alone), every 2
-    steps; with a NaN in rank 1's input at ``nan_at``, and (ZeRO-3) a ``GatheredParameters`` block
-    after each step, as a checkpoint save makes; with ``compiled``, the engine compiled
+                compiled: bool = False, also: tuple[str, ...] = ()) -> None:
+    """Train ``mlp()`` under DeepSpeed, without and with an Inspector (``watch``: of the engine, of
+    its module with ``optimizer=engine.optimizer``, with the client optimizer (the one given to
+    ``deepspeed.initialize``), with another optimizer, or of its module alone), every 2 steps; then
+    once more for each watch in ``also``, logged to ``run-<watch>``, its results under its name.
+    With a NaN in rank 1's input at ``nan_at``, and (ZeRO-3) a ``GatheredParameters`` block after
+    each step, as a checkpoint save makes; with ``compiled``, the engine compiled
     (``engine.compile``, ``aot_eager``). Rank 0 records the losses, its alerts, what it said and
     Dynamo's counts."""
     on_gloo()
@@ -89,23 +91,28 @@ def zero_worker(rank: int, world: int, out: str, stage: int, persistence: bool, 
     from torch._dynamo.utils import counters
 
     results = {}
-    for watched in (False, True):
+    for key, watching, log_dir in ((False, None, None), (True, watch, f"{out}/run"),
+                                   *((name, name, f"{out}/run-{name}") for name in also)):
         torch._dynamo.reset()
         counters.clear()
         model = mlp()
-        engine, zero_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
-                                                            config=zero_config(stage, persistence))
+        client = torch.optim.SGD(model.parameters(), lr=0.05)
+        engine, zero_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=client, config=zero_config(stage, persistence))
         if compiled:
             engine.compile(backend="aot_eager")
         inspector = None
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            if watched:
+            if watching is not None:
                 from layerwatch import Inspector
 
-                target, optimizer = {"engine": (engine, None), "module": (engine.module, zero_optimizer),
-                                     "module-alone": (engine.module, None)}[watch]
-                inspector = Inspector(target, log_dir=f"{out}/run", every_n_steps=2, optimizer=optimizer).start()
+                target, optimizer = {
+                    "engine": lambda: (engine, None), "module": lambda: (engine.module, zero_optimizer),
+                    "module-client": lambda: (engine.module, client),
+                    "module-other": lambda: (engine.module, torch.optim.SGD(engine.module.parameters(), lr=0.05)),
+                    "engine-other": lambda: (engine, torch.optim.SGD(engine.module.parameters(), lr=0.05)),
+                    "module-alone": lambda: (engine.module, None)}[watching]()
+                inspector = Inspector(target, log_dir=log_dir, every_n_steps=2, optimizer=optimizer).start()
             losses = []
             for step, (x, y) in enumerate(batches(rank)):
                 if step == nan_at and rank == 1:
@@ -122,11 +129,11 @@ def zero_worker(rank: int, world: int, out: str, stage: int, persistence: bool, 
                         assert sum(p.numel() for p in engine.module.parameters()) == 5313
             if inspector is not None:
                 inspector.finish()
-        results[watched] = {"losses": losses, "said": [str(w.message) for w in seen if "layerwatch" in str(w.message)],
-                            "alerts": [] if inspector is None else [[a.step, a.kind, a.name, a.message] for a in inspector.alerts],
-                            "hooks": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in engine.module.modules()),
-                            "dynamo": [counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()),
-                                       sum(counters["recompiles"].values())]}
+        results[key] = {"losses": losses, "said": [str(w.message) for w in seen if "layerwatch" in str(w.message)],
+                        "alerts": [] if inspector is None else [[a.step, a.kind, a.name, a.message] for a in inspector.alerts],
+                        "hooks": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in engine.module.modules()),
+                        "dynamo": [counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()),
+                                   sum(counters["recompiles"].values())]}
     if rank == 0:
         Path(out, "results.json").write_text(json.dumps(results))
 
@@ -141,23 +148,44 @@ def check_truth(acc, truth: dict, steps: list[int]) -> None:
                 assert value == pytest.approx(truth[step][family][name], rel=1e-5), (family, name, step)
 
 
-@pytest.mark.parametrize("stage, persistence, watch", [
-    (1, True, "engine"), (2, True, "engine"), (3, True, "engine"), (3, False, "engine"), (2, True, "module"),
-    (3, False, "module"),
+def gradients_and_updates(acc) -> dict[str, list[tuple[int, float]]]:
+    """What was written of the gradients and the updates: every ``grads_*`` and ``update_ratio``
+    scalar, the global gradient norm, and the gradients' histograms (their buckets)."""
+    tags = acc.Tags()
+    written = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in tags["scalars"]
+               if tag.startswith(("grads_", "update_ratio/")) or tag == "layerwatch/grad_norm"}
+    written.update({tag: [(e.step, e.histogram_value.bucket) for e in acc.Histograms(tag)] for tag in tags["histograms"]
+                    if tag.startswith("grads/")})
+    return written
+
+
+@pytest.mark.parametrize("stage, persistence, watch, also", [
+    (1, True, "engine", ("module-client",)), (2, True, "engine", ("module-client",)), (3, True, "engine", ()),
+    (3, False, "engine", ()), (2, True, "module", ()), (3, False, "module", ()),
 ], ids=["zero1", "zero2", "zero3", "zero3-released", "zero2-module", "zero3-released-module"])
-def test_zero_in_a_plain_loop_leaves_training_unchanged_and_logs_the_whole_tensors(stage, persistence, watch, tmp_path, events):
+def test_zero_in_a_plain_loop_leaves_training_unchanged_and_logs_the_whole_tensors(stage, persistence, watch, also,
+                                                                                   tmp_path, events):
     """Weights, gradients and update ratios of every parameter are those of the whole tensors, read
     from the ranks' partitions (gradients: the averaged and clipped ones DeepSpeed steps with),
-    for the engine watched and for its module given with ``optimizer=engine.optimizer``."""
-    run_ranks(zero_worker, str(tmp_path), stage, persistence, watch, -1, tmp=tmp_path)
+    for the engine watched and for its module given with ``optimizer=engine.optimizer``. Under
+    ZeRO-1 and 2, the module given with the user's own optimizer (the one given to
+    ``deepspeed.initialize``) finds DeepSpeed's partitions through it: the same gradients and
+    update ratios as the engine watched, bitwise, and nothing said."""
+    run_ranks(zero_worker, str(tmp_path), stage, persistence, watch, -1, False, also, tmp=tmp_path)
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["true"]["losses"] == results["false"]["losses"]  # bitwise
-    assert results["true"]["hooks"] == results["false"]["hooks"]  # DeepSpeed's own hooks only
-    assert results["true"]["alerts"] == []
-    said = [m for m in results["true"]["said"] if "sampled 3 time(s)" not in m]
-    assert said == ([] if stage < 3 else [m for m in said if "under DeepSpeed ZeRO-3 a parameter is an empty placeholder" in m])
-    assert len(said) == (stage == 3)  # once
-    check_truth(events(tmp_path / "run"), reference(2), [0, 2, 4])
+    for key in ("true", *also):
+        assert results[key]["losses"] == results["false"]["losses"]  # bitwise
+        assert results[key]["hooks"] == results["false"]["hooks"]  # DeepSpeed's own hooks only
+        assert results[key]["alerts"] == []
+        said = [m for m in results[key]["said"] if "sampled 3 time(s)" not in m]
+        assert said == ([] if stage < 3 else [m for m in said if "under DeepSpeed ZeRO-3 a parameter is an empty placeholder" in m])
+        assert len(said) == (stage == 3)  # once
+    acc = events(tmp_path / "run")
+    check_truth(acc, reference(2), [0, 2, 4])
+    for name in also:
+        written = gradients_and_updates(events(tmp_path / f"run-{name}"))
+        assert len([t for t in written if t.startswith("update_ratio/")]) == 6
+        assert written == gradients_and_updates(acc)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -182,16 +210,25 @@ def test_zero_with_a_compiled_module_is_measured_on_every_ranks_re_run_and_left_
 
 
 def test_zero2_a_module_watched_without_its_optimizer_says_where_the_gradients_are(tmp_path, events):
-    """ZeRO stages 1 and 2 leave no way from a parameter to its optimizer: said once, its
-    weights still measured (every rank holds them whole)."""
-    run_ranks(zero_worker, str(tmp_path), 2, True, "module-alone", -1, tmp=tmp_path)
+    """ZeRO stages 1 and 2 leave no way from a parameter to its optimizer: the module given alone,
+    or with an optimizer DeepSpeed does not step, is said once, with what to pass; its weights
+    are still measured (every rank holds them whole). So is the engine given with an optimizer it
+    does not step, whose hooks would never see a gradient."""
+    run_ranks(zero_worker, str(tmp_path), 2, True, "module-alone", -1, False, ("module-other", "engine-other"), tmp=tmp_path)
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["true"]["losses"] == results["false"]["losses"]
-    (said,) = [m for m in results["true"]["said"] if "sampled 3 time(s)" not in m]
-    assert "trained by DeepSpeed ZeRO (stage 1 or 2)" in said and "optimizer=engine.optimizer" in said
-    acc = events(tmp_path / "run")
-    assert [e.step for e in acc.Scalars("weights_norm/0.weight")] == [0, 2, 4]
-    assert not [t for t in acc.Tags()["scalars"] if t.startswith("grads_norm/")]
+    for key, run, why in (("true", "run", "whose parameters do not lead to its optimizer"),
+                          ("module-other", "run-module-other", "and the optimizer given (SGD) is not the one it steps")):
+        assert results[key]["losses"] == results["false"]["losses"]
+        (said,) = [m for m in results[key]["said"] if "trained by DeepSpeed ZeRO" in m]
+        assert f"trained by DeepSpeed ZeRO (stage 1 or 2), {why}" in said
+        assert "the optimizer given to deepspeed.initialize" in said and "optimizer=engine.optimizer" in said
+        acc = events(tmp_path / run)
+        assert [e.step for e in acc.Scalars("weights_norm/0.weight")] == [0, 2, 4]
+        assert not [t for t in acc.Tags()["scalars"] if t.startswith(("grads_norm/", "update_ratio/"))]
+    assert len([m for m in results["true"]["said"] if "sampled 3 time(s)" not in m]) == 1  # that alone
+    (said,) = [m for m in results["engine-other"]["said"] if "is not the one DeepSpeed ZeRO steps" in m]
+    assert "pass the optimizer given to deepspeed.initialize, or optimizer=engine.optimizer" in said
+    assert results["engine-other"]["losses"] == results["false"]["losses"]
 
 
 @pytest.mark.parametrize("stage", [2, 3])

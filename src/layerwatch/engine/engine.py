@@ -152,7 +152,7 @@ class Engine:
         self._faults.describe_replay(unreplayable, differs)
 
     def start(self, *, within: Optional[nn.Module] = None, compiled_by_caller: bool = False,
-              deepspeed: Any = None) -> "Engine":
+              deepspeed: Any = None, optimizer: Optional[torch.optim.Optimizer] = None) -> "Engine":
         """Open the writer (rank 0) and write the chart layout. Opens no step. A model still watched by an earlier
         engine that was never finished is taken from it: that engine is finished first (hooks removed, writer flushed).
         In a distributed run, call it on every rank at the same point: a sharded run makes the ranks' group here.
@@ -166,7 +166,8 @@ class Engine:
         ``deepspeed``: the DeepSpeed engine (or its ZeRO optimizer) that trains the model, when the model is not that
         engine itself. A ``DeepSpeedEngine`` given as the model is watched through the module it trains; with ZeRO,
         every rank reads its partitions (:mod:`~layerwatch.measure.zero`), the gradients in the step pre-hook of the optimizer
-        DeepSpeed steps (:attr:`deepspeed_client`, which the front door hooks).
+        DeepSpeed steps (:attr:`deepspeed_client`, which the front door hooks). ``optimizer``: the one the front door
+        hooks; the one given to ``deepspeed.initialize`` leads to ZeRO-1/2's partitions too (another is said once).
         """
         if self._state != "new":
             raise RuntimeError(f"start() called on an {self.owner.lower()} that is {self._state}")
@@ -177,7 +178,7 @@ class Engine:
             self._model = weakref.ref(model)
         if model is not None:
             claim(model, self, self.failures)
-        self._placement = find_placement(model, within, deepspeed, self.options, self._probes, self.failures)
+        self._placement = find_placement(model, within, deepspeed, self.options, self._probes, self.failures, optimizer)
         layout, zero, stages = self._placement.layout, self._placement.zero, self._placement.stages
         self._attached.hold(*[] if stages is None else [stages])
         together = self._placement.together

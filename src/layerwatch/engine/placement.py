@@ -38,13 +38,14 @@ class Placement:
 
 
 def find_placement(model: Optional[nn.Module], within: Optional[nn.Module], deepspeed: Any, options: Options,
-                   probes: StepProbes, failures: FailurePolicy) -> Placement:
+                   probes: StepProbes, failures: FailurePolicy, optimizer: Any = None) -> Placement:
     """The :class:`Placement` of ``model``'s parameters on this rank (``within``: a module that
-    wraps it; ``deepspeed``: the DeepSpeed engine that trains it). In a distributed run, call it
+    wraps it; ``deepspeed``: the DeepSpeed engine that trains it; ``optimizer``: the one the front
+    door hooks, which leads to a ZeRO-1/2 optimizer that steps it). In a distributed run, call it
     on every rank at the same point."""
     distributed = model is not None and world_size() > 1
     zero = failures.run("find DeepSpeed ZeRO's partitions",
-                        lambda: find_zero(model, deepspeed, options.families, failures), 0) if distributed else None
+                        lambda: find_zero(model, deepspeed, options.families, failures, optimizer), 0) if distributed else None
     layout = parameter_layout(model, within, zero)
     stages = failures.run("find the pipeline stages (only rank 0's layers are measured)",  # every rank: collective
                           lambda: _find_stages(layout, model, options, probes, failures), 0) if distributed else None

@@ -11,6 +11,10 @@ ZeRO spreads what a parameter holds over the data-parallel ranks:
   parameter (the last slices padded). Its fp32 master slice and gradient lie in the flat
   partitions of the optimizer's sub groups, where ``grad_position`` places them.
 
+A ZeRO-1/2 parameter does not lead to its optimizer, and neither does the client optimizer: the
+ZeRO optimizer is found from the DeepSpeed engine, from the ZeRO optimizer given, or from the
+client optimizer (:func:`stepping_client`: the one whose ``.optimizer`` it is).
+
 The gradient the optimizer steps with exists only inside DeepSpeed's ``step()``: as the
 ``.grad`` of one flat fp32 partition at a time, averaged over the ranks, unscaled and clipped,
 just before DeepSpeed calls the client optimizer (the ``torch.optim.Optimizer`` it was given)
@@ -28,6 +32,7 @@ No ``import deepspeed``: what is read is found on the objects themselves.
 
 from __future__ import annotations
 
+import gc
 import sys
 from typing import Any, Optional, Sequence
 
@@ -46,15 +51,24 @@ def engine_of(model: nn.Module) -> Optional[nn.Module]:
     return model if engine_type is not None and isinstance(model, engine_type) else None
 
 
-def find_zero(model: nn.Module, deepspeed: Any, families: Sequence[str], failures: FailurePolicy) -> Optional["Zero"]:
+def find_zero(model: nn.Module, deepspeed: Any, families: Sequence[str], failures: FailurePolicy,
+              optimizer: Optional[torch.optim.Optimizer] = None) -> Optional["Zero"]:
     """:meth:`Zero.find`, and what it means for the run, said once on rank 0: what ZeRO-3 takes
-    from the per-module probes, or why a ZeRO-1/2 model's gradients cannot be read."""
+    from the per-module probes, why a ZeRO-1/2 model's gradients cannot be read, or that
+    ``optimizer`` (the one the front door hooks) is not the one DeepSpeed steps."""
     try:
-        zero = Zero.find(model, deepspeed)
+        zero = Zero.find(model, deepspeed, optimizer)
     except ValueError as e:  # said in place of "no gradients": they are in DeepSpeed's partitions
         if is_writer_rank():
             failures.warn_once("no-grads", f"layerwatch: {e}; until then its gradients and update ratios are not measured")
         return None
+    if zero is not None and optimizer is not None and zero.client is not optimizer and is_writer_rank():
+        failures.warn_once(
+            "zero-client",
+            f"layerwatch: the optimizer given ({type(optimizer).__name__}) is not the one DeepSpeed ZeRO steps (its "
+            f"{type(zero.client).__name__}), whose step hooks alone see the gradients: pass the optimizer given to "
+            "deepspeed.initialize, or optimizer=engine.optimizer; until then gradients and update ratios are not measured",
+        )
     if zero is not None and zero.stage == 3 and {Family.LATENCY, Family.NONFINITE} & set(families) and is_writer_rank():
         failures.warn_once(
             "zero3-hooks",
@@ -64,6 +78,53 @@ def find_zero(model: nn.Module, deepspeed: Any, families: Sequence[str], failure
             "NaN/Inf, in DeepSpeed's partitions",
         )
     return zero
+
+
+def stepping_client(client: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> Optional[Any]:
+    """DeepSpeed's ZeRO-1/2 optimizer that steps ``client`` (the optimizer given to
+    ``deepspeed.initialize``: its ``.optimizer``), of the model whose ``params`` these are; None
+    where none does (``client`` is another optimizer, or one DeepSpeed replaced).
+
+    DeepSpeed links a ZeRO-1/2 parameter to its optimizer only under CPU offload
+    (``p._zero_optimizer``). Otherwise nothing leads from the parameters or from the client to it:
+    ``p._hp_mapping`` holds views of the flat fp32 partitions (the client's parameters) and
+    DeepSpeed's gradient dicts; the engine's and the optimizer's hooks are closures. The ZeRO
+    optimizer holds the client as its ``optimizer``, so the objects that refer to the client are
+    searched, once at start and only for a model DeepSpeed linked: ``gc.get_referrers``, a walk
+    over the collector's objects that neither runs nor changes it (about 0.1 s for the half million
+    objects of a process that imported DeepSpeed); one that refers to the client is the ZeRO
+    optimizer itself or the ``__dict__`` of its attributes, whose owner one walk more finds.
+    Candidates are read through their ``__dict__`` alone: no code of theirs runs.
+    """
+    linked = next((p._zero_optimizer for p in params if getattr(p, "_zero_optimizer", None) is not None), None)
+    if linked is not None and _steps(linked, client):
+        return linked
+    for referrer in gc.get_referrers(client):
+        if type(referrer) is dict:
+            if dict.get(referrer, "optimizer") is not client or "single_partition_of_fp32_groups" not in referrer:
+                continue
+            owners = [o for o in gc.get_referrers(referrer) if _instance_dict(o) is referrer]
+        else:
+            owners = [referrer]
+        found = next((o for o in owners if _steps(o, client)), None)
+        if found is not None:
+            return found
+    return None
+
+
+def _instance_dict(obj: Any) -> Optional[dict]:
+    """``obj``'s own attributes (no ``__getattr__`` or property of its runs); None where it has none."""
+    try:
+        return object.__getattribute__(obj, "__dict__")
+    except (AttributeError, TypeError):
+        return None
+
+
+def _steps(candidate: Any, client: torch.optim.Optimizer) -> bool:
+    """Whether ``candidate`` is a ZeRO-1/2 optimizer (its partitions and group) stepping ``client``."""
+    attributes = _instance_dict(candidate)
+    return type(attributes) is dict and attributes.get("optimizer") is client and all(
+        name in attributes for name in ("single_partition_of_fp32_groups", "dp_process_group", "bit16_groups"))
 
 
 class Zero:
@@ -86,26 +147,36 @@ class Zero:
         self._group_of = {id(p): i for i, params in enumerate(groups) for p in params}
 
     @classmethod
-    def find(cls, model: nn.Module, deepspeed: Any = None) -> Optional["Zero"]:
+    def find(cls, model: nn.Module, deepspeed: Any = None, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional["Zero"]:
         """The :class:`Zero` of ``model``, trained by a DeepSpeed engine with ZeRO: from
-        ``deepspeed`` (the engine, or its ZeRO optimizer), or from a ZeRO-3 parameter of
-        ``model``; None where there is none (no DeepSpeed, or stage 0).
+        ``deepspeed`` (the engine, or its ZeRO optimizer), from a ZeRO-3 parameter of ``model``, or
+        from ``optimizer`` when it is the client optimizer a ZeRO-1/2 optimizer steps
+        (:func:`stepping_client`); None where there is none (no DeepSpeed, or stage 0).
 
         Raises:
-            ValueError: a ZeRO stage 1 or 2 model given without its engine or ZeRO optimizer (its
-                parameters do not lead to it).
+            ValueError: a ZeRO stage 1 or 2 model given without its engine, its ZeRO optimizer or
+                the client optimizer (its parameters do not lead to it), or with another optimizer.
         """
+        params = list(model.parameters())
         engine = engine_of(deepspeed) if deepspeed is not None else None
         zero_optimizer = getattr(engine, "optimizer", None) if engine is not None else deepspeed
         if zero_optimizer is None or not hasattr(zero_optimizer, "dp_process_group"):
-            zero_optimizer = next((p._z3_optimizer for p in model.parameters() if hasattr(p, "_z3_optimizer")), None)
+            zero_optimizer = next((p._z3_optimizer for p in params if hasattr(p, "_z3_optimizer")), None)
+        linked = any(hasattr(p, "_hp_mapping") for p in params)  # by a ZeRO-1/2 optimizer
+        advice = ("pass the optimizer given to deepspeed.initialize (optimizer=opt) or optimizer=engine.optimizer, or "
+                  "watch the engine itself (Inspector(engine))")
+        if zero_optimizer is None and linked and optimizer is not None:
+            zero_optimizer = stepping_client(optimizer, params)
+            if zero_optimizer is None:
+                raise ValueError(f"the model is trained by DeepSpeed ZeRO (stage 1 or 2), and the optimizer given "
+                                 f"({type(optimizer).__name__}) is not the one it steps: {advice}")
         if zero_optimizer is not None and hasattr(zero_optimizer, "fp32_partitioned_groups_flat"):
             return cls(zero_optimizer, 3)
         if zero_optimizer is not None and hasattr(zero_optimizer, "single_partition_of_fp32_groups"):
             return cls(zero_optimizer, 2 if getattr(zero_optimizer, "partition_gradients", False) else 1)
-        if any(hasattr(p, "_hp_mapping") for p in model.parameters()):
-            raise ValueError("the model is trained by DeepSpeed ZeRO (stage 1 or 2), whose parameters do not lead to "
-                             "its optimizer: watch the engine itself (Inspector(engine)) or pass optimizer=engine.optimizer")
+        if linked:
+            raise ValueError(f"the model is trained by DeepSpeed ZeRO (stage 1 or 2), whose parameters do not lead to "
+                             f"its optimizer: {advice}")
         return None
 
     def names(self, params: Sequence[tuple[str, nn.Parameter]]) -> list[str]:
