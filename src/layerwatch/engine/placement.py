@@ -1,5 +1,5 @@
 """Where a model's parameters live over the ranks: DeepSpeed ZeRO's partitions, FSDP's shards,
-pipeline stages.
+pipeline stages; whether each rank routes its own batch through MoE routers.
 
 :func:`find_placement` looks once, at the start of a run, on every rank at the same point
 (finding the stages is collective). What it finds decides how a sample is read
@@ -14,10 +14,12 @@ from typing import Any, Optional
 
 from torch import nn
 
-from layerwatch.distributed.sharding import Layout, is_writer_rank, parameter_layout, world_size
+from layerwatch.distributed.sharding import Layout, innermost, is_writer_rank, parameter_layout, world_size
 from layerwatch.guards.failures import FailurePolicy
 from layerwatch.options import Options
 from layerwatch.probes import StepProbes, probe_name, select_modules
+from layerwatch.probes.routers import find_routers
+from layerwatch.vocabulary import Family
 from layerwatch.engine.stages import Held, Stages, find_stages
 from layerwatch.measure.zero import Zero, find_zero
 
@@ -29,12 +31,14 @@ class Placement:
     layout: Layout
     zero: Optional[Zero] = None
     stages: Optional[Stages] = None
+    routed: bool = False  # a distributed model with MoE routers: each rank routes its own batch
 
     @property
     def together(self) -> bool:
         """Every rank takes part in every sampled step, and the ranks vote on which steps those
-        are: a sharded run, or pipeline stages."""
-        return self.layout.sharded or self.stages is not None
+        are: a sharded run, pipeline stages, or a model whose routers' counts are added over
+        the ranks (data parallel: each routes its own batch)."""
+        return self.layout.sharded or self.stages is not None or self.routed
 
 
 def find_placement(model: Optional[nn.Module], within: Optional[nn.Module], deepspeed: Any, options: Options,
@@ -49,7 +53,9 @@ def find_placement(model: Optional[nn.Module], within: Optional[nn.Module], deep
     layout = parameter_layout(model, within, zero)
     stages = failures.run("find the pipeline stages (only rank 0's layers are measured)",  # every rank: collective
                           lambda: _find_stages(layout, model, options, probes, failures), 0) if distributed else None
-    placement = Placement(replace(layout, staged=True) if stages is not None else layout, zero, stages)
+    routed = distributed and Family.MOE in options.families and failures.run(
+        "find the MoE routers", lambda: bool(find_routers(innermost(model), options.moe_routers)), 0, otherwise=False)
+    placement = Placement(replace(layout, staged=True) if stages is not None else layout, zero, stages, bool(routed))
     if placement.layout.flat_only and is_writer_rank():
         failures.warn(
             f"layerwatch: FSDP wraps {', '.join(placement.layout.flat_only)} with use_orig_params=False, so their "
