@@ -220,6 +220,26 @@ class LitTransformer(L.LightningModule):
         return DataLoader(TensorDataset(torch.randn(16, self.seq, self.d_model, generator=g)), batch_size=4)
 
 
+class LitMoE(L.LightningModule):
+    """A tiny transformers Mixtral (its routers found by the moe family), on token batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from hf_models import tiny_moe
+
+        self.model = tiny_moe("mixtral")
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randint(0, 64, (16, 8), generator=g)), batch_size=4)
+
+
 class LitParallel(L.LightningModule):
     """An MLP sharded in ``configure_model`` under ``ModelParallelStrategy``: FSDP2 per layer
     (``"fsdp2"``) or tensor parallel (``"tensor"``). Remembers its losses."""

@@ -427,3 +427,26 @@ def test_saved_bytes_of_an_accumulated_step_are_each_micro_batchs_added_up(tmp_p
         saved[accumulation] = {key: values[2] for key, values in tab.items() if key.startswith("saved_bytes/")}
     assert saved[1] and set(saved[2]) == set(saved[1])
     assert all(saved[2][key] == 2 * value for key, value in saved[1].items()), saved
+
+
+@pytest.mark.parametrize("router_logits", [False, True])
+def test_an_moe_model_gets_its_routers_with_output_router_logits_on_and_off(router_logits, tmp_path):
+    """The routers are found on the model, whatever the loss asks of them: with
+    ``output_router_logits`` the load-balancing loss is in the loss, and nothing changes for
+    layerwatch; each sampled step's tokens are the batches' (4 x SEQ tokens, top-2), and training
+    is bitwise the same as without the callback."""
+    import layerwatch
+    from hf_models import SEQ, tiny_moe
+
+    losses = {}
+    for watched in (False, True):
+        model = tiny_moe("qwen3_moe", vocab=VOCAB)
+        model.config.output_router_logits = router_logits
+        callbacks = [InspectTrainerCallback(every_n_steps=2)] if watched else []
+        _, losses[watched] = train(model, tmp_path / str(watched), callbacks, max_steps=4)
+    assert losses[True] == losses[False]
+    frame = layerwatch.load(tmp_path / "True")
+    tokens = frame[frame.series == "moe_tokens"]
+    assert sorted(tokens.step.unique()) == [2, 4]
+    assert tokens.groupby(["step", tokens.layer.str.rpartition("#")[0]]).value.sum().unique().tolist() == [4 * SEQ * 2]
+    assert {"moe_entropy", "moe_router_z", "moe_imbalance"} <= set(frame.series)

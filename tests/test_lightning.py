@@ -234,3 +234,21 @@ def test_a_warning_during_fit_does_not_break_the_progress_bar_line(tmp_path, mon
     assert found, repr(text[-3000:])
     assert found.group(1) == "", repr(found.group(0))  # it starts its own line
     assert found.group(2) == __file__  # and points at the test's own line, not inside layerwatch
+
+
+def test_an_moe_module_gets_its_routers_at_each_sampled_step(tmp_path):
+    """A LightningModule holding a transformers Mixtral: the callback finds its routers (under
+    the module's own name for the model) and logs each sampled step's routing, every token once
+    per expert it went to."""
+    import layerwatch
+    from models import LitMoE
+
+    make_trainer(tmp_path, [InspectCallback(every_n_steps=2)], max_steps=4).fit(LitMoE())
+    frame = layerwatch.load(tmp_path / "tb" / "version_0")
+    tokens = frame[frame.series == "moe_tokens"]
+    assert sorted(tokens.step.unique()) == [0, 2]
+    routers = tokens.layer.str.rpartition("#")[0]
+    assert sorted(routers.unique()) == ["model.model.layers.0.mlp.gate", "model.model.layers.1.mlp.gate"]
+    assert tokens.groupby(["step", routers]).value.sum().unique().tolist() == [4 * 8 * 2]
+    entropy = frame[frame.series == "moe_entropy"]
+    assert len(entropy) == 4 and entropy.value.between(0, math.log(4)).all()
