@@ -114,3 +114,10 @@ def test_a_short_between_samples_run_reports_the_host_cost_and_the_calls(benchma
     figures = measure(20, sentinel=True, rounds=1, steps=5)
     assert set(figures) == {"step_us", "own_us", "ratio"} and figures["step_us"] > 0 and figures["ratio"] > 0
     assert sample_calls(20) > 10  # a sample reads, reduces and writes every tensor
+
+
+def test_the_moe_familys_host_calls_per_router_do_not_grow_with_the_experts(benchmarks):
+    from moe import moe_calls
+
+    few, many = moe_calls(4), moe_calls(32)  # 2 routers of 4 and of 32 experts: 56 more rows
+    assert few > 0 and abs(many - few) <= 4  # the event file's varints grow with its bytes; nothing per expert

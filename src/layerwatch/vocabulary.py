@@ -168,7 +168,13 @@ def head_name(module: str, head: int) -> str:
 def expert_name(router: str, expert: int) -> str:
     """The row of one expert of a router in the per-expert series (``moe_tokens``, ``moe_bias``):
     ``model.layers.0.mlp.gate#5``; the same form as an attention head's (:func:`head_name`)."""
-    return head_name(router, expert)
+    return f"{router}#{expert}"
+
+
+def expert_names(router: str, experts: int) -> list[str]:
+    """:func:`expert_name` of each of a router's ``experts``, in one call (a sampled step's host
+    work per router does not grow with its experts)."""
+    return [f"{router}#{e}" for e in range(experts)]
 
 
 def expert_param_name(param: str, expert: int) -> str:

@@ -28,7 +28,7 @@ from layerwatch.vocabulary import (
 )
 from layerwatch.vocabulary import (
     MOE_BIAS, MOE_DEAD, MOE_DROPPED, MOE_ENTROPY, MOE_IMBALANCE, MOE_MARGIN, MOE_ROUTER_Z, MOE_ROUTER_Z_MAX, MOE_TOKENS,
-    Family, expert_name,
+    Family, expert_names,
 )
 
 @dataclass
@@ -171,10 +171,10 @@ def _add_attention(rec: StepRecord, name: str, heads: np.ndarray) -> None:
 
 def _add_router(rec: StepRecord, name: str, load: RouterLoad) -> None:
     """A router's step: each expert's tokens (and bias) as a row of its own, the rest per router."""
-    experts = range(load.tokens.shape[0])
-    rec.scalars.update([(f"{MOE_TOKENS}/{expert_name(name, e)}", float(n)) for e, n in zip(experts, load.tokens.tolist())])
+    rows = expert_names(name, load.tokens.shape[0])
+    rec.scalars.update([(f"{MOE_TOKENS}/{row}", float(n)) for row, n in zip(rows, load.tokens.tolist())])
     if load.bias is not None:
-        rec.scalars.update([(f"{MOE_BIAS}/{expert_name(name, e)}", b) for e, b in zip(experts, load.bias.tolist())])
+        rec.scalars.update([(f"{MOE_BIAS}/{row}", b) for row, b in zip(rows, load.bias.tolist())])
     imbalance = load.imbalance
     if imbalance == imbalance:
         rec.scalars[f"{MOE_IMBALANCE}/{name}"] = imbalance
