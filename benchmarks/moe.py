@@ -48,20 +48,21 @@ WORKLOADS = {  # name: (experts, top_k, hidden, expert width, tokens per batch r
 LAYERS, BATCH, VOCAB = 4, 4, 256
 
 
-def mixtral(experts: int, top_k: int, hidden: int, width: int) -> torch.nn.Module:
+def mixtral(experts: int, top_k: int, hidden: int, width: int, layers: int = LAYERS) -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(0)
     config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=width,
-                                        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                                         head_dim=hidden // 4, num_local_experts=experts, num_experts_per_tok=top_k,
                                         max_position_embeddings=256)
     return transformers.MixtralForCausalLM(config)
 
 
-def moe_calls(experts: int, top_k: int = 2, hidden: int = 64, width: int = 64, seq: int = 16) -> int:
+def moe_calls(experts: int, top_k: int = 2, hidden: int = 64, width: int = 64, seq: int = 16,
+              layers: int = LAYERS) -> int:
     """The Python calls the moe family adds to a sampled step of a Mixtral with ``experts``."""
-    model = mixtral(experts, top_k, hidden, width)
+    model = mixtral(experts, top_k, hidden, width, layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(0))
     calls = []

@@ -119,5 +119,5 @@ def test_a_short_between_samples_run_reports_the_host_cost_and_the_calls(benchma
 def test_the_moe_familys_host_calls_per_router_do_not_grow_with_the_experts(benchmarks):
     from moe import moe_calls
 
-    few, many = moe_calls(4), moe_calls(32)  # 2 routers of 4 and of 32 experts: 56 more rows
+    few, many = (moe_calls(experts, hidden=32, width=32, seq=8, layers=2) for experts in (4, 32))  # 56 more rows
     assert few > 0 and abs(many - few) <= 4  # the event file's varints grow with its bytes; nothing per expert

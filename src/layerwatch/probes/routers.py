@@ -83,7 +83,7 @@ class Router(NamedTuple):
     name: str  # the router module's (the layer of its moe_* tags)
     module: nn.Module
     experts: Optional[nn.Module]  # given each token's experts (None: its top_k largest logits, a RouterSpec's)
-    num_experts: Optional[int]  # None: the logits' width (a RouterSpec's)
+    num_experts: int  # 0: the logits' width (a RouterSpec's)
     top_k: int
     capacity_factor: Optional[float]
     bias: Optional[torch.Tensor]  # the aux-free balancing bias, one value per expert
@@ -111,7 +111,7 @@ def find_routers(model: nn.Module, specs: Optional[Sequence[RouterSpec]] = None)
         for name, module in modules:
             if id(module) not in taken and fnmatch.fnmatchcase(probe_name(name), spec.pattern):
                 taken.add(id(module))
-                found.append(Router(probe_name(name), module, None, None, spec.top_k, spec.capacity_factor,
+                found.append(Router(probe_name(name), module, None, 0, spec.top_k, spec.capacity_factor,
                                     _bias(module, by_name.get(name.rpartition(".")[0]))))
     classes = declared_router_classes(model)
     for name, module in modules:
@@ -131,7 +131,7 @@ def expert_modules(model: nn.Module, specs: Optional[Sequence[RouterSpec]] = Non
     parameters hold one slice per expert along their first dimension."""
     names = {id(module): name for name, module in named_modules(model)}
     return [(probe_name(names[id(r.experts)]), r.experts, r.num_experts) for r in find_routers(model, specs)
-            if r.experts is not None and r.num_experts is not None and id(r.experts) in names]
+            if r.experts is not None and id(r.experts) in names]
 
 
 def _experts_beside(router: nn.Module, block: Optional[nn.Module]) -> Optional[nn.Module]:
@@ -210,8 +210,7 @@ class _Kept:
         for chosen in indices:
             self._count(chosen.detach(), router.num_experts)
 
-    def _count(self, chosen: torch.Tensor, experts: Optional[int]) -> None:
-        experts = experts or int(chosen.max()) + 1
+    def _count(self, chosen: torch.Tensor, experts: int) -> None:
         counts = S.bincount(chosen.reshape(-1).long(), experts)[:experts]
         router = self.router
         if router.capacity_factor is not None:
