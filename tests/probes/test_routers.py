@@ -199,3 +199,66 @@ def test_off_steps_and_the_family_off_leave_routers_alone(tmp_path):
     assert sorted(series(layerwatch.load(tmp_path / "on"), "moe_dead").step.unique()) == [0, 3]
     train(tiny_moe("qwen3_moe"), tmp_path / "off", steps=1, families=("weights", "grads", "attention"))
     assert not layerwatch.load(tmp_path / "off").series.str.startswith("moe").any()
+
+
+class LogitsRouter(nn.Module):
+    """A router that returns its logits alone (DeepSeek-V3's in early transformers 5): its block
+    chooses the experts, and its experts are given them."""
+
+    def __init__(self, dim=16, experts=4):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(experts, dim) / 4)
+        self.num_experts, self.top_k = experts, 2
+
+    def forward(self, x):
+        return x @ self.weight.T
+
+
+class BlockExperts(nn.Module):
+    def __init__(self, dim=16, experts=4):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(experts, dim, dim) / 4)
+
+    def forward(self, x, top_k_index, top_k_weights):
+        return torch.einsum("nd,nkde,nk->ne", x, self.w[top_k_index], top_k_weights)
+
+
+class BiasedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.experts = LogitsRouter(), BlockExperts()
+        self.register_buffer("e_score_correction_bias", torch.tensor([0.0, 0.5, 0.0, 0.0]))
+
+    def forward(self, x):
+        scores = self.gate(x).sigmoid()
+        chosen = (scores + self.e_score_correction_bias).topk(2, -1).indices  # the bias changes the routing
+        return self.experts(x, chosen, scores.gather(-1, chosen))
+
+
+class DeclaresItsRouter(nn.Module):
+    _can_record_outputs = {"router_logits": LogitsRouter}
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = BiasedBlock()
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def test_a_router_returning_logits_alone_is_counted_from_its_experts_inputs(tmp_path):
+    model = DeclaresItsRouter()
+    (router,) = find_routers(model)
+    assert (router.name, router.experts is model.block.experts, router.num_experts) == ("block.gate", True, 4)
+    given = []
+    model.block.experts.register_forward_pre_hook(lambda m, args: given.append(args[1].clone()))
+    x = torch.randn(12, 16, generator=torch.Generator().manual_seed(2))
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, alerts=False) as inspector:
+        model(x).sum().backward()
+        inspector.step()
+    frame = layerwatch.load(tmp_path)
+    tokens = series(frame, "moe_tokens").set_index("layer").value
+    assert [tokens[f"block.gate#{e}"] for e in range(4)] == np.bincount(given[0].reshape(-1), minlength=4).tolist()
+    bias = series(frame, "moe_bias").set_index("layer").value
+    assert [bias[f"block.gate#{e}"] for e in range(4)] == [0.0, 0.5, 0.0, 0.0]

@@ -9,8 +9,10 @@ A custom MoE names its routers with the ``moe_routers`` option (:class:`RouterSp
 whose output (or its first element) is the router logits ``[..., experts]``, each token sent to
 its ``top_k`` largest.
 
-**Measured**, on sampled steps only: a forward hook on each router keeps its logits, a forward
-pre-hook on its experts keeps the indices. Once the forward is over (outside every module's
+**Measured**, on sampled steps only: a forward hook on each router keeps its logits and, where
+the router returns them (transformers v5's ``(logits, scores, indices)``), the experts it chose
+for each token: the routing before any expert-parallel dispatch. A router that returns its
+logits alone has its experts' forward pre-hook keep the indices they are given. Once the forward is over (outside every module's
 time), each call is reduced on the device: the tokens per expert (:func:`~layerwatch.stats.bincount`,
 no host sync), and over tokens the sums of the routing entropy, of the top-1 margin and of log Z
 (the logits' logsumexp), and its largest. Calls add up over the step's micro-batches. A call made
@@ -186,10 +188,11 @@ def route_sums(logits: torch.Tensor) -> torch.Tensor:
 class _Kept:
     """One router's calls on a sampled step: pending (kept by the hooks) and reduced."""
 
-    __slots__ = ("router", "logits", "indices", "counts", "sums", "dropped")
+    __slots__ = ("router", "routed", "logits", "indices", "counts", "sums", "dropped")
 
     def __init__(self, router: Router) -> None:
         self.router = router
+        self.routed = False  # the router's own output holds the indices (then the experts' pre-hook stands by)
         self.logits: list[torch.Tensor] = []
         self.indices: list[torch.Tensor] = []
         self.counts: Optional[torch.Tensor] = None
@@ -246,15 +249,20 @@ class RouterProbe:
             if is_compiling() or self.inert or _recomputing():
                 return
             logits = _logits(output)
-            if logits is not None:
-                kept.logits.append(logits)
-                if kept.router.experts is None and self._after is not None:
-                    self._after(self)
+            if logits is None:
+                return
+            kept.logits.append(logits)
+            chosen = _indices(output[1:], {}) if kept.router.experts is not None and isinstance(output, tuple) else None
+            if chosen is not None:
+                kept.routed = True
+                kept.indices.append(chosen)
+            if (chosen is not None or kept.router.experts is None) and self._after is not None:
+                self._after(self)
         return hook
 
     def _experts_hook(self, kept: _Kept) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if is_compiling() or self.inert or _recomputing():
+            if kept.routed or is_compiling() or self.inert or _recomputing():
                 return
             chosen = _indices(args, kwargs)
             if chosen is not None:
