@@ -26,6 +26,13 @@ from layerwatch.probes.selection import probe_names
 from layerwatch.stats import to_host
 
 
+EXPERT_PARALLEL = (
+    "layerwatch: the model's experts are split over ranks (expert parallel): each router's tokens per expert are "
+    "its own choices before they are dispatched, added over the ranks that route their own batches; each expert's "
+    "weight rows (<param>[e]) are read where its shard lies. This set-up is not among layerwatch's tested ones"
+)
+
+
 class TransformerProbes:
     """The ``attention`` and ``logits`` families' probes, and the kurtosis of the
     ``activations``; ``remove()`` is safe twice.
@@ -97,6 +104,9 @@ class TransformerProbes:
             if self.moe_routers and not any(r.experts is None for r in routers):
                 self.failures.warn_once("no-moe-routers", f"layerwatch: moe_routers={[s.pattern for s in self.moe_routers]!r} "
                                         "names no module of the model; those routers are not measured")
+            config = getattr(getattr(model, "config", None), "distributed_config", None)
+            if routers and getattr(config, "ep_size", 1) > 1 and is_writer_rank():
+                self.failures.say_once("moe-expert-parallel", EXPERT_PARALLEL)
             self._found = (id(model), routers)
         return self._found[1]
 
