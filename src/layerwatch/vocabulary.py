@@ -121,6 +121,8 @@ ACTIVATION_KURTOSIS = "activations_kurtosis"  # mean(s⁴) / mean(s²)² of its 
 BYTE_SERIES = (ACTIVATION_BYTES, SAVED_BYTES)
 TAB_ONLY_SERIES = BYTE_SERIES + ADAM_SERIES + MOE_EXPERT_SERIES + (
     ATTENTION_HEAD_LOGIT_MAX, ATTENTION_HEAD_ENTROPY, ACTIVATION_OUTLIER, ACTIVATION_KURTOSIS)  # too many for cards
+# ... and so are the rows <param>[e] of fused expert parameters (is_expert_param_row) in the weights', gradients' and
+# update ratios' series: a model's experts times their parameters times three series.
 NONFINITE_SERIES = ("weights_nonfinite", "grads_nonfinite", "activations_nonfinite", NONFINITE)
 
 # The LAYERWATCH tab's data (written by sinks/plugin_data.py, read by reading/events.py):
@@ -181,6 +183,11 @@ def expert_param_name(param: str, expert: int) -> str:
     """The row of one expert's slice of a fused expert parameter (``[experts, ...]``) in the
     weights', gradients' and update ratios' series: ``model.layers.0.mlp.experts.gate_up_proj[5]``."""
     return f"{param}[{expert}]"
+
+
+def is_expert_param_row(name: str) -> bool:
+    """Whether a layer name is one expert's slice of a fused expert parameter (:func:`expert_param_name`)."""
+    return name.endswith("]")
 
 
 def parent(name: str) -> str:

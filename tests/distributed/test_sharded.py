@@ -263,6 +263,68 @@ def test_fsdp2_per_layer_every_statistic_and_histogram_is_the_whole_tensors(tmp_
         assert grad_norm == pytest.approx(np.sqrt(sum((g**2).sum() for g in grads)), rel=1e-5)
 
 
+# ---------------------------------------------------------------------- a Mixture-of-Experts' experts, sharded
+
+EXPERTS = 3  # over two ranks along dim 0: rank 0 holds experts 0 and 1, rank 1 expert 2
+
+
+def expert_rows_worker(rank: int, world: int, out: str) -> None:
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    before: dict[str, np.ndarray] = {}
+
+    def build() -> nn.Module:
+        config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                            num_local_experts=EXPERTS, num_experts_per_tok=2)
+        model = transformers.MixtralForCausalLM(config)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        assert model.model.layers[0].mlp.experts.down_proj.to_local().shape[0] == (2, 1)[rank]  # whole experts each
+        return model
+
+    def experts(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in model.named_parameters() if ".experts." in n]
+
+    def loss_of(model: nn.Module, step: int) -> torch.Tensor:
+        before.update({n: p.full_tensor().detach().numpy().copy() for n, p in experts(model)})
+        torch.manual_seed(100 + 10 * step + rank)  # each rank its own data
+        tokens = torch.randint(0, 64, (2, 8))
+        return model(input_ids=tokens, labels=tokens).loss
+
+    def observe(model: nn.Module, step: int) -> None:  # the whole tensors: the step's gradients, the weights before and after it
+        whole = {f"grads/{n}": p.grad.full_tensor().numpy() for n, p in experts(model)}
+        whole |= {f"weights/{n}": p.full_tensor().detach().numpy() for n, p in experts(model)}
+        if rank == 0:
+            np.savez(f"{out}/step{step}.npz", **whole, **{f"before/{n}": a for n, a in before.items()})
+
+    train_both_ways(build, loss_of, out, observe, every_n_steps=2)
+
+
+def test_fsdp2_experts_sharded_along_their_dim_have_each_expert_s_rows(tmp_path, events):
+    run_ranks(expert_rows_worker, str(tmp_path), tmp=tmp_path)
+    tab = tab_values(events(tmp_path / "run"))
+    for step in (0, 2):
+        reference = np.load(tmp_path / f"step{step}.npz")
+        names = [key[len("weights/"):] for key in reference.files if key.startswith("weights/")]
+        assert len(names) == 4
+        for name in names:
+            w, g = reference[f"weights/{name}"].astype(np.float64), reference[f"grads/{name}"].astype(np.float64)
+            delta = w - reference[f"before/{name}"]
+            for e in range(EXPERTS):
+                row = f"{name}[{e}]"
+                assert tab[f"weights_norm/{row}"][step] == pytest.approx(np.linalg.norm(w[e]), rel=1e-5), (step, row)
+                assert tab[f"grads_norm/{row}"][step] == pytest.approx(np.linalg.norm(g[e]), rel=1e-5), (step, row)
+                ratio = np.linalg.norm(delta[e]) / np.linalg.norm(w[e])
+                assert tab[f"update_ratio/{row}"][step] == pytest.approx(ratio, rel=1e-4), (step, row)
+            squares = sum(tab[f"grads_norm/{name}[{e}]"][step] ** 2 for e in range(EXPERTS))
+            assert squares == pytest.approx(tab[f"grads_norm/{name}"][step] ** 2, rel=1e-5)
+
+
 # ---------------------------------------------------------------------- Lightning ModelParallelStrategy
 
 

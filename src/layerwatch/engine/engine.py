@@ -183,7 +183,7 @@ class Engine:
         self._attached.hold(*[] if stages is None else [stages])
         together = self._placement.together
         self._sampling.open_groups(together, self._attached, self._spikes)  # every rank, at the same point: collective
-        self._params.start(layout, zero, self._sampling.sync if layout.sharded else None)  # stages reduce nothing together
+        self._params.start(layout, zero, self._sampling.sync if layout.sharded else None, model)  # stages reduce nothing together
         if is_writer_rank():
             self._output.open(self.log_dir)
         self._faults.start(self._model, layout, zero, within, together, stages is not None)

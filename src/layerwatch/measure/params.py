@@ -13,7 +13,7 @@ estimates (``update_ratio_estimate/<param>``), said once; they are exact again o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -23,13 +23,16 @@ from layerwatch import stats as S
 from layerwatch.distributed.agreement import RankSync, fingerprint
 from layerwatch.distributed.sharding import Layout, NamedTensors, is_writer_rank, local_tensors, norms, parameter_layout, this_ranks_groups
 from layerwatch.guards.failures import FailurePolicy
+from layerwatch.measure.experts import ExpertRows, find_splits
 from layerwatch.options import Options
+from layerwatch.vocabulary import Family
 
 HISTOGRAM_VALUES = S.HISTOGRAM_VALUES
 SNAPSHOT_VALUES = S.HISTOGRAM_VALUES  # values of each weight an estimated update ratio samples
 CUDA_MARGIN = 0.05  # of the device's memory, left free when a snapshot is taken on a GPU
 
 Piece = tuple[list[str], torch.Tensor]  # names, and their packed rows on one device
+Reading = tuple[list[Piece], list[Piece]]  # a family's pieces: the whole tensors', their experts' slices' (<param>[e])
 
 
 @dataclass
@@ -74,6 +77,9 @@ class ParameterFamilies:
     reduction the ranks check that they hold the same list of tensors (``sync``): where they
     do not, every rank skips it, so no rank is left waiting in a collective the others will
     not issue.
+
+    Each family is read as a :data:`Reading`: the whole tensors' pieces, and with the ``moe``
+    family the pieces of the fused expert parameters' slices (:mod:`~layerwatch.measure.experts`).
     """
 
     def __init__(self, options: Options, failures: FailurePolicy) -> None:
@@ -83,21 +89,26 @@ class ParameterFamilies:
         self.layout = Layout()  # how the parameters lie over the ranks (given at start)
         self.zero: Any = None  # a DeepSpeed ZeRO run's pieces (layerwatch.measure.zero.Zero), given at start
         self.sync: Optional[RankSync] = None  # where the ranks of a sharded run agree
+        self.experts = ExpertRows()  # the fused expert parameters (given at start)
         self._unmeasurable: set[tuple[str, str]] = set()  # (weights|gradients, name) whose statistics failed
         self.param_bytes = 0  # this rank's share of the model's parameters (see start_snapshots)
         self._held_bytes = 0  # what this step's snapshots hold so far
         self._estimating_since: Optional[int] = None  # the step since which snapshots are samples
 
-    def start(self, layout: Layout, zero: Any, sync: Optional[RankSync]) -> None:
+    def start(self, layout: Layout, zero: Any, sync: Optional[RankSync], model: Optional[nn.Module] = None) -> None:
         """Where the parameters live (found at the run's start): their layout, a ZeRO run's
-        partitions, and the ranks' group a sharded run's reductions agree in (None: none)."""
+        partitions, and the ranks' group a sharded run's reductions agree in (None: none); with
+        the ``moe`` family, ``model``'s fused expert parameters."""
         self.layout, self.zero, self.sync = layout, zero, sync
+        if model is not None and Family.MOE in self.options.families:
+            self.experts.start(self.failures.run("find the fused expert parameters", lambda: find_splits(
+                model, self.options.moe_routers, layout, zero, self.failures.say_once), 0, otherwise={}))
 
     def release(self) -> None:
         self.sync = None
         self.workspace.clear()
 
-    def gradients(self, params: Sequence[tuple[str, nn.Parameter]], step: int) -> list[Piece]:
+    def gradients(self, params: Sequence[tuple[str, nn.Parameter]], step: int) -> Reading:
         if self.zero is not None:  # the averaged gradients in DeepSpeed's partitions, of the group it steps now
             return self.reduce(self.zero.gradients(params), "gradients")
         pairs, pieces = [], self.layout.pieces
@@ -119,7 +130,7 @@ class ParameterFamilies:
             )
         return self.reduce(pairs, "gradients")
 
-    def weights(self, params: Sequence[tuple[str, nn.Parameter]]) -> list[Piece]:
+    def weights(self, params: Sequence[tuple[str, nn.Parameter]]) -> Reading:
         return self.reduce(self._values(params), "weights")
 
     def _values(self, params: Sequence[tuple[str, nn.Parameter]]) -> NamedTensors:
@@ -225,12 +236,14 @@ class ParameterFamilies:
         self.workspace.drop("snapshot", keep_cpu=True)
         self._held_bytes = 0
 
-    def updates(self, snapshot: Snapshot, params: Sequence[tuple[str, nn.Parameter]], weight_norms: bool) -> list[Piece]:
+    def updates(self, snapshot: Snapshot, params: Sequence[tuple[str, nn.Parameter]], weight_norms: bool) -> Reading:
         """Rows ``[‖Δw‖, ‖w‖]`` of each snapshotted parameter (two rows per piece), ``w`` after
         the step; ``‖w‖`` is NaN unless ``weight_norms`` (the weights' own rows hold it), or
-        the snapshot is ``estimated`` (both norms then come from the same strided sample)."""
+        the snapshot is ``estimated`` (both norms then come from the same strided sample; no
+        expert's slices then)."""
         current = dict(self._values(params))
-        pieces = []
+        pieces: list[Piece] = []
+        experts: list[Piece] = []
         with torch.no_grad():
             for (group, names, before), strides in zip(snapshot.groups, snapshot.strides):
                 after = local_tensors([current[name] for name in names])
@@ -242,27 +255,45 @@ class ParameterFamilies:
                 measure = weight_norms or snapshot.estimated
                 after_norms = norms(after, group) if measure else torch.full_like(deltas, float("nan"))
                 pieces.append((names, torch.stack([deltas, after_norms])))
+                if self.experts.splits and not snapshot.estimated:
+                    experts += self._expert_rows("updates", self.experts.update_norms, group, names, before, after, weight_norms)
         self._release_snapshots()
-        return pieces
+        return pieces, experts
 
-    def reduce(self, pairs: NamedTensors, what: str) -> list[Piece]:
-        """Rows of ``what`` ("weights" or "gradients") of the named tensors this rank reduces."""
-        options, pieces = self.options, []
+    def reduce(self, pairs: NamedTensors, what: str) -> Reading:
+        """Rows of ``what`` ("weights" or "gradients") of the named tensors this rank reduces, and
+        of their experts' slices."""
+        options, pieces, experts = self.options, [], []
         measurable = [(name, t) for name, t in pairs if (what, name) not in self._unmeasurable]
         for group, names, tensors in self.groups(measurable, what):
             if group is not None:  # collective: every rank must take part in step with the others
                 pieces.append((names, S.reduce_sharded(tensors, group, options.bins, zeros=options.zeros,
                                                        centered=options.centered, histogram_values=HISTOGRAM_VALUES)))
-                continue
-            try:
-                rows = S.reduce(
-                    tensors, options.bins, zeros=options.zeros, centered=options.centered,
-                    histogram_values=HISTOGRAM_VALUES, workspace=self.workspace,
-                )
-                pieces.append((names, rows))
-            except Exception:
-                pieces.append(self._reduce_one_by_one(what, names, tensors))
-        return [(names, rows) for names, rows in pieces if names]
+            else:
+                try:
+                    rows = S.reduce(
+                        tensors, options.bins, zeros=options.zeros, centered=options.centered,
+                        histogram_values=HISTOGRAM_VALUES, workspace=self.workspace,
+                    )
+                    pieces.append((names, rows))
+                except Exception:
+                    pieces.append(self._reduce_one_by_one(what, names, tensors))
+            if self.experts.splits:  # after the whole tensors', in the same order on every rank
+                experts += self._expert_rows(what, self.experts.reduce, group, names, tensors, self.workspace)
+        return [(names, rows) for names, rows in pieces if names], experts
+
+    def _expert_rows(self, what: str, read: Callable[..., Optional[Piece]], group: Any, *args: Any) -> list[Piece]:
+        """The piece ``read`` (:class:`~layerwatch.measure.experts.ExpertRows`' reduce or
+        update_norms) makes of a group's experts: none where the group has no fused expert
+        parameter, or where this rank's own tensors cannot be sliced (said once; a sharded
+        group's ranks take part in its reduction whatever they hold)."""
+        try:
+            piece = read(group, *args)
+        except Exception as e:
+            self.failures.warn_once(f"experts:{what}", f"layerwatch: could not read the experts' slices of the {what}: "
+                                    f"{e!r}; their rows <param>[e] are left out")
+            return []
+        return [] if piece is None else [piece]
 
     def groups(self, pairs: NamedTensors, what: str) -> list[tuple[Any, list[str], list[torch.Tensor]]]:
         """:func:`~layerwatch.distributed.sharding.this_ranks_groups`, less the sharded groups whose
@@ -275,7 +306,8 @@ class ParameterFamilies:
             groups, error = [], e
         sharded = [names for group, names, _ in groups if group is not None]
         every = [name for names in sharded for name in names]
-        agreed = self.sync.same(ShardedTerms(error is not None, len(sharded), len(every), fingerprint(every)).vector())
+        names = fingerprint(every) ^ self.experts.fingerprint  # the experts' rows each tensor brings, too
+        agreed = self.sync.same(ShardedTerms(error is not None, len(sharded), len(every), names).vector())
         if error is not None:
             raise error
         if agreed:

@@ -42,6 +42,9 @@ class Sample:
     update_estimate: list[Piece] = field(default_factory=list)  # from strided samples: the snapshot did not fit
     adam: list[Piece] = field(default_factory=list)  # Adam's state after the step (optimizer_state.py)
     adam_spikes: list[Piece] = field(default_factory=list)  # its gradient spikes, read before the step
+    expert_grads: list[Piece] = field(default_factory=list)  # the fused expert parameters' slices <param>[e] (measure/experts.py)
+    expert_weights: list[Piece] = field(default_factory=list)
+    expert_update: list[Piece] = field(default_factory=list)  # exact snapshots' only
     optimizers: list[Any] = field(default_factory=list)  # those whose gradients were read before their step
     adam_read: set[int] = field(default_factory=set)  # id() of the parameters whose Adam state was read
     grads_read: set[int] = field(default_factory=set)  # id() of the parameters read so far
@@ -86,6 +89,10 @@ class Sample:
         return [  # a sparse gradient exists but is not measured: not "no gradient"
             name for name, p in self.params if p.requires_grad and not (p.grad is not None and p.grad.is_sparse)
         ]
+
+
+UPDATES = (S.UPDATE_ROWS, S.ESTIMATED_UPDATE_ROWS, S.EXPERT_UPDATE_ROWS)  # the families of two rows of columns
+OPTIONAL = (*WIDTH, S.EXPERT_GRAD_ROWS, S.EXPERT_WEIGHT_ROWS, S.EXPERT_UPDATE_ROWS)  # a family in HostRows only where it has pieces
 
 
 class SampleReads:
@@ -162,11 +169,17 @@ class SampleReads:
 
     def _gradients(self, sample: Sample, params: list[tuple[str, nn.Parameter]]) -> None:
         if params and Family.GRADS in self.families:
-            self.failures.run("read gradients", lambda: sample.grads.extend(self.params.gradients(params, sample.step)), sample.step)
+            read = self.failures.run("read gradients", lambda: self.params.gradients(params, sample.step), sample.step)
+            if read is not None:
+                sample.grads.extend(read[0])
+                sample.expert_grads.extend(read[1])
 
     def _weights(self, sample: Sample, params: list[tuple[str, nn.Parameter]]) -> None:
         if params and Family.WEIGHTS in self.families:
-            self.failures.run("read weights", lambda: sample.weights.extend(self.params.weights(params)), sample.step)
+            read = self.failures.run("read weights", lambda: self.params.weights(params), sample.step)
+            if read is not None:
+                sample.weights.extend(read[0])
+                sample.expert_weights.extend(read[1])
 
     def _snapshot(self, sample: Sample, params: list[tuple[str, nn.Parameter]], key: Optional[int]) -> None:
         if not sample.snapshots:  # the step's first: what a memory_budget given as a share is a share of
@@ -175,26 +188,28 @@ class SampleReads:
         sample.snapshots.append((key, self.params.snapshot(params, sample.step, f"snapshot{len(sample.snapshots)}.")))
 
     def _updates(self, sample: Sample, snapshot: Snapshot) -> None:
-        pieces = self.params.updates(snapshot, sample.params, weight_norms=Family.WEIGHTS not in self.families)
+        pieces, experts = self.params.updates(snapshot, sample.params, weight_norms=Family.WEIGHTS not in self.families)
         (sample.update_estimate if snapshot.estimated else sample.update).extend(pieces)
+        sample.expert_update.extend(experts)
 
     def host_rows(self, sample: Sample) -> S.HostRows:
         """The families' rows, on the host in one transfer per device, less the rows a rank
         could not help measure."""
         families = {S.GRAD_ROWS: sample.grads, S.WEIGHT_ROWS: sample.weights, S.UPDATE_ROWS: sample.update,
                     S.ESTIMATED_UPDATE_ROWS: sample.update_estimate, S.ADAM_ROWS: sample.adam,
-                    S.ADAM_SPIKE_ROWS: sample.adam_spikes}
+                    S.ADAM_SPIKE_ROWS: sample.adam_spikes, S.EXPERT_GRAD_ROWS: sample.expert_grads,
+                    S.EXPERT_WEIGHT_ROWS: sample.expert_weights, S.EXPERT_UPDATE_ROWS: sample.expert_update}
         arrays = iter(S.to_host([rows for pieces in families.values() for _, rows in pieces]))
         return {
-            family: [self._measured(family, names, next(arrays).reshape(2 if family in (S.UPDATE_ROWS, S.ESTIMATED_UPDATE_ROWS) else len(names), -1),
+            family: [self._measured(family, names, next(arrays).reshape(2 if family in UPDATES else len(names), -1),
                                     sample.step) for names, _ in pieces]
-            for family, pieces in families.items() if pieces or family not in WIDTH
+            for family, pieces in families.items() if pieces or family not in OPTIONAL
         }
 
     def _measured(self, family: str, names: list[str], rows: np.ndarray, step: int) -> tuple[list[str], np.ndarray]:
         """``names`` and their rows (update pieces: their two rows of columns) less the sharded
         tensors a rank could not help measure, or snapshot (said once)."""
-        update = family in (S.UPDATE_ROWS, S.ESTIMATED_UPDATE_ROWS)  # update and update_estimate: two rows of columns
+        update = family in UPDATES  # update, update_estimate, expert_update: two rows of columns
         failed = rows[0] == FAILED_NORM if update else adam_failed(rows) if family in WIDTH else S.Rows(rows).failed
         if not failed.any():
             return names, rows

@@ -28,7 +28,7 @@ from layerwatch.vocabulary import (
 )
 from layerwatch.vocabulary import (
     MOE_BIAS, MOE_DEAD, MOE_DROPPED, MOE_ENTROPY, MOE_IMBALANCE, MOE_MARGIN, MOE_ROUTER_Z, MOE_ROUTER_Z_MAX, MOE_TOKENS,
-    Family, expert_names,
+    Family, expert_names, is_expert_param_row,
 )
 
 @dataclass
@@ -60,13 +60,11 @@ def build(
     first_nonfinite_step: Optional[int] = None,
     all_grads: bool = True,
 ) -> StepRecord:
-    """The record of one step, the only place one is made: the tensor families' statistics and
-    histograms from their host ``rows`` (families ``weights``, ``grads``, ``update``,
-    ``update_estimate``), the global gradient norm, the update ratios, the layer table, the
-    probes' per-module values, Adam's state (``adam``, ``adam_spikes``), the ``findings``, and the engine's own figures. A record of the
-    sentinel's first hit alone holds ``first_nonfinite_step``. ``all_grads`` False: the rows
-    lack some gradients of the model (a pipeline stage's could not be sent), so its gradient
-    norm is not written."""
+    """The record of one step, the only place one is made: the tensor families' statistics and histograms from their
+    host ``rows`` (``weights``, ``grads``, ``update``, ``update_estimate``; the experts' slices' ``expert_*``), the
+    global gradient norm, the update ratios, the layer table, the probes' per-module values, Adam's state (``adam``,
+    ``adam_spikes``), the ``findings``, the engine's own figures. A record of the sentinel's first hit alone holds
+    ``first_nonfinite_step``. ``all_grads`` False: the rows lack some gradients (a pipeline stage's), no gradient norm."""
     rec = StepRecord(step, rerun=probes is not None and probes.rerun)
     rows = rows or {}
     for family in TENSOR_FAMILIES:
@@ -77,7 +75,9 @@ def build(
     weight_norms = {} if not rows.get(S.UPDATE_ROWS) else {  # the weights' own norms, for the exact ratios
         name: norm for names, r in rows.get(S.WEIGHT_ROWS, ()) for name, norm in zip(names, S.Rows(r).norm)
     }
-    for family, estimated in ((S.UPDATE_ROWS, False), (S.ESTIMATED_UPDATE_ROWS, True)):
+    if S.EXPERT_WEIGHT_ROWS in rows or S.EXPERT_GRAD_ROWS in rows:
+        weight_norms.update(_add_expert_norms(rec, rows, stats))
+    for family, estimated in ((S.UPDATE_ROWS, False), (S.ESTIMATED_UPDATE_ROWS, True), (S.EXPERT_UPDATE_ROWS, False)):
         for names, (deltas, after_norms) in rows.get(family, ()):
             ratios = update_ratios(names, deltas, after_norms, {} if estimated else weight_norms)
             prefix = update_ratio_tag("", estimated)
@@ -106,6 +106,17 @@ def build(
     if first_nonfinite_step is not None:
         rec.scalars[FIRST_NONFINITE_STEP] = first_nonfinite_step
     return rec
+
+
+def _add_expert_norms(rec: StepRecord, rows: S.HostRows, stats: Sequence[str]) -> dict[str, float]:
+    """The norms of the fused expert parameters' slices, ``weights_norm/<param>[e]`` and
+    ``grads_norm/<param>[e]`` (when ``norm`` is among the ``stats``): no other statistic, no
+    histogram. Returns the slices' weight norms (of their finite values), for their update ratios."""
+    for family, expert_family in ((S.WEIGHT_ROWS, S.EXPERT_WEIGHT_ROWS), (S.GRAD_ROWS, S.EXPERT_GRAD_ROWS)):
+        prefix = stat_prefix(family, "norm")
+        for names, family_rows in rows.get(expert_family, ()) if "norm" in stats else ():
+            rec.scalars.update(zip([prefix + name for name in names], S.scalar_stats(family_rows, ("norm",))["norm"].tolist()))
+    return {name: norm for names, r in rows.get(S.EXPERT_WEIGHT_ROWS, ()) for name, norm in zip(names, S.Rows(r).norm)}
 
 
 def _add_optimizer_state(rec: StepRecord, rows: S.HostRows) -> None:
@@ -217,7 +228,7 @@ class ScalarTags:
             if head in NONFINITE_SERIES:
                 quiet.append(i)
                 quiet_layers.append(name)
-            elif head not in TAB_ONLY_SERIES:
+            elif head not in TAB_ONLY_SERIES and not is_expert_param_row(name):
                 cards.append(i)
         self.series = {key: (names, np.asarray(indices, dtype=np.intp)) for key, (names, indices) in series.items()}
         self.cards = np.asarray(cards, dtype=np.intp)
@@ -244,7 +255,8 @@ class CardFilter:
     constant for fixed shapes. So a layer's NaN/Inf scalars become cards from the first
     sample where any of them is non-zero (and stay), beside the run-wide counts written at
     every sample; the byte series stay in the tab (and the layer table's output bytes), and so
-    do Adam's three series a tensor (the tab and ``layerwatch.load`` read them).
+    do Adam's three series a tensor (the tab and ``layerwatch.load`` read them), and the rows ``<param>[e]`` of
+    fused expert parameters (a model's experts times their parameters, in three series).
     """
 
     def __init__(self) -> None:

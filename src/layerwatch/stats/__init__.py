@@ -15,14 +15,16 @@ Everything is read as ``layerwatch.stats.<name>``.
 
 from layerwatch.stats.host import Landings, has_landed, host_reads_free, to_host, to_host_nonblocking
 from layerwatch.stats.batched import Workspace, as_real_values, bincount, chunk_values, grid, prime_stride, reduce
-from layerwatch.stats.rows import (ADAM_ROWS, ADAM_SPIKE_ROWS, ESTIMATED_UPDATE_ROWS, GRAD_ROWS, UPDATE_ROWS, WEIGHT_ROWS, ANCHOR, CENTERED_SUMSQ, COUNT, FINGERPRINT_WIDTH, HIST, HISTOGRAM_VALUES, HostRows, MAX, MAX_BINS,
+from layerwatch.stats.rows import (ADAM_ROWS, ADAM_SPIKE_ROWS, ESTIMATED_UPDATE_ROWS, EXPERT_GRAD_ROWS, EXPERT_UPDATE_ROWS,
+                                   EXPERT_WEIGHT_ROWS, GRAD_ROWS, UPDATE_ROWS, WEIGHT_ROWS, ANCHOR, CENTERED_SUMSQ, COUNT, FINGERPRINT_WIDTH, HIST, HISTOGRAM_VALUES, HostRows, MAX, MAX_BINS,
                                    MIN, NONFINITE, SCALE, SUM, SUMSQ, ZERO_POINT, ZEROS, Histogram, Rows, exact_row,
                                    histogram, histograms, row_width, scalar_stats)
 from layerwatch.stats.sharded import combine_shards, reduce_sharded, shard_statistics
 from layerwatch.vocabulary import STATS
 
 __all__ = [
-    "ADAM_ROWS", "ADAM_SPIKE_ROWS", "ESTIMATED_UPDATE_ROWS", "GRAD_ROWS", "UPDATE_ROWS", "WEIGHT_ROWS",
+    "ADAM_ROWS", "ADAM_SPIKE_ROWS", "ESTIMATED_UPDATE_ROWS", "EXPERT_GRAD_ROWS", "EXPERT_UPDATE_ROWS", "EXPERT_WEIGHT_ROWS",
+    "GRAD_ROWS", "UPDATE_ROWS", "WEIGHT_ROWS",
     "ANCHOR", "CENTERED_SUMSQ", "COUNT", "FINGERPRINT_WIDTH", "HIST", "HISTOGRAM_VALUES", "MAX", "MAX_BINS", "MIN",
     "NONFINITE", "SCALE", "STATS", "SUM", "SUMSQ", "ZERO_POINT", "ZEROS", "Histogram", "HostRows", "Landings", "Rows",
     "Workspace", "as_real_values", "bincount", "chunk_values", "combine_shards", "exact_row", "grid", "has_landed", "histogram", "histograms", "host_reads_free",

@@ -310,7 +310,7 @@ def _layers_named(value: Any) -> Iterator[str]:
 
 def _with_ancestors(names: list[str]) -> list[str]:
     """``names`` and the blocks above them in the tab's module tree (index.js ``parentName``:
-    a head's module, a dotted name's prefix, ``(root)``), each once."""
+    a head's module, an expert's parameter, a dotted name's prefix, ``(root)``), each once."""
     out: dict[str, None] = {}
     for name in names:
         while name is not None and name not in out:
@@ -325,6 +325,9 @@ def _parent(name: str) -> Optional[str]:
     module, hash_sign, head = name.rpartition("#")
     if hash_sign and head.isdecimal():
         return module
+    param, bracket, expert = name.rpartition("[")  # V.expert_param_name's <param>[e]
+    if bracket and expert.endswith("]") and expert[:-1].isdecimal():
+        return param
     prefix, dot, _ = name.rpartition(".")
     return prefix if dot else V.ROOT
 

@@ -4,7 +4,8 @@
  * TensorBoard loads this ES module in an iframe and calls render(). Every route (runs, stats,
  * heatmap, layer, events, rankings) is fetched relative to the plugin base. The page: a heatmap
  * of layers x sampled steps for one statistic, rows grouped by the module tree (an attention
- * head's row `<module>#<h>` a child of its module, folded into it until expanded); a layer's
+ * head's row `<module>#<h>` a child of its module, an expert's slice `<param>[e]` of its fused
+ * parameter, folded into it until expanded); a layer's
  * series and histograms when a row is clicked, and an attention module's heads x steps; the
  * run's events and rankings beside it.
  *
@@ -17,6 +18,8 @@
 
 const ROOT = '(root)';
 const HEAD = /#(\d+)$/; // an attention head's row: <module>#<h> (vocabulary.head_name)
+const EXPERT = /\[(\d+)\]$/; // an expert's slice of a fused expert parameter: <param>[e] (vocabulary.expert_param_name)
+const PART = /(#\d+|\[\d+\])$/; // a head's or an expert's row: a child of its module or parameter
 const ACCENT = '#f57c00';
 const NAN_CSS = '#ff00ff';
 const SPIKE_CSS = '#e53935';  // a loss spike's step: red stands out of viridis
@@ -307,11 +310,11 @@ function finiteExtent(arrays, positiveOnly) {
 
 // ------------------------------------------------------------------------------ module tree
 
-/** The parent of a dotted module or parameter name, a head's module; `(root)` parents the top-level names. */
+/** The parent of a dotted module or parameter name, a head's module, an expert's parameter; `(root)` parents the top-level names. */
 function parentName(name) {
   if (name === ROOT) return null;
-  const head = HEAD.exec(name);
-  if (head) return name.slice(0, head.index);
+  const part = PART.exec(name);
+  if (part) return name.slice(0, part.index);
   const dot = name.lastIndexOf('.');
   return dot < 0 ? ROOT : name.slice(0, dot);
 }
@@ -350,9 +353,15 @@ function isGroup(node) {
   return node.rowCount >= 2 && node.name !== ROOT;
 }
 
-/** A block of an attention module's heads (folded by default: see foldNewHeads). */
+/** A block of an attention module's heads, or of a fused parameter's experts (folded by default: see foldNewHeads). */
 function isHeadGroup(node) {
-  return isGroup(node) && node.children.some((child) => HEAD.test(child.name));
+  return isGroup(node) && node.children.some((child) => PART.test(child.name));
+}
+
+/** What a folded block of heads or experts holds: `4 heads`, `8 experts`. */
+function partsText(node) {
+  const experts = node.children.filter((child) => EXPERT.test(child.name)).length;
+  return experts ? `${experts} experts` : `${node.rowCount} heads`;
 }
 
 function headGroupNames(tree) {
@@ -572,10 +581,10 @@ function fitName(prefix, last, width, font) {
   return ['', last];
 }
 
-/** A name's [prefix, last]: `a.b.` and `c`; a head's module and `#h`. */
+/** A name's [prefix, last]: `a.b.` and `c`; a head's module and `#h`; an expert's parameter and `[e]`. */
 function splitName(name) {
-  const head = HEAD.exec(name);
-  const cut = head ? head.index : name.lastIndexOf('.') + 1;
+  const part = PART.exec(name);
+  const cut = part ? part.index : name.lastIndexOf('.') + 1;
   return [name.slice(0, cut), name.slice(cut)];
 }
 
@@ -869,7 +878,7 @@ class HeatmapView {
       hasOffenderBadge && el('span', {class: 'lw-badge lw-badge-offender', title: 'first offender'}, 'offender'),
       alertCount > 0 && el('span', {class: 'lw-badge lw-badge-alert', title: `${alertCount} alert(s)`}, `▼${alertCount}`),
     ];
-    const block = !row.collapsed ? '' : isHeadGroup(node) ? `${node.rowCount} heads folded` : `block of ${node.rowCount} rows`;
+    const block = !row.collapsed ? '' : isHeadGroup(node) ? `${partsText(node)} folded` : `block of ${node.rowCount} rows`;
     const badgeWidth = (hasOffenderBadge ? 58 : 0) + (alertCount > 0 ? 30 : 0) + (row.collapsed ? 30 : 0);
     const [prefix, last] = fittedName(node.name, LABEL_WIDTH - (level + 1) * INDENT - badgeWidth - 8);
     const twisties = row.groups.map((group) => {
@@ -974,7 +983,10 @@ class HeatmapView {
 }
 
 function blockDescription(node, statInfo) {
-  if (isHeadGroup(node)) return `${node.rowCount} heads folded, the ${statInfo.collapse ?? 'max'} of them`;
+  if (isHeadGroup(node)) {
+    const shown = node.row >= 0 ? 'the whole tensor\'s row' : `the ${statInfo.collapse ?? 'max'} of them`;
+    return `${partsText(node)} folded, ${shown}`;
+  }
   const how = node.row < 0 ? `${statInfo.collapse ?? 'max'} of its children` : 'its own row';
   return `block of ${node.rowCount} rows, ${how}`;
 }
@@ -1526,10 +1538,12 @@ function renderDetail(detail, layer, statsInfo, nonfiniteStep, spikeSteps = [], 
     return figure;
   });
   const head = HEAD.exec(layer.name);
+  const expert = EXPERT.exec(layer.name);
   detail.replaceChildren(
     el('div', {class: 'lw-detail-head'},
       el('h3', {}, layer.name),
       head && onSelect && el('span', {}, `head ${head[1]} of `, layerLink(parentName(layer.name), onSelect)),
+      expert && onSelect && el('span', {}, `expert ${expert[1]} of `, layerLink(parentName(layer.name), onSelect)),
       el('span', {class: 'lw-muted'}, `${steps.length} sampled steps`)),
     ...headsSection(layer, statsInfo, position, onSelect, drawings),
     el('div', {class: 'lw-subhead'}, 'Series'),
@@ -1851,7 +1865,7 @@ function loadedTrees() {
   return [app.main, app.compare].filter((loaded) => loaded?.tree).map((loaded) => loaded.tree);
 }
 
-/** An attention module's heads start folded into its row; once seen, they stay as the user leaves them. */
+/** An attention module's heads (a fused parameter's experts) start folded into its row; once seen, they stay as the user leaves them. */
 function foldNewHeads() {
   for (const name of loadedTrees().flatMap(headGroupNames)) {
     if (app.headsSeen.has(name)) continue;
