@@ -110,13 +110,11 @@ class Inspector:
         output_head: The module whose output is the model's logits (as ``named_modules()`` names
             it: ``"lm_head"``), for ``logsumexp_mean/<head>`` and ``logsumexp_max/<head>``.
             Default: the module Hugging Face's ``get_output_embeddings()`` returns.
-        moe_routers: The routers of a custom Mixture-of-Experts model, for the ``moe`` family
-            (transformers' MoE models need none: their routers are found). A mapping of module
-            names or glob patterns (``"layers.*.moe.gate"``) to ``top_k`` (each token goes to the
-            ``top_k`` experts of largest logit) or to ``{"top_k": 2, "capacity_factor": 1.25}``
-            (each expert takes at most ``ceil(1.25 * tokens * top_k / experts)`` tokens of a call:
-            ``moe_dropped`` counts the rest). Each named module's output, or its first element,
-            is the router logits ``[..., experts]``. See ``docs/moe.md``.
+        moe_routers: A custom MoE's routers for the ``moe`` family (transformers' are found):
+            module names or glob patterns (``"layers.*.moe.gate"``), each outputting the router
+            logits ``[..., experts]`` (or as its first element), mapped to ``top_k`` or to
+            ``{"top_k": 2, "capacity_factor": 1.25}`` (an expert takes at most
+            ``ceil(1.25 * tokens * top_k / experts)`` tokens a call; ``moe_dropped``: the rest).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer,
