@@ -2,19 +2,20 @@
 expert at each sampled step (the ``moe_tokens`` series, one row ``<router>#<e>`` an expert),
 their shares, the balancing bias where a router has one, and the imbalance the writer recorded.
 One reading for the notebook (``load_experts``), the tab (its ``experts`` route) and
-``layerwatch report``; the quantities themselves are :mod:`layerwatch.routing`'s. No torch.
+``layerwatch report`` (:func:`most_imbalanced`, :func:`dead_now`); the quantities themselves are
+:mod:`layerwatch.routing`'s. No torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
 from layerwatch import vocabulary as V
 from layerwatch.reading.events import Reader
-from layerwatch.routing import shares
+from layerwatch.routing import dead_experts, shares
 
 
 @dataclass
@@ -88,3 +89,35 @@ def _aligned(reader: Reader, key: str, rows: list[str], steps: list[int]) -> np.
         if name in row_of:
             out[i, into] = matrix[row_of[name], source]
     return out
+
+
+def most_imbalanced(experts: Experts, top: int = 5) -> list[dict[str, Any]]:
+    """The routers by their imbalance at their latest sample, the largest first: ``router``,
+    ``step``, ``imbalance``, and the run's largest, ``max`` at ``max_step``."""
+    found = []
+    for r, router in enumerate(experts.routers):
+        row = experts.imbalance[r]
+        written = np.flatnonzero(np.isfinite(row))
+        if written.size:
+            latest, largest = written[-1], written[np.argmax(row[written])]
+            found.append({"router": router, "step": experts.steps[latest], "imbalance": float(row[latest]),
+                          "max": float(row[largest]), "max_step": experts.steps[largest]})
+    return sorted(found, key=lambda item: -item["imbalance"])[:top]
+
+
+def dead_now(experts: Experts) -> list[dict[str, Any]]:
+    """The experts given no token at their router's latest sample (:func:`layerwatch.routing.dead_experts`),
+    the longest dead first: ``router``, ``expert``, ``since`` (the first step of the samples
+    without a token that run up to the latest), ``samples`` (how many) and ``last_step``."""
+    found = []
+    for i in range(experts.tokens.shape[0]):
+        measured = np.flatnonzero(np.isfinite(experts.tokens[i]))
+        dead = dead_experts(experts.tokens[i, measured])
+        if not dead.size or not dead[-1]:
+            continue
+        alive = np.flatnonzero(~dead)
+        first = int(alive[-1]) + 1 if alive.size else 0
+        found.append({"router": experts.routers[experts.router[i]], "expert": int(experts.expert[i]),
+                      "since": experts.steps[measured[first]], "samples": int(dead.size - first),
+                      "last_step": experts.steps[measured[-1]]})
+    return sorted(found, key=lambda item: -item["samples"])  # stable: model order among equals
