@@ -1720,7 +1720,8 @@ function refreshExperts() {
   const gridLayout = layoutRows(tree, app.collapsed, atStep, SHARE_INFO.collapse);
   const allShares = data.routers.map((_, r) => data.shares.subarray(data.offsets[r] * data.steps.length,
     (data.offsets[r] + data.experts[r]) * data.steps.length));
-  const gridScale = makeScale(allShares, false, SHARE_INFO.unit); // one scale for every step: the colours compare
+  // one scale for every step, so that the colours compare, from 0: a share's colour says how much of its router's tokens
+  const gridScale = makeScale([...allShares, [0]], false, SHARE_INFO.unit);
   const own = (row) => row.node.row >= 0 && !row.collapsed;
   const tokensAt = (row, col) => (own(row) ? atStep.tokens[row.node.row * atStep.width + col] : -Infinity);
   const routersWord = `${data.routers.length} router${data.routers.length === 1 ? '' : 's'}`;
