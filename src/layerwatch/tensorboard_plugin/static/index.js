@@ -1619,14 +1619,18 @@ function expertsAtStep(data, s) {
   return {steps: Array.from({length: width}, (_, e) => e), values, tokens, width};
 }
 
-/** The experts grid: the heatmap's view with experts for columns, a dead expert's cell crossed. */
+/**
+ * The experts grid: the heatmap's view with experts for columns, a dead expert's cell crossed
+ * where cells are wide enough for a cross (narrower, its share's colour is the scale's 0).
+ */
 class ExpertsGridView extends HeatmapView {
   drawMarks(ctx, box) {
     const {first, last, top, width} = box;
     const {rows, steps, deadAt} = this.model;
     const h = this.rowHeight;
     const cellWidth = width / Math.max(1, steps.length);
-    const size = Math.max(3, Math.min(h, cellWidth) * 0.25);
+    const size = Math.min(h, cellWidth) * 0.25;
+    if (size < 2) return super.drawMarks(ctx, box);
     ctx.save();
     ctx.strokeStyle = DEAD_CSS;
     ctx.lineWidth = 1.5;
