@@ -24,5 +24,6 @@ shot alerts.png "http://127.0.0.1:6125/#text&tagFilter=layerwatch%2Falerts" 1500
 python docs/tab_screenshots.py http://127.0.0.1:6123 docs/img
 python docs/hf_screenshot.py docs/img
 python docs/heads_screenshot.py docs/img  # the per-head view (layer-view.md): its own run and TensorBoard
+python docs/moe_screenshot.py docs/img  # the experts view (moe.md): two tiny Mixtrals, one collapsing, and TensorBoard
 python docs/share_screenshot.py docs/img  # the one-file report open from file:// (layer-view.md): its own run
 python docs/divergence_screenshots.py --out docs/img  # the divergence benchmark's pictures (reading-charts.md): its own runs and TensorBoard

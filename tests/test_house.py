@@ -19,13 +19,13 @@ ARGPARSE_TABLE = ("layerwatch.cli", "main")  # the CLI's argparse table: one lin
 
 # The top of the package: the public face, the three doors, the ground floor of public types.
 TOP = {"__init__", "__main__", "cli", "demo", "inspector", "lightning", "huggingface", "options", "schedule",
-       "vocabulary"}
+       "routing", "vocabulary"}
 FOLDERS = {"engine", "measure", "faults", "probes", "stats", "health", "sinks", "distributed", "table", "reading",
            "tensorboard_plugin", "guards"}
 # From the top down: each imports only what is below it (docs/architecture.md's table of folders). The
 # public face and the doors (the rest of TOP) stand above them all.
 LAYERS = ["tensorboard_plugin/", "reading/", "engine/", "sinks/", "faults/", "health/", "measure/", "options", "probes/",
-          "table/", "distributed/", "stats/", "guards/", "schedule", "vocabulary"]
+          "table/", "distributed/", "stats/", "guards/", "schedule", "routing", "vocabulary"]
 
 
 HOUSE = House(SRC)

@@ -9,7 +9,7 @@ if TYPE_CHECKING:
     from layerwatch.health.alert import Alert
     from layerwatch.inspector import Inspector
     from layerwatch.lightning import InspectCallback
-    from layerwatch.reading.notebook import load, load_alerts, load_histograms
+    from layerwatch.reading.notebook import load, load_alerts, load_experts, load_histograms
     from layerwatch.schedule import Schedule, at_steps, dense_then_every, every_n_steps, windowed
     from layerwatch.options import AlertRules, SpikeRule
     from layerwatch.table.summarize import summarize
@@ -23,6 +23,7 @@ _HOMES = {
     "load": "layerwatch.reading.notebook",
     "load_histograms": "layerwatch.reading.notebook",
     "load_alerts": "layerwatch.reading.notebook",
+    "load_experts": "layerwatch.reading.notebook",
     "summarize": "layerwatch.table.summarize",
     "Summary": "layerwatch.table.summary",
     "AlertRules": "layerwatch.options",
@@ -35,8 +36,8 @@ _HOMES = {
     "dense_then_every": "layerwatch.schedule",
 }
 __all__ = [
-    "Inspector", "InspectCallback", "load", "load_histograms", "load_alerts", "summarize", "Summary", "AlertRules", "Alert",
-    "SpikeRule", "Schedule", "every_n_steps", "at_steps", "windowed", "dense_then_every",
+    "Inspector", "InspectCallback", "load", "load_histograms", "load_alerts", "load_experts", "summarize", "Summary",
+    "AlertRules", "Alert", "SpikeRule", "Schedule", "every_n_steps", "at_steps", "windowed", "dense_then_every",
 ]  # spelled out (not list(_HOMES)) so that tools see what the package exports
 __version__ = "0.1.0"
 

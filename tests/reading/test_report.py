@@ -170,3 +170,46 @@ def test_a_compiled_models_slowest_layers_are_said_to_be_its_eager_re_runs(tmp_p
     assert main(["report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "Slowest leaf layers (median fwd of the eager re-run: the model is compiled):\n" in out
+
+
+def test_a_run_with_routers_lists_the_most_imbalanced_and_the_dead_experts(tmp_path, capsys):
+    from moe_runs import load, write_loads
+
+    a, b = "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"
+    write_loads(tmp_path / "moe", {
+        0: {a: load([4, 4, 4, 4]), b: load([8, 0, 4, 4])},
+        2: {a: load([10, 6, 0, 0]), b: load([4, 4, 4, 4])},
+        4: {a: load([12, 4, 0, 0]), b: load([6, 2, 4, 4])},
+        6: {a: load([8, 8, 0, 0]), b: load([4, 4, 8, 0])},
+    })
+    write_run(tmp_path / "dense", {"grads_norm/fc.weight": [1.0, 2.0]})
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    dense, moe = out.split("== dense")[1].split("== moe")
+    assert "Mixture-of-Experts" not in dense  # only a run with routers has the section
+    section = moe.split("Mixture-of-Experts routers (2 routers, 8 experts):\n")[1].splitlines()
+    assert section[0].startswith("  Most imbalanced (max / mean tokens per expert, 1 = balanced;")
+    assert [line.split() for line in section[1:3]] == [
+        [a, "2", "(step", "6)", "largest", "3", "(step", "4)"],  # latest 16 / 8; the run's largest 12 / 4
+        [b, "2", "(step", "6)", "largest", "2", "(step", "0)"]]
+    assert section[3] == "  Dead experts (no token at the latest sample) (3):"
+    assert [line.split() for line in section[4:7]] == [
+        [f"{a}#2", "since", "step", "2", "(3", "samples)"], [f"{a}#3", "since", "step", "2", "(3", "samples)"],
+        [f"{b}#3", "since", "step", "6", "(1", "sample)"]]  # b#1 came back: not dead now
+    assert main(["report", str(tmp_path), "--json"]) == 0
+    runs = {run["run"]: run for run in json.loads(capsys.readouterr().out)["runs"]}
+    assert runs["dense"]["experts"] is None
+    experts = runs["moe"]["experts"]
+    assert experts["routers"] == 2 and experts["experts"] == 8
+    assert experts["most_imbalanced"][0] == {"router": a, "step": 6, "imbalance": 2.0, "max": 3.0, "max_step": 4}
+    assert experts["dead"][2] == {"router": b, "expert": 3, "since": 6, "samples": 1, "last_step": 6}
+
+
+def test_the_dead_experts_listed_stop_at_ten(tmp_path, capsys):
+    from moe_runs import load, write_loads
+
+    write_loads(tmp_path, {0: {"gate": load([24] + [0] * 15)}})
+    assert main(["report", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "  Dead experts (no token at the latest sample) (15):" in lines
+    assert lines[-1] == "    … and 5 more" and lines[-2].split()[0] == "gate#10"

@@ -9,6 +9,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from layerwatch.routing import dead_experts, imbalance
+
 
 @dataclass
 class ModuleTrace:
@@ -80,19 +82,7 @@ class RouterLoad:
     @property
     def dead(self) -> int:
         """How many experts got no token."""
-        return int((self.tokens == 0).sum())
-
-
-def imbalance(tokens: np.ndarray) -> float:
-    """max / mean of the tokens per expert (1: balanced); NaN when none was routed."""
-    mean = float(tokens.mean()) if tokens.size else 0.0
-    return float(tokens.max()) / mean if mean > 0 else float("nan")
-
-
-def shares(tokens: np.ndarray) -> np.ndarray:
-    """Each expert's share of the routed tokens (they sum to 1); NaN when none was routed."""
-    total = float(tokens.sum())
-    return tokens / total if total > 0 else np.full(tokens.shape, np.nan)
+        return int(dead_experts(self.tokens).sum())
 
 
 class Signals(NamedTuple):

@@ -15,13 +15,15 @@ Three tables, one row per value:
 - :func:`load_histograms`: ``run, step, tensor, bucket, left, right, count, min, max, num``.
 - :func:`load_alerts`: ``run, step, kind, layer, message``; the first offender and the first
   non-finite step have kinds of their own (``first_offender``, ``first_nonfinite_step``).
+- :func:`load_experts`: ``run, step, layer, expert, tokens, share, bias``: a Mixture-of-Experts
+  router's load, one row per expert.
 
 A run is a directory holding event files, named by its path relative to ``logdir`` (``"."``
 for ``logdir`` itself), as TensorBoard names it. Several event files in one directory (a
 resumed run) read as one run: a step written twice keeps its later values.
 
 The files are read with the project's own record reader (:mod:`layerwatch.reading.events`), and
-for :func:`load` and :func:`load_alerts` only the values whose tag starts with
+for :func:`load`, :func:`load_alerts` and :func:`load_experts` only the values whose tag starts with
 ``layerwatch/`` are decoded: they are found in each record's bytes, so the cards and
 histograms around them cost a byte scan, not a parse. :func:`load_histograms` with
 ``tensors=`` finds its histograms the same way, and with ``steps=`` skips a record of another
@@ -44,6 +46,7 @@ import numpy as np
 from layerwatch import vocabulary as V
 from layerwatch.reading import events as E
 from layerwatch.reading.events import Reader, ReportError, find_runs
+from layerwatch.reading.experts import experts_of
 from layerwatch.reading.report import CARD_PREFIXES
 
 if TYPE_CHECKING:
@@ -52,6 +55,7 @@ if TYPE_CHECKING:
 SCALAR_COLUMNS = ["run", "step", "series", "layer", "value"]
 HISTOGRAM_COLUMNS = ["run", "step", "tensor", "bucket", "left", "right", "count", "min", "max", "num"]
 ALERT_COLUMNS = ["run", "step", "kind", "layer", "message"]
+EXPERT_COLUMNS = ["run", "step", "layer", "expert", "tokens", "share", "bias"]
 Runs = Union[str, Sequence[str], None]
 Tensors = Union[str, Iterable[str], None]
 Steps = Union[Iterable[int], range, slice, None]
@@ -162,6 +166,61 @@ def load_alerts(logdir: str | os.PathLike, runs: Runs = None) -> "pd.DataFrame":
         rows += [(name, *row) for row in sorted(found, key=lambda r: (r[0], r[1] != "first_nonfinite_step"))]
     frame = pd.DataFrame(rows, columns=ALERT_COLUMNS)
     return frame.astype({"step": np.int64})
+
+
+def load_experts(logdir: str | os.PathLike, runs: Runs = None) -> "pd.DataFrame":
+    """The load of every Mixture-of-Experts router under ``logdir``, one row per (run, step,
+    layer, expert): ``layer`` is the router module's name (as in :func:`load`), ``tokens`` the
+    tokens routed to the expert at that sampled step (a token counts once for each expert it is
+    sent to), ``share`` the expert's share of its router's tokens at that step (they sum to 1
+    over a router's experts; NaN where the router routed none), and ``bias`` the router's
+    aux-free balancing bias for the expert (DeepSeek-V3's ``e_score_correction_bias``; NaN for
+    a router without one).
+
+        >>> import layerwatch
+        >>> experts = layerwatch.load_experts("runs")                    # doctest: +SKIP
+        >>> last = experts[experts.step == experts.step.max()]           # doctest: +SKIP
+        >>> last.pivot_table("share", "layer", "expert")                 # doctest: +SKIP
+        >>> experts[experts.tokens == 0].groupby(["layer", "expert"]).step.min()  # doctest: +SKIP
+
+    The second line gives the routers x experts grid of shares at the last sample (the
+    LAYERWATCH tab's experts view); the third, each dead expert's first step without a token.
+
+    Args:
+        logdir, runs: As :func:`load`.
+
+    Raises:
+        ImportError, FileNotFoundError: as :func:`load`.
+        ValueError: as :func:`load`, or no chosen run has a router's data (the ``moe`` family
+            measures transformers' MoE routers, and a custom MoE's named by ``moe_routers``).
+    """
+    pd = _pandas()
+    frames = []
+    scans = _scan_runs(logdir, runs)
+    for name, scan in scans.items():
+        experts = experts_of(scan.tab)
+        if experts is not None:
+            frames.append(_experts_frame(pd, name, experts))
+    if not frames:
+        raise ValueError(f"no Mixture-of-Experts router in the runs of {str(logdir)!r} ({', '.join(scans)}): no "
+                         f"{V.MOE_TOKENS} series (the moe family measures transformers' MoE routers, and a custom "
+                         "MoE's named by moe_routers)")
+    return _concat(pd, frames, EXPERT_COLUMNS, {})
+
+
+def _experts_frame(pd: Any, run: str, experts: Any) -> "pd.DataFrame":
+    """``experts`` (a :class:`~layerwatch.reading.experts.Experts`) as rows, step by step, each
+    step's routers in model order."""
+    step_at, row_at = np.nonzero(np.isfinite(experts.tokens.T))
+    bias = experts.bias[row_at, step_at] if experts.bias is not None else np.full(row_at.size, np.nan)
+    return pd.DataFrame({
+        "run": run, "step": np.asarray(experts.steps, dtype=np.int64)[step_at],
+        "layer": np.asarray(experts.routers, dtype=object)[experts.router[row_at]],
+        "expert": experts.expert[row_at],
+        "tokens": experts.tokens[row_at, step_at],
+        "share": experts.shares()[row_at, step_at],
+        "bias": np.where(np.isneginf(bias), np.nan, bias),
+    })
 
 
 def _alert_rows(step: int, kind: str, value: Any) -> Iterator[tuple[int, str, str, str]]:

@@ -1,8 +1,9 @@
 """``layerwatch report LOGDIR``: what a person wants first from a log directory, without a server.
 
 Summarizes each run: the alerts, the first non-finite step, the largest and
-fastest-changing weight and gradient norms, and (when the runtime probes wrote them) the
-slowest layers and the largest memory. A run without any of layerwatch's tags says so. The
+fastest-changing weight and gradient norms, (when the runtime probes wrote them) the
+slowest layers and the largest memory, and (for a run with Mixture-of-Experts routers) the most
+imbalanced routers and the dead experts. A run without any of layerwatch's tags says so. The
 text form and the JSON form are documented in ``docs/alerts.md``.
 
 The event files are read by :mod:`layerwatch.reading.events`: each record parsed whole, with
@@ -21,6 +22,7 @@ import numpy as np
 from layerwatch.reading import events as E
 from layerwatch.reading import rankings
 from layerwatch.reading.events import Reader, ReportError, find_runs
+from layerwatch.reading.experts import dead_now, experts_of, most_imbalanced
 from layerwatch import vocabulary as V
 
 _NORMS = {family: V.series_key(family, "norm") for family in V.TENSOR_FAMILIES}  # series keys
@@ -40,6 +42,7 @@ _LAYERWATCH_PREFIXES = (
 SPIKES = V.EVENTS + "spikes"
 RERUN = V.EVENTS + "rerun"  # a compiled model's per-module values: of its eager re-run
 OTHER_TAGS_SHOWN = 5
+DEAD_SHOWN = 10  # dead experts listed in the text (the JSON has them all)
 NAME_WIDTH = 60  # longer layer names lose their middle
 
 
@@ -126,7 +129,18 @@ def _summarize(name: str, run: _Run) -> dict[str, Any]:
         "slowest": rankings.top_by_median([tables[key] for key in _TIMES], unit="ms"),
         "largest_memory": rankings.top_by_median([tables[key] for key in _BYTES], unit="bytes"),
         "rerun": any(events.get("rerun") for _, events in run.tab.events),  # a compiled model's: forward only, eager
+        "experts": _experts(run.tab),
     }
+
+
+def _experts(tab: Reader) -> Optional[dict[str, Any]]:
+    """A run's Mixture-of-Experts routers: how many, the most imbalanced and the dead experts;
+    None without routers."""
+    experts = experts_of(tab)
+    if experts is None:
+        return None
+    return {"routers": len(experts.routers), "experts": int(experts.tokens.shape[0]),
+            "most_imbalanced": most_imbalanced(experts), "dead": dead_now(experts)}
 
 
 def _series_table(run: _Run, key: str) -> rankings.Table:
@@ -175,6 +189,7 @@ def format_report(report: dict[str, Any]) -> str:
         covered = f"steps {steps['first']}..{steps['last']}, {steps['samples']} sampled" if steps else "no samples"
         lines += ["", f"== {run['run']}: {covered}"]
         lines += _alert_lines(run) + _spike_lines(run) + [_nonfinite_line(run)] + _norm_lines(run) + _cost_lines(run)
+        lines += _expert_lines(run.get("experts"))
     return "\n".join(lines)
 
 
@@ -240,6 +255,29 @@ def _cost_lines(run: dict[str, Any]) -> list[str]:
             lines += _table([[row["name"], show(row[unit]), ""] for row in rows])
         else:
             lines.append(f"{label}: not in this log (no {tags} tags)")
+    return lines
+
+
+def _expert_lines(experts: Optional[dict[str, Any]]) -> list[str]:
+    """The most imbalanced routers and the dead experts; nothing for a run without routers."""
+    if experts is None:
+        return []
+    lines = [f"Mixture-of-Experts routers ({experts['routers']} routers, {experts['experts']} experts):"]
+    if experts["most_imbalanced"]:
+        lines.append("  Most imbalanced (max / mean tokens per expert, 1 = balanced; latest sample, the run's largest):")
+        lines += ["  " + line for line in _table([[row["router"], _number(row["imbalance"]), f"(step {row['step']})",
+                                                   "largest", _number(row["max"]), f"(step {row['max_step']})"]
+                                                  for row in experts["most_imbalanced"]])]
+    dead = experts["dead"]
+    if not dead:
+        lines.append("  Dead experts (no token at the latest sample): none")
+        return lines
+    lines.append(f"  Dead experts (no token at the latest sample) ({len(dead)}):")
+    lines += ["  " + line for line in _table([[V.expert_name(row["router"], row["expert"]), f"since step {row['since']}",
+                                               f"({row['samples']} sample{'s' if row['samples'] != 1 else ''})"]
+                                              for row in dead[:DEAD_SHOWN]])]
+    if len(dead) > DEAD_SHOWN:
+        lines.append(f"    … and {len(dead) - DEAD_SHOWN} more")
     return lines
 
 

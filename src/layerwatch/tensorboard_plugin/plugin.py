@@ -27,6 +27,7 @@ from werkzeug import exceptions, wrappers
 from layerwatch.reading import rankings
 from layerwatch import vocabulary as V
 from layerwatch.reading.events import Reader, decode
+from layerwatch.reading.experts import experts_of
 from layerwatch.vocabulary import EVENTS, LAYOUT, PLUGIN_NAME, SERIES
 
 logger = logging.getLogger("layerwatch")
@@ -56,6 +57,15 @@ _STATS: dict[str, tuple[str, str, str, str]] = {
     V.NONFINITE: ("non-finite output or gradient", "0 / 1", "linear", "max"),
     V.series_key("grads", "nonfinite"): ("NaN/Inf gradient values", "count", "linear", "sum"),
     V.series_key("weights", "nonfinite"): ("NaN/Inf weight values", "count", "linear", "sum"),
+    V.MOE_IMBALANCE: ("expert load imbalance", "max / mean tokens per expert", "linear", "max"),
+    V.MOE_DEAD: ("dead experts", "experts given no token", "linear", "sum"),
+    V.MOE_TOKENS: ("tokens per expert", "tokens routed to it", "linear", "sum"),
+    V.MOE_ENTROPY: ("routing entropy", "nats, mean over tokens", "linear", "min"),
+    V.MOE_MARGIN: ("routing top-1 margin", "p₁ − p₂, mean over tokens", "linear", "max"),
+    V.MOE_ROUTER_Z: ("router log Z", "logsumexp, mean over tokens", "linear", "max"),
+    V.MOE_ROUTER_Z_MAX: ("router log Z, largest", "logsumexp, largest token's", "linear", "max"),
+    V.MOE_DROPPED: ("dropped tokens", "tokens over an expert's capacity", "linear", "sum"),
+    V.MOE_BIAS: ("balancing bias per expert", "added to the routing scores", "linear", "max"),
 }
 _STAT_NAMES = {"mean": "mean", "std": "std", "min": "min", "max": "max", "norm": "norm", "zero_frac": "zero fraction"}
 
@@ -73,7 +83,10 @@ def describe(key: str, rerun: bool = False) -> dict[str, Any]:
         unit, scale, collapse = ("count", "linear", "sum") if stat == "nonfinite" else ("value", "linear", "max")
         if stat == "norm":
             unit, scale, collapse = "L2 norm", "log", "rss"
-    return {"key": key, "label": label, "unit": unit, "scale": scale, "collapse": collapse}
+    described = {"key": key, "label": label, "unit": unit, "scale": scale, "collapse": collapse}
+    if key in V.MOE_EXPERT_SERIES:  # rows <router>#<e>, folded into their router as a module's heads are
+        described["parts"] = "experts"
+    return described
 
 
 def _order(key: str) -> tuple[int, str]:
@@ -106,6 +119,7 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
             "/layer": self._route(self.layer),
             "/events": self._route(self.events),
             "/rankings": self._route(self.rankings),
+            "/experts": self._route(self.experts),
         }
 
     @wrappers.Request.application
@@ -199,9 +213,21 @@ class LayerwatchPlugin(base_plugin.TBPlugin):
         rows, steps, matrix = self._reader(ctx, experiment, run, [stat]).matrix(stat)
         if not rows:
             raise exceptions.NotFound(f"run {run!r} has no series {stat!r}")
+        return {"run": run, "stat": stat, "rows": list(rows), "steps": steps, "values": _base64(matrix)}
+
+    def experts(self, ctx: Any, experiment: str, args: Any) -> dict[str, Any]:
+        """A run's Mixture-of-Experts routers for the tab's experts view: ``routers`` (model order),
+        ``experts`` (each router's count), ``steps``; and as base64 float32 rows, one per expert
+        (router by router, its experts in order) by step, ``tokens`` and ``shares`` (its share of
+        the router's tokens: NaN where none was routed), and one per router, ``imbalance``; -inf
+        where a router was not measured."""
+        run = _arg(args, "run")
+        found = experts_of(self._reader(ctx, experiment, run, [V.MOE_TOKENS, V.MOE_IMBALANCE]))
+        if found is None:
+            raise exceptions.NotFound(f"run {run!r} has no Mixture-of-Experts router (no {V.MOE_TOKENS} series)")
         return {
-            "run": run, "stat": stat, "rows": list(rows), "steps": steps,
-            "values": base64.b64encode(matrix.tobytes()).decode("ascii"),
+            "run": run, "routers": found.routers, "experts": found.counts, "steps": found.steps,
+            "tokens": _base64(found.tokens), "shares": _base64(found.shares()), "imbalance": _base64(found.imbalance),
         }
 
     def layer(self, ctx: Any, experiment: str, args: Any) -> dict[str, Any]:
@@ -379,6 +405,11 @@ def _arg(args: Any, name: str) -> str:
     if not value:
         raise exceptions.BadRequest(f"missing query parameter {name!r}")
     return value
+
+
+def _base64(matrix: np.ndarray) -> str:
+    """A matrix as the routes send one: base64 of its float32 values, little-endian, row by row."""
+    return base64.b64encode(np.ascontiguousarray(matrix, dtype="<f4").tobytes()).decode("ascii")
 
 
 def _json_value(value: Optional[float]) -> Any:

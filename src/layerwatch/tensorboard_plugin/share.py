@@ -222,18 +222,21 @@ def _check_stats(whole: Any, runs: list[str], stats: list[str]) -> None:
 def collect_answers(whole: Any, view: Any, runs: list[str]) -> dict[str, Any]:
     """Every answer the page can ask for, by route and then by the values of the route's query
     parameters in the order of their names (as index.js looks them up): ``runs``;
-    ``stats[run]``, ``heatmap[run][stat]``, ``layer[name][run]``, ``events[run]`` and
-    ``rankings[run]``. ``view`` answers them, save the events and rankings: ``whole`` (the
-    runs unnarrowed) does, so a narrowed file keeps every alert and ranks over every sample."""
+    ``stats[run]``, ``heatmap[run][stat]``, ``layer[name][run]``, ``events[run]``,
+    ``rankings[run]`` and, for a run with Mixture-of-Experts routers, ``experts[run]``.
+    ``view`` answers them, save the events and rankings: ``whole`` (the runs unnarrowed) does,
+    so a narrowed file keeps every alert and ranks over every sample."""
     answers: dict[str, Any] = {"runs": _ask(view.runs, {}), "stats": {}, "heatmap": {}, "layer": {},
-                               "events": {}, "rankings": {}}
+                               "events": {}, "rankings": {}, "experts": {}}
     for run in runs:
         answers["stats"][run] = stats = _ask(view.stats, {"run": run})
         answers["events"][run] = events = _ask(whole.events, {"run": run})
         answers["rankings"][run] = rankings = _ask(whole.rankings, {"run": run})
-        heatmaps = {stat["key"]: _ask(view.heatmap, {"run": run, "stat": stat["key"]})
-                    for stat in _body(stats).get("stats", [])}
+        keys = [stat["key"] for stat in _body(stats).get("stats", [])]
+        heatmaps = {key: _ask(view.heatmap, {"run": run, "stat": key}) for key in keys}
         answers["heatmap"][run] = {stat: _packable_heatmap(answer) for stat, answer in heatmaps.items()}
+        if V.MOE_TOKENS in keys:  # the experts view (index.js asks for it only then)
+            answers["experts"][run] = _packable_experts(_ask(view.experts, {"run": run}))
         rows = [name for answer in heatmaps.values() for name in _body(answer).get("rows", [])]
         named = [*_layers_named(_body(events)), *_layers_named(_body(rankings))]
         for name, answer in _layer_answers(view, run, _with_ancestors([*rows, *named])).items():
@@ -275,11 +278,26 @@ def _body(answer: Answer) -> dict[str, Any]:
 def _packable_heatmap(answer: Answer) -> Answer:
     """The heatmap's base64 values as their rows (:class:`~layerwatch.tensorboard_plugin.packing.Float32Rows`), so
     that a row equal to a layer's series is stored once."""
+    return _as_rows(answer, lambda body: {"values": len(body["rows"])})
+
+
+def _packable_experts(answer: Answer) -> Answer:
+    """The experts view's base64 rows likewise: its tokens and imbalance rows are stored once
+    with the heatmaps' rows of ``moe_tokens`` and ``moe_imbalance``."""
+    return _as_rows(answer, lambda body: {"tokens": sum(body["experts"]), "shares": sum(body["experts"]),
+                                          "imbalance": len(body["routers"])})
+
+
+def _as_rows(answer: Answer, fields: Callable[[dict[str, Any]], dict[str, int]]) -> Answer:
+    """``answer`` with each of its base64 ``fields`` (name: number of rows, of a column a step) as
+    :class:`~layerwatch.tensorboard_plugin.packing.Float32Rows`."""
     status, reason, body = answer
     if status != 200:
         return answer
-    values = np.frombuffer(base64.b64decode(body["values"]), dtype="<f4").reshape(len(body["rows"]), len(body["steps"]))
-    return [status, reason, {**body, "values": Float32Rows(values)}]
+    columns = len(body["steps"])
+    rows = {name: Float32Rows(np.frombuffer(base64.b64decode(body[name]), dtype="<f4").reshape(count, columns))
+            for name, count in fields(body).items()}
+    return [status, reason, {**body, **rows}]
 
 
 def _layer_answers(view: Any, run: str, names: list[str]) -> dict[str, Answer]:

@@ -7,7 +7,9 @@
  * head's row `<module>#<h>` a child of its module, an expert's slice `<param>[e]` of its fused
  * parameter, folded into it until expanded); a layer's
  * series and histograms when a row is clicked, and an attention module's heads x steps; the
- * run's events and rankings beside it.
+ * run's events and rankings beside it. A run with Mixture-of-Experts routers also gets the experts
+ * view: routers x experts coloured by each expert's share of its router's tokens at a chosen step,
+ * and each router's imbalance over the sampled steps, both drawn by the heatmap's own view.
  *
  * Values: NaN is a non-finite statistic (a finding), -Infinity is "not measured" (the JSON
  * routes' "NaN" and null are converted to these).
@@ -17,7 +19,7 @@
  */
 
 const ROOT = '(root)';
-const HEAD = /#(\d+)$/; // an attention head's row: <module>#<h> (vocabulary.head_name)
+const HEAD = /#(\d+)$/; // an attention head's row: <module>#<h> (vocabulary.head_name); a router's expert's, <router>#<e>
 const EXPERT = /\[(\d+)\]$/; // an expert's slice of a fused expert parameter: <param>[e] (vocabulary.expert_param_name)
 const PART = /(#\d+|\[\d+\])$/; // a head's or an expert's row: a child of its module or parameter
 const ACCENT = '#f57c00';
@@ -358,10 +360,10 @@ function isHeadGroup(node) {
   return isGroup(node) && node.children.some((child) => PART.test(child.name));
 }
 
-/** What a folded block of heads or experts holds: `4 heads`, `8 experts`. */
-function partsText(node) {
+/** What a folded block of heads or experts holds: `4 heads`, `8 experts` (a fused parameter's, or a router's: statInfo's `parts`). */
+function partsText(node, statInfo) {
   const experts = node.children.filter((child) => EXPERT.test(child.name)).length;
-  return experts ? `${experts} experts` : `${node.rowCount} heads`;
+  return experts ? `${experts} experts` : `${node.rowCount} ${partsOf(statInfo)}`;
 }
 
 function headGroupNames(tree) {
@@ -671,12 +673,16 @@ class HeatmapView {
     this.canvas.addEventListener('mouseleave', hideTooltip);
     this.canvas.addEventListener('click', (event) => {
       const cell = this.cellAt(event);
-      if (cell) this.callbacks.onSelect(cell.row.node.name);
+      if (cell) this.callbacks.onSelect(cell.row.node.name, cell.col);
     });
     this.labels.addEventListener('click', (event) => this.clickLabel(event));
   }
 
-  /** model: {title, stat, statInfo, steps, rows and spans (from layoutRows), scale, events, selected, maxHeight} */
+  /**
+   * model: {title, stat, statInfo, steps, rows and spans (from layoutRows), scale, events, selected, maxHeight};
+   * optional, for columns other than steps (the experts view): axisTitle, columnText(row, col) and
+   * cellLines(row, col) for the tooltip.
+   */
   show(model) {
     this.model = model;
     this.note.hidden = true;
@@ -878,7 +884,8 @@ class HeatmapView {
       hasOffenderBadge && el('span', {class: 'lw-badge lw-badge-offender', title: 'first offender'}, 'offender'),
       alertCount > 0 && el('span', {class: 'lw-badge lw-badge-alert', title: `${alertCount} alert(s)`}, `▼${alertCount}`),
     ];
-    const block = !row.collapsed ? '' : isHeadGroup(node) ? `${partsText(node)} folded` : `block of ${node.rowCount} rows`;
+    const block = !row.collapsed ? '' : isHeadGroup(node) ? `${partsText(node, this.model.statInfo)} folded`
+      : `block of ${node.rowCount} rows`;
     const badgeWidth = (hasOffenderBadge ? 58 : 0) + (alertCount > 0 ? 30 : 0) + (row.collapsed ? 30 : 0);
     const [prefix, last] = fittedName(node.name, LABEL_WIDTH - (level + 1) * INDENT - badgeWidth - 8);
     const twisties = row.groups.map((group) => {
@@ -916,7 +923,7 @@ class HeatmapView {
         class: 'lw-tick',
         style: `left:${LABEL_WIDTH + stepToX(steps, step, cellWidth)}px`,
       }, String(step))),
-      el('span', {class: 'lw-axis-title'}, 'step'));
+      el('span', {class: 'lw-axis-title'}, this.model.axisTitle ?? 'step'));
   }
 
   renderMarkStrip(width) {
@@ -967,8 +974,9 @@ class HeatmapView {
     const alerts = (this.marks.alertsByRow.get(index) ?? []).filter((mark) => mark.col === col);
     showTooltip(event, [
       el('b', {}, row.node.name),
-      `step ${steps[col]}`,
+      this.model.columnText?.(row, col) ?? `step ${steps[col]}`,
       `${statInfo.label}: ${formatValue(value, statInfo.unit)}${Number.isNaN(value) ? ' (non-finite)' : ''}`,
+      ...(this.model.cellLines?.(row, col) ?? []),
       row.collapsed && blockDescription(row.node, statInfo),
       ...alerts.map(({alert}) => `▼ ${alert.kind} @ ${alert.step}: ${alert.message ?? alert.layer}`),
     ].filter(Boolean));
@@ -982,10 +990,15 @@ class HeatmapView {
   }
 }
 
+/** What the `#<n>` rows of a statistic are: an attention module's heads, or a router's experts (stats' `parts`). */
+function partsOf(statInfo) {
+  return statInfo?.parts ?? 'heads';
+}
+
 function blockDescription(node, statInfo) {
   if (isHeadGroup(node)) {
     const shown = node.row >= 0 ? 'the whole tensor\'s row' : `the ${statInfo.collapse ?? 'max'} of them`;
-    return `${partsText(node)} folded, ${shown}`;
+    return `${partsText(node, statInfo)} folded, ${shown}`;
   }
   const how = node.row < 0 ? `${statInfo.collapse ?? 'max'} of its children` : 'its own row';
   return `block of ${node.rowCount} rows, ${how}`;
@@ -1025,8 +1038,11 @@ function legendTicks(scale, unit) {
   return labels;
 }
 
-/** The colour bar of `scale`, and the swatches of the colours not on it (with the heatmap's marks unless `marks` is false). */
-function legendElement(scale, statInfo, marks = true) {
+/**
+ * The colour bar of `scale`, and the swatches of the colours not on it (with the heatmap's marks
+ * unless `marks` is false, and any `extra` swatch elements).
+ */
+function legendElement(scale, statInfo, marks = true, extra = []) {
   const bar = el('canvas', {class: 'lw-legend-bar'});
   const ctx = sizeCanvas(bar, LEGEND_WIDTH, 10);
   for (let x = 0; x < LEGEND_WIDTH; x++) {
@@ -1046,7 +1062,8 @@ function legendElement(scale, statInfo, marks = true) {
       marks && swatch('lw-sw-alert', 'alert'),
       marks && swatch('lw-sw-offender', 'first offender'),
       marks && swatch('lw-sw-nonfinite', 'first NaN/Inf'),
-      marks && swatch('lw-sw-spike', 'loss spike')));
+      marks && swatch('lw-sw-spike', 'loss spike'),
+      ...extra));
 }
 
 // ------------------------------------------------------------------------------ events and rankings
@@ -1419,6 +1436,7 @@ function headsFigure(key, heads, info, onSelect) {
   const rowHeight = clamp(Math.floor(HEADS_HEIGHT / Math.max(1, names.length)), HEAD_ROW_HEIGHT.min, HEAD_ROW_HEIGHT.max);
   const labelEvery = Math.ceil(HEAD_LABEL_HEIGHT / rowHeight);
   const headOf = (name) => HEAD.exec(name)?.[1] ?? name;
+  const part = partsOf(info).replace(/s$/, ''); // "head", "expert"
   const labels = names.map((name, h) => el('div', {
     class: 'lw-head-label',
     'data-name': name,
@@ -1434,7 +1452,7 @@ function headsFigure(key, heads, info, onSelect) {
   },
   el('figcaption', {},
     el('span', {class: 'lw-chart-title'}, info.label),
-    el('span', {class: 'lw-muted'}, `${names.length} heads × ${steps.length} steps`),
+    el('span', {class: 'lw-muted'}, `${names.length} ${partsOf(info)} × ${steps.length} steps`),
     readout),
   el('div', {class: 'lw-heads-map'},
     el('div', {class: 'lw-heads-labels', style: `height:${names.length * rowHeight}px`}, ...labels), cells),
@@ -1455,7 +1473,7 @@ function headsFigure(key, heads, info, onSelect) {
     const cell = cellAt(event);
     hover(cell ? cell.h : null);
     readout.textContent = cell
-      ? `head ${headOf(names[cell.h])} · step ${steps[cell.col]}: ${formatValue(rows[cell.h].values[cell.col], info.unit)}`
+      ? `${part} ${headOf(names[cell.h])} · step ${steps[cell.col]}: ${formatValue(rows[cell.h].values[cell.col], info.unit)}`
       : '';
   });
   canvas.addEventListener('mouseleave', () => {
@@ -1493,20 +1511,22 @@ function drawHeads(canvas, width, {rows, steps, scale, rowHeight}) {
   }
 }
 
-/** An attention module's heads, one heatmap per per-head statistic (the order of `statsInfo`). */
+/** An attention module's heads (a router's experts), one heatmap per per-head statistic (the order of `statsInfo`). */
 function headsSection(layer, statsInfo, position, onSelect, drawings) {
   const keys = Object.keys(layer.heads ?? {}).filter((key) => layer.heads[key].heads.length)
     .sort((a, b) => position(a) - position(b));
   if (!keys.length) return [];
-  const figures = keys.map((key) => {
-    const info = statsInfo.get(key) ?? {label: key, unit: '', scale: 'linear'};
-    const {figure, draw} = headsFigure(key, layer.heads[key], info, onSelect);
+  const infos = keys.map((key) => statsInfo.get(key) ?? {label: key, unit: '', scale: 'linear'});
+  const figures = keys.map((key, i) => {
+    const {figure, draw} = headsFigure(key, layer.heads[key], infos[i], onSelect);
     drawings.push(draw);
     return figure;
   });
+  const parts = partsOf(infos[0]);
+  const part = parts.replace(/s$/, '');
   return [
-    el('div', {class: 'lw-subhead'}, 'Heads',
-      el('span', {class: 'lw-subhead-note'}, 'rows: heads · x: sampled step · click a head for its series')),
+    el('div', {class: 'lw-subhead'}, parts[0].toUpperCase() + parts.slice(1),
+      el('span', {class: 'lw-subhead-note'}, `rows: ${parts} · x: sampled step · click ${part === 'expert' ? 'an' : 'a'} ${part} for its series`)),
     el('div', {id: 'lw-heads', class: 'lw-heads-grid'}, ...figures),
   ];
 }
@@ -1542,7 +1562,7 @@ function renderDetail(detail, layer, statsInfo, nonfiniteStep, spikeSteps = [], 
   detail.replaceChildren(
     el('div', {class: 'lw-detail-head'},
       el('h3', {}, layer.name),
-      head && onSelect && el('span', {}, `head ${head[1]} of `, layerLink(parentName(layer.name), onSelect)),
+      head && onSelect && el('span', {}, `${partOfRow(layer, statsInfo)} ${head[1]} of `, layerLink(parentName(layer.name), onSelect)),
       expert && onSelect && el('span', {}, `expert ${expert[1]} of `, layerLink(parentName(layer.name), onSelect)),
       el('span', {class: 'lw-muted'}, `${steps.length} sampled steps`)),
     ...headsSection(layer, statsInfo, position, onSelect, drawings),
@@ -1555,6 +1575,12 @@ function renderDetail(detail, layer, statsInfo, nonfiniteStep, spikeSteps = [], 
   drawings.forEach((draw) => draw());
 }
 
+/** "head" or "expert": what a `<name>#<n>` row is, by the statistics it has. */
+function partOfRow(layer, statsInfo) {
+  const experts = Object.keys(layer.series ?? {}).some((key) => partsOf(statsInfo.get(key)) === 'experts');
+  return experts ? 'expert' : 'head';
+}
+
 function chartGrid(figures, emptyText) {
   return figures.length ? el('div', {class: 'lw-charts'}, ...figures) : el('div', {class: 'lw-muted'}, emptyText);
 }
@@ -1563,6 +1589,197 @@ function histogramSummary(buckets) {
   if (!buckets.length) return 'empty';
   const total = buckets.reduce((sum, bucket) => sum + bucket[2], 0);
   return `${formatNumber(buckets[0][0])} … ${formatNumber(buckets[buckets.length - 1][1])}, ${formatNumber(total)} values`;
+}
+
+// ------------------------------------------------------------------------------ experts
+
+/** The experts grid's colour: an expert's share of its router's tokens (the experts route's `shares`). */
+const SHARE_INFO = {key: 'share', label: "expert's share", unit: "share of its router's tokens", scale: 'linear',
+  collapse: 'max'};
+const DEAD_CSS = '#ffffff';
+
+/** The experts route's answer, its base64 rows decoded: `tokens` and `shares` one row an expert, `imbalance` one a router. */
+async function fetchExperts(run) {
+  const reply = await getJson('experts', {run});
+  const n = reply.steps.length;
+  const offsets = [];
+  let rows = 0;
+  for (const count of reply.experts) {
+    offsets.push(rows);
+    rows += count;
+  }
+  const decoded = {};
+  for (const [key, count] of [['tokens', rows], ['shares', rows], ['imbalance', reply.routers.length]]) {
+    decoded[key] = decodeFloat32(reply[key]);
+    if (decoded[key].length !== count * n) {
+      throw new Error(`experts of ${run}: ${decoded[key].length} ${key} values for ${count} rows x ${n} steps`);
+    }
+  }
+  return {routers: reply.routers, experts: reply.experts, offsets, steps: reply.steps, ...decoded};
+}
+
+/** Routers x experts at the step of index `s`: shares (the cells' values) and tokens, -Infinity past a router's experts. */
+function expertsAtStep(data, s) {
+  const width = Math.max(0, ...data.experts);
+  const n = data.steps.length;
+  const values = new Float32Array(data.routers.length * width).fill(-Infinity);
+  const tokens = new Float32Array(values.length).fill(-Infinity);
+  data.routers.forEach((_, r) => {
+    for (let e = 0; e < data.experts[r]; e++) {
+      values[r * width + e] = data.shares[(data.offsets[r] + e) * n + s];
+      tokens[r * width + e] = data.tokens[(data.offsets[r] + e) * n + s];
+    }
+  });
+  return {steps: Array.from({length: width}, (_, e) => e), values, tokens, width};
+}
+
+/**
+ * The experts grid: the heatmap's view with experts for columns, a dead expert's cell crossed
+ * where cells are wide enough for a cross (narrower, its share's colour is the scale's 0).
+ */
+class ExpertsGridView extends HeatmapView {
+  drawMarks(ctx, box) {
+    const {first, last, top, width} = box;
+    const {rows, steps, deadAt} = this.model;
+    const h = this.rowHeight;
+    const cellWidth = width / Math.max(1, steps.length);
+    const size = Math.min(h, cellWidth) * 0.25;
+    if (size < 2) return super.drawMarks(ctx, box);
+    ctx.save();
+    ctx.strokeStyle = DEAD_CSS;
+    ctx.lineWidth = 1.5;
+    ctx.beginPath();
+    for (let r = first; r < last; r++) {
+      for (let c = 0; c < steps.length; c++) {
+        if (!deadAt(rows[r], c)) continue;
+        const [x, y] = [(c + 0.5) * cellWidth, r * h - top + h / 2];
+        ctx.moveTo(x - size, y - size);
+        ctx.lineTo(x + size, y + size);
+        ctx.moveTo(x + size, y - size);
+        ctx.lineTo(x - size, y + size);
+      }
+    }
+    ctx.stroke();
+    ctx.restore();
+    super.drawMarks(ctx, box);
+  }
+}
+
+/** The experts views and the step chooser between them. */
+function buildExpertsViews() {
+  const grid = new ExpertsGridView({canvasId: 'lw-experts-grid', onSelect: selectExpertCell, onToggleGroup: toggleGroup});
+  const imbalance = new HeatmapView({canvasId: 'lw-experts-imbalance', onSelect: selectImbalanceCell,
+    onToggleGroup: toggleGroup});
+  const slider = el('input', {id: 'lw-experts-step', type: 'range', min: '0', max: '0', value: '0', step: '1',
+    title: 'the sampled step the grid shows'});
+  const stepLabel = el('span', {class: 'lw-experts-step-label'});
+  const balanced = el('span', {class: 'lw-muted'});
+  slider.addEventListener('input', () => {
+    app.expertsStep = Number(slider.value);
+    refreshExperts();
+  });
+  grid.element.insertBefore(el('div', {class: 'lw-experts-controls'},
+    el('label', {class: 'lw-field'}, el('span', {}, 'Step'), slider), stepLabel, balanced), grid.note);
+  const element = el('div', {id: 'lw-experts', class: 'lw-experts', hidden: true}, grid.element, imbalance.element);
+  return {element, grid, imbalance, slider, stepLabel, balanced};
+}
+
+/** A click in the grid: an expert's cell selects its row `<router>#<e>`; a label or a block, the router or block. */
+function selectExpertCell(name, col) {
+  const routers = app.experts?.data?.routers ?? [];
+  selectLayer(col !== undefined && routers.includes(name) ? `${name}#${col}` : name);
+}
+
+/** A click in the imbalance over time: the grid moves to that step, and the router is selected. */
+function selectImbalanceCell(name, col) {
+  if (col !== undefined) {
+    app.expertsStep = col;
+    refreshExperts();
+  }
+  selectLayer(name);
+}
+
+/** The run's routers, when its statistics have them (`moe_tokens`); else the views are hidden. */
+async function loadExperts(run, stats) {
+  const ticket = ++app.tickets.experts;
+  app.experts = null;
+  if (!stats.some((stat) => stat.key === 'moe_tokens')) return refreshExperts();
+  let loaded;
+  try {
+    const [data, events] = await Promise.all([fetchExperts(run), eventsOf(run)]);
+    loaded = {run, data, events, tree: buildTree(data.routers)};
+  } catch (error) {
+    loaded = {run, error};
+  }
+  if (ticket !== app.tickets.experts) return;
+  app.experts = loaded;
+  app.expertsStep = loaded.data ? loaded.data.steps.length - 1 : 0;
+  if (loaded.error) showError('Could not load the experts', loaded.error);
+  refreshExperts();
+}
+
+/** Lays out and draws the experts views (after a load, a step chosen, a collapse or a resize). */
+function refreshExperts() {
+  const views = app.expertsViews;
+  const loaded = app.experts;
+  views.element.hidden = !loaded;
+  if (!loaded) return;
+  if (!loaded.data) {
+    views.grid.showMessage(['Experts', loaded.run], `Could not load the experts: ${loaded.error.message}`, true);
+    views.imbalance.element.hidden = true;
+    return;
+  }
+  views.imbalance.element.hidden = false;
+  const {data, tree, events} = loaded;
+  const s = clamp(app.expertsStep, 0, Math.max(0, data.steps.length - 1));
+  const step = data.steps[s];
+  const atStep = expertsAtStep(data, s);
+  const maxHeight = Math.max(140, Math.round(window.innerHeight * 0.4));
+  const gridLayout = layoutRows(tree, app.collapsed, atStep, SHARE_INFO.collapse);
+  const allShares = data.routers.map((_, r) => data.shares.subarray(data.offsets[r] * data.steps.length,
+    (data.offsets[r] + data.experts[r]) * data.steps.length));
+  // one scale for every step, so that the colours compare, from 0: a share's colour says how much of its router's tokens
+  const gridScale = makeScale([...allShares, [0]], false, SHARE_INFO.unit);
+  const own = (row) => row.node.row >= 0 && !row.collapsed;
+  const tokensAt = (row, col) => (own(row) ? atStep.tokens[row.node.row * atStep.width + col] : -Infinity);
+  const routersWord = `${data.routers.length} router${data.routers.length === 1 ? '' : 's'}`;
+  views.grid.show({
+    title: [el('span', {class: 'lw-hm-stat'}, 'Experts'), el('span', {class: 'lw-hm-run'}, loaded.run),
+      el('span', {class: 'lw-muted'}, `${routersWord} × ${atStep.width} experts, at step ${step ?? '–'}`)],
+    stat: SHARE_INFO.key, statInfo: SHARE_INFO, steps: atStep.steps, rows: gridLayout.rows, spans: gridLayout.spans,
+    scale: gridScale, events: {}, selected: app.selected, maxHeight, axisTitle: 'expert',
+    columnText: (row, col) => `expert ${col} · step ${step}`,
+    cellLines: (row, col) => {
+      const tokens = tokensAt(row, col);
+      if (tokens === -Infinity) return [];
+      return [`tokens: ${formatNumber(tokens)}`, tokens === 0 && 'no token: a dead expert at this step'].filter(Boolean);
+    },
+    deadAt: (row, col) => tokensAt(row, col) === 0,
+  });
+  views.grid.element.dataset.step = String(step ?? '');
+  views.slider.max = String(Math.max(0, data.steps.length - 1));
+  views.slider.value = String(s);
+  views.stepLabel.textContent = `step ${step ?? '–'} (${s + 1} of ${data.steps.length} samples)`;
+  const evenly = [...new Set(data.experts)].map((count) => formatNumber(1 / count)).join(', ');
+  views.balanced.textContent = `balanced: every expert ${evenly} · × no token`;
+  views.grid.legendSlot.replaceChildren(legendElement(gridScale, SHARE_INFO, false,
+    [el('span', {class: 'lw-swatch'}, el('i', {class: 'lw-sw-dead'}), 'dead expert')]));
+  refreshImbalance(views.imbalance, loaded, maxHeight);
+}
+
+/** Each router's imbalance over the sampled steps: the heatmap's view of `moe_imbalance` over the routers' tree. */
+function refreshImbalance(view, {run, data, tree, events}, maxHeight) {
+  const info = statInfo('moe_imbalance');
+  const layout = layoutRows(tree, app.collapsed, {steps: data.steps, values: data.imbalance}, info.collapse);
+  const scale = makeScale(layout.rows.map((row) => row.values), info.scale === 'log', info.unit);
+  view.show({
+    title: [el('span', {class: 'lw-hm-stat'}, `${info.label} over time`), el('span', {class: 'lw-hm-run'}, run),
+      el('span', {class: 'lw-muted'}, `${data.routers.length} router${data.routers.length === 1 ? '' : 's'} × ` +
+        `${data.steps.length} steps · click a step to show it above`)],
+    stat: info.key, statInfo: info, steps: data.steps, rows: layout.rows, spans: layout.spans, scale, events,
+    selected: app.selected, maxHeight,
+  });
+  view.legendSlot.replaceChildren(legendElement(scale, info));
 }
 
 // ------------------------------------------------------------------------------ the app
@@ -1580,9 +1797,12 @@ const app = {
   main: null, // {run, stat, data, tree, events, layout} of the selected run; {run, stat, error} if it failed
   compare: null, // the same for the compared run ({run, stat, missing} if it lacks the stat), or null
   cache: {stats: new Map(), events: new Map()},
-  tickets: {run: 0, heatmap: 0, detail: 0},
+  tickets: {run: 0, heatmap: 0, detail: 0, experts: 0},
   ui: null,
   views: null,
+  experts: null, // {run, data, tree, events} of the selected run's routers; {run, error} if they failed; null: none
+  expertsStep: 0, // the index of the sampled step the experts grid shows
+  expertsViews: null,
 };
 
 function statsOf(run) {
@@ -1640,6 +1860,7 @@ function buildShell() {
     new HeatmapView({canvasId, onSelect: selectLayer, onToggleGroup: toggleGroup, onScroll: (top) => syncScroll(other, top)});
   const views = {main: view('lw-heatmap', 'compare'), compare: view('lw-heatmap-compare', 'main')};
   views.compare.element.hidden = true;
+  const experts = buildExpertsViews();
   const field = (text, control) => el('label', {class: 'lw-field'}, el('span', {}, text), control);
   const toolbar = el('header', {class: 'lw-toolbar'},
     el('span', {class: 'lw-brand'}, 'LAYERWATCH'),
@@ -1652,7 +1873,7 @@ function buildShell() {
   renderDetailPlaceholder(ui.detail);
   const page = el('div', {class: 'lw-app'}, toolbar, ui.error,
     el('div', {class: 'lw-main'},
-      el('div', {class: 'lw-column'}, views.main.element, views.compare.element, ui.detail),
+      el('div', {class: 'lw-column'}, views.main.element, views.compare.element, experts.element, ui.detail),
       el('aside', {class: 'lw-side'}, ui.events, ui.rankings)));
   ui.toolbar = toolbar;
   ui.page = page;
@@ -1682,7 +1903,7 @@ function buildShell() {
       refreshHeatmaps();
     });
   });
-  return {ui, views};
+  return {ui, views, experts};
 }
 
 function task(context, run) {
@@ -1728,6 +1949,9 @@ async function selectRun(run) {
   renderDetailPlaceholder(app.ui.detail);
   fillCompareOptions();
   loadSidePanels(run);
+  app.tickets.experts += 1; // the routers of the previous run, if any, are hidden until this run's are known
+  app.experts = null;
+  refreshExperts();
   let reply;
   try {
     reply = await statsOf(run);
@@ -1752,6 +1976,7 @@ async function selectRun(run) {
     ...app.stats.map((stat) => option(stat.key, stat.unit ? `${stat.label} (${stat.unit})` : stat.label)));
   app.ui.stat.value = app.stat;
   app.ui.log.checked = app.log;
+  task('Could not load the experts', () => loadExperts(run, app.stats));
   await loadHeatmaps();
 }
 
@@ -1817,6 +2042,7 @@ function heatmapTitle(loaded, role) {
 
 /** Lays out, colours and draws the loaded heatmaps (after a load, a collapse, the log toggle or a resize). */
 function refreshHeatmaps() {
+  refreshExperts(); // the routers' views share the collapsed blocks and the page's width
   if (!app.main) return;
   const info = statInfo(app.main.stat);
   const shown = [app.main, app.compare].filter((loaded) => loaded?.data);
@@ -1904,7 +2130,7 @@ function syncScroll(role, top) {
 
 function selectLayer(name) {
   app.selected = name;
-  for (const view of Object.values(app.views)) {
+  for (const view of [...Object.values(app.views), app.expertsViews.grid, app.expertsViews.imbalance]) {
     view.setSelected(name);
     view.reveal(name);
   }
@@ -2057,7 +2283,8 @@ code { font-family: "Roboto Mono", ui-monospace, monospace; font-size: 12px; bac
 .lw-charts { display: grid; grid-template-columns: repeat(auto-fill, minmax(230px, 1fr)); gap: 10px 14px; }
 .lw-chart { margin: 0; min-width: 0; }
 .lw-chart figcaption { display: flex; gap: 6px; align-items: baseline; font-size: 12px; white-space: nowrap; overflow: hidden; }
-.lw-chart-title { font-weight: 500; overflow: hidden; text-overflow: ellipsis; }
+.lw-chart-title { font-weight: 500; overflow: hidden; text-overflow: ellipsis; flex-shrink: 0; max-width: 100%; }
+.lw-chart figcaption > .lw-muted { min-width: 0; overflow: hidden; text-overflow: ellipsis; }
 .lw-readout { margin-left: auto; color: #424242; font-size: 11px; }
 .lw-chart canvas { display: block; }
 .lw-heads-grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(360px, 1fr)); gap: 10px 14px; }
@@ -2068,6 +2295,12 @@ code { font-family: "Roboto Mono", ui-monospace, monospace; font-size: 12px; bac
 .lw-head-label:hover, .lw-head-label.lw-hover { background: #fff3e0; color: var(--lw-text); }
 .lw-heads-cells { flex: 1 1 auto; min-width: 0; }
 .lw-heads-canvas { cursor: crosshair; }
+.lw-experts { display: flex; flex-direction: column; gap: 16px; min-width: 0; }
+.lw-experts-controls { display: flex; flex-wrap: wrap; align-items: center; gap: 4px 12px; margin: 0 0 6px; font-size: 12px; }
+.lw-experts-controls input[type=range] { width: 260px; accent-color: var(--lw-accent); margin: 0; }
+.lw-experts-step-label { font-weight: 500; }
+.lw-sw-dead { background: ${VIRIDIS[0]}; position: relative; }
+.lw-sw-dead::after { content: "×"; position: absolute; left: 2px; top: -3px; color: ${DEAD_CSS}; font-size: 12px; font-style: normal; }
 .lw-tooltip { position: fixed; z-index: 20; pointer-events: none; max-width: 360px; padding: 6px 8px; border-radius: 3px;
   background: rgba(33,33,33,.94); color: #fff; font-size: 12px; line-height: 1.45; box-shadow: 0 2px 6px rgba(0,0,0,.25); }
 `;
@@ -2076,9 +2309,10 @@ code { font-family: "Roboto Mono", ui-monospace, monospace; font-size: 12px; bac
 
 export async function render() {
   document.head.append(el('style', {}, STYLE));
-  const {ui, views} = buildShell();
+  const {ui, views, experts} = buildShell();
   app.ui = ui;
   app.views = views;
+  app.expertsViews = experts;
   document.body.replaceChildren(ui.page);
   try {
     await loadRuns();
