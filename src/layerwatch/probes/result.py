@@ -71,11 +71,17 @@ class RouterLoad:
     z_max: Optional[float] = None  # its largest
     dropped: Optional[int] = None  # tokens a capacity limit dropped; None: the router has no capacity limit
     bias: Optional[np.ndarray] = None  # [experts] the aux-free balancing bias, where the router has one
+    top_k: Optional[int] = None  # experts each token is sent to; None: not known
 
     @property
     def imbalance(self) -> float:
         """max over experts of tokens / mean tokens (1: balanced); NaN when no token was routed."""
         return imbalance(self.tokens)
+
+    @property
+    def concentration(self) -> float:
+        """How far the busiest expert is from its fair share toward every token (:func:`concentration`)."""
+        return concentration(self.tokens, self.top_k)
 
     @property
     def dead(self) -> int:
@@ -87,6 +93,21 @@ def imbalance(tokens: np.ndarray) -> float:
     """max / mean of the tokens per expert (1: balanced); NaN when none was routed."""
     mean = float(tokens.mean()) if tokens.size else 0.0
     return float(tokens.max()) / mean if mean > 0 else float("nan")
+
+
+def concentration(tokens: np.ndarray, top_k: Optional[int]) -> float:
+    """How far the busiest expert's share of the tokens (tokens routed to it over the tokens
+    routed, each token counted once: ``imbalance * k / E``) has gone from its fair share ``k/E``
+    (``top_k`` of ``E`` experts) toward every token: 0 balanced, 1 when every token goes to it.
+    It bounds the top-k experts' combined share of the routed tokens from above (both are fair
+    at ``k/E`` and 1 when the same ``k`` experts take every token), and reaches 1 also where a
+    single expert takes every token beside changing others. NaN when no token was routed, or
+    ``top_k`` is unknown or leaves no choice (``k >= E``)."""
+    experts = tokens.shape[0]
+    if top_k is None or not 0 < top_k < experts:
+        return float("nan")
+    fair = top_k / experts
+    return (imbalance(tokens) * fair - fair) / (1 - fair)
 
 
 def shares(tokens: np.ndarray) -> np.ndarray:
