@@ -65,6 +65,18 @@ class AlertRules:
         kurtosis_growth: The same for the kurtosis of an output's per-channel RMS: a few channels
             taking over (healthy runs of the zoo: at most 4.2x, GPT-2's output head learning its
             vocabulary's frequencies).
+        router_collapse: A Mixture-of-Experts router's concentration, how far its busiest
+            expert's share of the tokens has gone from its fair share ``k/E`` toward every token
+            (0 to 1), its median over the last 3 samples, at or above which it collapsed
+            (``router_collapse``; healthy tiny runs of six MoE families: at most 0.53)...
+        router_collapse_growth: ...when also this many times the lowest median of a window
+            before: against the router's own past.
+        router_z_growth: Nats a router's mean log Z (window median) may rise above the lowest
+            median of a window before (``router_z_growth``; ST-MoE's router z-loss holds it down).
+        router_entropy_collapse: A router's mean routing entropy (window median) below this
+            share of the highest median of a window before is a collapse
+            (``routing_entropy_collapse``). An expert with no token at ``window`` samples in a
+            row is ``dead_expert``.
         loss_window: Steps the loss is averaged over (:class:`~layerwatch.health.progress.LossProgress`).
         learned: The share of its first mean the loss must shed before it is judged: before
             then there is no progress to give back.
@@ -73,7 +85,8 @@ class AlertRules:
             gave back at most 8%, the turn is at 0.1).
         loss_turned: The share of its progress given back from which the growth rules
             (``GROWTH_KINDS``: ``sign_like``, ``attention_logits`` below its level,
-            ``entropy_collapse``, ``logit_drift``, ``outlier_growth``) judge. While the loss is
+            ``entropy_collapse``, ``logit_drift``, ``outlier_growth``, ``router_z_growth``,
+            ``routing_entropy_collapse``) judge. While the loss is
             near its lowest the model is learning, and its attention sharpening, its logits
             growing and its updates changing shape are what learning looks like. With no loss
             given to layerwatch they judge at every sample.
@@ -95,6 +108,10 @@ class AlertRules:
     logit_drift: float = 10.0
     outlier_growth: float = 4.0
     kurtosis_growth: float = 10.0
+    router_collapse: float = 0.8
+    router_collapse_growth: float = 1.5
+    router_z_growth: float = 5.0
+    router_entropy_collapse: float = 0.25
     loss_window: int = 10
     learned: float = 0.2
     loss_rise: float = 0.2
@@ -105,16 +122,17 @@ class AlertRules:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"AlertRules.{name} must be an int >= 1, got {value!r}")
-        for name in ("sign_like_rms", "eps_bound_frac", "entropy_collapse", "learned", "loss_rise", "loss_turned"):
+        for name in ("sign_like_rms", "eps_bound_frac", "entropy_collapse", "router_collapse", "router_entropy_collapse",
+                     "learned", "loss_rise", "loss_turned"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f"AlertRules.{name} must be a number in (0, 1], got {value!r}")
         for name in ("weight_factor", "grad_factor", "sign_like_factor", "attention_logit_growth", "outlier_growth",
-                     "kurtosis_growth"):
+                     "kurtosis_growth", "router_collapse_growth"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1:
                 raise ValueError(f"AlertRules.{name} must be a number > 1, got {value!r}")
-        for name in ("attention_logit_level", "logit_drift"):
+        for name in ("attention_logit_level", "logit_drift", "router_z_growth"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"AlertRules.{name} must be a finite number > 0, got {value!r}")

@@ -1,10 +1,13 @@
 """The load of a Mixture-of-Experts router, from its tokens per expert: how unevenly they are
 spread (:func:`imbalance`), each expert's part of them (:func:`shares`), the experts left without
-any (:func:`dead_experts`). One home for each: the probes' ``RouterLoad``, the notebook, the
+any (:func:`dead_experts`), how far the busiest one went toward taking every token
+(:func:`concentration`). One home for each: the probes' ``RouterLoad``, the notebook, the
 LAYERWATCH tab and ``layerwatch report`` all read them here. NumPy only, no torch: TensorBoard's
 process imports it with the tab."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import numpy as np
 
@@ -27,3 +30,18 @@ def shares(tokens: np.ndarray) -> np.ndarray:
 def dead_experts(tokens: np.ndarray) -> np.ndarray:
     """Which experts got no token (a boolean mask of ``tokens``' shape)."""
     return np.asarray(tokens) == 0
+
+
+def concentration(tokens: np.ndarray, top_k: Optional[int]) -> float:
+    """How far the busiest expert's share of the tokens (tokens routed to it over the tokens
+    routed, each token counted once: ``imbalance * k / E``) has gone from its fair share ``k/E``
+    (``top_k`` of ``E`` experts) toward every token: 0 balanced, 1 when every token goes to it.
+    It bounds the top-k experts' combined share of the routed tokens from above (both are fair
+    at ``k/E`` and 1 when the same ``k`` experts take every token), and reaches 1 also where a
+    single expert takes every token beside changing others. NaN when no token was routed, or
+    ``top_k`` is unknown or leaves no choice (``k >= E``)."""
+    experts = tokens.shape[0]
+    if top_k is None or not 0 < top_k < experts:
+        return float("nan")
+    fair = top_k / experts
+    return (imbalance(tokens) * fair - fair) / (1 - fair)

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from typing import Iterable
 
 KINDS = ("dead", "stuck", "exploding", "vanishing", "nonfinite", "spike", "sign_like", "eps_bound", "attention_logits",
-         "entropy_collapse", "logit_drift", "outlier_growth", "loss_rise")
+         "entropy_collapse", "logit_drift", "outlier_growth", "loss_rise", "router_collapse", "dead_expert",
+         "router_z_growth", "routing_entropy_collapse")
 EVENT_KINDS = ("spike", "loss_rise")  # raised at each step they happen; the others once per layer
 # judged only once the loss has turned (LossProgress.turned): they come with healthy learning too
-GROWTH_KINDS = ("sign_like", "attention_logits", "entropy_collapse", "logit_drift", "outlier_growth")
+GROWTH_KINDS = ("sign_like", "attention_logits", "entropy_collapse", "logit_drift", "outlier_growth", "router_z_growth",
+                "routing_entropy_collapse")
 
 
 @dataclass(frozen=True)

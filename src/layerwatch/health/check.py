@@ -32,6 +32,13 @@ thresholds in :class:`AlertRules`:
 - ``outlier_growth``: a module output's ``max|h| / RMS(h)``, its window median ``outlier_growth``
   times the lowest of a window before; or its per-channel kurtosis ``kurtosis_growth`` times
   (:mod:`~layerwatch.health.rules.probe_trends`).
+- ``router_collapse`` / ``dead_expert`` / ``router_z_growth`` / ``routing_entropy_collapse``: each
+  Mixture-of-Experts router against its own past (the probes' ``moe`` family). Its busiest
+  expert's concentration (from its fair share ``k/E`` toward every token, 0 to 1), the median of
+  the last 3 samples, at least ``router_collapse`` and ``router_collapse_growth`` times its lowest
+  window before; an expert with no token at ``window`` samples in a row; its mean log Z's window
+  median ``router_z_growth`` nats above its lowest before; its routing entropy's window median
+  below ``router_entropy_collapse`` of its highest before.
 - ``loss_rise``: the loss gave back ``loss_rise`` of what it had learned
   (:class:`~layerwatch.health.progress.LossProgress`, judged at every step by the spike check).
 

@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from layerwatch.routing import dead_experts, imbalance
+from layerwatch.routing import concentration, dead_experts, imbalance
 
 
 @dataclass
@@ -73,11 +73,17 @@ class RouterLoad:
     z_max: Optional[float] = None  # its largest
     dropped: Optional[int] = None  # tokens a capacity limit dropped; None: the router has no capacity limit
     bias: Optional[np.ndarray] = None  # [experts] the aux-free balancing bias, where the router has one
+    top_k: Optional[int] = None  # experts each token is sent to; None: not known
 
     @property
     def imbalance(self) -> float:
         """max over experts of tokens / mean tokens (1: balanced); NaN when no token was routed."""
         return imbalance(self.tokens)
+
+    @property
+    def concentration(self) -> float:
+        """How far the busiest expert is from its fair share toward every token (:func:`concentration`)."""
+        return concentration(self.tokens, self.top_k)
 
     @property
     def dead(self) -> int:

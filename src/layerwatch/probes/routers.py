@@ -327,33 +327,34 @@ class RouterProbe:
             bias = None
             if router.bias is not None:
                 bias, at = values[at:at + experts], at + experts
-            out[router.name] = Routed(counts, sums, dropped, bias)
+            out[router.name] = Routed(counts, sums, dropped, bias, router.top_k)
         return out
 
 
 class Routed(NamedTuple):
     """One router's step on one rank, on the host: the tokens per expert, :func:`route_sums`
     added over its calls (the largest log Z, the largest), the tokens dropped (None: no
-    capacity limit) and the balancing bias (None: none)."""
+    capacity limit), the balancing bias (None: none) and the experts each token is sent to."""
 
     counts: np.ndarray
     sums: np.ndarray
     dropped: Optional[float] = None
     bias: Optional[np.ndarray] = None
+    top_k: Optional[int] = None
 
     def plus(self, other: "Routed") -> "Routed":
         """Both ranks' steps: counts and sums added by expert before any ratio, the largest log Z
-        taken; the bias is this rank's (every rank holds the same)."""
+        taken; the bias and top_k are this rank's (every rank holds the same)."""
         sums = np.concatenate([self.sums[:-1] + other.sums[:-1], np.maximum(self.sums[-1:], other.sums[-1:])])
         dropped = None if self.dropped is None else self.dropped + (other.dropped or 0.0)
-        return Routed(self.counts + other.counts, sums, dropped, self.bias)
+        return Routed(self.counts + other.counts, sums, dropped, self.bias, self.top_k)
 
     def load(self) -> RouterLoad:
         """What is logged of it."""
         tokens, entropy, margin, z_sum, z_max = self.sums.tolist()
         means = [value / tokens for value in (entropy, margin, z_sum)] if tokens else [None] * 3
         return RouterLoad(self.counts.astype(np.int64), means[0], means[1], means[2], z_max if tokens else None,
-                          None if self.dropped is None else int(self.dropped), self.bias)
+                          None if self.dropped is None else int(self.dropped), self.bias, self.top_k)
 
 
 def combine(parts: Sequence[Optional[Mapping[str, Routed]]]) -> dict[str, RouterLoad]:

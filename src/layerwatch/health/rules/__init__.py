@@ -7,7 +7,10 @@ given what a sampled step shows (``Seen``), the rules it finds broken (``Broken`
 - ``dead`` (:mod:`.dead`) and ``stuck`` (:mod:`.stuck`);
 - ``sign_like`` / ``eps_bound``: Adam's own state (:mod:`.update_shape`);
 - ``attention_logits``, ``entropy_collapse``, ``logit_drift``, ``outlier_growth``: the probes'
-  transformer signals (:mod:`.probe_trends`), with the windows they share (:mod:`.windows`).
+  transformer signals (:mod:`.probe_trends`), with the windows they share (:mod:`.windows`);
+- ``router_collapse`` (:mod:`.router_collapse`), ``dead_expert`` (:mod:`.dead_expert`),
+  ``router_z_growth`` (:mod:`.router_z`), ``routing_entropy_collapse`` (:mod:`.routing_entropy`):
+  each Mixture-of-Experts router against its own past (what they share: :mod:`.router_windows`).
 
 :func:`every_rule` is the order they are asked in, and so the order of a step's alerts.
 """
@@ -18,7 +21,11 @@ from layerwatch.health.rules.dead import Dead
 from layerwatch.health.rules.layer_windows import LayerWindows
 from layerwatch.health.rules.nonfinite import NonFinite
 from layerwatch.health.rules.norm_bounds import NormBounds
+from layerwatch.health.rules.dead_expert import DeadExpert
 from layerwatch.health.rules.probe_trends import ProbeTrends
+from layerwatch.health.rules.router_collapse import RouterCollapse
+from layerwatch.health.rules.router_z import RouterZ
+from layerwatch.health.rules.routing_entropy import RoutingEntropy
 from layerwatch.health.rules.rule import Broken, Rule, Seen, Tensors
 from layerwatch.health.rules.stuck import Stuck
 from layerwatch.health.rules.update_shape import UpdateShape
@@ -32,4 +39,4 @@ def every_rule(rules: AlertRules) -> list[Rule]:
     """The rules with ``rules``' thresholds, in the order a step's alerts are raised."""
     return [NonFinite(), NormBounds(rules, Family.WEIGHTS), LayerWindows(rules, Family.WEIGHTS),
             NormBounds(rules, Family.GRADS), LayerWindows(rules, Family.GRADS), Dead(rules), Stuck(rules), UpdateShape(rules),
-            ProbeTrends(rules)]
+            ProbeTrends(rules), RouterCollapse(rules), DeadExpert(rules), RouterZ(rules), RoutingEntropy(rules)]

@@ -72,7 +72,7 @@ class ProbeTrends(Rule):
                  "kurtosis_growth")):
             for layer, value in values.items():
                 trend = windows.add(layer, value)
-                if turned and trend is not None and trend[1] >= factor * trend[2] > 0:
+                if turned and trend is not None and trend.grew(factor):
                     _, now, lowest, _ = trend
                     found.append(Broken("outlier_growth", layer, (
                         f"the output of {layer} grew outliers: {what} {lowest:.3g} -> {now:.3g} (medians of {rules.window} "
@@ -111,7 +111,7 @@ class ProbeTrends(Rule):
             trend = self._logits.add(layer, logit)
             if trend is not None:
                 _, now, lowest, _ = trend
-                if turned and now >= rules.attention_logit_level / 10 and now >= rules.attention_logit_growth * lowest > 0:
+                if turned and now >= rules.attention_logit_level / 10 and trend.grew(rules.attention_logit_growth):
                     found.append(Broken("attention_logits", layer, (
                         f"largest attention logit of layer {layer} grew {now / lowest:.3g}x over its lowest window: "
                         f"{lowest:.3g} -> {now:.3g} (median of {rules.window} samples; AlertRules.attention_logit_growth is "
@@ -122,7 +122,7 @@ class ProbeTrends(Rule):
             trend = self._entropy.add(layer, entropy)
             if trend is not None:
                 _, now, _, highest = trend
-                if turned and now < rules.entropy_collapse * highest:
+                if turned and trend.fell(rules.entropy_collapse):
                     found.append(Broken("entropy_collapse", layer, (
                         f"attention entropy of layer {layer} collapsed to {now:.3g} nats (its lowest head, median of "
                         f"{rules.window} samples), {now / highest if highest else 0:.2g} of the {highest:.3g} it had (AlertRules."
