@@ -119,5 +119,7 @@ def test_a_short_between_samples_run_reports_the_host_cost_and_the_calls(benchma
 def test_the_moe_familys_host_calls_per_router_do_not_grow_with_the_experts(benchmarks):
     from moe import moe_calls
 
-    few, many = (moe_calls(experts, hidden=32, width=32, seq=8, layers=2) for experts in (4, 32))  # 56 more rows
+    # 2 routers of 4 and of 32 experts, 56 more rows; 2 x 64 tokens, so that both are judged by the router
+    # rules (a sample of fewer than 4 tokens per expert is not, and takes another path)
+    few, many = (moe_calls(experts, hidden=32, width=32, seq=64, layers=2) for experts in (4, 32))
     assert few > 0 and abs(many - few) <= 4  # the event file's varints grow with its bytes; nothing per expert
