@@ -6,9 +6,9 @@ A Mixture-of-Experts layer's experts module (:func:`~layerwatch.probes.routers.e
 holds its experts fused: a parameter of it with two dims or more whose first is its number of
 experts ``E`` holds expert ``e``'s weights in ``p[e]`` (Mixtral's ``gate_up_proj [E, 2I, H]``,
 gpt-oss's ``gate_up_proj_bias [E, 2I]``). Its slices are read from the tensor as it is: views
-``p.unbind(0)`` (one call per parameter, no copy) given to the same reductions as the whole tensors
-(:func:`~layerwatch.stats.reduce`, :func:`~layerwatch.stats.reduce_sharded`, the update snapshot's
-:func:`~layerwatch.distributed.sharding.norms`), without histograms. Which tensors of a list are
+``p.unbind(0)`` (one call per parameter, no copy) whose norms only are computed, in one fused
+kernel (:func:`~layerwatch.distributed.sharding.norms`, the update snapshot's too): the norm is
+all that is written of a slice. Which tensors of a list are
 fused, and their rows' names, are worked out once per list of names (:class:`_Plan`), so a sampled
 step does no Python work per expert.
 
@@ -29,7 +29,6 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
-from layerwatch import stats as S
 from layerwatch.distributed.agreement import fingerprint
 from layerwatch.distributed.sharding import Layout, is_dtensor, is_writer_rank, norms
 from layerwatch.probes.routers import RouterSpec, expert_modules
@@ -146,21 +145,21 @@ class ExpertRows:
         except Exception:
             return None
 
-    def reduce(self, group: Any, names: list[str], tensors: list[torch.Tensor], workspace: S.Workspace) -> Optional[Piece]:
-        """The rows (no histogram) of the experts among a group's tensors (``group``: their ranks'
-        process group, None: this rank's own, on one device). A rank that cannot slice its pieces
-        of a sharded group still takes part: every rank's rows then read as failed."""
+    def reduce(self, group: Any, names: list[str], tensors: list[torch.Tensor]) -> Optional[Piece]:
+        """The L2 norms of the experts' slices among a group's tensors, one row of columns
+        (float64; ``group``: their ranks' process group, None: this rank's own, on one device).
+        Only the norm is written of a slice, so only it is computed: one fused kernel over the
+        views, no copy, where the whole tensors' reduction copies and sorts into buckets. A rank
+        that cannot slice its pieces of a sharded group still takes part: every rank's norms
+        then read as failed."""
         plan = self.plan(names)
         if plan is None:
             return None
         pieces = self.slices(plan, tensors)
-        if group is not None:
-            if pieces is None:
-                return plan.names, S.combine_shards(None, [], len(plan.names), group, 0, tensors[0].device)
-            return plan.names, S.reduce_sharded(pieces, group, 0)
-        if pieces is None:
+        if group is None and pieces is None:
             raise ValueError(f"could not slice the experts of {names[plan.picked[0]]!r}")
-        return plan.names, S.reduce(pieces, 0, workspace=workspace)
+        with torch.no_grad():
+            return plan.names, norms(pieces, group, len(plan.names), tensors[0].device)[None]
 
     def update_norms(self, group: Any, names: list[str], deltas: Optional[list[torch.Tensor]], after: list[torch.Tensor],
                      after_norms: bool) -> Optional[Piece]:
@@ -175,6 +174,7 @@ class ExpertRows:
         after_pieces = self.slices(plan, after) if after_norms else None
         if group is None and (delta_pieces is None or (after_norms and after_pieces is None)):
             raise ValueError(f"could not slice the experts of {names[plan.picked[0]]!r}")
-        delta_norms = norms(delta_pieces, group, n, device)
-        weight_norms = norms(after_pieces, group, n, device) if after_norms else torch.full_like(delta_norms, float("nan"))
+        with torch.no_grad():
+            delta_norms = norms(delta_pieces, group, n, device)
+            weight_norms = norms(after_pieces, group, n, device) if after_norms else torch.full_like(delta_norms, float("nan"))
         return plan.names, torch.stack([delta_norms, weight_norms])

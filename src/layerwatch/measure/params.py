@@ -279,7 +279,7 @@ class ParameterFamilies:
                 except Exception:
                     pieces.append(self._reduce_one_by_one(what, names, tensors))
             if self.experts.splits:  # after the whole tensors', in the same order on every rank
-                experts += self._expert_rows(what, self.experts.reduce, group, names, tensors, self.workspace)
+                experts += self._expert_rows(what, self.experts.reduce, group, names, tensors)
         return [(names, rows) for names, rows in pieces if names], experts
 
     def _expert_rows(self, what: str, read: Callable[..., Optional[Piece]], group: Any, *args: Any) -> list[Piece]:

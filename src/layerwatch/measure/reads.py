@@ -92,7 +92,14 @@ class Sample:
 
 
 UPDATES = (S.UPDATE_ROWS, S.ESTIMATED_UPDATE_ROWS, S.EXPERT_UPDATE_ROWS)  # the families of two rows of columns
+NORMS = (S.EXPERT_GRAD_ROWS, S.EXPERT_WEIGHT_ROWS)  # the families of one row of columns: the experts' slices' norms
 OPTIONAL = (*WIDTH, S.EXPERT_GRAD_ROWS, S.EXPERT_WEIGHT_ROWS, S.EXPERT_UPDATE_ROWS)  # a family in HostRows only where it has pieces
+
+
+def _rows_of(family: str, names: list[str]) -> int:
+    """How many rows a family's piece of ``names`` has on the host: its columns' (updates: ``‖Δw‖``
+    and ``‖w‖``; the experts' slices: their norms), or one per tensor."""
+    return 2 if family in UPDATES else 1 if family in NORMS else len(names)
 
 
 class SampleReads:
@@ -201,22 +208,22 @@ class SampleReads:
                     S.EXPERT_WEIGHT_ROWS: sample.expert_weights, S.EXPERT_UPDATE_ROWS: sample.expert_update}
         arrays = iter(S.to_host([rows for pieces in families.values() for _, rows in pieces]))
         return {
-            family: [self._measured(family, names, next(arrays).reshape(2 if family in UPDATES else len(names), -1),
-                                    sample.step) for names, _ in pieces]
+            family: [self._measured(family, names, next(arrays).reshape(_rows_of(family, names), -1), sample.step)
+                     for names, _ in pieces]
             for family, pieces in families.items() if pieces or family not in OPTIONAL
         }
 
     def _measured(self, family: str, names: list[str], rows: np.ndarray, step: int) -> tuple[list[str], np.ndarray]:
         """``names`` and their rows (update pieces: their two rows of columns) less the sharded
         tensors a rank could not help measure, or snapshot (said once)."""
-        update = family in UPDATES  # update, update_estimate, expert_update: two rows of columns
-        failed = rows[0] == FAILED_NORM if update else adam_failed(rows) if family in WIDTH else S.Rows(rows).failed
+        columns = family in UPDATES or family in NORMS  # rows of columns, a tensor's values in column i
+        failed = rows[0] == FAILED_NORM if columns else adam_failed(rows) if family in WIDTH else S.Rows(rows).failed
         if not failed.any():
             return names, rows
         left_out = [name for name, bad in zip(names, failed) if bad]
         which = ", ".join(left_out[:5]) + (f" and {len(left_out) - 5} more" if len(left_out) > 5 else "")
-        what = ("snapshot its shards of {} for the update ratios; their update ratios are left out" if update
+        what = ("snapshot its shards of {} for the update ratios; their update ratios are left out" if family in UPDATES
                 else f"measure its shards of {{}} ({family}); they are left out")
         self.failures.warn_once(f"failed-rows:{family}", f"layerwatch: a rank could not {what.format(which)} of step {step}")
         kept = [name for name, bad in zip(names, failed) if not bad]
-        return kept, rows[:, ~failed] if update else rows[~failed]
+        return kept, rows[:, ~failed] if columns else rows[~failed]

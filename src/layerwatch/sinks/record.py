@@ -111,12 +111,12 @@ def build(
 def _add_expert_norms(rec: StepRecord, rows: S.HostRows, stats: Sequence[str]) -> dict[str, float]:
     """The norms of the fused expert parameters' slices, ``weights_norm/<param>[e]`` and
     ``grads_norm/<param>[e]`` (when ``norm`` is among the ``stats``): no other statistic, no
-    histogram. Returns the slices' weight norms (of their finite values), for their update ratios."""
+    histogram. Returns the slices' weight norms, for their update ratios."""
     for family, expert_family in ((S.WEIGHT_ROWS, S.EXPERT_WEIGHT_ROWS), (S.GRAD_ROWS, S.EXPERT_GRAD_ROWS)):
         prefix = stat_prefix(family, "norm")
-        for names, family_rows in rows.get(expert_family, ()) if "norm" in stats else ():
-            rec.scalars.update(zip([prefix + name for name in names], S.scalar_stats(family_rows, ("norm",))["norm"].tolist()))
-    return {name: norm for names, r in rows.get(S.EXPERT_WEIGHT_ROWS, ()) for name, norm in zip(names, S.Rows(r).norm)}
+        for names, slice_norms in rows.get(expert_family, ()) if "norm" in stats else ():
+            rec.scalars.update(zip([prefix + name for name in names], slice_norms[0].tolist()))
+    return {name: norm for names, slice_norms in rows.get(S.EXPERT_WEIGHT_ROWS, ()) for name, norm in zip(names, slice_norms[0])}
 
 
 def _add_optimizer_state(rec: StepRecord, rows: S.HostRows) -> None:
