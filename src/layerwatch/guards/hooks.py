@@ -123,6 +123,25 @@ class ForwardHooks:
             hooks.pop(self._key, None)
 
 
+class InertHooks:
+    """The module hooks of a probe of one sampled step (its handles, :attr:`_handles`): removed
+    by :meth:`remove`, safe twice, or left on the model inert (``keep_module_hooks``: a model
+    found running inside compiled code, which was compiled with them). A hook does nothing once
+    :attr:`inert` is set."""
+
+    def __init__(self) -> None:
+        self.inert = False
+        self._handles: list[Any] = []
+
+    def remove(self, keep_module_hooks: bool = False) -> None:
+        """Take the hooks off (``keep_module_hooks``: leave them on, inert)."""
+        self.inert = True
+        if not keep_module_hooks:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+
+
 class CollectorClock:
     """The seconds the garbage collector runs while it is attached (a ``gc.callbacks`` entry,
     there only during a sampled step: off-steps pay nothing). It holds no engine."""

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from layerwatch.guards.hooks import is_compiling
+from layerwatch.guards.hooks import InertHooks, is_compiling
 
 
 def channel_kurtosis(h: torch.Tensor) -> torch.Tensor:
@@ -27,18 +27,17 @@ def channel_kurtosis(h: torch.Tensor) -> torch.Tensor:
         return (s2 * s2).mean() / s2.mean() ** 2
 
 
-class ChannelKurtosis:
+class ChannelKurtosis(InertHooks):
     """One sampled step's kurtosis per module: each module's first output of two or more
     dimensions and at least 2 channels, kept (:meth:`keep`; by forward hooks, :meth:`hook`)
     until :meth:`flush`. ``remove()`` is safe twice."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.values: dict[str, torch.Tensor] = {}
         self.error: Optional[BaseException] = None
         self._pending: dict[str, torch.Tensor] = {}
-        self._handles: list[Any] = []
         self._after: Optional[Callable[[Any], None]] = None
-        self.inert = False
 
     def hook(self, modules: Sequence[tuple[str, nn.Module]], after: Optional[Callable[[Any], None]] = None) -> None:
         """Forward hooks keeping the output of each of ``modules``, under its name; ``after(self)``
@@ -74,14 +73,6 @@ class ChannelKurtosis:
             self.values.update([(name, channel_kurtosis(output)) for name, output in pending.items()])
         except Exception as e:
             self.error = e
-
-    def remove(self, keep_module_hooks: bool = False) -> None:
-        """Take the hooks off (``keep_module_hooks``: leave them on, inert)."""
-        self.inert = True
-        if not keep_module_hooks:
-            for handle in self._handles:
-                handle.remove()
-            self._handles = []
 
     def on_device(self) -> Optional[torch.Tensor]:
         """Each module's kurtosis, in :attr:`values`' order; None when none was made or one failed."""

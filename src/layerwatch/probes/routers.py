@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from layerwatch.distributed.sharding import named_modules
-from layerwatch.guards.hooks import is_compiling
+from layerwatch.guards.hooks import InertHooks, is_compiling
 from layerwatch.probes.result import RouterLoad
 from layerwatch.probes.selection import probe_name
 from layerwatch import stats as S
@@ -224,14 +224,13 @@ class _Kept:
         self.counts = counts if self.counts is None else self.counts + counts
 
 
-class RouterProbe:
+class RouterProbe(InertHooks):
     """The routers' hooks of one sampled step (see the module); ``remove()`` is safe twice."""
 
     def __init__(self, routers: Sequence[Router]) -> None:
+        super().__init__()
         self.kept = [_Kept(router) for router in routers]
         self.error: Optional[BaseException] = None
-        self.inert = False
-        self._handles: list[Any] = []
         self._after: Optional[Callable[[Any], None]] = None
 
     def hook(self, after: Optional[Callable[[Any], None]] = None) -> None:
@@ -280,14 +279,6 @@ class RouterProbe:
                 kept.reduce()
         except Exception as e:
             self.error = e
-
-    def remove(self, keep_module_hooks: bool = False) -> None:
-        """Take the hooks off (``keep_module_hooks``: leave them on, inert)."""
-        self.inert = True
-        if not keep_module_hooks:
-            for handle in self._handles:
-                handle.remove()
-            self._handles = []
 
     def on_device(self) -> Optional[torch.Tensor]:
         """Every router's vector, one after another (:meth:`from_host` splits them): the tokens
