@@ -48,7 +48,10 @@ def moe_worker(rank: int, world: int, wrapping: str, out: str) -> None:
 
 
 def moe_frame(frame):
-    return frame[frame.series.str.startswith("moe")].set_index(["series", "layer"]).value
+    """The moe series by (series, layer), DDP's ``module.`` taken off its layers' names (the routers
+    are named as every probed module is: under the wrapper's name)."""
+    frame = frame[frame.series.str.startswith("moe")]
+    return frame.assign(layer=frame.layer.str.removeprefix("module.")).set_index(["series", "layer"]).value
 
 
 @pytest.mark.parametrize("wrapping", ["ddp", "fsdp2"])
@@ -64,7 +67,10 @@ def test_each_ranks_routing_is_added_by_expert(tmp_path, wrapping):
         together(input_ids=x, labels=x).loss.backward()
         opt.step()
         inspector.step()
-    ranks, one = moe_frame(layerwatch.load(tmp_path / "ranks")), moe_frame(layerwatch.load(tmp_path / "one"))
+    written = layerwatch.load(tmp_path / "ranks")
+    prefix = "module." if wrapping == "ddp" else ""
+    assert set(written[written.series == "moe_imbalance"].layer) == {prefix + router for router in ROUTERS}
+    ranks, one = moe_frame(written), moe_frame(layerwatch.load(tmp_path / "one"))
     tokens = ranks["moe_tokens"]
     assert tokens.to_dict() == one["moe_tokens"].to_dict()  # exact, every expert of both routers
     assert tokens.sum() == len(ROUTERS) * 4 * SEQ * 2  # both ranks' 2 x SEQ tokens, top-2

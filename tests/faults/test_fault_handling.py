@@ -198,8 +198,7 @@ def test_with_voting_a_finding_waits_for_the_vote_and_is_reported_once_after_it(
         parts.faults.on_voted(Decision(sampled=True, finding_step=5, finding_nan=True), 6)
     (message,) = layerwatch_warnings(seen)
     assert "(the sentinel, every step) in weight; step 6 is sampled with every probe armed" in message
-    assert message.endswith("(a sharded run's ranks agree on a finding a step later, after the optimizer step, "
-                            "so the bad step is not replayed)")
+    assert message.endswith("agree on a finding a step later, after the optimizer step, so the bad step is not replayed)")
     assert parts.faults.unvoted() is None and parts.faults.fault_step == 5 and parts.faults.sentinel is None
     assert parts.asked == []  # the vote decides the sample, not ask_sample
     with warnings.catch_warnings(record=True) as again:

@@ -262,3 +262,36 @@ def test_a_router_returning_logits_alone_is_counted_from_its_experts_inputs(tmp_
     assert [tokens[f"block.gate#{e}"] for e in range(4)] == np.bincount(given[0].reshape(-1), minlength=4).tolist()
     bias = series(frame, "moe_bias").set_index("layer").value
     assert [bias[f"block.gate#{e}"] for e in range(4)] == [0.0, 0.5, 0.0, 0.0]
+
+
+def test_ranks_are_added_by_expert_once_each_and_an_uneven_or_missing_router_is_left_out():
+    from layerwatch.probes.routers import Routed, combine
+
+    def routed(counts, entropy=1.0, bias=None):
+        counts = np.array(counts, dtype=np.float64)
+        return Routed(counts, np.array([counts.sum() / 2, entropy, 0.5, 3.0, 4.0]), None, bias)
+
+    a, b = {"gate": routed([3, 1, 0, 4])}, {"gate": routed([1, 1, 2, 4], entropy=2.0)}
+    together = combine([a, b])
+    assert together.loads["gate"].tokens.tolist() == [4, 2, 2, 8]  # added by expert, then the ratios
+    assert together.loads["gate"].imbalance == 8 / 4 and not together.repeated
+    same = combine([a, b, dict(a)])  # a third rank that routed the first's tokens (tensor parallel)
+    assert same.loads["gate"].tokens.tolist() == [4, 2, 2, 8] and same.repeated
+    assert combine([a, None]).missing == ["gate"] and combine([a, None]).loads == {}
+    uneven = combine([a, {"gate": routed([1, 1])}])
+    assert uneven.uneven == ["gate"] and uneven.loads == {}
+
+
+def test_an_index_out_of_range_is_left_out_and_a_nan_logit_is_no_certainty(tmp_path):
+    from layerwatch.probes.routers import route_sums
+
+    sums = route_sums(torch.tensor([[0.0, 0.0], [float("nan"), 1.0]]))
+    assert sums[0] == 2 and math.isnan(float(sums[1]))  # a NaN token's entropy is NaN, not 0 (a made-up collapse)
+    model = DeclaresItsRouter()
+    model.block.experts.register_forward_pre_hook(
+        lambda m, args: (args[0], torch.where(args[1] == 1, -1, args[1]), args[2]))  # a padding token's -1
+    with Inspector(model, log_dir=tmp_path, every_n_steps=1, alerts=False) as inspector:
+        model(torch.randn(12, 16)).sum().backward()
+        inspector.step()
+    tokens = series(layerwatch.load(tmp_path), "moe_tokens").set_index("layer").value
+    assert tokens["block.gate#1"] == 0 and tokens.sum() < 24

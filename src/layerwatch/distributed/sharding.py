@@ -347,17 +347,29 @@ def norms(tensors: Optional[list[torch.Tensor]], group: Any = None, count: int =
     ``tensors=None``: this rank could not read its ``count`` shards (on ``device``); it still
     takes part in the reduction, and every rank's norms read ``FAILED_NORM``."""
     if group is None:
-        return torch.stack(torch._foreach_norm(tensors)).to(torch.float64)  # stack promotes mixed dtypes
+        return torch.stack(_foreach_norm(tensors)).to(torch.float64)  # stack promotes mixed dtypes
     import torch.distributed as dist
 
     try:
-        squares = torch.stack(torch._foreach_norm(tensors)).to(torch.float64) ** 2
+        squares = torch.stack(_foreach_norm(tensors)).to(torch.float64) ** 2
         failed = 0.0
     except Exception:  # no shards (None), or they could not be read: take part all the same
         squares, failed = torch.zeros(count, dtype=torch.float64, device=device), 1.0
     squares = torch.cat([squares, squares.new_full((1,), failed)])
     dist.all_reduce(squares, group=group)
     return torch.where(squares[-1] > 0, FAILED_NORM, squares[:-1].sqrt())
+
+
+def _foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``torch._foreach_norm``, in float32 for 16-bit tensors (in their own dtype a bfloat16 norm
+    keeps 3 digits, and a float16 one overflows past 65504); a torch whose kernel takes no
+    ``dtype`` gives their own."""
+    if tensors and all(t.dtype in (torch.bfloat16, torch.float16) for t in tensors):
+        try:
+            return torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        except (TypeError, RuntimeError):
+            pass
+    return torch._foreach_norm(tensors)
 
 
 def is_zero3_param(p: torch.Tensor) -> bool:

@@ -193,7 +193,7 @@ class Engine:
             self.failures.warn_once("no-params", "layerwatch: the model has no parameters; there is nothing to log")
         if model is not None:
             self._probes.start(model, compiled_by_caller)
-            self._rerun.start(model, within, together)
+            self._rerun.start(model, within, together, self._placement.collective)
             self._output.write_layout(model, self._placement, self.options, self._step)
         return self
 

@@ -40,6 +40,12 @@ class Placement:
         the ranks (data parallel: each routes its own batch)."""
         return self.layout.sharded or self.stages is not None or self.routed
 
+    @property
+    def collective(self) -> bool:
+        """The ranks' forward is collective (sharded parameters, pipeline stages): no rank may
+        stop one alone. A data-parallel model's forward with routers is each rank's own."""
+        return self.layout.sharded or self.stages is not None
+
 
 def find_placement(model: Optional[nn.Module], within: Optional[nn.Module], deepspeed: Any, options: Options,
                    probes: StepProbes, failures: FailurePolicy, optimizer: Any = None) -> Placement:

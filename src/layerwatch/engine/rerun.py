@@ -194,20 +194,21 @@ class Rerun:
         self._step: Optional[int] = None  # the sampled step whose micro-batch is awaited, while armed
         self._params: Sequence[nn.Parameter] = ()
         self._writer = False
-        self._together = False
+        self._together = self._collective = False
         self._ran = False  # this step's micro-batch was run again
         self._first: Optional[tuple[Callable[[], Any], Optional[Rows]]] = None  # see found_compiled
         self._offered = [0, 0]  # micro-batches offered this step, by the door and kept (Inputs)
         self._fits: Optional[int] = None  # the rows of a micro-batch that fit in a re-run, once one did not
         self.seconds = 0.0  # this step's re-run, which counts as the sample's cost
 
-    def start(self, model: nn.Module, within: Optional[nn.Module], together: bool) -> None:
-        """The run's model (held weakly), the module it is wrapped in (DDP's flags), and whether
-        the ranks measure together (sharded: every rank re-runs) or rank 0 alone (DDP)."""
+    def start(self, model: nn.Module, within: Optional[nn.Module], together: bool, collective: bool = False) -> None:
+        """The run's model (held weakly), the module it is wrapped in (DDP's flags), whether
+        the ranks measure together (sharded, or routers counted over the ranks: every rank
+        re-runs) or rank 0 alone (DDP), and whether their forward is ``collective`` (sharded)."""
         self._model = weakref.ref(model)
         self._within = (lambda: None) if within is None else weakref.ref(within)
         self._keeps_inputs = is_compiled(model)
-        self._together = together
+        self._together, self._collective = together, collective
         # rank 0 alone re-runs under DDP: a forward that is collective (SyncBatchNorm) would wait for the others
         self._alone_and_collective = (world_size() > 1 and not together
                                       and any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()))
@@ -313,9 +314,9 @@ class Rerun:
 
         def again() -> None:
             try:
-                # measuring together, no rank may stop a collective forward alone: no bound on FlexAttention's scores
+                # no rank may stop a collective forward alone: no bound on FlexAttention's scores there
                 run_forward_again(model, closure, self._probes, step, writer=self._writer, params=self._params,
-                                  within=self._within(), dense_limit=None if self._together else DENSE_LIMIT)
+                                  within=self._within(), dense_limit=None if self._collective else DENSE_LIMIT)
             except DenseTooLarge as e:
                 too_large.append(e)
 

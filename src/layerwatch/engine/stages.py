@@ -214,6 +214,7 @@ class Stages:
                 attention={name: heads for result in present for name, heads in result.attention.items()},
                 logits=next((result.logits for result in reversed(present) if result.logits is not None), None),
                 kurtosis={name: value for result in present for name, value in result.kurtosis.items()},
+                routers={name: load for result in present for name, load in result.routers.items()},
             )
         # A stage whose rows are missing has no gradients to judge: its parameters are not "trainable, no gradient".
         trainable = [name for part in stages if part is not None and part.rows is not None for name in part.trainable]

@@ -80,7 +80,7 @@ class Faults:
         """The run's model (weakly held), where its parameters live, the module it is wrapped in,
         and whether its ranks vote (``staged``: they are pipeline stages)."""
         self._zero, self._voting = zero, voting
-        self.step_replay.start(model, layout, within, messages.voting_hint(staged) if voting else None)
+        self.step_replay.start(model, layout, within, messages.voting_hint(staged, layout.sharded) if voting else None)
         if self.options.sentinel:  # every rank: its shards, or (DDP) the same gradients, so the same findings
             self.sentinel = NonfiniteSentinel()
 

@@ -67,10 +67,13 @@ def unreplayed(hint: Optional[str], offered: bool) -> str:
     return "to find it, let layerwatch replay the bad step: Inspector.replay_with(closure) before each step's forward"
 
 
-def voting_hint(staged: bool) -> str:
-    """Why a fault's step is not replayed where the ranks vote (``staged``: they are pipeline stages)."""
-    return (f"a {'pipelined' if staged else 'sharded'} run's ranks agree on a finding "
-            "a step later, after the optimizer step, so the bad step is not replayed")
+def voting_hint(staged: bool, sharded: bool = True) -> str:
+    """Why a fault's step is not replayed where the ranks vote (``staged``: they are pipeline
+    stages; ``sharded``: their parameters are, else they sample together to add up their MoE
+    routers' counts)."""
+    ranks = ("a pipelined run's ranks" if staged else "a sharded run's ranks" if sharded else
+             "the ranks, which sample together to add up their MoE routers' tokens,")
+    return f"{ranks} agree on a finding a step later, after the optimizer step, so the bad step is not replayed"
 
 
 COMPILED_HINT = ("the model is compiled, and this torch (before 2.6) cannot run it eagerly for the "

@@ -98,7 +98,8 @@ def declared_router_classes(model: nn.Module) -> tuple[type, ...]:
         declared = getattr(type(module), "_can_record_outputs", None)
         recorder = declared.get("router_logits") if isinstance(declared, Mapping) else None
         target = getattr(recorder, "target_class", recorder)
-        if isinstance(target, type) and target not in found:
+        # a recorder of another output than the first (a block's, index 1) does not record a router's own logits
+        if isinstance(target, type) and not getattr(recorder, "index", 0) and target not in found:
             found.append(target)
     return tuple(found)
 
@@ -177,7 +178,7 @@ def route_sums(logits: torch.Tensor) -> torch.Tensor:
         lse = torch.logsumexp(flat, dim=-1)
         log_p = flat - lse[:, None]
         p = log_p.exp()
-        entropy = -(p * log_p).nansum(-1)
+        entropy = -torch.xlogy(p, p).sum(-1)  # 0 log 0 = 0; a NaN logit's token stays NaN
         top = p.topk(min(2, flat.shape[-1]), dim=-1).values
         margin = top[:, 0] - top[:, 1] if top.shape[-1] > 1 else top[:, 0]
         tokens = torch.full((), flat.shape[0], dtype=torch.float64, device=flat.device)
@@ -203,7 +204,9 @@ class _Kept:
         logits, self.logits = self.logits, []
         indices, self.indices = self.indices, []
         router = self.router
-        for i, call in enumerate(logits):
+        for call in logits:
+            if not call.numel():  # a call that routed no token
+                continue
             sums = route_sums(call)
             self.sums = sums if self.sums is None else torch.cat([self.sums[:4] + sums[:4],
                                                                   torch.maximum(self.sums[4:], sums[4:])])
@@ -214,10 +217,13 @@ class _Kept:
             self._count(chosen.detach(), router.num_experts)
 
     def _count(self, chosen: torch.Tensor, experts: int) -> None:
-        counts = S.bincount(chosen.reshape(-1).long(), experts)[:experts]
+        chosen = chosen.reshape(-1).long()
+        # an index out of [0, E) (a padding token's -1) goes to a bin of its own, left out: no device assert, no sync
+        chosen = torch.where((chosen >= 0) & (chosen < experts), chosen, experts)
+        counts = S.bincount(chosen, experts + 1)[:experts]
         router = self.router
         if router.capacity_factor is not None:
-            tokens = chosen.reshape(-1, chosen.shape[-1]).shape[0]
+            tokens = chosen.shape[0] // router.top_k
             capacity = math.ceil(router.capacity_factor * tokens * router.top_k / experts)
             over = (counts - capacity).clamp(min=0).sum()
             self.dropped = over if self.dropped is None else self.dropped + over
@@ -348,22 +354,38 @@ class Routed(NamedTuple):
                           None if self.dropped is None else int(self.dropped), self.bias, self.top_k)
 
 
-def combine(parts: Sequence[Optional[Mapping[str, Routed]]]) -> dict[str, RouterLoad]:
+class Combined(NamedTuple):
+    """Every rank's routers, combined (:func:`combine`), and what was left out and why."""
+
+    loads: dict[str, RouterLoad]
+    uneven: list[str]  # routers whose ranks count a different number of experts: left out
+    missing: list[str]  # routers some rank did not measure (its probe failed): left out
+    repeated: bool  # ranks that routed the same tokens (tensor parallel) were counted once
+
+
+def combine(parts: Sequence[Optional[Mapping[str, Routed]]]) -> Combined:
     """Each router's :class:`RouterLoad` over every rank's ``parts`` (a rank's None: it measured
-    none). A router whose ranks count a different number of experts (expert parallel) is its
-    first rank's alone; :func:`disagree` names it."""
-    merged: dict[str, Routed] = {}
+    none), its counts and sums added by expert over the ranks that routed their own tokens. Ranks
+    whose counts and sums are the same to the bit routed the same tokens (tensor parallel ranks
+    share a batch) and count once. A router not every rank measured, or whose ranks count a
+    different number of experts (expert parallel with a router per rank's experts), is left out:
+    exact or absent."""
+    each: dict[str, list[Routed]] = {}
     for part in parts:
         for name, routed in (part or {}).items():
-            mine = merged.get(name)
-            merged[name] = routed if mine is None else mine.plus(routed) if mine.counts.shape == routed.counts.shape else mine
-    return {name: routed.load() for name, routed in merged.items()}
-
-
-def disagree(parts: Sequence[Optional[Mapping[str, Routed]]]) -> list[str]:
-    """The routers whose ranks count a different number of experts."""
-    widths: dict[str, set[int]] = {}
-    for part in parts:
-        for name, routed in (part or {}).items():
-            widths.setdefault(name, set()).add(routed.counts.shape[0])
-    return [name for name, found in widths.items() if len(found) > 1]
+            each.setdefault(name, []).append(routed)
+    loads: dict[str, RouterLoad] = {}
+    uneven, missing, repeated = [], [], False
+    for name, routed in each.items():
+        if len(routed) < len(parts):
+            missing.append(name)
+        elif len({r.counts.shape for r in routed}) > 1:
+            uneven.append(name)
+        else:
+            distinct = list({(r.counts.tobytes(), r.sums.tobytes()): r for r in routed}.values())
+            repeated = repeated or len(distinct) < len(routed)
+            total = distinct[0]
+            for other in distinct[1:]:
+                total = total.plus(other)
+            loads[name] = total.load()
+    return Combined(loads, uneven, missing, repeated)

@@ -21,7 +21,7 @@ from layerwatch.probes.attention import AttentionProbe, combine_heads
 from layerwatch.probes.kurtosis import ChannelKurtosis
 from layerwatch.probes.logits import OutputLogits, find_output_head
 from layerwatch.probes.result import Signals
-from layerwatch.probes.routers import Router, RouterProbe, RouterSpec, combine, disagree, find_routers
+from layerwatch.probes.routers import Combined, Router, RouterProbe, RouterSpec, combine, find_routers
 from layerwatch.probes.selection import probe_names
 from layerwatch.stats import to_host
 
@@ -72,6 +72,7 @@ class TransformerProbes:
         """This step's probes, on an eager forward of ``model`` whose probed ``modules`` are these;
         ``aside`` and ``dense_limit`` (a re-run's) as the class and :class:`AttentionProbe` say."""
         self._aside = aside
+        routers = self._find_routers(model) if self.moe_on else []  # named as the probed modules are (a DDP's module.)
         model = innermost(model)  # a compiled or DDP wrapper's module: its blocks run its forward
         names = probe_names(modules)
         if self.attention_on:
@@ -86,7 +87,6 @@ class TransformerProbes:
             # _modules, not children(): a generator a module would cost a 1,000-layer chain's sample 3 calls a layer
             self._kurtosis.hook([(name, module) for name, (_, module) in zip(names, modules) if module._modules],
                                 self._measured_now)
-        routers = self._find_routers(model) if self.moe_on else []
         if routers:
             self._routers = RouterProbe(routers)
             self._routers.hook(self._measured_now)
@@ -104,7 +104,7 @@ class TransformerProbes:
             if self.moe_routers and not any(r.experts is None for r in routers):
                 self.failures.warn_once("no-moe-routers", f"layerwatch: moe_routers={[s.pattern for s in self.moe_routers]!r} "
                                         "names no module of the model; those routers are not measured")
-            config = getattr(getattr(model, "config", None), "distributed_config", None)
+            config = getattr(getattr(innermost(model), "config", None), "distributed_config", None)
             if routers and getattr(config, "ep_size", 1) > 1 and is_writer_rank():
                 self.failures.say_once("moe-expert-parallel", EXPERT_PARALLEL)
             self._found = (id(model), routers)
@@ -169,8 +169,10 @@ class TransformerProbes:
         self._attention = self._logits = self._kurtosis = self._routers = None
 
     def release(self) -> None:
-        """Remove the hooks kept inert too (the run is over)."""
+        """Remove the hooks kept inert too, and forget the routers found (the run is over: the
+        model's modules are not held)."""
         self.remove()
+        self._found = None
         for kept in self._inert:
             kept.remove()
         self._inert = []
@@ -206,7 +208,24 @@ class TransformerProbes:
             heads, parts = self._gather(sync, heads, attention, routed, routers)
         else:
             heads, parts = {name: values[:, :2] for name, values in heads.items()}, [routed]
-        return Signals(heads, found.get(id(logits)), found.get(id(kurtosis), {}), combine(parts))
+        return Signals(heads, found.get(id(logits)), found.get(id(kurtosis), {}), self._routers_of(parts))
+
+    def _routers_of(self, parts: list) -> dict:
+        """The routers' loads over every rank's ``parts`` (:func:`~layerwatch.probes.routers.combine`);
+        what it leaves out, said once by the rank that writes."""
+        combined: Combined = combine(parts)
+        if is_writer_rank():
+            if combined.uneven:
+                self.failures.say_once("moe-uneven", "layerwatch: the ranks count a different number of experts for "
+                                       + ", ".join(combined.uneven[:3]) + " (expert parallel, each rank's router over "
+                                       "its own experts?): their routers are left out")
+            if combined.missing:
+                self.failures.say_once("moe-missing", "layerwatch: not every rank measured the routers "
+                                       + ", ".join(combined.missing[:3]) + " (a rank's probe failed): left out")
+            if combined.repeated:
+                self.failures.say_once("moe-repeated", "layerwatch: ranks routed the same tokens (tensor parallel "
+                                       "ranks share a batch): their routers' tokens are counted once")
+        return combined.loads
 
     def _gather(self, sync: RankSync, heads: dict[str, Any], attention: Optional[AttentionProbe],
                 routed: Optional[dict], routers: Optional[RouterProbe]) -> tuple[dict[str, Any], list]:
@@ -220,10 +239,4 @@ class TransformerProbes:
         if left_out and is_writer_rank():
             self.failures.say_once("attention-ranks", "layerwatch: the attention of " + ", ".join(left_out[:3])
                                    + " is split over ranks that did not all measure it; left out")
-        routed_parts = [routed for _, routed in parts]
-        split = disagree(routed_parts)
-        if split and is_writer_rank():
-            self.failures.say_once("moe-expert-parallel", "layerwatch: the ranks count a different number of experts "
-                                   "for " + ", ".join(split[:3]) + " (expert parallel: each rank holds some experts); "
-                                   "their routers are logged as the first rank measured them")
-        return combined, routed_parts
+        return combined, [routed for _, routed in parts]
