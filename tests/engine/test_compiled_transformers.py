@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("lightning.pytorch")
 dynamo = pytest.importorskip("torch._dynamo")
-import layerwatch  # noqa: E402
+from models import tab_values  # noqa: E402
 from compiled_runs import MEASURED, SEQ, inspector_run, lightning_run, sampled_steps, trainer_run, training_gaps  # noqa: E402
 
 
@@ -72,5 +72,8 @@ def test_a_compiled_mixtral_gets_its_routers_from_the_re_run_and_compiles_as_wit
     acc = events(tmp_path)
     for tag in ("moe_imbalance/model.layers.0.mlp.gate", "moe_entropy/model.layers.1.mlp.gate"):
         assert [e.step for e in acc.Scalars(tag)] == [0, 1]
-    tokens = layerwatch.load(tmp_path).query("series == 'moe_tokens'")  # the tab's series, not cards
-    assert tokens.groupby("step").value.sum().to_dict() == {0: 2 * 2 * SEQ * 2, 1: 2 * 2 * SEQ * 2}  # layers x tokens x k
+    tab = tab_values(acc)  # the per-expert tokens are the tab's series, not cards
+    tokens = [values for tag, values in tab.items() if tag.startswith("moe_tokens/")]
+    assert len(tokens) == 2 * 4 and all(sorted(values) == [0, 1] for values in tokens)  # 2 routers of 4 experts
+    for step in (0, 1):  # the re-run's micro-batch: 2 x SEQ tokens, top-2, through each of 2 routers
+        assert sum(values[step] for values in tokens) == 2 * 2 * SEQ * 2
