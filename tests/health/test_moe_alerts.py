@@ -17,7 +17,8 @@ from torch import nn
 
 from layerwatch import AlertRules, Inspector
 from layerwatch.health.check import HealthMonitor
-from layerwatch.probes.result import ProbeResult, RouterLoad, concentration
+from layerwatch.probes.result import ProbeResult, RouterLoad
+from layerwatch.routing import concentration
 from models import tab_values
 
 VOCAB, SEQ, BATCH, EXPERTS = 64, 16, 8, 8
@@ -234,3 +235,26 @@ def test_a_masked_expert_is_dead_within_a_window(tmp_path):
     alerts = train(tmp_path, model, tell=steer(model.model.layers[0].mlp.gate, 3, -1e9, start=10))
     assert [(a.kind, a.name) for a in alerts] == [("dead_expert", f"{ROUTER}#3")]
     assert alerts[0].step == 10 + AlertRules().window - 1
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"])
+def test_healthy_moe_training_at_the_defaults_raises_no_alert_of_any_kind(family, tmp_path):
+    """Every family on (not the moe family alone), the loss given, as a user runs it: none of
+    the rules, the routers' or the others (vanishing, dead, exploding, ...), fires on a MoE model
+    learning."""
+    from hf_models import tiny_moe
+
+    model = tiny_moe(family, experts=EXPERTS, vocab=VOCAB)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Inspector(model, log_dir=tmp_path, every_n_steps=2, optimizer=opt) as inspector:
+            for _ in range(40):
+                ids = (torch.randint(0, VOCAB, (BATCH, 1), generator=generator) + torch.arange(SEQ)) % VOCAB
+                loss = model(input_ids=ids, labels=ids).loss
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                inspector.step(loss=loss.detach())
+    assert inspector.alerts == [] and float(loss) < math.log(VOCAB) - 1  # it learned, and nothing was said
