@@ -17,11 +17,6 @@ defaults). Reported, medians over rounds of the mean step time:
 Both workloads have 4 routers. Unsampled steps are not measured here: nothing of the family
 is on the model between samples (``tests/probes/test_routers.py`` checks that no hook is).
 
-``--healthy``: tiny configs of the six families the router rules are tested on (Mixtral, Qwen2-MoE,
-Qwen3-MoE, OLMoE, DeepSeek-V3, gpt-oss; 8 experts, top-2), each trained 40 AdamW steps on counting
-sequences (a learnable task) under the Inspector at its defaults (every family) sampled every 2
-steps, the loss given: the alerts each raised (none is the target) and its final loss.
-
 ``--compiled``: the tiny Mixtral compiled, in bfloat16, trained 4 steps with and without the
 Inspector at its defaults: the losses and the final weights bitwise, and Dynamo's graphs,
 recompiles and graph breaks, which must be the same (the routers are measured on the eager
@@ -146,39 +141,15 @@ def compiled_check() -> None:
           f"Dynamo with layerwatch {watched['dynamo']}, without {plain['dynamo']}")
 
 
-def healthy_check(steps: int = 40, every: int = 2) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from hf_models import MOE_FAMILIES, tiny_moe
-
-    vocab, batch, seq = 64, 8, 16
-    for family in MOE_FAMILIES:
-        model = tiny_moe(family, experts=8, vocab=vocab)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        generator = torch.Generator().manual_seed(1)
-        with tempfile.TemporaryDirectory() as log_dir, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with Inspector(model, log_dir=log_dir, every_n_steps=every, optimizer=opt) as inspector:
-                for _ in range(steps):
-                    ids = (torch.randint(0, vocab, (batch, 1), generator=generator) + torch.arange(seq)) % vocab
-                    loss = model(input_ids=ids, labels=ids).loss
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-                    inspector.step(loss=loss.detach())
-        alerts = [f"{alert.kind} {alert.name}" for alert in inspector.alerts]
-        print(f"{family}: {len(alerts)} alerts {alerts[:4]}, loss {float(loss):.3f} after {steps} steps")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per round and case")
     parser.add_argument("--compiled", action="store_true", help="the compiled bitwise check instead")
-    parser.add_argument("--healthy", action="store_true", help="the healthy families' alerts at the defaults instead")
     args = parser.parse_args()
-    if args.compiled or args.healthy:
-        compiled_check() if args.compiled else healthy_check()
+    if args.compiled:
+        compiled_check()
         return
     print(f"torch {torch.__version__}, CPU threads {torch.get_num_threads()}, rounds={args.rounds}, steps={args.steps}, "
           f"{LAYERS} routers, batch {BATCH}")
