@@ -108,10 +108,8 @@ MOE_MARGIN = "moe_margin"  # mean over tokens of the top-1 margin: the first rou
 MOE_ROUTER_Z = "moe_router_z"  # mean over tokens of logsumexp(router logits)
 MOE_ROUTER_Z_MAX = "moe_router_z_max"  # its largest
 MOE_DROPPED = "moe_dropped"  # tokens a capacity limit dropped (a router declared with a capacity factor)
-MOE_BIAS = "moe_bias"  # per expert: the aux-free balancing bias (DeepSeek's e_score_correction_bias)
+MOE_BIAS = "moe_bias"  # per expert: the aux-free balancing bias (DeepSeek's e_score_correction_bias, torchtitan's expert_bias)
 MOE_EXPERT_SERIES = (MOE_TOKENS, MOE_BIAS)
-MOE_SERIES = (MOE_TOKENS, MOE_IMBALANCE, MOE_DEAD, MOE_ENTROPY, MOE_MARGIN, MOE_ROUTER_Z, MOE_ROUTER_Z_MAX, MOE_DROPPED,
-              MOE_BIAS)
 
 # Per module output (the "activations" family): max|h| / RMS(h), outlier features' mark.
 ACTIVATION_OUTLIER = "activations_outlier"

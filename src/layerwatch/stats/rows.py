@@ -22,8 +22,8 @@ HostRows = dict[str, list[tuple[list[str], np.ndarray]]]  # family -> its pieces
 WEIGHT_ROWS, GRAD_ROWS = "weights", "grads"
 UPDATE_ROWS, ESTIMATED_UPDATE_ROWS = "update", "update_estimate"
 ADAM_ROWS, ADAM_SPIKE_ROWS = "adam", "adam_spikes"
-# The rows of fused expert parameters' slices <param>[e] (measure/experts.py): stats rows without histograms, and
-# two rows of an exact update snapshot.
+# The rows of fused expert parameters' slices <param>[e] (measure/experts.py): one row of columns, their norms (weights,
+# gradients); two rows of columns, [‖Δw‖, ‖w‖], of an exact update snapshot.
 EXPERT_WEIGHT_ROWS, EXPERT_GRAD_ROWS, EXPERT_UPDATE_ROWS = "expert_weights", "expert_grads", "expert_update"
 
 COUNT = 0  # finite values
